@@ -1,0 +1,128 @@
+"""Host <-> guest harness wire protocol. Shared by the harness (inside the VM) and the manager.
+
+Stdlib only: this file is copied into the guest image next to the harness.
+
+Framing: one message per line, UTF-8 JSON, terminated by ``\\n``. Binary payloads travel
+base64-encoded in the ``data`` field. Line framing is chosen on purpose: the channel is a
+virtio-serial byte stream that is cut and re-joined across snapshot/restore, so a reader
+must be able to resynchronise; it just drops any line that does not parse. Each side
+writes a bare ``\\n`` when it (re)connects so a half-written line is terminated.
+
+Multiplexing: every request carries an ``id`` chosen by the host (positive int, unique per
+connection); every reply and stream chunk echoes it. ``id`` 0 is reserved for unsolicited
+guest messages (heartbeats).
+
+Host -> guest kinds (``k``):
+  identify  {incarnation:int, token:str, vm_id:str, now_ns:int, seed:hex, env:{}}
+            Takes a new identity (after boot, restore, fork): sets the wall clock, reseeds
+            the RNG, replaces the exec token. Replies ``ok`` then sends a heartbeat at once.
+  exec      {tok, argv:[executable, args...], env:{}, cwd:str|None, timeout:float|None,
+            user:str|None}  -> ``out`` chunks, then ``exit`` or ``err``.
+  cancel    {target:int}  kill the exec whose request id is ``target``.
+  ls        {tok, path}            -> ok {path, entries:[{name,type,size}], truncated}
+  read      {tok, path, limit:int} -> ok {path, size, truncated} + data
+  write     {tok, path} + data     -> ok {path, bytesWritten}
+  ping      {}                     -> ok {}
+
+Guest -> host kinds:
+  hb        id 0: {vm_id, incarnation, active:bool, last_activity_ms:int, boot_id, uptime_s}
+  out       {fd: 1|2} + data
+  exit      {code:int}
+  ok        {result:{...}} (+ data for ``read``)
+  err       {code: one of ERR_*, msg:str}
+
+Requests other than identify/ping/cancel must carry ``tok`` equal to the current
+incarnation's token; otherwise the harness answers ``err`` with ERR_AUTH. A restored VM
+therefore refuses anything presenting a token frozen into its snapshot.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+PROTOCOL_VERSION = 1
+PORT_NAME = "agent"  # virtserialport name; the guest finds /dev/vportNpM by it
+CONFIG_MAGIC = b"PALCFG1\n"  # config drive: magic, then JSON spawn config, then NUL padding
+WORKSPACE = "/workspace"
+WORKLOAD_USER = "pal"
+MAX_FILE_BYTES = 1024 * 1024  # files API limit (1 MiB)
+MAX_LINE_BYTES = 8 * 1024 * 1024  # a peer sending longer lines is broken; drop them
+
+# Message kinds.
+K_IDENTIFY = "identify"
+K_EXEC = "exec"
+K_CANCEL = "cancel"
+K_LS = "ls"
+K_READ = "read"
+K_WRITE = "write"
+K_PING = "ping"
+K_HEARTBEAT = "hb"
+K_OUT = "out"
+K_EXIT = "exit"
+K_OK = "ok"
+K_ERR = "err"
+
+# Error codes carried in ``err`` replies; the host maps them to HTTP statuses.
+ERR_AUTH = "EAUTH"  # wrong or stale token
+ERR_NOENT = "ENOENT"  # no such file, or executable not found
+ERR_ESCAPE = "EESCAPE"  # path leaves /workspace (absolute, .., symlink)
+ERR_TOOBIG = "ETOOBIG"  # write above MAX_FILE_BYTES
+ERR_ISDIR = "EISDIR"
+ERR_NOTDIR = "ENOTDIR"
+ERR_INVAL = "EINVAL"  # malformed request
+ERR_PERM = "EPERM"  # not executable / permission denied
+ERR_TIMEOUT = "ETIMEDOUT"  # exec exceeded timeout (process killed)
+ERR_IO = "EIO"  # anything else
+
+Message = dict[str, Any]
+
+
+def encode(msg: Message, data: bytes | None = None) -> bytes:
+    """One wire line for ``msg`` (with ``data`` base64-encoded into it when given)."""
+    if data is not None:
+        msg = dict(msg)
+        msg["data"] = base64.b64encode(data).decode("ascii")
+    return json.dumps(msg, separators=(",", ":")).encode("utf-8") + b"\n"
+
+
+def decode(line: bytes) -> Message | None:
+    """Parse one line; ``None`` for noise (blank, partial or corrupt lines are skipped)."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        msg = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(msg, dict) or "k" not in msg:
+        return None
+    return msg
+
+
+def payload(msg: Message) -> bytes:
+    """The binary payload of ``msg`` (empty when it has none)."""
+    raw = msg.get("data")
+    if not raw:
+        return b""
+    return base64.b64decode(raw)
+
+
+def encode_config(config: Message, size: int = 64 * 1024) -> bytes:
+    """Contents of the read-only config drive holding ``spawn.json``."""
+    body = CONFIG_MAGIC + json.dumps(config).encode("utf-8") + b"\n"
+    if len(body) > size:
+        raise ValueError("spawn config too large for the config drive")
+    return body + b"\0" * (size - len(body))
+
+
+def decode_config(raw: bytes) -> Message | None:
+    if not raw.startswith(CONFIG_MAGIC):
+        return None
+    body = raw[len(CONFIG_MAGIC) :].split(b"\n", 1)[0]
+    try:
+        cfg = json.loads(body)
+    except ValueError:
+        return None
+    return cfg if isinstance(cfg, dict) else None
