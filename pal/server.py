@@ -45,18 +45,34 @@ class Node:
     def __init__(self, settings: Settings) -> None:
         from pal.images.templates import TemplateCache
         from pal.manager.runtime import NodeRuntime
-        from pal.snapshots.store import make_store
+        from pal.snapshots.s3 import S3Mirror
+        from pal.snapshots.store import SnapshotStore
         from pal.vmm.accel import probe
 
         self.settings = settings
         self.accel = probe(settings)
         log.info("accelerator: %s (%s)", self.accel.name, self.accel.reason)
-        self.store = make_store(settings)
+        mirror = (
+            S3Mirror(
+                settings.s3_endpoint,
+                settings.s3_bucket or "",
+                settings.s3_region,
+                logging.getLogger("pal.s3"),
+            )
+            if settings.s3_enabled
+            else None
+        )
+        if mirror is not None:
+            log.info("snapshot mirror: S3 %s bucket %s", settings.s3_endpoint, settings.s3_bucket)
+        self.store = SnapshotStore(settings.snapshots_root, mirror)
+        self.store.cleanup_staging()
         self.runtime = NodeRuntime(settings, self.store, self.accel)
         killed = self.runtime.kill_leftovers()
         if killed:
             log.warning("killed %d QEMU processes left by a previous run: %s", len(killed), killed)
-        self.runtime.templates = TemplateCache(settings.data_dir / "templates") if settings.templates else None
+        self.runtime.templates = (
+            TemplateCache(settings.data_dir / "templates") if settings.templates else None
+        )
 
     def rpc_server(self) -> _Server:
         from pal.manager.rpc import create_rpc_app
@@ -97,7 +113,9 @@ def ensure_image(settings: Settings, name: str = "default") -> None:
         load_image(settings, name)
     except Exception:
         log.info("image %r missing: building it (first run only)", name)
-        build_image(settings, name, progress=lambda step, frac: log.info("image: %s %.0f%%", step, frac * 100))
+        build_image(
+            settings, name, progress=lambda step, frac: log.info("image: %s %.0f%%", step, frac * 100)
+        )
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -137,7 +155,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     api_task = asyncio.create_task(api.serve(), name="api")
-    log.info("Pal is up on http://%s:%d (data dir %s, accel %s)", host, port, settings.data_dir, node.accel.name)
+    log.info(
+        "Pal is up on http://%s:%d (data dir %s, accel %s)", host, port, settings.data_dir, node.accel.name
+    )
     try:
         done, _ = await asyncio.wait(
             {api_task, rpc_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
@@ -152,6 +172,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
             await scheduler.shutdown_vms()
         await scheduler.close()
         await node.runtime.stop_all()
+        await asyncio.to_thread(node.store.close)
         rpc.should_exit = True
         await asyncio.gather(api_task, rpc_task, return_exceptions=True)
         await client.aclose()

@@ -52,7 +52,9 @@ class TemplateCache:
             self._building[key] = task
         return task
 
-    async def build(self, runtime: NodeRuntime, image: ImagePaths, memory_mib: int, vcpus: int) -> Path | None:
+    async def build(
+        self, runtime: NodeRuntime, image: ImagePaths, memory_mib: int, vcpus: int
+    ) -> Path | None:
         """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template."""
         from pal.manager.models import SpawnRequest  # manager imports images, not vice versa
 

@@ -123,7 +123,9 @@ class HarnessChannel:
             try:
                 reply = await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
-                raise GuestTimeout(f"VM {self.vm_id}: guest did not answer {msg['k']} in {timeout:g}s") from None
+                raise GuestTimeout(
+                    f"VM {self.vm_id}: guest did not answer {msg['k']} in {timeout:g}s"
+                ) from None
             if reply is _CLOSED:
                 raise ChannelClosed(f"VM {self.vm_id}: guest channel closed during {msg['k']}")
             if reply["k"] == p.K_ERR:

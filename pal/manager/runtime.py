@@ -123,14 +123,13 @@ class NodeRuntime:
         return VmSpec(
             vm_id=req.vm_id,
             vm_dir=vm_dir,
-            kernel=image.vmlinux,
-            initrd=image.initrd,
+            image=image,
+            vcpus=req.vcpus,
+            memory_mib=req.memory_mib,
             disk_path=disk,
             disk_format=fmt,
             config_drive=vm_dir / "config.img",
-            vcpus=req.vcpus,
-            memory_mib=req.memory_mib,
-            accel=self.accel,
+            accel=self.accel.name,
         )
 
     # ------------------------------------------------------------------ spawn
@@ -200,7 +199,7 @@ class NodeRuntime:
             log.info("VM %s up by %s in %.0f ms (pid %s)", req.vm_id, method, boot_ms, qemu.pid)
             return SpawnResult(
                 vm_id=req.vm_id,
-                pid=qemu.pid,
+                pid=qemu.pid or 0,
                 incarnation=req.incarnation,
                 boot_ms=boot_ms,
                 method=method,  # type: ignore[arg-type]
@@ -211,7 +210,7 @@ class NodeRuntime:
             if channel is not None:
                 await channel.close()
             if qemu is not None:
-                tail = qemu.log_tail() if hasattr(qemu, "log_tail") else ""
+                tail = qemu.log_tail()
                 await qemu.kill()
                 if isinstance(exc, PalError) and tail and not isinstance(exc, NotFound):
                     log.warning("VM %s failed to start: %s\n%s", req.vm_id, exc, tail)
@@ -254,11 +253,8 @@ class NodeRuntime:
             log.warning("snapshot at %s has no rootfs; restoring onto the base image", src.parent)
             src = image.rootfs
         dst = vm_dir / "disk"
-        method = await asyncio.to_thread(disks.clone, src, dst)
-        fmt = "qcow2" if method == "qcow2" else "raw"
-        if fmt == "raw" and dst.stat().st_size < disk_mib * 1024 * 1024:
-            os.truncate(dst, disk_mib * 1024 * 1024)
-        return dst, fmt
+        method = await asyncio.to_thread(disks.clone, src, dst, disk_mib * 1024 * 1024)
+        return dst, disks.disk_format_for(method)
 
     def _write_state(self, lv: LiveVm) -> None:
         """Enough to re-adopt or clean up this VM after a manager crash."""
@@ -338,13 +334,12 @@ class NodeRuntime:
                 "vcpus": lv.vcpus,
                 "diskMib": lv.disk_mib,
                 "memoryKind": art.memory_kind,
-                "qemuVersion": lv.qemu.qemu_version,
+                "qemuVersion": art.meta.get("qemuVersion"),
                 "kernelVersion": lv.image.meta.get("kernelVersion"),
                 "accel": self.accel.name,
             }
-            protected = set(req.protected) | self._mapped_snapshots()
             try:
-                path = await asyncio.to_thread(self.store.commit, staging, ref, meta, protected)
+                path = await asyncio.to_thread(self.store.commit, staging, ref, meta)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 if not req.keep_running and not lv.qemu.exited.is_set():
@@ -355,6 +350,12 @@ class NodeRuntime:
             if not req.keep_running:
                 await self.stop(vm_id)
             t_end = time.perf_counter()
+            # Retention after every write; the snapshot just made is always kept.
+            keep = set(req.protected) | self._mapped_snapshots() | {req.snapshot_id}
+            try:
+                await asyncio.to_thread(self.store.apply_retention, req.agent_version_id, vm_id, keep)
+            except Exception:
+                log.exception("retention after snapshot %s failed; it runs again next time", req.snapshot_id)
             durations = dict(art.durations_ms)
             durations.update(
                 capture=(t_capture - t0) * 1000,
@@ -362,7 +363,12 @@ class NodeRuntime:
                 stop=(t_end - t_commit) * 1000,
                 total=(t_end - t0) * 1000,
             )
-            log.info("snapshot %s of %s: %s", req.snapshot_id, vm_id, {k: round(v, 1) for k, v in durations.items()})
+            log.info(
+                "snapshot %s of %s: %s",
+                req.snapshot_id,
+                vm_id,
+                {k: round(v, 1) for k, v in durations.items()},
+            )
             return SnapshotResult(
                 snapshot_id=req.snapshot_id,
                 path=str(path),
@@ -431,7 +437,9 @@ class NodeRuntime:
             elif kind == p.K_ERR:
                 yield ExecEvent(type="error", code=reply.get("code", p.ERR_IO), message=reply.get("msg", ""))
 
-    async def _file_request(self, vm_id: str, msg: p.Message, data: bytes | None = None) -> tuple[p.Message, bytes]:
+    async def _file_request(
+        self, vm_id: str, msg: p.Message, data: bytes | None = None
+    ) -> tuple[p.Message, bytes]:
         lv = self._live(vm_id)
         lv.last_activity_ms = int(time.time() * 1000)
         try:
@@ -444,7 +452,9 @@ class NodeRuntime:
         return FileList.model_validate(reply["result"])
 
     async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
-        reply, data = await self._file_request(vm_id, {"k": p.K_READ, "path": path, "limit": p.MAX_FILE_BYTES})
+        reply, data = await self._file_request(
+            vm_id, {"k": p.K_READ, "path": path, "limit": p.MAX_FILE_BYTES}
+        )
         return data, bool(reply["result"].get("truncated"))
 
     async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten:

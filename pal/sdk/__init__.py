@@ -1,0 +1,36 @@
+"""Pal SDK: talk to a Pal server over HTTP. Imports nothing from `pal` outside `pal.sdk`,
+so it works when installed on its own (it needs only httpx)."""
+
+from .async_client import AsyncClient
+from .client import Client
+from .errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    NotFoundError,
+    PalApiError,
+    PalConnectionError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    QuotaExceededError,
+    ServerError,
+)
+from .models import ExecEvent, ExecResult, FileText
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "Client",
+    "ConflictError",
+    "ExecEvent",
+    "ExecResult",
+    "FileText",
+    "NotFoundError",
+    "PalApiError",
+    "PalConnectionError",
+    "PayloadTooLargeError",
+    "PermissionDeniedError",
+    "QuotaExceededError",
+    "ServerError",
+]

@@ -1,0 +1,48 @@
+"""Tenant authentication: `Authorization: Bearer <apiKey>` on every /v1 route.
+
+The store keeps only a hash of each key; `tenant_by_api_key` does the lookup. The tenant id
+it yields is what every scheduler call is scoped by, so other tenants' VMs are 404.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from pal.errors import Unauthorized
+
+# auto_error=False: we raise our own 401 (FastAPI's default is a 403 with another body).
+bearer = HTTPBearer(auto_error=False, description="tenant API key from `pal tenants create`")
+
+
+async def tenant_for_key(store: Any, api_key: str) -> Any | None:
+    """The tenant owning ``api_key``; works with a sync or an async store.
+
+    A sync (SQLite) lookup runs in a worker thread: it may wait on another writer's lock
+    and must not stall the event loop that streams exec output meanwhile.
+    """
+    lookup = store.tenant_by_api_key
+    if inspect.iscoroutinefunction(lookup):
+        return await lookup(api_key)
+    return await run_in_threadpool(lookup, api_key)
+
+
+def make_tenant_dependency(store: Any) -> Any:
+    from fastapi import Depends
+
+    async def require_tenant(
+        request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> str:
+        if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <apiKey>'")
+        tenant = await tenant_for_key(store, creds.credentials)
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        request.state.tenant = tenant
+        return str(tenant.id)
+
+    return require_tenant

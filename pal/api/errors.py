@@ -1,0 +1,90 @@
+"""Every failure becomes `{"error": {"code", "message"}}` with the right status.
+
+FastAPI's defaults (422 for validation, `{"detail": ...}` bodies, HTML-less 404s) are
+replaced here so clients only ever parse one error shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pal.errors import PalError
+from pal.scheduler.states import IllegalTransition
+
+log = logging.getLogger("pal.api")
+
+_HTTP_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    406: "NOT_ACCEPTABLE",
+    413: "PAYLOAD_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+}
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def validation_message(errors: list[Any]) -> str:
+    """`limits.memoryMib: Input should be greater than or equal to 128`, one per problem.
+
+    The location's first element (`body`, `query`...) is dropped for the body, so the
+    field reads as the client wrote it.
+    """
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ())]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            parts.append(f"invalid JSON body: {ctx.get('error', err.get('msg', ''))}")
+            continue
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        elif loc and loc[0] in ("query", "path", "header"):
+            loc = loc[1:]
+        field = ".".join(loc)
+        msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{field}: {msg}" if field else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(PalError)
+    async def _pal(_: Request, exc: PalError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("request failed: %s %s", exc.code, exc.message)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.code, exc.message, headers)
+
+    @app.exception_handler(IllegalTransition)
+    async def _illegal(_: Request, exc: IllegalTransition) -> JSONResponse:
+        return error_response(409, "FAILED_PRECONDITION", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, "INVALID_ARGUMENT", validation_message(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "ERROR")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return error_response(exc.status_code, code, message, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, "INTERNAL", f"internal error: {type(exc).__name__}")

@@ -1,0 +1,136 @@
+"""The initramfs: static busybox, the virtio modules, mount /dev/vda, switch_root into it.
+
+The cloud kernel has ext4 built in but virtio as modules, so this tiny stage exists only to
+load them; it is kept small because every byte is decompressed on each cold boot.
+"""
+
+from __future__ import annotations
+
+import gzip
+import lzma
+import shutil
+import subprocess
+from pathlib import Path
+
+BUSYBOX = Path("/bin/busybox")
+# Load order matters: each module's dependencies are resolved with modinfo and go first.
+WANTED_MODULES = (
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_console",
+    "virtio_blk",
+    "virtio_rng",
+)
+OPTIONAL_MODULES = frozenset({"virtio_pci", "virtio_rng"})
+
+INIT_TEMPLATE = """#!/bin/busybox sh
+# Pal initramfs: load virtio, mount the root disk, hand PID 1 to /usr/lib/pal/init.
+B=/bin/busybox
+$B mount -t devtmpfs devtmpfs /dev
+$B mount -t proc proc /proc
+die() {{
+    echo "<2>pal-initramfs: $*" > /dev/kmsg
+    $B poweroff -f
+}}
+for m in {modules}; do
+    $B insmod /lib/modules/$m.ko || echo "<3>pal-initramfs: insmod $m failed" > /dev/kmsg
+done
+i=0
+while [ ! -b /dev/vda ]; do
+    i=$((i + 1))
+    [ $i -gt 1000 ] && die "root disk /dev/vda did not appear"
+    $B usleep 5000
+done
+$B mkdir -p /newroot
+$B mount -t ext4 -o rw,noatime /dev/vda /newroot || die "cannot mount /dev/vda as ext4"
+[ -x /newroot/usr/lib/pal/init ] || die "/usr/lib/pal/init missing on the root disk"
+$B mount --move /dev /newroot/dev || die "cannot move /dev"
+$B umount /proc
+exec $B switch_root /newroot /usr/lib/pal/init
+"""
+
+
+def _module_index(modules_dir: Path) -> dict[str, Path]:
+    index: dict[str, Path] = {}
+    for path in modules_dir.rglob("*.ko*"):
+        name = path.name.split(".ko", 1)[0].replace("-", "_")
+        index[name] = path
+    return index
+
+
+def _depends(path: Path) -> list[str]:
+    out = subprocess.run(
+        ["modinfo", "-F", "depends", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return [d.replace("-", "_") for d in out.split(",") if d]
+
+
+def module_load_order(modules_dir: Path) -> list[tuple[str, Path]]:
+    """Wanted modules plus their dependencies, dependencies first."""
+    index = _module_index(modules_dir)
+    order: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        path = index[name]
+        for dep in _depends(path):
+            if dep not in index:
+                raise RuntimeError(f"module {name} needs {dep}, which the kernel package lacks")
+            visit(dep)
+        order.append((name, path))
+
+    for name in WANTED_MODULES:
+        if name not in index:
+            if name in OPTIONAL_MODULES:
+                continue
+            raise RuntimeError(f"kernel module {name} not found in {modules_dir}")
+        visit(name)
+    return order
+
+
+def _copy_module(src: Path, dst: Path) -> None:
+    # busybox insmod cannot read compressed modules: decompress at build time.
+    if src.name.endswith(".ko.xz"):
+        dst.write_bytes(lzma.decompress(src.read_bytes()))
+    elif src.name.endswith(".ko.zst"):
+        with dst.open("wb") as f:
+            subprocess.run(["zstd", "-dc", str(src)], stdout=f, check=True)
+    elif src.name.endswith(".ko.gz"):
+        dst.write_bytes(gzip.decompress(src.read_bytes()))
+    else:
+        shutil.copyfile(src, dst)
+
+
+def build_initramfs(modules_dir: Path, work: Path, out: Path, busybox: Path = BUSYBOX) -> list[str]:
+    """Write a gzip'd newc cpio to ``out``; returns the module names it loads, in order."""
+    if not busybox.is_file():
+        raise RuntimeError(f"{busybox} missing: install busybox-static")
+    root = work / "initramfs"
+    shutil.rmtree(root, ignore_errors=True)
+    for d in ("bin", "dev", "proc", "newroot", "lib/modules"):
+        (root / d).mkdir(parents=True)
+    shutil.copyfile(busybox, root / "bin/busybox")
+    (root / "bin/busybox").chmod(0o755)
+    (root / "bin/sh").symlink_to("busybox")
+    order = module_load_order(modules_dir)
+    for name, path in order:
+        _copy_module(path, root / "lib/modules" / f"{name}.ko")
+    init = root / "init"
+    init.write_text(INIT_TEMPLATE.format(modules=" ".join(n for n, _ in order)))
+    init.chmod(0o755)
+    # Sorted, fixed-owner archive so identical inputs give an identical initrd.
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    cpio = subprocess.run(
+        ["cpio", "-o", "-H", "newc", "--quiet", "--owner=0:0", "--reproducible"],
+        input=("\n".join(files) + "\n").encode(),
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout
+    out.write_bytes(gzip.compress(cpio, compresslevel=6, mtime=0))
+    return [n for n, _ in order]

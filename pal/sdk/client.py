@@ -1,0 +1,152 @@
+"""Synchronous client: `Client().runtime.schedule()/exec()/pause()/...`."""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from . import _wire
+from .models import ExecEvent, ExecResult, FileText
+
+
+class Client:
+    """Talks to a Pal server. Defaults: ``PAL_URL`` (else http://127.0.0.1:8080) and
+    ``PAL_API_KEY``. ``http_client`` replaces the underlying httpx.Client (tests)."""
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = _wire.DEFAULT_TIMEOUT,
+        *,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        self.base_url, self.api_key = _wire.resolve(base_url, api_key)
+        self.timeout = timeout
+        self._http = http_client or httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._http.headers.update(_wire.headers(self.api_key))
+        self.runtime = Runtime(self)
+
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise _wire.connection_error(exc, self.base_url) from exc
+        return _wire.check(resp)
+
+    def health(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/healthz").json())
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class Runtime:
+    """The /v1/runtime calls. VM-shaped answers are the server's camelCase JSON dicts."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
+
+    def schedule(self, **spec: Any) -> dict[str, Any]:
+        """``spec`` is an AgentSpec in camelCase or snake_case keys (image, limits, secrets,
+        idleTimeoutSecs, boot...)."""
+        return dict(self._json("POST", "/schedule", json=spec))
+
+    def get(self, vm_id: str) -> dict[str, Any]:
+        return dict(self._json("GET", f"/vms/{vm_id}"))
+
+    def list(self) -> builtins.list[dict[str, Any]]:
+        return list(self._json("GET", "/vms")["vms"])
+
+    def delete(self, vm_id: str) -> dict[str, Any]:
+        return dict(self._json("DELETE", f"/vms/{vm_id}"))
+
+    def pause(self, vm_id: str) -> dict[str, Any]:
+        return dict(self._json("POST", f"/vms/{vm_id}/pause"))
+
+    def resume(self, vm_id: str) -> dict[str, Any]:
+        return dict(self._json("POST", f"/vms/{vm_id}/resume"))
+
+    def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
+        return dict(self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))
+
+    def exec(
+        self,
+        vm_id: str,
+        command: str,
+        argv: builtins.list[str] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_secs: float | None = None,
+        user: str | None = None,
+    ) -> ExecResult:
+        body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
+        timeout = _wire.exec_timeout(self._c.timeout)
+        out = self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout)
+        return ExecResult(out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")))
+
+    def exec_stream(
+        self,
+        vm_id: str,
+        command: str,
+        argv: builtins.list[str] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_secs: float | None = None,
+        user: str | None = None,
+    ) -> Iterator[ExecEvent]:
+        """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
+        body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
+        http = self._c._http
+        try:
+            with http.stream(
+                "POST",
+                f"/v1/runtime/vms/{vm_id}/exec",
+                json=body,
+                headers={"Accept": "text/event-stream"},
+                timeout=_wire.exec_timeout(self._c.timeout),
+            ) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _wire.check(resp)
+                parser = _wire.SseParser()
+                for line in resp.iter_lines():
+                    yield from parser.feed([line])
+        except httpx.TransportError as exc:
+            raise _wire.connection_error(exc, self._c.base_url) from exc
+
+    def list_files(self, vm_id: str, path: str = "") -> dict[str, Any]:
+        return dict(self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))
+
+    def read_file(self, vm_id: str, path: str) -> FileText:
+        resp = self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        return _wire.file_text(resp)
+
+    def write_file(self, vm_id: str, path: str, content: str | bytes) -> dict[str, Any]:
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        return dict(
+            self._json(
+                "PUT",
+                f"/vms/{vm_id}/files/content",
+                params={"path": path},
+                content=data,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        )
+
+    def events(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+        return list(self._json("GET", f"/vms/{vm_id}/events")["events"])

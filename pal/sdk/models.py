@@ -1,0 +1,38 @@
+"""Result types of the SDK. VM, fork, file-list and event answers are returned as the
+server's JSON (camelCase dicts, documented by /openapi.json); exec and file reads get
+small typed wrappers because callers branch on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+
+@dataclass(frozen=True)
+class ExecEvent:
+    """One streamed exec event: `stdout`/`stderr` (data), `exit` (exit_code) or `error`."""
+
+    type: str
+    data: str | None = None
+    exit_code: int | None = None
+    code: str | None = None
+    message: str | None = None
+    timed_out: bool = False
+
+
+class FileText(str):
+    """File content as text; ``truncated`` is True when the server cut it at 1 MiB."""
+
+    truncated: bool
+
+    def __new__(cls, text: str, truncated: bool = False) -> FileText:
+        obj = super().__new__(cls, text)
+        obj.truncated = truncated
+        return obj

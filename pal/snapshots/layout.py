@@ -1,0 +1,100 @@
+"""Where a snapshot lives: its reference, id validation, local paths and S3 keys.
+
+Layout (both tiers, see docs/internals.md "Data dir layout"):
+    local  <root>/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,meta.json}
+    S3     snapshots/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,meta.json}
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pal.errors import InvalidRequest
+
+# Artifacts of a snapshot. ``snapshot`` (device state) is always there; ``mem`` is absent
+# when the RAM was streamed into ``snapshot`` (a fork child's private RAM); ``rootfs`` is
+# absent in a legacy snapshot taken before disks were captured.
+SNAPSHOT_ARTIFACT = "snapshot"
+MEM_ARTIFACT = "mem"
+ROOTFS_ARTIFACT = "rootfs"
+# What the VMM needs to rebuild the same machine on restore (memory kind, RAM size, devices).
+VMM_ARTIFACT = "vmm.json"
+ARTIFACTS: tuple[str, ...] = (SNAPSHOT_ARTIFACT, MEM_ARTIFACT, ROOTFS_ARTIFACT, VMM_ARTIFACT)
+REQUIRED_ARTIFACTS: frozenset[str] = frozenset({SNAPSHOT_ARTIFACT})
+META_FILE = "meta.json"
+
+S3_PREFIX = "snapshots"
+# Dot-dirs under the local root are bookkeeping, never snapshots; ids may not start with
+# a dot so an agent version can never collide with them.
+STAGING_DIRNAME = ".staging"
+S3_QUEUE_DIRNAME = ".s3-queue"
+
+# One path component: letters, digits, '.', '_', '-'; no leading dot (so no '.', '..'
+# and no clash with the dot-dirs), no '/', no NUL, bounded length.
+_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_id(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe single path component, else raise InvalidRequest."""
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise InvalidRequest(f"invalid {what} {value!r}: use 1-128 of [A-Za-z0-9._-], not starting with '.'")
+    return value
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """Names one snapshot. ``tenant_id`` is who asks for it: when set, a snapshot whose
+    meta names another tenant is reported as NotFound (spec: another tenant's snapshot is
+    NOT_FOUND). ``None`` skips the ownership check (retention, node-internal cleanup)."""
+
+    agent_version_id: str
+    vm_id: str
+    snapshot_id: str
+    tenant_id: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_id(self.agent_version_id, "agent_version_id")
+        validate_id(self.vm_id, "vm_id")
+        validate_id(self.snapshot_id, "snapshot_id")
+        if self.tenant_id is not None and (not isinstance(self.tenant_id, str) or not self.tenant_id):
+            raise InvalidRequest("tenant_id must be a non-empty string or None")
+
+    def local_dir(self, root: Path) -> Path:
+        return root / self.agent_version_id / self.vm_id / self.snapshot_id
+
+    @property
+    def s3_prefix(self) -> str:
+        """Key prefix with a trailing slash, so listing it never matches a sibling id."""
+        return f"{S3_PREFIX}/{self.agent_version_id}/{self.vm_id}/{self.snapshot_id}/"
+
+    def s3_key(self, artifact: str) -> str:
+        return self.s3_prefix + artifact
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "agentVersionId": self.agent_version_id,
+            "vmId": self.vm_id,
+            "snapshotId": self.snapshot_id,
+            "tenantId": self.tenant_id,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, str | None]) -> SnapshotRef:
+        return cls(
+            agent_version_id=str(data["agentVersionId"]),
+            vm_id=str(data["vmId"]),
+            snapshot_id=str(data["snapshotId"]),
+            tenant_id=data.get("tenantId"),
+        )
+
+
+def vm_dir(root: Path, agent_version_id: str, vm_id: str) -> Path:
+    return root / validate_id(agent_version_id, "agent_version_id") / validate_id(vm_id, "vm_id")
+
+
+def vm_s3_prefix(agent_version_id: str, vm_id: str) -> str:
+    validate_id(agent_version_id, "agent_version_id")
+    validate_id(vm_id, "vm_id")
+    return f"{S3_PREFIX}/{agent_version_id}/{vm_id}/"

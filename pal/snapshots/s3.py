@@ -1,0 +1,289 @@
+"""The S3 tier: a mirror of the local snapshot dir under ``snapshots/`` in one bucket.
+
+Writes (uploads, deletes, retention) go through a persistent background queue
+(:class:`JobQueue`), so a commit never waits for S3 and an unreachable server only delays
+the mirror. An S3 snapshot counts as present only once its ``meta.json`` exists, so
+uploads write it last and deletes remove it first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from pal.errors import BackendError
+from pal.snapshots import retention
+from pal.snapshots.jobqueue import DropJob, JobQueue
+from pal.snapshots.layout import META_FILE, SnapshotRef, vm_s3_prefix
+from pal.snapshots.local import LocalTier
+
+_CHUNK = 1 << 20
+_ZERO_CHUNK = bytes(_CHUNK)
+_MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+
+
+def _is_missing(exc: ClientError) -> bool:
+    return str(exc.response.get("Error", {}).get("Code")) in _MISSING_CODES
+
+
+class S3Mirror:
+    def __init__(
+        self,
+        endpoint: str | None,
+        bucket: str,
+        region: str = "us-east-1",
+        log: logging.Logger | None = None,
+        *,
+        retry_base_s: float = 1.0,
+        retry_max_s: float = 60.0,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.region = region
+        self.log = log or logging.getLogger("pal.snapshots.s3")
+        self._clock = clock
+        self._retry_base_s = retry_base_s
+        self._retry_max_s = retry_max_s
+        # Path-style addressing: S3-compatible servers (MinIO, moto, Ceph) rarely have
+        # wildcard DNS for virtual-host buckets. Credentials come from the default chain
+        # (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). One botocore retry only: our queue
+        # does the patient retrying, a blocked worker would delay every other job.
+        self._client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=region,
+            config=Config(
+                s3={"addressing_style": "path"},
+                connect_timeout=connect_timeout_s,
+                read_timeout=read_timeout_s,
+                retries={"total_max_attempts": 2, "mode": "standard"},
+            ),
+        )
+        self._transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20)
+        self._bucket_ready = False
+        self._queue: JobQueue | None = None
+        self._local: LocalTier | None = None
+
+    # -- background queue -------------------------------------------------------------
+
+    def start(self, queue_dir: Path, local: LocalTier) -> None:
+        """Start the background worker; jobs pending in ``queue_dir`` are retried."""
+        self._local = local
+        self._queue = JobQueue(
+            queue_dir,
+            self._run_job,
+            self.log,
+            retry_base_s=self._retry_base_s,
+            retry_max_s=self._retry_max_s,
+            name="pal-s3-mirror",
+        )
+        self._queue.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._queue is not None:
+            self._queue.stop(timeout)
+
+    def flush(self, timeout: float) -> bool:
+        """Retry pending jobs now and wait for the queue to drain. False on timeout."""
+        return self._queue.flush(timeout) if self._queue is not None else True
+
+    def pending(self) -> int:
+        return self._queue.pending() if self._queue is not None else 0
+
+    def schedule_upload(self, ref: SnapshotRef) -> None:
+        self._submit({"op": "upload", "ref": ref.to_json()})
+
+    def schedule_delete(self, ref: SnapshotRef) -> None:
+        self._submit({"op": "delete", "ref": ref.to_json()})
+
+    def schedule_retention(self, agent_version_id: str, vm_id: str, protected: set[str]) -> None:
+        self._submit(
+            {
+                "op": "retention",
+                "agentVersionId": agent_version_id,
+                "vmId": vm_id,
+                "protected": sorted(protected),
+            }
+        )
+
+    def _submit(self, job: dict[str, Any]) -> None:
+        if self._queue is None:
+            raise RuntimeError("S3Mirror.start() was not called")
+        self._queue.submit(job)
+
+    def _run_job(self, job: dict[str, Any]) -> None:
+        try:
+            self._dispatch(job)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                self._bucket_ready = False  # bucket removed (or a fresh server): recreate
+            raise
+
+    def _dispatch(self, job: dict[str, Any]) -> None:
+        op = job.get("op")
+        if op == "upload":
+            ref = SnapshotRef.from_json(job["ref"])
+            assert self._local is not None
+            src = self._local.path(ref)
+            if not (src / META_FILE).is_file():
+                # Deleted locally (retention, delete) before it reached S3: nothing to do;
+                # a delete job queued after this one removes any partial upload.
+                raise DropJob(f"{ref.snapshot_id} is no longer on local disk")
+            self.upload(ref, src)
+        elif op == "delete":
+            self.delete(SnapshotRef.from_json(job["ref"]))
+        elif op == "retention":
+            self.apply_retention(job["agentVersionId"], job["vmId"], set(job.get("protected", [])))
+        else:
+            raise DropJob(f"unknown job {op!r}")
+
+    # -- direct operations (blocking; used by the worker and by locate) ---------------
+
+    def ensure_bucket(self) -> None:
+        if self._bucket_ready:
+            return
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if not _is_missing(exc):
+                raise
+            kwargs: dict[str, Any] = {"Bucket": self.bucket}
+            if self.region != "us-east-1":
+                kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+            try:
+                self._client.create_bucket(**kwargs)
+            except ClientError as create_exc:
+                code = create_exc.response.get("Error", {}).get("Code")
+                if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+            self.log.info("created S3 bucket %s", self.bucket)
+        self._bucket_ready = True
+
+    def upload(self, ref: SnapshotRef, src_dir: Path) -> None:
+        """Upload a complete local snapshot; meta.json last, so it is complete on S3 only
+        when every artifact is there."""
+        self.ensure_bucket()
+        artifacts = LocalTier.artifacts_in(src_dir)
+        started = time.monotonic()
+        for name, path in artifacts.items():
+            self._client.upload_file(str(path), self.bucket, ref.s3_key(name), Config=self._transfer)
+        self._client.upload_file(str(src_dir / META_FILE), self.bucket, ref.s3_key(META_FILE))
+        self.log.info(
+            "uploaded snapshot %s/%s/%s to S3 in %.2fs",
+            ref.agent_version_id,
+            ref.vm_id,
+            ref.snapshot_id,
+            time.monotonic() - started,
+        )
+
+    def read_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
+        """meta.json of the S3 copy, or None if there is no complete copy."""
+        self.ensure_bucket()
+        try:
+            obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE))
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        data = json.loads(obj["Body"].read())
+        if not isinstance(data, dict):
+            raise BackendError(f"S3 meta.json of {ref.snapshot_id} is not an object")
+        return data
+
+    def download(
+        self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Download the artifacts named in meta (fetched if not given) into ``dest_dir``,
+        then meta.json. Zero blocks are skipped so sparse files stay sparse."""
+        if meta is None:
+            meta = self.read_meta(ref)
+            if meta is None:
+                raise FileNotFoundError(f"no complete S3 copy of {ref.snapshot_id}")
+        sizes = meta.get("sizes")
+        if not isinstance(sizes, dict):
+            raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no sizes")
+
+        def fetch(name: str) -> None:
+            obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(name))
+            body = obj["Body"]
+            written = 0
+            with open(dest_dir / name, "wb") as f:
+                while chunk := body.read(_CHUNK):
+                    if len(chunk) == _CHUNK and chunk == _ZERO_CHUNK:
+                        f.seek(len(chunk), os.SEEK_CUR)
+                    else:
+                        f.write(chunk)
+                    written += len(chunk)
+                f.truncate(written)
+                f.flush()
+                os.fsync(f.fileno())
+
+        with ThreadPoolExecutor(max_workers=max(1, len(sizes)), thread_name_prefix="pal-s3-get") as pool:
+            for fut in [pool.submit(fetch, str(name)) for name in sizes]:
+                fut.result()
+        with open(dest_dir / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return meta
+
+    def delete(self, ref: SnapshotRef) -> None:
+        """Delete the S3 copy: meta.json first, so a reader never sees it as complete."""
+        self.ensure_bucket()
+        self._client.delete_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE))
+        keys = [key for key in self._list_keys(ref.s3_prefix) if not key.endswith("/" + META_FILE)]
+        for i in range(0, len(keys), 1000):
+            self._client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
+            )
+
+    def list_vm(self, agent_version_id: str, vm_id: str) -> list[dict[str, Any]]:
+        """Metas of the complete S3 snapshots of one VM."""
+        self.ensure_bucket()
+        prefix = vm_s3_prefix(agent_version_id, vm_id)
+        out: list[dict[str, Any]] = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix, Delimiter="/"
+        ):
+            for common in page.get("CommonPrefixes", []):
+                snapshot_id = common["Prefix"][len(prefix) :].rstrip("/")
+                try:
+                    ref = SnapshotRef(agent_version_id, vm_id, snapshot_id)
+                except Exception:
+                    continue  # a key we did not write
+                meta = self.read_meta(ref)
+                if meta is not None:
+                    out.append(meta)
+        return out
+
+    def apply_retention(self, agent_version_id: str, vm_id: str, protected: set[str]) -> list[str]:
+        metas = self.list_vm(agent_version_id, vm_id)
+        now = self._clock()
+        doomed = retention.to_delete(retention.ages_from_metas(metas, now), protected, now)
+        for snapshot_id in doomed:
+            self.delete(SnapshotRef(agent_version_id, vm_id, snapshot_id))
+        if doomed:
+            self.log.info("S3 retention for %s/%s deleted %s", agent_version_id, vm_id, doomed)
+        return doomed
+
+    def _list_keys(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        return keys

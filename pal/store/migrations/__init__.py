@@ -1,0 +1,1 @@
+"""Alembic migrations, run programmatically by :func:`pal.store.migrate.upgrade`."""

@@ -1,0 +1,160 @@
+"""The QEMU microvm command line for one VM, from a :class:`VmSpec`.
+
+Boot and restore use the same function so the device set always matches (a migration
+stream only loads into an identical machine); restore adds ``-incoming defer`` and maps a
+different memory file.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from pal.vmm.accel import accel_args
+from pal.vmm.versions import QEMU_BINARY, qemu_supports_sandbox
+
+# Kernel args measured in notes/qemu-on-these-hosts.md. Under TCG, tsc_early_khz and lpj
+# are required (without them boots hang in timer calibration); they are harmless on KVM.
+BASE_KERNEL_ARGS = (
+    "quiet loglevel=0 panic=-1 nokaslr mitigations=off tsc=reliable no_timer_check "
+    "random.trust_cpu=on cryptomgr.notests i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=0 "
+    "console=hvc0"
+)
+DEFAULT_TSC_KHZ = 2_000_000
+
+
+class BootImage(Protocol):
+    """The guest files a VM boots from; ``pal.images.paths.ImagePaths`` is one."""
+
+    @property
+    def kernel(self) -> Path: ...  # uncompressed PVH vmlinux
+
+    @property
+    def initrd(self) -> Path: ...
+
+    @property
+    def rootfs(self) -> Path: ...  # raw ext4; cloned per VM, never opened by QEMU directly
+
+
+@dataclass(frozen=True)
+class ImageFiles:
+    """A plain :class:`BootImage` (tests, tools): the three files of an image directory."""
+
+    kernel: Path
+    initrd: Path
+    rootfs: Path
+
+    @classmethod
+    def from_dir(cls, image_dir: Path) -> ImageFiles:
+        d = Path(image_dir)
+        return cls(kernel=d / "vmlinux", initrd=d / "initrd.img", rootfs=d / "rootfs.ext4")
+
+
+@dataclass
+class VmSpec:
+    vm_id: str
+    vm_dir: Path
+    image: BootImage
+    vcpus: int
+    memory_mib: int
+    disk_path: Path  # per-VM writable disk (already cloned by the caller)
+    disk_format: str = "raw"  # "raw" | "qcow2" (see disks.disk_format_for)
+    config_drive: Path | None = None  # read-only /dev/vdb
+    accel: str = "tcg"  # "kvm" | "tcg"
+    extra_kernel_args: str = ""
+    binary: str = QEMU_BINARY
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.vm_dir / "qmp.sock"
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.vm_dir / "agent.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.vm_dir / "qemu.log"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.vm_dir / "qemu.pid"
+
+    @property
+    def mem_path(self) -> Path:
+        """The VM's own RAM file (share=on); a private restore maps the snapshot's instead."""
+        return self.vm_dir / "mem"
+
+
+@functools.cache
+def host_tsc_khz() -> int:
+    """The host TSC frequency in kHz (TCG's guest TSC ticks at the host's rate)."""
+    # /proc/cpuinfo's "cpu MHz" is the TSC rate on constant_tsc hosts without cpufreq
+    # scaling (VMs, servers); cached because it is read on every spawn.
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return DEFAULT_TSC_KHZ
+    m = re.search(r"^cpu MHz\s*:\s*([0-9.]+)", text, re.MULTILINE)
+    if not m:
+        return DEFAULT_TSC_KHZ
+    return int(float(m.group(1)) * 1000)
+
+
+def kernel_args(extra: str = "") -> str:
+    khz = host_tsc_khz()
+    # lpj = loops per jiffy at HZ=250: khz * 1000 / 250.
+    args = f"{BASE_KERNEL_ARGS} tsc_early_khz={khz} lpj={4 * khz}"
+    return f"{args} {extra}".strip()
+
+
+def build_argv(spec: VmSpec, *, mem_path: Path, mem_share: bool, incoming: bool = False) -> list[str]:
+    """argv for QEMU. ``mem_share=False`` maps ``mem_path`` MAP_PRIVATE (copy-on-write)."""
+    mem = f"{spec.memory_mib}M"
+    share = "on" if mem_share else "off"
+    argv = [
+        spec.binary,
+        # -no-reboot: a guest that panics (harness died, panic=-1) makes QEMU exit, which
+        # the manager sees, instead of rebooting the guest in a loop.
+        *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"),
+        *("-serial", "none", "-monitor", "none", "-parallel", "none"),
+        "-name",
+        f"pal-{spec.vm_id},process=pal-{spec.vm_id}",
+        "-object",
+        f"memory-backend-file,id=mem,size={mem},mem-path={mem_path},share={share}",
+        "-M",
+        "microvm,x-option-roms=off,isa-serial=off,pit=on,rtc=on,memory-backend=mem",
+        *("-m", mem, "-smp", str(spec.vcpus)),
+        *accel_args(spec.accel),
+        *("-kernel", str(spec.image.kernel), "-initrd", str(spec.image.initrd)),
+        *("-append", kernel_args(spec.extra_kernel_args)),
+        *("-device", "virtio-serial-device,max_ports=2"),
+        *("-chardev", f"socket,id=agent,path={spec.agent_socket},server=on,wait=off"),
+        *("-device", "virtserialport,chardev=agent,name=agent"),
+        # cache=unsafe only skips fsync to the host disk: every guest write still reaches
+        # the host file (page cache), and QMP `stop` drains and flushes all block devices
+        # (qcow2 metadata included) before we reflink the disk, so a snapshot is consistent.
+        # Durability across a host crash is not promised for a live VM's disk.
+        "-drive",
+        f"id=root,if=none,file={spec.disk_path},format={spec.disk_format},cache=unsafe,aio=threads",
+        *("-device", "virtio-blk-device,drive=root"),
+    ]
+    if spec.config_drive is not None:
+        argv += [
+            "-drive",
+            f"id=cfg,if=none,file={spec.config_drive},format=raw,readonly=on",
+            *("-device", "virtio-blk-device,drive=cfg"),
+        ]
+    # No -device vmgenid: the Debian cloud kernel is built without CONFIG_VMGENID, so the
+    # guest would never see a new generation id; the harness reseeds its RNG from the
+    # `identify` seed after every restore/fork instead.
+    argv += ["-qmp", f"unix:{spec.qmp_socket},server=on,wait=off", "-pidfile", str(spec.pid_path)]
+    if qemu_supports_sandbox(spec.binary):
+        # spawn stays allowed: `migrate exec:cat > file` forks a shell.
+        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny"]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return argv

@@ -1,0 +1,13 @@
+"""Errors raised by the VMM layer (HTTP status/code inherited from BackendError)."""
+
+from __future__ import annotations
+
+from pal.errors import BackendError
+
+
+class VmmError(BackendError):
+    """QEMU, QMP or a disk operation failed doing something that should have worked."""
+
+
+class VmExited(VmmError):
+    """The QEMU process exited while we were waiting on it (boot, restore, snapshot)."""

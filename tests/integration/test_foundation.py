@@ -1,0 +1,217 @@
+"""Issue: schedule, exec (buffered and streamed), files, quotas, auth and stop — on real VMs."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import PalServer, qemu_pids_under
+
+pytestmark = pytest.mark.vm
+
+SHELL_LINE = {"command": "/bin/sh", "argv": ["-c", "echo hello; echo err >&2; exit 3"]}
+
+
+def sse_events(resp: httpx.Response) -> list[tuple[str, dict, float]]:
+    """(event, data, seconds since the request) for every SSE event of a streamed response."""
+    t0 = time.monotonic()
+    out: list[tuple[str, dict, float]] = []
+    event = None
+    for line in resp.iter_lines():
+        if line.startswith("event:"):
+            event = line.split(":", 1)[1].strip()
+        elif line.startswith("data:") and event:
+            out.append((event, json.loads(line.split(":", 1)[1].strip()), time.monotonic() - t0))
+            event = None
+    return out
+
+
+def test_schedule_get_list_shape(api: httpx.Client, vm: str) -> None:
+    r = api.get(f"/v1/runtime/vms/{vm}")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["vmId"] == vm
+    assert body["state"] == "running"
+    assert body["image"] == "default"
+    assert body["limits"]["memoryMib"] == 256
+    for key in ("createdAt", "snapshotId", "parentVmId", "reason"):
+        assert key in body
+    listed = api.get("/v1/runtime/vms").json()["vms"]
+    assert vm in [v["vmId"] for v in listed]
+
+
+def test_exec_buffered_returns_both_streams_and_exit_code(api: httpx.Client, vm: str) -> None:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json=SHELL_LINE)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"exitCode": 3, "stdout": "hello\n", "stderr": "err\n"}
+
+
+def test_exec_sse_delivers_stdout_stderr_exit_in_order(api: httpx.Client, vm: str) -> None:
+    with api.stream(
+        "POST", f"/v1/runtime/vms/{vm}/exec", json=SHELL_LINE, headers={"Accept": "text/event-stream"}
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert [(e, d) for e, d, _ in events] == [
+        ("stdout", {"data": "hello\n"}),
+        ("stderr", {"data": "err\n"}),
+        ("exit", {"exitCode": 3}),
+    ]
+
+
+def test_exec_sse_streams_output_as_it_happens(api: httpx.Client, vm: str) -> None:
+    cmd = {"command": "/bin/sh", "argv": ["-c", "echo first; sleep 3; echo second"]}
+    with api.stream(
+        "POST", f"/v1/runtime/vms/{vm}/exec", json=cmd, headers={"Accept": "text/event-stream"}
+    ) as r:
+        events = sse_events(r)
+    first = next(t for e, d, t in events if e == "stdout" and "first" in d["data"])
+    second = next(t for e, d, t in events if e == "stdout" and "second" in d["data"])
+    assert second - first > 2.0, events  # "first" arrived before the sleep ended
+    assert events[-1][0] == "exit"
+
+
+def test_exec_env_cwd_argv_are_execve_style(api: httpx.Client, vm: str) -> None:
+    r = api.post(
+        f"/v1/runtime/vms/{vm}/exec",
+        json={"command": "printenv", "argv": ["GREETING"], "env": {"GREETING": "hi there"}},
+    )
+    assert r.json() == {"exitCode": 0, "stdout": "hi there\n", "stderr": ""}
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "pwd"})
+    assert r.json()["stdout"] == "/workspace\n"
+    # argv is passed verbatim: no shell splitting of "a b"
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/echo", "argv": ["a b", "$HOME"]})
+    assert r.json()["stdout"] == "a b $HOME\n"
+
+
+def test_missing_executable_is_a_clean_error(api: httpx.Client, vm: str) -> None:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/no/such/binary"})
+    assert r.status_code == 400, r.text
+    assert "not found" in r.json()["error"]["message"]
+    with api.stream(
+        "POST",
+        f"/v1/runtime/vms/{vm}/exec",
+        json={"command": "nosuchcmd"},
+        headers={"Accept": "text/event-stream"},
+    ) as s:
+        events = sse_events(s)
+    assert events[-1][0] == "error" and "not found" in events[-1][1]["message"]
+
+
+def test_file_round_trip_and_listing(api: httpx.Client, vm: str) -> None:
+    r = api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "src/job.py"}, content="print('hi')\n")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"path": "src/job.py", "bytesWritten": 12}
+    r = api.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "src/job.py"})
+    assert r.status_code == 200 and r.text == "print('hi')\n"
+    assert "X-Pal-Truncated" not in r.headers
+    listing = api.get(f"/v1/runtime/vms/{vm}/files", params={"path": "src"}).json()
+    assert listing["path"] == "src" and listing["truncated"] is False
+    assert listing["entries"] == [{"name": "job.py", "type": "file", "size": 12}]
+    # The file API and exec see the same file, as the workload user.
+    out = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "python3", "argv": ["src/job.py"]}).json()
+    assert out["stdout"] == "hi\n"
+    owner = api.post(
+        f"/v1/runtime/vms/{vm}/exec", json={"command": "stat", "argv": ["-c", "%U", "src/job.py"]}
+    )
+    assert owner.json()["stdout"] == "pal\n"
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../etc/passwd", "a/../../etc/passwd", "link/passwd"])
+def test_path_escapes_are_400(api: httpx.Client, vm: str, path: str) -> None:
+    api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "ln", "argv": ["-sfn", "/etc", "link"]})
+    for method, url in (
+        ("GET", f"/v1/runtime/vms/{vm}/files/content"),
+        ("GET", f"/v1/runtime/vms/{vm}/files"),
+        ("PUT", f"/v1/runtime/vms/{vm}/files/content"),
+    ):
+        r = api.request(method, url, params={"path": path}, content=b"x" if method == "PUT" else None)
+        assert r.status_code == 400, (method, path, r.text)
+        assert r.json()["error"]["code"]
+
+
+def test_write_over_1mib_is_413_and_large_read_is_cut(api: httpx.Client, vm: str) -> None:
+    mib = 1024 * 1024
+    r = api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "big.txt"}, content=b"a" * (mib + 1))
+    assert r.status_code == 413
+    r = api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "ok.txt"}, content=b"a" * mib)
+    assert r.status_code == 200 and r.json()["bytesWritten"] == mib
+    # A file made inside the VM larger than the limit is cut and flagged on read.
+    api.post(
+        f"/v1/runtime/vms/{vm}/exec",
+        json={"command": "/bin/sh", "argv": ["-c", "head -c 3000000 /dev/zero | tr '\\0' b > huge.txt"]},
+    )
+    r = api.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "huge.txt"})
+    assert r.status_code == 200
+    assert r.headers.get("X-Pal-Truncated") == "true"
+    assert len(r.content) == mib and set(r.content) == {ord("b")}
+
+
+def test_bad_requests_are_400_with_a_message(api: httpx.Client) -> None:
+    cases = [
+        (b"{not json", "json"),
+        (json.dumps({"imagee": "default"}).encode(), "imagee"),
+        (json.dumps({"limits": {"memoryMib": -5}}).encode(), "memoryMib"),
+        (json.dumps({"limits": {"vcpus": 10_000}}).encode(), "vcpus"),
+        (json.dumps({"image": "no-such-image"}).encode(), "no-such-image"),
+    ]
+    for body, word in cases:
+        r = api.post("/v1/runtime/schedule", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert word.lower() in err["message"].lower(), err
+
+
+def test_auth_tenancy_and_quota(pal_server: PalServer) -> None:
+    r = httpx.get(pal_server.url + "/v1/runtime/vms")
+    assert r.status_code == 401
+    r = httpx.get(pal_server.url + "/v1/runtime/vms", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    k1 = pal_server.tenant("it-quota-a", max_vms=1)
+    k2 = pal_server.tenant("it-quota-b", max_vms=1)
+    with pal_server.client(k1) as a, pal_server.client(k2) as b:
+        r = a.post("/v1/runtime/schedule", json={})
+        assert r.status_code == 200, r.text
+        vm_id = r.json()["vmId"]
+        try:
+            r = a.post("/v1/runtime/schedule", json={})
+            assert r.status_code == 402, r.text
+            assert r.json()["error"]["code"]
+            # another tenant cannot see or touch it
+            assert b.get(f"/v1/runtime/vms/{vm_id}").status_code == 404
+            assert b.post(f"/v1/runtime/vms/{vm_id}/exec", json={"command": "true"}).status_code == 404
+            assert b.delete(f"/v1/runtime/vms/{vm_id}").status_code == 404
+            assert vm_id not in [v["vmId"] for v in b.get("/v1/runtime/vms").json()["vms"]]
+        finally:
+            assert a.delete(f"/v1/runtime/vms/{vm_id}").status_code == 200
+        # the slot is free again
+        r = a.post("/v1/runtime/schedule", json={})
+        assert r.status_code == 200, r.text
+        a.delete(f"/v1/runtime/vms/{r.json()['vmId']}")
+
+
+def test_delete_leaves_no_qemu(pal_server: PalServer, api: httpx.Client) -> None:
+    vm_id = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    vm_dir = pal_server.data_dir / "vms" / vm_id
+    assert qemu_pids_under(vm_dir), "a running VM has a QEMU process"
+    r = api.delete(f"/v1/runtime/vms/{vm_id}")
+    assert r.status_code == 200 and r.json()["state"] == "terminated"
+    assert qemu_pids_under(vm_dir) == []
+    assert api.get(f"/v1/runtime/vms/{vm_id}").json()["state"] == "terminated"
+    assert api.post(f"/v1/runtime/vms/{vm_id}/exec", json={"command": "true"}).status_code == 409
+
+
+def test_cold_boot_works_too(api: httpx.Client) -> None:
+    r = api.post("/v1/runtime/schedule", json={"boot": "cold"})
+    assert r.status_code == 200, r.text
+    vm_id = r.json()["vmId"]
+    try:
+        assert r.json().get("bootMethod") == "cold"
+        out = api.post(f"/v1/runtime/vms/{vm_id}/exec", json={"command": "cat", "argv": ["/proc/1/cmdline"]})
+        assert "harness" in out.json()["stdout"]
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm_id}")

@@ -1,0 +1,105 @@
+"""Issue: idle suspend and transparent wake (the test server sweeps every second)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import PalServer, qemu_pids_under
+
+pytestmark = pytest.mark.vm
+
+REASON = "auto-suspended (idle timeout)"
+
+
+def wait_state(api: httpx.Client, vm: str, state: str, within: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        if api.get(f"/v1/runtime/vms/{vm}").json()["state"] == state:
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    raise AssertionError(f"{vm} not {state} within {within}s: {api.get(f'/v1/runtime/vms/{vm}').json()}")
+
+
+def test_idle_vm_suspends_shows_paused_and_wakes_on_exec(pal_server: PalServer, api: httpx.Client) -> None:
+    vm = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 5}).json()["vmId"]
+    try:
+        api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "keep.txt"}, content="kept\n")
+        took = wait_state(api, vm, "paused", within=17)
+        assert took >= 4, "not suspended before its timeout"
+        got = api.get(f"/v1/runtime/vms/{vm}").json()
+        assert got["reason"] == REASON and got["snapshotId"]
+        listed = {v["vmId"]: v for v in api.get("/v1/runtime/vms").json()["vms"]}
+        assert listed[vm]["state"] == "paused" and listed[vm]["reason"] == REASON
+        assert qemu_pids_under(pal_server.data_dir / "vms" / vm) == []
+        # the next request wakes it transparently, same vmId, files intact
+        r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["keep.txt"]})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"exitCode": 0, "stdout": "kept\n", "stderr": ""}
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+        events = api.get(f"/v1/runtime/vms/{vm}/events").json()["events"]
+        assert any(e["kind"] == "auto_resume" for e in events), events
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_file_read_wakes_an_idle_vm(api: httpx.Client) -> None:
+    vm = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 3}).json()["vmId"]
+    try:
+        api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "a.txt"}, content="A")
+        wait_state(api, vm, "paused", within=15)
+        r = api.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "a.txt"})
+        assert r.status_code == 200 and r.text == "A"
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_vm_with_exec_in_flight_is_never_idle(
+    pal_server: PalServer, tenant_key: str, api: httpx.Client
+) -> None:
+    vm = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 5}).json()["vmId"]
+    result: dict = {}
+
+    def long_exec() -> None:
+        with pal_server.client(tenant_key) as c:
+            r = c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "sleep", "argv": ["40"]})
+            result["status"] = r.status_code
+            result["body"] = r.json()
+
+    t = threading.Thread(target=long_exec)
+    t.start()
+    try:
+        time.sleep(17)
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+        t.join(60)
+        assert result == {"status": 200, "body": {"exitCode": 0, "stdout": "", "stderr": ""}}
+    finally:
+        t.join(60)
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_operator_paused_vm_with_idle_timeout_is_not_auto_resumed(api: httpx.Client) -> None:
+    vm = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 60}).json()["vmId"]
+    try:
+        assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+        r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "true"})
+        assert r.status_code == 409
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "paused"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_idle_wake_over_quota_is_402(pal_server: PalServer) -> None:
+    key = pal_server.tenant("it-idle-quota", max_vms=1)
+    with pal_server.client(key) as c:
+        a = c.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 3}).json()["vmId"]
+        wait_state(c, a, "paused", within=15)
+        b = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+        r = c.post(f"/v1/runtime/vms/{a}/exec", json={"command": "true"})
+        assert r.status_code == 402
+        c.delete(f"/v1/runtime/vms/{b}")
+        c.delete(f"/v1/runtime/vms/{a}")

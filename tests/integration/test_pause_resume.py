@@ -1,0 +1,151 @@
+"""Issue: pause and resume — snapshots of memory and disk, same vmId, quota slots, 409s."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from tests.conftest import PalServer, qemu_pids_under
+
+pytestmark = pytest.mark.vm
+
+CYCLES = int(os.environ.get("PAL_TEST_PAUSE_CYCLES", "100"))
+
+# A process that keeps its count in memory only, and reports it on request (SIGUSR1) to a
+# file in tmpfs: after a restore it must still be alive, with the count it had.
+COUNTER = r"""
+import os, signal, time
+n = 0
+def report(*_):
+    with open('/tmp/count', 'w') as f:
+        f.write(f'{os.getpid()} {n}')
+signal.signal(signal.SIGUSR1, report)
+report()
+while True:
+    n += 1
+    time.sleep(0.05)
+"""
+
+
+def sh(api: httpx.Client, vm: str, line: str) -> dict:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", line]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def counter_state(api: httpx.Client, vm: str) -> tuple[int, int]:
+    out = sh(api, vm, "kill -USR1 $(cat /tmp/counter.pid) && sleep 0.2 && cat /tmp/count")
+    assert out["exitCode"] == 0, out
+    pid, n = out["stdout"].split()
+    return int(pid), int(n)
+
+
+def test_pause_resume_cycles_keep_memory_processes_and_files(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    try:
+        api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "counter.py"}, content=COUNTER)
+        sh(api, vm, "setsid python3 counter.py >/dev/null 2>&1 & echo $! > /tmp/counter.pid")
+        pid0, n_prev = counter_state(api, vm)
+        snapshots = set()
+        for i in range(CYCLES):
+            assert sh(api, vm, f"echo line-{i} >> /workspace/log.txt")["exitCode"] == 0
+            r = api.post(f"/v1/runtime/vms/{vm}/pause")
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["vmId"] == vm and body["state"] == "paused" and body["snapshotId"]
+            snapshots.add(body["snapshotId"])
+            if i % 10 == 0:
+                got = api.get(f"/v1/runtime/vms/{vm}").json()
+                assert got["state"] == "paused" and got["snapshotId"] == body["snapshotId"]
+                assert qemu_pids_under(pal_server.data_dir / "vms" / vm) == []
+            r = api.post(f"/v1/runtime/vms/{vm}/resume")
+            assert r.status_code == 200, r.text
+            assert r.json() == {"vmId": vm, "snapshotId": body["snapshotId"], "state": "running"}
+            if i % 10 == 0 or i == CYCLES - 1:
+                pid, n = counter_state(api, vm)
+                assert pid == pid0, "the background process is the same one"
+                assert n > n_prev, "and it kept counting in memory"
+                n_prev = n
+        log = api.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "log.txt"}).text
+        assert log.splitlines() == [f"line-{i}" for i in range(CYCLES)]
+        assert len(snapshots) == CYCLES  # a new snapshot per pause
+        # retention keeps the newest 3 of this VM on disk
+        vm_snaps = list(pal_server.data_dir.glob(f"snapshots/*/{vm}/*/meta.json"))
+        assert 1 <= len(vm_snaps) <= 3
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_clock_and_identity_are_fresh_after_resume(api: httpx.Client, vm: str) -> None:
+    import time
+
+    before = sh(api, vm, "cat /proc/sys/kernel/random/uuid")["stdout"]
+    api.post(f"/v1/runtime/vms/{vm}/pause")
+    time.sleep(3)
+    api.post(f"/v1/runtime/vms/{vm}/resume")
+    guest_now = float(sh(api, vm, "date +%s.%N")["stdout"])
+    assert abs(guest_now - time.time()) < 2.0, "the guest clock was set to the host's on resume"
+    assert sh(api, vm, "cat /proc/sys/kernel/random/uuid")["stdout"] != before
+
+
+def test_wrong_state_calls_are_409(api: httpx.Client, vm: str) -> None:
+    assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 409
+    assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "true"})
+    assert r.status_code == 409, "a VM paused by an operator is never auto-resumed"
+    assert api.get(f"/v1/runtime/vms/{vm}/files", params={"path": ""}).status_code == 409
+    assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 409
+    assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+    assert api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "true"}).json()["exitCode"] == 0
+
+
+def test_paused_vm_frees_its_slot_and_resume_needs_one(pal_server: PalServer) -> None:
+    key = pal_server.tenant("it-pause-quota", max_vms=1)
+    with pal_server.client(key) as c:
+        a = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+        assert c.post(f"/v1/runtime/vms/{a}/pause").status_code == 200
+        r = c.post("/v1/runtime/schedule", json={})
+        assert r.status_code == 200, "the paused VM's slot was freed"
+        b = r.json()["vmId"]
+        r = c.post(f"/v1/runtime/vms/{a}/resume")
+        assert r.status_code == 402, r.text
+        assert c.get(f"/v1/runtime/vms/{a}").json()["state"] == "paused"
+        c.delete(f"/v1/runtime/vms/{b}")
+        assert c.post(f"/v1/runtime/vms/{a}/resume").status_code == 200
+        c.delete(f"/v1/runtime/vms/{a}")
+
+
+def test_delete_paused_vm(api: httpx.Client) -> None:
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    api.post(f"/v1/runtime/vms/{vm}/pause")
+    r = api.delete(f"/v1/runtime/vms/{vm}")
+    assert r.status_code == 200 and r.json()["state"] == "terminated"
+
+
+def test_snapshot_layout_and_meta(pal_server: PalServer, api: httpx.Client, vm: str) -> None:
+    snap = api.post(f"/v1/runtime/vms/{vm}/pause").json()["snapshotId"]
+    metas = list(pal_server.data_dir.glob(f"snapshots/*/{vm}/{snap}/meta.json"))
+    assert len(metas) == 1
+    d = metas[0].parent
+    assert {p.name for p in d.iterdir()} >= {"snapshot", "mem", "rootfs", "meta.json"}
+    meta = json.loads(metas[0].read_text())
+    assert meta["vmId"] == vm and meta["tenantId"]
+    for art in ("snapshot", "mem", "rootfs"):
+        assert len(meta["sha256"][art]) == 64
+        assert meta["sizes"][art] == (d / art).stat().st_size
+    assert not list(pal_server.data_dir.glob("snapshots/.staging/*")), "no half-written snapshot left"
+    api.post(f"/v1/runtime/vms/{vm}/resume")
+
+
+def test_other_tenant_cannot_resume_or_fork(pal_server: PalServer, api: httpx.Client, vm: str) -> None:
+    api.post(f"/v1/runtime/vms/{vm}/pause")
+    other = pal_server.tenant("it-other-snap", max_vms=2)
+    with pal_server.client(other) as o:
+        assert o.post(f"/v1/runtime/vms/{vm}/resume").json()["error"]["code"] == "NOT_FOUND"
+        assert o.post(f"/v1/runtime/vms/{vm}/fork", json={"count": 1}).status_code == 404
+    api.post(f"/v1/runtime/vms/{vm}/resume")

@@ -1,0 +1,90 @@
+"""Streaming exec over a real HTTP server: event order, and chunks that arrive while the
+command is still running."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.test_api_helpers import Env, make_env, serve
+
+SSE = {"Accept": "text/event-stream"}
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[Env, httpx.Client, str]]:
+    env = make_env(tmp_path)
+    with (
+        serve(env.app) as url,
+        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=10) as http,
+    ):
+        vm = http.post("/v1/runtime/schedule", json={}).json()["vmId"]
+        try:
+            yield env, http, vm
+        finally:
+            env.scheduler.gate.set()  # never leave the stub command waiting
+
+
+def _events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            assert name is not None
+            yield name, json.loads(line[len("data: ") :])
+
+
+def test_sse_events_in_order(live: tuple[Env, httpx.Client, str]) -> None:
+    _, http, vm = live
+    body = {"command": "echo", "argv": ["a", "b"]}
+    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json=body, headers=SSE) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        got = list(_events(resp.iter_lines()))
+    assert got == [
+        ("stdout", {"data": "a b\n"}),
+        ("stderr", {"data": "warn\n"}),
+        ("exit", {"exitCode": 0}),
+    ]
+
+
+def test_sse_chunk_arrives_before_the_command_ends(live: tuple[Env, httpx.Client, str]) -> None:
+    env, http, vm = live
+    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "slow"}, headers=SSE) as resp:
+        events = _events(resp.iter_lines())
+        # The stub holds the command until the gate opens, so this only passes if the
+        # first chunk was flushed while the command was still running.
+        assert next(events) == ("stdout", {"data": "first\n"})
+        assert not env.scheduler.slow_done
+        env.scheduler.gate.set()
+        assert list(events) == [("stdout", {"data": "second\n"}), ("exit", {"exitCode": 0})]
+
+
+def test_sse_early_errors_keep_their_status(live: tuple[Env, httpx.Client, str]) -> None:
+    _, http, vm = live
+    resp = http.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "nope"}, headers=SSE)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "EXECUTABLE_NOT_FOUND"
+    resp = http.post("/v1/runtime/vms/vm-unknown/exec", json={"command": "echo"}, headers=SSE)
+    assert resp.status_code == 404
+
+
+def test_sse_timeout_is_an_exit_event(live: tuple[Env, httpx.Client, str]) -> None:
+    _, http, vm = live
+    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "sleepy"}, headers=SSE) as resp:
+        got = list(_events(resp.iter_lines()))
+    assert got == [("stdout", {"data": "partial"}), ("exit", {"exitCode": 124, "timedOut": True})]
+
+
+def test_client_disconnect_cancels_the_command(live: tuple[Env, httpx.Client, str]) -> None:
+    env, http, vm = live
+    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "slow"}, headers=SSE) as resp:
+        assert next(_events(resp.iter_lines())) == ("stdout", {"data": "first\n"})
+    # leaving the block closed the connection mid-command
+    assert env.scheduler.slow_cancelled.wait(5), "exec iterator was not closed after the client left"
+    assert not env.scheduler.slow_done

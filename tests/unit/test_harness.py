@@ -1,0 +1,356 @@
+"""The guest harness driven over a socketpair, as the manager drives it over virtio-serial."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pal.guest import protocol as p
+from pal.guest.harness import Harness
+
+TOKEN = "tok-1"
+
+
+class Host:
+    """The host end: sends requests, collects replies by request id."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.settimeout(10)
+        self.buf = b""
+        self.next_id = 1
+        self.heartbeats: list[p.Message] = []
+        self.pending: list[p.Message] = []
+
+    def send(self, kind: str, data: bytes | None = None, **fields: Any) -> int:
+        rid = self.next_id
+        self.next_id += 1
+        self.sock.sendall(p.encode({"id": rid, "k": kind, **fields}, data))
+        return rid
+
+    def recv(self) -> p.Message:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError("harness closed the channel")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        msg = p.decode(line)
+        return msg if msg is not None else self.recv()
+
+    def replies(self, rid: int) -> Iterator[p.Message]:
+        """Messages for ``rid`` until its final one (ok/err/exit), in arrival order."""
+        while True:
+            for i, m in enumerate(self.pending):
+                if m["id"] == rid:
+                    del self.pending[i]
+                    break
+            else:
+                m = self.recv()
+                if m["k"] == p.K_HEARTBEAT:
+                    self.heartbeats.append(m)
+                    continue
+                if m["id"] != rid:
+                    self.pending.append(m)
+                    continue
+            yield m
+            if m["k"] in (p.K_OK, p.K_ERR, p.K_EXIT):
+                return
+
+    def call(self, kind: str, data: bytes | None = None, **fields: Any) -> p.Message:
+        return list(self.replies(self.send(kind, data, **fields)))[-1]
+
+    def run(self, *argv: str, **fields: Any) -> tuple[list[tuple[int, bytes]], p.Message]:
+        fields.setdefault("tok", TOKEN)
+        msgs = list(self.replies(self.send(p.K_EXEC, argv=list(argv), **fields)))
+        chunks = [(m["fd"], p.payload(m)) for m in msgs if m["k"] == p.K_OUT]
+        return chunks, msgs[-1]
+
+    def next_heartbeat(self, timeout: float = 5.0) -> p.Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.recv()
+            if m["k"] == p.K_HEARTBEAT:
+                self.heartbeats.append(m)
+                return m
+            self.pending.append(m)
+        raise AssertionError("no heartbeat")
+
+
+def _output(chunks: list[tuple[int, bytes]], fd: int) -> bytes:
+    return b"".join(d for f, d in chunks if f == fd)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "workspace"
+    ws.mkdir()
+    return ws
+
+
+@pytest.fixture
+def host(workspace: Path) -> Iterator[Host]:
+    ours, theirs = socket.socketpair()
+    harness = Harness(
+        theirs.fileno(),
+        workspace=str(workspace),
+        workload_user=None,
+        identity={"vm_id": "vm-1", "incarnation": 1, "token": TOKEN, "env": {"SECRET": "s3"}},
+        heartbeat_interval=60,
+    )
+    t = threading.Thread(target=harness.serve, daemon=True)
+    t.start()
+    h = Host(ours)
+    assert h.recv()["k"] == p.K_HEARTBEAT  # sent on connect
+    yield h
+    ours.close()
+    t.join(5)
+    theirs.close()
+    assert not t.is_alive()
+
+
+def test_exec_streams_stdout_and_stderr_then_exit_code(host: Host) -> None:
+    chunks, last = host.run("/bin/sh", "-c", "echo hello; echo err >&2; exit 3")
+    assert _output(chunks, 1) == b"hello\n"
+    assert _output(chunks, 2) == b"err\n"
+    assert last == {"id": last["id"], "k": p.K_EXIT, "code": 3}
+
+
+def test_exec_output_arrives_before_the_process_ends(host: Host) -> None:
+    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", "printf partial; sleep 1; echo done"])
+    started = time.monotonic()
+    first = next(host.replies(rid))
+    assert first["k"] == p.K_OUT and p.payload(first) == b"partial"  # no newline needed
+    assert time.monotonic() - started < 0.9
+    rest = list(host.replies(rid))
+    assert rest[-1]["k"] == p.K_EXIT and rest[-1]["code"] == 0
+
+
+def test_exec_resolves_path_sets_env_and_cwd(host: Host, workspace: Path) -> None:
+    chunks, last = host.run("sh", "-c", 'echo "$SECRET $EXTRA $(pwd)"', env={"EXTRA": "x"})
+    assert last["code"] == 0
+    assert _output(chunks, 1).decode() == f"s3 x {workspace}\n"
+    (workspace / "sub").mkdir()
+    chunks, _ = host.run("pwd", cwd="sub")
+    assert _output(chunks, 1).decode() == f"{workspace / 'sub'}\n"
+
+
+def test_exec_large_output_is_chunked_and_complete(host: Host) -> None:
+    chunks, last = host.run("/bin/sh", "-c", "head -c 300000 /dev/zero")
+    assert last["code"] == 0
+    assert _output(chunks, 1) == b"\0" * 300000
+    assert max(len(d) for _, d in chunks) <= 64 * 1024
+
+
+def test_exec_signal_exit_code_is_128_plus_signal(host: Host) -> None:
+    _, last = host.run("/bin/sh", "-c", "kill -TERM $$")
+    assert last["k"] == p.K_EXIT and last["code"] == 128 + 15
+
+
+def test_exec_missing_or_non_executable(host: Host, workspace: Path) -> None:
+    _, last = host.run("no-such-binary-xyz")
+    assert last["k"] == p.K_ERR and last["code"] == p.ERR_NOENT
+    assert last["msg"] == "executable not found: no-such-binary-xyz"
+    _, last = host.run("/nonexistent/bin")
+    assert last["code"] == p.ERR_NOENT
+    script = workspace / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    _, last = host.run("./script.sh")
+    assert last["k"] == p.K_ERR and last["code"] == p.ERR_PERM
+
+
+def test_exec_timeout_kills_the_group_and_keeps_partial_output(host: Host, tmp_path: Path) -> None:
+    marker = tmp_path / "survivor"
+    started = time.monotonic()
+    chunks, last = host.run(
+        "/bin/sh", "-c", f"echo before; (sleep 2; touch {marker}) & sleep 30", timeout=0.5
+    )
+    assert time.monotonic() - started < 3
+    assert _output(chunks, 1) == b"before\n"
+    assert last["k"] == p.K_ERR and last["code"] == p.ERR_TIMEOUT
+    time.sleep(2.3)
+    assert not marker.exists()  # the background child died with its process group
+
+
+def test_cancel_kills_a_running_exec(host: Host) -> None:
+    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sleep", "30"])
+    time.sleep(0.3)
+    cancel = host.send(p.K_CANCEL, target=rid)
+    assert list(host.replies(cancel))[-1]["k"] == p.K_OK
+    assert list(host.replies(rid))[-1] == {"id": rid, "k": p.K_EXIT, "code": 128 + 9}
+    assert host.call(p.K_CANCEL, target=rid)["code"] == p.ERR_NOENT
+
+
+def test_concurrent_execs_do_not_block_each_other(host: Host) -> None:
+    slow = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", "sleep 1; echo slow"])
+    started = time.monotonic()
+    chunks, last = host.run("echo", "fast")
+    assert _output(chunks, 1) == b"fast\n" and last["code"] == 0
+    assert time.monotonic() - started < 0.8
+    assert list(host.replies(slow))[-1]["code"] == 0
+
+
+def test_background_child_holding_pipes_does_not_hang_exec(host: Host) -> None:
+    started = time.monotonic()
+    _, last = host.run("/bin/sh", "-c", "sleep 5 & echo started")
+    assert last["k"] == p.K_EXIT and last["code"] == 0
+    assert time.monotonic() - started < 2
+
+
+def test_write_read_ls_roundtrip(host: Host, workspace: Path) -> None:
+    ok = host.call(p.K_WRITE, b"hello files\n", tok=TOKEN, path="dir/sub/a.txt")
+    assert ok["k"] == p.K_OK and ok["result"] == {"path": "dir/sub/a.txt", "bytesWritten": 12}
+    assert (workspace / "dir/sub/a.txt").read_bytes() == b"hello files\n"
+    got = host.call(p.K_READ, tok=TOKEN, path="dir/sub/a.txt")
+    assert p.payload(got) == b"hello files\n"
+    assert got["result"] == {"path": "dir/sub/a.txt", "size": 12, "truncated": False}
+    (workspace / "link").symlink_to("dir")
+    listing = host.call(p.K_LS, tok=TOKEN, path="")["result"]
+    assert listing["truncated"] is False
+    assert [(e["name"], e["type"]) for e in listing["entries"]] == [("dir", "dir"), ("link", "symlink")]
+    inner = host.call(p.K_LS, tok=TOKEN, path="link/sub")["result"]
+    assert inner["entries"] == [{"name": "a.txt", "type": "file", "size": 12}]
+
+
+def test_file_errors(host: Host, workspace: Path) -> None:
+    assert host.call(p.K_READ, tok=TOKEN, path="missing.txt")["code"] == p.ERR_NOENT
+    (workspace / "d").mkdir()
+    assert host.call(p.K_READ, tok=TOKEN, path="d")["code"] == p.ERR_ISDIR
+    (workspace / "f").write_text("x")
+    assert host.call(p.K_LS, tok=TOKEN, path="f")["code"] == p.ERR_NOTDIR
+    assert host.call(p.K_WRITE, b"x", tok=TOKEN, path="f/child")["code"] == p.ERR_NOTDIR
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../outside.txt", "a/../../outside.txt", "out/x.txt"])
+def test_path_escapes_are_refused(host: Host, workspace: Path, tmp_path: Path, path: str) -> None:
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret/x.txt").write_text("secret")
+    (workspace / "out").symlink_to(tmp_path / "secret")  # a symlink pointing out
+    for kind in (p.K_READ, p.K_WRITE, p.K_LS):
+        reply = host.call(kind, b"pwned", tok=TOKEN, path=path)
+        assert reply["k"] == p.K_ERR and reply["code"] == p.ERR_ESCAPE, (kind, reply)
+    assert (tmp_path / "secret/x.txt").read_text() == "secret"
+    assert not (tmp_path / "outside.txt").exists()
+
+
+def test_symlink_to_outside_file_is_refused(host: Host, workspace: Path, tmp_path: Path) -> None:
+    (tmp_path / "passwd").write_text("root:x:0:0")
+    (workspace / "leak").symlink_to(tmp_path / "passwd")
+    assert host.call(p.K_READ, tok=TOKEN, path="leak")["code"] == p.ERR_ESCAPE
+    assert host.call(p.K_WRITE, b"x", tok=TOKEN, path="leak")["code"] == p.ERR_ESCAPE
+    assert (tmp_path / "passwd").read_text() == "root:x:0:0"
+
+
+def test_one_mebibyte_limits(host: Host, workspace: Path) -> None:
+    exactly = b"a" * p.MAX_FILE_BYTES
+    assert host.call(p.K_WRITE, exactly, tok=TOKEN, path="max.bin")["result"]["bytesWritten"] == len(exactly)
+    too_big = host.call(p.K_WRITE, exactly + b"b", tok=TOKEN, path="big.bin")
+    assert too_big["code"] == p.ERR_TOOBIG and not (workspace / "big.bin").exists()
+    (workspace / "huge.bin").write_bytes(b"z" * (p.MAX_FILE_BYTES + 10))
+    got = host.call(p.K_READ, tok=TOKEN, path="huge.bin", limit=10 * p.MAX_FILE_BYTES)
+    assert len(p.payload(got)) == p.MAX_FILE_BYTES
+    assert got["result"] == {"path": "huge.bin", "size": p.MAX_FILE_BYTES + 10, "truncated": True}
+    got = host.call(p.K_READ, tok=TOKEN, path="huge.bin", limit=5)
+    assert p.payload(got) == b"zzzzz" and got["result"]["truncated"] is True
+
+
+def test_ls_truncates_at_1000_entries(host: Host, workspace: Path) -> None:
+    for i in range(1005):
+        (workspace / f"f{i:04d}").touch()
+    result = host.call(p.K_LS, tok=TOKEN, path="")["result"]
+    assert result["truncated"] is True and len(result["entries"]) == 1000
+    assert result["entries"][0]["name"] == "f0000"
+
+
+def test_identify_replaces_the_token(host: Host) -> None:
+    assert host.call(p.K_LS, tok="wrong", path="")["code"] == p.ERR_AUTH
+    ok = host.call(
+        p.K_IDENTIFY, incarnation=2, token="tok-2", vm_id="vm-1", now_ns=time.time_ns(), seed="ab" * 32
+    )
+    assert ok["k"] == p.K_OK
+    hb = host.next_heartbeat(timeout=2)  # sent right after identify
+    assert hb["incarnation"] == 2 and hb["vm_id"] == "vm-1"
+    stale = host.call(p.K_EXEC, tok=TOKEN, argv=["true"])
+    assert stale["k"] == p.K_ERR and stale["code"] == p.ERR_AUTH
+    _, last = host.run("true", tok="tok-2")
+    assert last["code"] == 0
+
+
+def test_identify_env_reaches_execs(host: Host) -> None:
+    host.call(p.K_IDENTIFY, incarnation=3, token="t3", vm_id="vm-1", env={"API_KEY": "k"})
+    chunks, _ = host.run("/bin/sh", "-c", 'echo "$API_KEY:$SECRET"', tok="t3")
+    assert _output(chunks, 1) == b"k:\n"  # the previous identity's secrets are gone
+
+
+def test_heartbeat_reports_activity(host: Host) -> None:
+    host.call(p.K_IDENTIFY, incarnation=4, token="t4", vm_id="vm-1", hb_interval=0.2)
+    idle = host.next_heartbeat()
+    assert idle["active"] is False and idle["id"] == 0
+    assert set(idle) >= {"vm_id", "incarnation", "active", "last_activity_ms", "boot_id", "uptime_s"}
+    rid = host.send(p.K_EXEC, tok="t4", argv=["/bin/sleep", "0.8"])
+    time.sleep(0.1)
+    busy = host.next_heartbeat()
+    while not busy["active"]:
+        busy = host.next_heartbeat()
+    assert busy["last_activity_ms"] >= idle["last_activity_ms"]
+    before_end = int(time.time() * 1000)
+    assert list(host.replies(rid))[-1]["code"] == 0
+    after = host.next_heartbeat()
+    while after["active"]:
+        after = host.next_heartbeat()
+    assert after["last_activity_ms"] >= before_end  # stamped when the exec ended
+
+
+def test_garbage_and_unknown_requests_do_not_break_the_channel(host: Host) -> None:
+    host.sock.sendall(b'{"half a line\n\nnot json\n{"k":"exec"}\n')
+    assert host.call("frobnicate")["code"] == p.ERR_INVAL
+    assert host.call(p.K_EXEC, tok=TOKEN, argv=[])["code"] == p.ERR_INVAL
+    assert host.call(p.K_PING)["k"] == p.K_OK
+
+
+def test_as_subreaper_orphans_are_reaped_and_exit_codes_kept(workspace: Path) -> None:
+    """The PID-1 reaping path: statuses of exec children survive the reap-all loop."""
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pal.guest.harness",
+            "--fd",
+            str(theirs.fileno()),
+            "--workspace",
+            str(workspace),
+        ],
+        pass_fds=[theirs.fileno()],
+    )
+    theirs.close()
+    try:
+        h = Host(ours)
+        h.call(p.K_IDENTIFY, incarnation=1, token=TOKEN, vm_id="vm-r")
+        for code in (0, 7, 42):
+            # The orphaned grandchild is re-parented to the harness and must be reaped.
+            _, last = h.run("/bin/sh", "-c", f"(sleep 0.1 &) ; exit {code}")
+            assert last == {"id": last["id"], "k": p.K_EXIT, "code": code}
+        time.sleep(0.4)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        zombies = [c for c in children if Path(f"/proc/{c}/stat").read_text().split()[2] == "Z"]
+        assert zombies == []
+    finally:
+        ours.close()
+        proc.wait(10)
+    assert proc.returncode == 0
+
+
+def test_workspace_stays_usable_after_many_requests(host: Host) -> None:
+    for i in range(20):
+        assert host.call(p.K_WRITE, str(i).encode(), tok=TOKEN, path=f"n/{i}")["k"] == p.K_OK
+    assert len(host.call(p.K_LS, tok=TOKEN, path="n")["result"]["entries"]) == 20

@@ -1,0 +1,97 @@
+"""Quota accounting: all-or-nothing reservations, exactly-once release, no overbooking."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from pal.config import Settings
+from pal.errors import QuotaExceeded
+from pal.scheduler import quotas
+from pal.store import Store, VmRecord
+
+
+def _vm(vm_id: str, tenant_id: str, state: str = "pending") -> VmRecord:
+    now = datetime.now(UTC)
+    return VmRecord(
+        vm_id=vm_id, tenant_id=tenant_id, state=state, image="default", limits={},
+        created_at=now, updated_at=now, token="t",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store.open(Settings(data_dir=tmp_path))
+
+
+def test_reserve_is_all_or_nothing(store: Store) -> None:
+    tenant, _ = store.create_tenant("acme", 3)
+    quotas.reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
+    with pytest.raises(QuotaExceeded) as ei:
+        quotas.reserve(store, tenant.id, new_vms=[_vm(f"f{i}", tenant.id) for i in range(3)])
+    assert "max_vms=3" in ei.value.message and ei.value.status == 402
+    assert [v.vm_id for v in store.list_vms()] == ["a"]  # none of the three was inserted
+    quotas.reserve(store, tenant.id, new_vms=[_vm("b", tenant.id), _vm("c", tenant.id)])
+    assert quotas.in_use(store, tenant.id) == 3
+
+
+def test_release_happens_exactly_once(store: Store) -> None:
+    tenant, _ = store.create_tenant("acme", 1)
+    quotas.reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
+    assert quotas.release(store, "a") is True
+    assert quotas.release(store, "a") is False  # the reconciler's late release is a no-op
+    assert quotas.in_use(store, tenant.id) == 0
+
+
+def test_resume_reserves_an_existing_row_and_respects_the_limit(store: Store) -> None:
+    tenant, _ = store.create_tenant("acme", 1)
+    quotas.reserve(
+        store,
+        tenant.id,
+        new_vms=[
+            _vm("a", tenant.id),
+        ][:1],
+    )
+    quotas.release(store, "a")
+    quotas.reserve(store, tenant.id, new_vms=[_vm("b", tenant.id)])
+    with pytest.raises(QuotaExceeded):
+        quotas.reserve(store, tenant.id, existing=["a"])
+    assert store.get_vm("a").holds_slot is False  # type: ignore[union-attr]
+    quotas.release(store, "b")
+    quotas.reserve(store, tenant.id, existing=["a"])
+    quotas.reserve(store, tenant.id, existing=["a"])  # already holding: no second slot
+    assert quotas.in_use(store, tenant.id) == 1
+
+
+def test_concurrent_reserves_never_exceed_max(tmp_path: Path) -> None:
+    """Eight writers, each with its own connection pool, race for five slots."""
+    settings = Settings(data_dir=tmp_path)
+    setup = Store.open(settings)
+    tenant, _ = setup.create_tenant("acme", 5)
+    stores = [Store.open(settings) for _ in range(8)]
+    start = threading.Barrier(len(stores))
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def worker(i: int, store: Store) -> None:
+        start.wait()
+        for j in range(3):
+            try:
+                quotas.reserve(store, tenant.id, new_vms=[_vm(f"vm-{i}-{j}", tenant.id)])
+                res = "ok"
+            except QuotaExceeded:
+                res = "402"
+            with lock:
+                outcomes.append(res)
+
+    threads = [threading.Thread(target=worker, args=(i, s)) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("ok") == 5 and outcomes.count("402") == 19
+    assert quotas.in_use(setup, tenant.id) == 5
+    assert len(setup.list_vms()) == 5

@@ -1,0 +1,133 @@
+"""The SDK against the real app over loopback HTTP: results, streaming and typed errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pal.sdk import (
+    AsyncClient,
+    AuthenticationError,
+    BadRequestError,
+    Client,
+    ConflictError,
+    NotFoundError,
+    PalConnectionError,
+    PayloadTooLargeError,
+    QuotaExceededError,
+)
+from tests.unit.test_api_helpers import Env, make_env, serve
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[tuple[Env, str]]:
+    env = make_env(tmp_path)
+    with serve(env.app) as url:
+        yield env, url
+
+
+def test_sync_client_round_trip(live: tuple[Env, str]) -> None:
+    env, url = live
+    with Client(url, env.key_a, timeout=10) as c:
+        vm = c.runtime.schedule(limits={"memoryMib": 512}, idleTimeoutSecs=30)
+        vm_id = vm["vmId"]
+        assert vm["limits"]["memoryMib"] == 512 and vm["idleTimeoutSecs"] == 30
+        assert [v["vmId"] for v in c.runtime.list()] == [vm_id]
+        res = c.runtime.exec(vm_id, "echo", ["hello"])
+        assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (0, "hello\n", "warn\n", False)
+        assert c.runtime.exec(vm_id, "sleepy", timeout_secs=1).timed_out is True
+        assert c.runtime.write_file(vm_id, "a.txt", "héllo") == {"path": "a.txt", "bytesWritten": 6}
+        text = c.runtime.read_file(vm_id, "a.txt")
+        assert text == "héllo" and text.truncated is False
+        assert c.runtime.list_files(vm_id)["entries"][0]["name"] == "a.txt"
+        assert c.runtime.pause(vm_id)["state"] == "paused"
+        with pytest.raises(ConflictError) as exc:
+            c.runtime.exec(vm_id, "echo")
+        assert exc.value.status == 409 and exc.value.code == "FAILED_PRECONDITION"
+        assert c.runtime.resume(vm_id)["state"] == "running"
+        forks = c.runtime.fork(vm_id, count=2)["forks"]
+        assert [f.get("error") for f in forks] == [None, "restore failed"]
+        assert "auto_resume" in [e["kind"] for e in c.runtime.events(vm_id)]
+        assert c.runtime.delete(vm_id)["state"] == "terminated"
+
+
+def test_sync_exec_stream(live: tuple[Env, str]) -> None:
+    env, url = live
+    with Client(url, env.key_a, timeout=10) as c:
+        vm_id = c.runtime.schedule()["vmId"]
+        events = list(c.runtime.exec_stream(vm_id, "echo", ["x"]))
+        assert [(e.type, e.data, e.exit_code) for e in events] == [
+            ("stdout", "x\n", None),
+            ("stderr", "warn\n", None),
+            ("exit", None, 0),
+        ]
+        with pytest.raises(BadRequestError) as exc:
+            list(c.runtime.exec_stream(vm_id, "missing"))
+        assert exc.value.code == "EXECUTABLE_NOT_FOUND"
+
+
+def test_typed_errors(live: tuple[Env, str]) -> None:
+    env, url = live
+    with pytest.raises(AuthenticationError):
+        Client(url, "pal_bogus").runtime.list()
+    c = Client(url, env.key_a)
+    with pytest.raises(NotFoundError):
+        c.runtime.get("vm-nope")
+    with pytest.raises(BadRequestError, match=r"limits\.vcpus"):
+        c.runtime.schedule(limits={"vcpus": 0})
+    vm_id = c.runtime.schedule()["vmId"]
+    c.runtime.schedule()
+    with pytest.raises(QuotaExceededError):
+        c.runtime.schedule()
+    with pytest.raises(PayloadTooLargeError):
+        c.runtime.write_file(vm_id, "big", b"x" * (1024 * 1024 + 1))
+    with pytest.raises(BadRequestError) as exc:
+        c.runtime.read_file(vm_id, "../etc/passwd")
+    assert exc.value.code == "PATH_ESCAPE"
+    with pytest.raises(PalConnectionError):
+        Client("http://127.0.0.1:9", "k", timeout=2).runtime.list()
+
+
+def test_defaults_come_from_env(monkeypatch: pytest.MonkeyPatch, live: tuple[Env, str]) -> None:
+    env, url = live
+    monkeypatch.setenv("PAL_URL", url)
+    monkeypatch.setenv("PAL_API_KEY", env.key_b)
+    c = Client()
+    assert c.base_url == url and c.runtime.list() == []
+
+
+async def test_async_client(live: tuple[Env, str]) -> None:
+    env, url = live
+    async with AsyncClient(url, env.key_a, timeout=10) as c:
+        vm_id = (await c.runtime.schedule())["vmId"]
+        assert (await c.runtime.get(vm_id))["state"] == "running"
+        assert (await c.runtime.exec(vm_id, "echo", ["hi"])).stdout == "hi\n"
+        got = [ev.type async for ev in c.runtime.exec_stream(vm_id, "echo")]
+        assert got == ["stdout", "stderr", "exit"]
+        await c.runtime.write_file(vm_id, "f.txt", b"abc")
+        assert await c.runtime.read_file(vm_id, "f.txt") == "abc"
+        assert len(await c.runtime.list()) == 1
+        with pytest.raises(NotFoundError):
+            await c.runtime.pause("vm-nope")
+
+
+async def test_async_client_over_asgi_transport(tmp_path: Path) -> None:
+    env = make_env(tmp_path)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal")
+    async with AsyncClient("http://pal", env.key_a, http_client=http) as c:
+        assert (await c.runtime.schedule())["state"] == "running"
+
+
+def test_sdk_imports_nothing_else_from_pal() -> None:
+    code = (
+        "import sys, pal.sdk; "
+        "bad = sorted(m for m in sys.modules if m.startswith('pal') and not m.startswith('pal.sdk') "
+        "and m != 'pal'); print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

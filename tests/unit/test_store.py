@@ -1,0 +1,120 @@
+"""The store: migrations at open, tenants and API keys, VM rows and events."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from pal.config import Settings
+from pal.errors import Conflict, InvalidRequest
+from pal.store import Store, VmRecord, hash_api_key
+
+
+def _vm(vm_id: str, tenant_id: str, **kw: object) -> VmRecord:
+    now = datetime.now(UTC)
+    base: dict[str, object] = dict(
+        vm_id=vm_id,
+        tenant_id=tenant_id,
+        state="running",
+        image="default",
+        limits={"vcpus": 1, "memory_mib": 256, "disk_mib": 2048},
+        created_at=now,
+        updated_at=now,
+        token="tok",
+        secrets={"API_KEY": "s3cret"},
+    )
+    base.update(kw)
+    return VmRecord(**base)  # type: ignore[arg-type]
+
+
+def test_open_runs_migrations_and_enables_wal(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path / "dd"))
+    store.close()
+    db = sqlite3.connect(tmp_path / "dd" / "pal.db")
+    try:
+        assert db.execute("select version_num from alembic_version").fetchall() == [("0001",)]
+        tables = {r[0] for r in db.execute("select name from sqlite_master where type='table'")}
+        assert {"tenants", "vms", "events"} <= tables
+        assert db.execute("pragma journal_mode").fetchone()[0] == "wal"
+    finally:
+        db.close()
+    # Re-opening an up-to-date database is a no-op, not an error.
+    Store.open(Settings(data_dir=tmp_path / "dd")).close()
+
+
+def test_tenant_api_key_is_shown_once_and_stored_hashed(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    tenant, key = store.create_tenant("acme", 5)
+    assert store.tenant_by_api_key(key) == tenant
+    assert store.tenant_by_api_key(key + "x") is None
+    db = sqlite3.connect(tmp_path / "pal.db")
+    stored = db.execute("select api_key_sha256 from tenants").fetchone()[0]
+    db.close()
+    assert stored == hash_api_key(key) and key not in stored
+    assert [t.name for t in store.list_tenants()] == ["acme"]
+    assert tenant.created_at.tzinfo is not None
+
+
+def test_tenant_names_are_unique_and_validated(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    store.create_tenant("acme", 5)
+    with pytest.raises(Conflict):
+        store.create_tenant("acme", 3)
+    with pytest.raises(InvalidRequest):
+        store.create_tenant(" ", 3)
+    with pytest.raises(InvalidRequest):
+        store.create_tenant("b", -1)
+
+
+def test_vm_rows_round_trip_as_dataclasses(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    tenant, _ = store.create_tenant("acme", 5)
+    with store.write() as tx:
+        tx.insert_vm(_vm("vm-a", tenant.id, parent_vm_id="vm-p", mem_snapshot_id="snap-1"))
+    got = store.get_vm("vm-a")
+    assert isinstance(got, VmRecord)
+    assert got.secrets == {"API_KEY": "s3cret"} and got.limits["memory_mib"] == 256
+    assert got.parent_vm_id == "vm-p" and got.mem_snapshot_id == "snap-1"
+    assert got.created_at.tzinfo is not None
+    assert [v.vm_id for v in store.list_vms(mem_snapshot_id="snap-1")] == ["vm-a"]
+    assert store.list_vms(tenant_id="other") == []
+
+
+def test_guarded_update_only_applies_in_the_expected_state(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    tenant, _ = store.create_tenant("acme", 5)
+    with store.write() as tx:
+        tx.insert_vm(_vm("vm-a", tenant.id))
+    with store.write() as tx:
+        assert not tx.update_vm("vm-a", expect_state="paused", state="spawning")
+        assert tx.update_vm("vm-a", expect_state="running", state="draining")
+    assert store.get_vm("vm-a").state == "draining"  # type: ignore[union-attr]
+    with pytest.raises(ValueError):
+        store.update_vm("vm-a", no_such_column=1)
+
+
+def test_failed_write_transaction_leaves_nothing(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    tenant, _ = store.create_tenant("acme", 5)
+    with pytest.raises(RuntimeError), store.write() as tx:
+        tx.insert_vm(_vm("vm-a", tenant.id))
+        tx.add_event("vm-a", tenant.id, "status", to_state="running")
+        raise RuntimeError("boom")
+    assert store.get_vm("vm-a") is None
+    assert store.list_events("vm-a") == []
+
+
+def test_events_are_listed_in_order(tmp_path: Path) -> None:
+    store = Store.open(Settings(data_dir=tmp_path))
+    tenant, _ = store.create_tenant("acme", 5)
+    store.add_event("vm-a", tenant.id, "status", to_state="pending")
+    store.add_event("vm-a", tenant.id, "status", from_state="pending", to_state="spawning")
+    store.add_event("vm-a", tenant.id, "auto_resume", reason="exec")
+    assert [(e.kind, e.to_state) for e in store.list_events("vm-a")] == [
+        ("status", "pending"),
+        ("status", "spawning"),
+        ("auto_resume", None),
+    ]
