@@ -37,6 +37,9 @@ class _Server(uvicorn.Server):
 def _logging() -> None:
     level = os.environ.get("PAL_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Per-request and per-QMP-event lines drown what matters.
+    for noisy in ("httpx", "httpcore", "alembic", "qemu.qmp", "botocore", "boto3", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 class Node:
@@ -145,7 +148,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
         load_image(settings, "default")
         hb = await client.heartbeat()
-        return {"accel": hb.accel, "vms": len(hb.vms)}
+        return {"ok": True, "accel": hb.accel, "vms": len(hb.vms)}
 
     app = create_app(scheduler, store, settings, health=health)
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))

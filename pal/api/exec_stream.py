@@ -150,10 +150,9 @@ async def sse_exec(
     if isinstance(first, PalError):
         await _stop(task)
         return error_response(first.status, first.code, first.message)
-    if isinstance(first, ExecEvent) and first.type == "error" and not _is_timeout(first):
-        await _stop(task)
-        err = guest_error(first.code, first.message)
-        return error_response(err.status, err.code, err.message)
+    # A guest-side failure (e.g. executable not found) is part of the exec's outcome and
+    # arrives as an `error` event; only control-plane refusals (404/409/402...) keep their
+    # HTTP status, since for those no exec ever started.
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -32,6 +32,10 @@ class VmOut(_Out):
     paused_by: str | None = Field(
         default=None, description="`operator`, `idle` or null; only idle-paused VMs wake"
     )
+    boot_method: str | None = Field(
+        default=None,
+        description="on schedule answers: how the VM started (`template`, `cold`); null elsewhere",
+    )
 
     @classmethod
     def from_view(cls, view: Any) -> VmOut:
@@ -46,6 +50,7 @@ class VmOut(_Out):
             reason=view.reason,
             idle_timeout_secs=view.idle_timeout_secs,
             paused_by=getattr(view, "paused_by", None),
+            boot_method=getattr(view, "boot_method", None),
         )
 
 
@@ -77,7 +82,9 @@ class ExecOut(_Out):
     exit_code: int
     stdout: str
     stderr: str
-    timed_out: bool = Field(default=False, description="the guest killed the command at timeoutSecs")
+    timed_out: bool | None = Field(
+        default=None, description="true when the guest killed the command at timeoutSecs; absent otherwise"
+    )
 
 
 class FileEntryOut(_Out):

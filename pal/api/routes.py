@@ -84,6 +84,7 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     @r.post(
         "/vms/{vm_id}/exec",
         response_model=ExecOut,
+        response_model_exclude_none=True,
         summary="Run a command (execve-style); `Accept: text/event-stream` streams it",
         responses={200: {"content": {"text/event-stream": {}}}},
     )

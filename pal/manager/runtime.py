@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pal import failpoints
 from pal.config import Settings
 from pal.errors import BackendError, Conflict, NotFound, PalError
 from pal.guest import protocol as p
@@ -320,6 +321,7 @@ class NodeRuntime:
                         await lv.qemu.cont()
                 raise
             t_capture = time.perf_counter()
+            failpoints.hit("manager:captured")
             if req.keep_running:
                 # The capture is independent reflinked files: the guest may run on while
                 # they are checksummed and committed.
@@ -347,6 +349,7 @@ class NodeRuntime:
                         await lv.qemu.cont()
                 raise
             t_commit = time.perf_counter()
+            failpoints.hit("manager:committed")
             if not req.keep_running:
                 await self.stop(vm_id)
             t_end = time.perf_counter()

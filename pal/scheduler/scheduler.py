@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 
+from pal import failpoints
 from pal.config import Settings
 from pal.errors import BackendError, Conflict, InvalidRequest, NotFound, PalError
 from pal.manager.api import RuntimeManager
@@ -363,6 +364,7 @@ class Scheduler:
         await self.transitions.transition(
             vm_id, S.DRAINING, marker=marker, reason=reason, expect=S.RUNNING, snapshot_id=snap_id
         )
+        failpoints.hit("pause:draining")
         try:
             await self.manager.snapshot(
                 vm_id,
@@ -398,6 +400,7 @@ class Scheduler:
                 snapshot_id=prev,
             )
             raise BackendError(f"pause of VM {vm_id} failed and the VM is gone: {err.message}") from exc
+        failpoints.hit("pause:snapshotted")
         return await self.transitions.transition(
             vm_id, S.PAUSED, reason=reason, expect=S.DRAINING, paused_by=by, mem_snapshot_id=None
         )
@@ -428,6 +431,7 @@ class Scheduler:
         except BaseException:
             quotas.release(self.store, vm_id)
             raise
+        failpoints.hit("resume:spawning")
         restore = RestoreFrom(
             snapshot_id=vm.snapshot_id or "",
             agent_version_id=vm.agent_version_id or "",
@@ -444,6 +448,7 @@ class Scheduler:
                 vm_id, S.PAUSED, reason=f"resume failed: {err.message}", expect=S.SPAWNING
             )
             raise err from exc
+        failpoints.hit("resume:spawned")
         return await self.transitions.transition(
             vm_id,
             S.RUNNING,

@@ -47,31 +47,53 @@ def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-def sparse_sha256(path: Path) -> tuple[int, str]:
-    """Return (size, hex digest) of ``path`` per ``sha256-sparse-v1``."""
-    digest = hashlib.sha256()
+def data_blocks(fd: int, size: int) -> Iterator[tuple[int, memoryview]]:
+    """Yield (offset, bytes) of every aligned ``BLOCK`` of the file that is not all zeros,
+    in ascending order; holes are skipped unread. The view is a reused buffer: valid only
+    until the next iteration (copy it to keep it). This is the one definition of "the
+    data of a sparse file" shared by the checksum and the S3 sparse encoding."""
     buf = bytearray(BLOCK)
     view = memoryview(buf)
+    next_block = 0  # first block offset not visited yet (extents may share a block)
+    for start, end in data_extents(fd, size):
+        off = max(next_block, start - start % BLOCK)
+        while off < end:
+            length = min(BLOCK, size - off)
+            got = os.preadv(fd, [view[:length]], off)
+            if got != length:
+                raise OSError(errno.EIO, f"short read at {off} (file changed?)")
+            chunk = view[:length]
+            is_zero = buf == _ZERO_BLOCK if length == BLOCK else chunk == bytes(length)
+            if not is_zero:
+                yield off, chunk
+            off += BLOCK
+        next_block = off
+
+
+class SparseDigest:
+    """Incremental ``sha256-sparse-v1``: feed the non-zero blocks in order, then the size."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def block(self, offset: int, data: memoryview | bytes) -> None:
+        self._h.update(struct.pack("<QQ", offset, len(data)))
+        self._h.update(data)
+
+    def finish(self, size: int) -> str:
+        self._h.update(b"size" + struct.pack("<Q", size))
+        return self._h.hexdigest()
+
+
+def sparse_sha256(path: Path) -> tuple[int, str]:
+    """Return (size, hex digest) of ``path`` per ``sha256-sparse-v1``."""
+    digest = SparseDigest()
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
-        next_block = 0  # first block offset not hashed yet (extents may share a block)
-        for start, end in data_extents(fd, size):
-            off = max(next_block, start - start % BLOCK)
-            while off < end:
-                length = min(BLOCK, size - off)
-                got = os.preadv(fd, [view[:length]], off)
-                if got != length:
-                    raise OSError(errno.EIO, f"short read at {off} in {path} (file changed?)")
-                chunk = view[:length]
-                is_zero = buf == _ZERO_BLOCK if length == BLOCK else chunk == bytes(length)
-                if not is_zero:
-                    digest.update(struct.pack("<QQ", off, length))
-                    digest.update(chunk)
-                off += BLOCK
-            next_block = off
-    digest.update(b"size" + struct.pack("<Q", size))
-    return size, digest.hexdigest()
+        for off, chunk in data_blocks(fd, size):
+            digest.block(off, chunk)
+    return size, digest.finish(size)
 
 
 def hash_files(paths: Mapping[str, Path], *, fsync: bool = False) -> dict[str, tuple[int, str]]:

@@ -4,6 +4,11 @@ Used for the S3 mirror: a job is a small JSON file in the queue dir, written (fs
 before ``submit`` returns and removed only after the job succeeded, so a crash or restart
 retries whatever was pending. One worker runs jobs in submission order; a failed job is
 retried with exponential backoff while later jobs go ahead. Jobs must be idempotent.
+
+A job can be submitted *held*: persisted now, run only after ``release`` (or dropped with
+``discard``). A caller that must record its intent before an action (the seal job before a
+snapshot's publishing rename) uses it so the worker never runs ahead of the action; a
+restart loads held jobs as ordinary ones, and their handlers judge what was done.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ class DropJob(Exception):
     """Raised by a handler when a job can never succeed (its input is gone): no retry."""
 
 
-@dataclass
-class _Job:
+@dataclass(eq=False)
+class Job:
     path: Path
     data: dict[str, Any]
     attempts: int = 0
     not_before: float = 0.0
+    held: bool = False
 
 
 Handler = Callable[[dict[str, Any]], None]
@@ -55,7 +61,7 @@ class JobQueue:
         self._retry_max_s = retry_max_s
         self._name = name
         self._cond = threading.Condition()
-        self._jobs: list[_Job] = []
+        self._jobs: list[Job] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -70,7 +76,7 @@ class JobQueue:
                 self._log.warning("dropping unreadable queued job %s", path)
                 path.unlink(missing_ok=True)
                 continue
-            self._jobs.append(_Job(path, data))
+            self._jobs.append(Job(path, data))
             self._seq = max(self._seq, int(path.name.split("-", 1)[0]) + 1)
         if self._jobs:
             self._log.info("%s: %d pending job(s) from a previous run", self._name, len(self._jobs))
@@ -92,7 +98,8 @@ class JobQueue:
         if thread is not None:
             thread.join(timeout)
 
-    def submit(self, data: dict[str, Any]) -> None:
+    def submit(self, data: dict[str, Any], *, held: bool = False) -> Job:
+        """Persist a job and queue it; a ``held`` one waits for ``release``."""
         with self._cond:
             seq = self._seq
             self._seq += 1
@@ -100,9 +107,20 @@ class JobQueue:
         path = self.dir / f"{seq:020d}-{uuid.uuid4().hex[:8]}.json"
         write_json_durably(path, data)
         fsync_path(self.dir)
+        job = Job(path, data, held=held)
         with self._cond:
-            self._jobs.append(_Job(path, data))
+            self._jobs.append(job)
             self._cond.notify_all()
+        return job
+
+    def release(self, job: Job) -> None:
+        with self._cond:
+            job.held = False
+            self._cond.notify_all()
+
+    def discard(self, job: Job) -> None:
+        """Forget a held job (its action did not happen)."""
+        self._finish(job)
 
     def pending(self) -> int:
         with self._cond:
@@ -122,14 +140,14 @@ class JobQueue:
                 self._cond.wait(left)
             return True
 
-    def _next_job(self) -> _Job | None:
+    def _next_job(self) -> Job | None:
         """Wait for a runnable job (called with the condition held)."""
         while not self._stopping:
             now = time.monotonic()
-            ready = [j for j in self._jobs if j.not_before <= now]
+            ready = [j for j in self._jobs if not j.held and j.not_before <= now]
             if ready:
                 return ready[0]
-            wake = min((j.not_before for j in self._jobs), default=None)
+            wake = min((j.not_before for j in self._jobs if not j.held), default=None)
             self._cond.wait(None if wake is None else max(0.0, wake - now))
         return None
 
@@ -162,8 +180,9 @@ class JobQueue:
             else:
                 self._finish(job)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         job.path.unlink(missing_ok=True)
         with self._cond:
-            self._jobs.remove(job)
+            if job in self._jobs:
+                self._jobs.remove(job)
             self._cond.notify_all()

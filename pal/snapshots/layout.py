@@ -1,8 +1,29 @@
 """Where a snapshot lives: its reference, id validation, local paths and S3 keys.
 
 Layout (both tiers, see docs/internals.md "Data dir layout"):
-    local  <root>/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,meta.json}
-    S3     snapshots/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,meta.json}
+    local  <root>/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,vmm.json,meta.json}
+    S3     snapshots/<agent_version_id>/<vm_id>/<snapshot_id>/{same files}
+
+Sealing: ``commit`` checksums and fsyncs only the small artifacts (at most
+``INLINE_SEAL_MAX_BYTES``) and publishes meta.json with ``"sealed": false``; a background
+seal job checksums + fsyncs the large ones and rewrites meta.json with ``"sealed": true``
+and a sha256 for every artifact. Only sealed snapshots go to S3.
+
+S3 object encoding of large artifacts, ``pal-sparse-v1`` (object metadata
+``pal-encoding: pal-sparse-v1``; artifacts up to ``INLINE_SEAL_MAX_BYTES`` are stored raw,
+without that metadata). All integers little-endian u64::
+
+    header   b"PALSPRS1" + logical_size
+    record*  offset + length + <length bytes>     one per non-zero 1 MiB block, in
+                                                  ascending offset order; offset is a
+                                                  multiple of 1 MiB; length <= 1 MiB
+    end      0xFFFF_FFFF_FFFF_FFFF + 0            terminator (a truncated object has none)
+
+Blocks that are all zeros are not stored (the same rule as ``sha256-sparse-v1``), so an
+object costs about the data a file holds, not its apparent size. Decoding = truncate a new
+file to ``logical_size`` and write each record at its offset: holes stay holes. The
+format is a stream (no table up front), so both ends work in constant memory. A new
+incompatible format gets a new name and magic; readers refuse names they do not know.
 """
 
 from __future__ import annotations
@@ -30,6 +51,19 @@ S3_PREFIX = "snapshots"
 # a dot so an agent version can never collide with them.
 STAGING_DIRNAME = ".staging"
 S3_QUEUE_DIRNAME = ".s3-queue"
+SEAL_QUEUE_DIRNAME = ".seal-queue"
+
+# Artifacts bigger than this are checksummed and fsynced by the background seal, not by
+# commit (the pause waits for commit). Device state with x-ignore-shared and vmm.json are
+# far below it; mem, rootfs and a streamed-RAM ``snapshot`` are above it.
+INLINE_SEAL_MAX_BYTES = 8 << 20
+
+SPARSE_ENCODING = "pal-sparse-v1"
+SPARSE_MAGIC = b"PALSPRS1"
+SPARSE_BLOCK = 1 << 20
+SPARSE_END_OFFSET = (1 << 64) - 1
+# S3 user metadata key (sent as x-amz-meta-pal-encoding) naming an object's encoding.
+S3_ENCODING_METADATA_KEY = "pal-encoding"
 
 # One path component: letters, digits, '.', '_', '-'; no leading dot (so no '.', '..'
 # and no clash with the dot-dirs), no '/', no NUL, bounded length.
@@ -47,7 +81,8 @@ def validate_id(value: str, what: str) -> str:
 class SnapshotRef:
     """Names one snapshot. ``tenant_id`` is who asks for it: when set, a snapshot whose
     meta names another tenant is reported as NotFound (spec: another tenant's snapshot is
-    NOT_FOUND). ``None`` skips the ownership check (retention, node-internal cleanup)."""
+    NOT_FOUND). ``None`` (or ``""``, normalised to None) skips the ownership check
+    (retention, node-internal status and cleanup)."""
 
     agent_version_id: str
     vm_id: str
@@ -58,8 +93,10 @@ class SnapshotRef:
         validate_id(self.agent_version_id, "agent_version_id")
         validate_id(self.vm_id, "vm_id")
         validate_id(self.snapshot_id, "snapshot_id")
-        if self.tenant_id is not None and (not isinstance(self.tenant_id, str) or not self.tenant_id):
-            raise InvalidRequest("tenant_id must be a non-empty string or None")
+        if self.tenant_id == "":
+            object.__setattr__(self, "tenant_id", None)
+        elif self.tenant_id is not None and not isinstance(self.tenant_id, str):
+            raise InvalidRequest("tenant_id must be a string or None")
 
     def local_dir(self, root: Path) -> Path:
         return root / self.agent_version_id / self.vm_id / self.snapshot_id

@@ -4,6 +4,12 @@ Writes (uploads, deletes, retention) go through a persistent background queue
 (:class:`JobQueue`), so a commit never waits for S3 and an unreachable server only delays
 the mirror. An S3 snapshot counts as present only once its ``meta.json`` exists, so
 uploads write it last and deletes remove it first.
+
+Only sealed snapshots are uploaded (the store queues the upload when the seal is done),
+and the upload checks every artifact it sends against the size and sha256 in meta.json
+before it writes meta.json. Large artifacts travel as ``pal-sparse-v1`` objects (format in
+layout.py): a 2 GiB sparse disk with 180 MB of data uploads ~180 MB. Downloads rebuild the
+holes and check each artifact's sha256 against meta.json.
 """
 
 from __future__ import annotations
@@ -24,13 +30,27 @@ from botocore.exceptions import ClientError
 
 from pal.errors import BackendError
 from pal.snapshots import retention
+from pal.snapshots.hashing import sparse_sha256
+from pal.snapshots.integrity import is_sealed
 from pal.snapshots.jobqueue import DropJob, JobQueue
-from pal.snapshots.layout import META_FILE, SnapshotRef, vm_s3_prefix
-from pal.snapshots.local import LocalTier
+from pal.snapshots.layout import (
+    INLINE_SEAL_MAX_BYTES,
+    META_FILE,
+    S3_ENCODING_METADATA_KEY,
+    SPARSE_ENCODING,
+    SnapshotRef,
+    vm_s3_prefix,
+)
+from pal.snapshots.local import LocalTier, read_meta_file
+from pal.snapshots.sparse_object import SparseEncoder, decode_to_file
 
 _CHUNK = 1 << 20
 _ZERO_CHUNK = bytes(_CHUNK)
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+
+
+class CorruptLocalCopy(BackendError):
+    """A local artifact does not match its meta.json: it must not be mirrored."""
 
 
 def _is_missing(exc: ClientError) -> bool:
@@ -74,6 +94,13 @@ class S3Mirror:
             ),
         )
         self._transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20)
+        # The sparse stream is not seekable, so boto3 buffers each part in memory: small
+        # parts and few in flight bound that to ~max_concurrency * chunksize.
+        self._sparse_transfer = TransferConfig(
+            multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=4
+        )
+        # Bytes sent and seconds taken by the last upload (for logs, benchmarks, tests).
+        self.last_upload: dict[str, float] = {}
         self._bucket_ready = False
         self._queue: JobQueue | None = None
         self._local: LocalTier | None = None
@@ -139,11 +166,19 @@ class S3Mirror:
             ref = SnapshotRef.from_json(job["ref"])
             assert self._local is not None
             src = self._local.path(ref)
-            if not (src / META_FILE).is_file():
+            meta = read_meta_file(src)
+            if meta is None:
                 # Deleted locally (retention, delete) before it reached S3: nothing to do;
                 # a delete job queued after this one removes any partial upload.
                 raise DropJob(f"{ref.snapshot_id} is no longer on local disk")
-            self.upload(ref, src)
+            if not is_sealed(meta):
+                # Only a job from before sealing existed; the seal job queues a new one.
+                raise DropJob(f"{ref.snapshot_id} is not sealed yet")
+            try:
+                self.upload(ref, src, meta)
+            except CorruptLocalCopy as exc:
+                self.log.error("not mirroring snapshot %s: %s", ref.snapshot_id, exc)
+                raise DropJob(str(exc)) from exc
         elif op == "delete":
             self.delete(SnapshotRef.from_json(job["ref"]))
         elif op == "retention":
@@ -173,21 +208,51 @@ class S3Mirror:
             self.log.info("created S3 bucket %s", self.bucket)
         self._bucket_ready = True
 
-    def upload(self, ref: SnapshotRef, src_dir: Path) -> None:
-        """Upload a complete local snapshot; meta.json last, so it is complete on S3 only
-        when every artifact is there."""
+    def upload(self, ref: SnapshotRef, src_dir: Path, meta: dict[str, Any] | None = None) -> None:
+        """Upload a sealed local snapshot; meta.json last, so it is complete on S3 only
+        when every artifact is there and matched meta. Raises CorruptLocalCopy (and
+        writes no meta.json) when an artifact differs from what meta records."""
+        if meta is None:
+            meta = read_meta_file(src_dir)
+        if meta is None or not is_sealed(meta):
+            raise BackendError(f"snapshot {ref.snapshot_id} is not sealed: not uploading it")
         self.ensure_bucket()
-        artifacts = LocalTier.artifacts_in(src_dir)
+        sizes: dict[str, int] = meta["sizes"]
+        digests: dict[str, str] = meta["sha256"]
         started = time.monotonic()
-        for name, path in artifacts.items():
-            self._client.upload_file(str(path), self.bucket, ref.s3_key(name), Config=self._transfer)
-        self._client.upload_file(str(src_dir / META_FILE), self.bucket, ref.s3_key(META_FILE))
+        sent = 0
+        for name in sorted(sizes):
+            path = src_dir / name
+            if sizes[name] > INLINE_SEAL_MAX_BYTES:
+                with SparseEncoder(path) as stream:
+                    self._client.upload_fileobj(
+                        stream,
+                        self.bucket,
+                        ref.s3_key(name),
+                        ExtraArgs={"Metadata": {S3_ENCODING_METADATA_KEY: SPARSE_ENCODING}},
+                        Config=self._sparse_transfer,
+                    )
+                    got = (stream.size, stream.digest)
+                    sent += stream.bytes_out
+            else:
+                got = sparse_sha256(path)
+                self._client.upload_file(str(path), self.bucket, ref.s3_key(name), Config=self._transfer)
+                sent += got[0]
+            if got != (sizes[name], digests[name]):
+                # The object is there but meta.json is not, so S3 has no snapshot; the
+                # delete queued with the local copy's removal tidies the objects.
+                raise CorruptLocalCopy(f"{name} of {ref.snapshot_id} does not match its sha256 in meta.json")
+        body = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+        self._client.put_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE), Body=body)
+        took = time.monotonic() - started
+        self.last_upload = {"bytes": float(sent + len(body)), "seconds": took}
         self.log.info(
-            "uploaded snapshot %s/%s/%s to S3 in %.2fs",
+            "uploaded snapshot %s/%s/%s to S3: %.1f MB in %.2fs",
             ref.agent_version_id,
             ref.vm_id,
             ref.snapshot_id,
-            time.monotonic() - started,
+            (sent + len(body)) / 1e6,
+            took,
         )
 
     def read_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
@@ -208,7 +273,8 @@ class S3Mirror:
         self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """Download the artifacts named in meta (fetched if not given) into ``dest_dir``,
-        then meta.json. Zero blocks are skipped so sparse files stay sparse."""
+        then meta.json. Sparse objects are decoded with their holes and checked against
+        meta's sha256 (BackendError if not); raw ones skip zero blocks so they stay sparse."""
         if meta is None:
             meta = self.read_meta(ref)
             if meta is None:
@@ -217,9 +283,23 @@ class S3Mirror:
         if not isinstance(sizes, dict):
             raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no sizes")
 
+        digests = meta.get("sha256")
+        if not isinstance(digests, dict):
+            raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no checksums")
+
         def fetch(name: str) -> None:
             obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(name))
             body = obj["Body"]
+            encoding = obj.get("Metadata", {}).get(S3_ENCODING_METADATA_KEY)
+            if encoding == SPARSE_ENCODING:
+                got = decode_to_file(body.read, dest_dir / name)
+                if got != (sizes[name], digests.get(name)):
+                    raise BackendError(f"S3 copy of {name} of {ref.snapshot_id} fails its sha256")
+                return
+            if encoding is not None:
+                raise BackendError(f"S3 object {name} of {ref.snapshot_id} has unknown encoding {encoding!r}")
+            # Raw object (small artifacts, or uploaded before sparse objects existed);
+            # the store checks its sha256 after the download.
             written = 0
             with open(dest_dir / name, "wb") as f:
                 while chunk := body.read(_CHUNK):

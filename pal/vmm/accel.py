@@ -4,7 +4,8 @@ A present and openable /dev/kvm is not enough: on nested hosts (kvm_pvm) a stock
 is instruction-emulated for minutes and then dies with "KVM internal error". So we boot
 the guest kernel with no root fs under KVM and a short timeout; reaching the
 "Unable to mount root fs" panic on its serial console proves KVM runs a real kernel.
-The answer is cached in ``<data_dir>/accel.json`` per host kernel + QEMU version.
+The answer is cached in ``<images dir>/accel.json`` per host kernel + QEMU version (next to
+the guest kernel it was probed with, so data dirs sharing an image dir share the answer).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def probe(settings: Settings, force: str | None = None, kernel: Path | None = No
     why_not = _kvm_openable(KVM_DEVICE)
     if why_not:
         return AccelInfo("tcg", f"{why_not}; using TCG (software emulation)")
-    cache_path = settings.data_dir / "accel.json"
+    cache_path = settings.images_dir / "accel.json"
     key = _cache_key()
     try:
         cached = json.loads(cache_path.read_text())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -82,8 +83,6 @@ def test_pause_resume_cycles_keep_memory_processes_and_files(
 
 
 def test_clock_and_identity_are_fresh_after_resume(api: httpx.Client, vm: str) -> None:
-    import time
-
     before = sh(api, vm, "cat /proc/sys/kernel/random/uuid")["stdout"]
     api.post(f"/v1/runtime/vms/{vm}/pause")
     time.sleep(3)
@@ -135,6 +134,12 @@ def test_snapshot_layout_and_meta(pal_server: PalServer, api: httpx.Client, vm: 
     assert {p.name for p in d.iterdir()} >= {"snapshot", "mem", "rootfs", "meta.json"}
     meta = json.loads(metas[0].read_text())
     assert meta["vmId"] == vm and meta["tenantId"]
+    # The big artifacts' checksums are added by the background seal shortly after the pause.
+    deadline = time.time() + 30
+    while not meta.get("sealed") and time.time() < deadline:
+        time.sleep(0.2)
+        meta = json.loads(metas[0].read_text())
+    assert meta["sealed"] is True
     for art in ("snapshot", "mem", "rootfs"):
         assert len(meta["sha256"][art]) == 64
         assert meta["sizes"][art] == (d / art).stat().st_size

@@ -65,13 +65,15 @@ def test_sse_chunk_arrives_before_the_command_ends(live: tuple[Env, httpx.Client
         assert list(events) == [("stdout", {"data": "second\n"}), ("exit", {"exitCode": 0})]
 
 
-def test_sse_early_errors_keep_their_status(live: tuple[Env, httpx.Client, str]) -> None:
+def test_sse_refusals_keep_their_status_guest_errors_are_events(live: tuple[Env, httpx.Client, str]) -> None:
     _, http, vm = live
-    resp = http.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "nope"}, headers=SSE)
-    assert resp.status_code == 400
-    assert resp.json()["error"]["code"] == "EXECUTABLE_NOT_FOUND"
     resp = http.post("/v1/runtime/vms/vm-unknown/exec", json={"command": "echo"}, headers=SSE)
     assert resp.status_code == 404
+    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "nope"}, headers=SSE) as resp:
+        assert resp.status_code == 200
+        got = list(_events(resp.iter_lines()))
+    assert len(got) == 1 and got[0][0] == "error"
+    assert got[0][1]["code"] == "EXECUTABLE_NOT_FOUND" and got[0][1]["message"]
 
 
 def test_sse_timeout_is_an_exit_event(live: tuple[Env, httpx.Client, str]) -> None:

@@ -30,6 +30,8 @@ def test_paths_and_keys(tmp_path: Path) -> None:
     assert ref.local_dir(tmp_path) == tmp_path / "default-0123456789ab" / "vm-1" / "snap-1"
     assert ref.s3_key("mem") == "snapshots/default-0123456789ab/vm-1/snap-1/mem"
     assert SnapshotRef.from_json(ref.to_json()) == ref
+    # an empty tenant means "no ownership check", like None
+    assert SnapshotRef("default-0123456789ab", "vm-1", "snap-1", "").tenant_id is None
 
 
 def _reference_digest(path: Path) -> str:

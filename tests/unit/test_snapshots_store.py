@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pal.config import Settings
-from pal.errors import Conflict, InvalidRequest, NotFound
+from pal.errors import BackendError, Conflict, InvalidRequest, NotFound
+from pal.snapshots import store as store_module
+from pal.snapshots.jobqueue import JobQueue
 from pal.snapshots.layout import META_FILE, SnapshotRef
-from pal.snapshots.local import LocalTier
+from pal.snapshots.local import LocalTier, read_meta_file
 from pal.snapshots.store import SnapshotStore
 
 AV = "default-0123456789ab"
@@ -27,8 +33,9 @@ class FakeClock:
 
 def write_artifacts(staging: Path, *, mem: bool = True, rootfs: bool = True) -> dict[str, bytes]:
     """Device state, a sparse 32 MiB mem and a sparse 64 MiB disk, like a small VM's."""
-    written = {"snapshot": os.urandom(4096)}
+    written = {"snapshot": os.urandom(4096), "vmm.json": b'{"memoryKind": "file"}'}
     (staging / "snapshot").write_bytes(written["snapshot"])
+    (staging / "vmm.json").write_bytes(written["vmm.json"])
     for name, size, present in (("mem", 32 << 20, mem), ("rootfs", 64 << 20, rootfs)):
         if not present:
             continue
@@ -41,10 +48,34 @@ def write_artifacts(staging: Path, *, mem: bool = True, rootfs: bool = True) -> 
     return written
 
 
-def take(store: SnapshotStore, ref: SnapshotRef, **meta: object) -> Path:
+def take(store: SnapshotStore, ref: SnapshotRef, *, sealed: bool = True, **meta: object) -> Path:
     staging = store.staging_dir(ref.snapshot_id)
     write_artifacts(staging)
-    return store.commit(staging, ref, {"qemuVersion": "7.2.22", "kernelVersion": "6.1.0-28", **meta})
+    path = store.commit(staging, ref, {"qemuVersion": "7.2.22", "kernelVersion": "6.1.0-28", **meta})
+    if sealed:
+        assert store.wait_sealed(ref, 30)
+    return path
+
+
+class SealGate:
+    """Controls the background seal worker: hold it (it waits before hashing) or make it
+    fail, while commit and seal_now (other threads) hash normally."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.open = threading.Event()
+        self.fail = False
+        self.entered = threading.Event()
+        real = store_module.hash_files
+
+        def gated(paths: Any, *, fsync: bool = False) -> Any:
+            if threading.current_thread().name == "pal-seal":
+                self.entered.set()
+                if self.fail:
+                    raise OSError(5, "simulated I/O error while sealing")
+                assert self.open.wait(30)
+            return real(paths, fsync=fsync)
+
+        monkeypatch.setattr(store_module, "hash_files", gated)
 
 
 @pytest.fixture
@@ -53,8 +84,10 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> SnapshotStore:
-    return SnapshotStore(tmp_path / "snapshots", None, clock=clock)
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[SnapshotStore]:
+    s = SnapshotStore(tmp_path / "snapshots", None, clock=clock)
+    yield s
+    s.close()
 
 
 def test_commit_publishes_a_complete_verified_snapshot(store: SnapshotStore) -> None:
@@ -62,10 +95,11 @@ def test_commit_publishes_a_complete_verified_snapshot(store: SnapshotStore) -> 
     staging = store.staging_dir("snap-1")
     written = write_artifacts(staging)
     path = store.commit(staging, ref, {"parentSnapshotId": "snap-0", "qemuVersion": "7.2.22"})
+    assert store.wait_sealed(ref, 30)
 
     assert path == store.root / AV / "vm-1" / "snap-1"
     assert not staging.exists()
-    assert sorted(p.name for p in path.iterdir()) == ["mem", "meta.json", "rootfs", "snapshot"]
+    assert sorted(p.name for p in path.iterdir()) == ["mem", "meta.json", "rootfs", "snapshot", "vmm.json"]
     assert (path / "snapshot").read_bytes() == written["snapshot"]
     assert store.exists(ref) and store.verify(ref) and store.verify(path)
     assert store.locate(ref) == path
@@ -73,8 +107,8 @@ def test_commit_publishes_a_complete_verified_snapshot(store: SnapshotStore) -> 
     assert meta["tenantId"] == "tenant-a" and meta["vmId"] == "vm-1"
     assert meta["parentSnapshotId"] == "snap-0" and meta["qemuVersion"] == "7.2.22"
     assert meta["hashAlgo"] == "sha256-sparse-v1"
-    assert meta["sizes"] == {"snapshot": 4096, "mem": 32 << 20, "rootfs": 64 << 20}
-    assert set(meta["sha256"]) == {"snapshot", "mem", "rootfs"}
+    assert meta["sizes"] == {"snapshot": 4096, "mem": 32 << 20, "rootfs": 64 << 20, "vmm.json": 22}
+    assert set(meta["sha256"]) == {"snapshot", "mem", "rootfs", "vmm.json"} and meta["sealed"] is True
     assert meta["createdAt"] == "2027-01-15T08:00:00Z"
     # sparse artifacts stay sparse (the store never rewrites them)
     assert os.stat(path / "rootfs").st_blocks * 512 < 8 << 20
@@ -84,9 +118,10 @@ def test_mem_and_rootfs_are_optional_but_device_state_is_not(store: SnapshotStor
     staging = store.staging_dir("s-legacy")
     write_artifacts(staging, mem=False, rootfs=False)
     path = store.commit(staging, SnapshotRef(AV, "vm-1", "s-legacy", "t"), {"memory": "stream"})
-    assert store.verify(path) and store.read_meta(SnapshotRef(AV, "vm-1", "s-legacy"))["sizes"].keys() == {
-        "snapshot"
-    }
+    # only small artifacts: sealed by commit itself, nothing queued
+    assert read_meta_file(path)["sealed"] is True and store.pending_seals() == 0  # type: ignore[index]
+    assert store.verify(path)
+    assert store.read_meta(SnapshotRef(AV, "vm-1", "s-legacy"))["sizes"].keys() == {"snapshot", "vmm.json"}
 
     empty = store.staging_dir("s-empty")
     (empty / "mem").write_bytes(b"x")
@@ -135,10 +170,17 @@ def test_crash_before_rename_leaves_no_visible_snapshot(
     assert store.list_vm(AV, "vm-1") == []
     with pytest.raises(NotFound):
         store.locate(ref)
-    # a restarted manager clears it
+    # a restarted manager clears it, and the seal job of the never-published snapshot
+    # drops itself
+    store.close(drain_seals=False)
     restarted = SnapshotStore(store.root, None)
-    assert restarted.cleanup_staging() == [staging.name]
-    assert not staging.exists()
+    try:
+        assert restarted.cleanup_staging() == [staging.name]
+        assert not staging.exists()
+        assert restarted.flush(10) and restarted.pending_seals() == 0
+        assert not ref.local_dir(store.root).exists()
+    finally:
+        restarted.close()
 
 
 def test_a_directory_without_meta_is_not_a_snapshot(store: SnapshotStore) -> None:
@@ -153,13 +195,13 @@ def test_a_directory_without_meta_is_not_a_snapshot(store: SnapshotStore) -> Non
         store.locate(ref)
 
 
-@pytest.mark.parametrize("artifact", ["snapshot", "mem", "rootfs"])
+@pytest.mark.parametrize("artifact", ["snapshot", "mem", "rootfs", "vmm.json"])
 def test_verify_catches_a_flipped_byte(store: SnapshotStore, artifact: str) -> None:
     ref = SnapshotRef(AV, "vm-1", "s1", "t")
     path = take(store, ref)
     target = path / artifact
     with open(target, "r+b") as f:
-        offset = 100 if artifact == "snapshot" else os.stat(target).st_size // 3 + 5
+        offset = {"snapshot": 100, "vmm.json": 5}.get(artifact, os.stat(target).st_size // 3 + 5)
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
@@ -199,11 +241,26 @@ def test_delete_is_idempotent(store: SnapshotStore) -> None:
         store.locate(ref)
 
 
+_opened: list[SnapshotStore] = []
+
+
+def request_close(store: SnapshotStore) -> None:
+    _opened.append(store)
+
+
+@pytest.fixture(autouse=True)
+def _close_opened() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def test_commit_runs_retention_keeping_protected_snapshots(tmp_path: Path, clock: FakeClock) -> None:
     protected: set[str] = {"s0"}  # e.g. what a live fork still maps
     store = SnapshotStore(
         tmp_path / "snapshots", None, clock=clock, protected_provider=lambda av, vm: protected
     )
+    request_close(store)
     for i in range(6):
         clock.now += 60
         take(store, SnapshotRef(AV, "vm-1", f"s{i}", "t"))
@@ -236,6 +293,156 @@ def test_from_settings_uses_snapshot_dir_and_mirrors_only_when_s3_is_configured(
     monkeypatch.delenv("S3_ENDPOINT", raising=False)
     monkeypatch.delenv("S3_BUCKET", raising=False)
     store = SnapshotStore.from_settings(Settings.from_env(tmp_path))
+    request_close(store)
     assert store.root == tmp_path / "snaps" and store.mirror is None
     take(store, SnapshotRef(AV, "vm-1", "s1", "t"))
     assert (tmp_path / "snaps" / AV / "vm-1" / "s1" / "meta.json").is_file()
+
+
+# -- background sealing ---------------------------------------------------------------
+
+
+def test_commit_returns_before_the_seal_and_the_seal_adds_the_big_checksums(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)  # would hang here if commit waited for the seal
+    assert gate.entered.wait(10)
+
+    meta = read_meta_file(path)
+    assert meta is not None and meta["sealed"] is False
+    assert set(meta["sha256"]) == {"snapshot", "vmm.json"}  # the small ones only
+    assert meta["sizes"] == {"snapshot": 4096, "mem": 32 << 20, "rootfs": 64 << 20, "vmm.json": 22}
+    # usable right away: resume must not wait for the seal
+    assert store.locate(ref) == path
+    assert store.verify(ref, allow_unsealed=True)
+    assert not store.wait_sealed(ref, 0.2)
+
+    gate.open.set()
+    assert store.wait_sealed(ref, 30)
+    sealed = read_meta_file(path)
+    assert sealed is not None and sealed["sealed"] is True
+    assert set(sealed["sha256"]) == {"snapshot", "mem", "rootfs", "vmm.json"}
+    assert store.verify(ref) and store.pending_seals() == 0
+
+
+def test_verify_seals_an_unsealed_snapshot_first_unless_asked_not_to(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    gate.fail = True  # the worker cannot seal: only verify/seal_now in this thread can
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)
+    assert store.verify(ref, allow_unsealed=True)
+    assert read_meta_file(path)["sealed"] is False  # type: ignore[index]
+
+    assert store.verify(ref)  # seals, then checks every checksum
+    assert read_meta_file(path)["sealed"] is True  # type: ignore[index]
+    # and now the checksums catch what the structural check cannot see
+    with open(path / "mem", "r+b") as f:
+        f.seek((32 << 20) // 3 + 7)
+        f.write(b"\xff")
+    assert store.verify(ref, allow_unsealed=True) is False
+    assert not store.verify(ref)
+
+
+def test_unsealed_snapshot_with_a_wrong_size_fails_verify_and_is_never_sealed(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)
+    assert gate.entered.wait(10)
+    os.truncate(path / "rootfs", 4096)
+    assert not store.verify(ref, allow_unsealed=True)
+    gate.open.set()
+    assert store.flush(10)  # the seal job gave up rather than checksum damaged data
+    assert read_meta_file(path)["sealed"] is False  # type: ignore[index]
+    assert not store.verify(ref)
+    with pytest.raises(BackendError):
+        store.seal_now(ref)
+
+
+def test_seal_now_seals_immediately_and_is_idempotent(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    SealGate(monkeypatch).fail = True
+    ref = SnapshotRef(AV, "vm-1", "s1", "tenant-a")
+    take(store, ref, sealed=False)
+    meta = store.seal_now(ref)
+    assert meta["sealed"] is True and store.wait_sealed(ref, 0)
+    assert store.seal_now(ref) == meta
+    with pytest.raises(NotFound):
+        store.seal_now(SnapshotRef(AV, "vm-1", "s1", "tenant-b"))
+    with pytest.raises(NotFound):
+        store.seal_now(SnapshotRef(AV, "vm-1", "nope", "tenant-a"))
+
+
+def test_a_restart_reseals_what_was_pending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "snapshots"
+    gate = SealGate(monkeypatch)
+    gate.fail = True
+    first = SnapshotStore(root, None, seal_retry_base_s=60)
+    a = SnapshotRef(AV, "vm-1", "a", "t")
+    take(first, a, sealed=False)
+    assert gate.entered.wait(10)
+    # b: the process dies between the publishing rename and releasing the seal job
+    monkeypatch.setattr(JobQueue, "release", lambda self, job: None)
+    b = SnapshotRef(AV, "vm-1", "b", "t")
+    take(first, b, sealed=False)
+    first.close(drain_seals=False)  # the "crash": seals still pending on disk
+    monkeypatch.undo()
+    assert read_meta_file(a.local_dir(root))["sealed"] is False  # type: ignore[index]
+
+    second = SnapshotStore(root, None)
+    try:
+        assert second.wait_sealed(a, 30) and second.wait_sealed(b, 30)
+        assert second.verify(a) and second.verify(b)
+        assert second.flush(10) and second.pending_seals() == 0
+    finally:
+        second.close()
+
+
+def test_deleting_a_snapshot_with_a_pending_seal_leaves_nothing_behind(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)
+    assert gate.entered.wait(10)  # the worker is about to hash it
+    store.delete(ref)
+    gate.open.set()
+    assert store.flush(10) and store.pending_seals() == 0
+    assert not path.exists() and list(path.parent.iterdir()) == []
+    with pytest.raises(NotFound):
+        store.wait_sealed(ref, 1)
+
+
+def test_close_drains_pending_seals(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "snapshots", None)
+    refs = [SnapshotRef(AV, "vm-1", f"s{i}", "t") for i in range(3)]
+    for ref in refs:
+        take(store, ref, sealed=False)
+    store.close()
+    assert store.pending_seals() == 0
+    assert all(read_meta_file(r.local_dir(store.root))["sealed"] for r in refs)  # type: ignore[index]
+    assert list((store.root / ".seal-queue").iterdir()) == []
+
+
+def test_commit_latency_does_not_grow_with_the_data_in_big_artifacts(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)  # held: the seal must not compete with the measurement
+    ref = SnapshotRef(AV, "vm-1", "big", "t")
+    staging = store.staging_dir(ref.snapshot_id)
+    (staging / "snapshot").write_bytes(os.urandom(4096))
+    with open(staging / "mem", "wb") as f:
+        f.truncate(256 << 20)
+        f.write(os.urandom(64 << 20))  # 64 MiB of data a synchronous hash would read
+    started = time.monotonic()
+    store.commit(staging, ref, {})
+    took = time.monotonic() - started
+    gate.open.set()
+    assert store.wait_sealed(ref, 60)
+    assert took < 0.1, f"commit took {took * 1000:.0f} ms"
