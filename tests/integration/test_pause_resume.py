@@ -51,6 +51,8 @@ def test_pause_resume_cycles_keep_memory_processes_and_files(
     try:
         api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "counter.py"}, content=COUNTER)
         sh(api, vm, "setsid python3 counter.py >/dev/null 2>&1 & echo $! > /tmp/counter.pid")
+        # its first report means its signal handler is in place
+        sh(api, vm, "for i in $(seq 300); do [ -s /tmp/count ] && break; sleep 0.1; done")
         pid0, n_prev = counter_state(api, vm)
         snapshots = set()
         for i in range(CYCLES):
