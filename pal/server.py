@@ -109,16 +109,10 @@ def prepare_data_dir(settings: Settings) -> str:
 
 
 def ensure_image(settings: Settings, name: str = "default") -> None:
+    """Build the image when it is missing or its harness changed (a no-op otherwise)."""
     from pal.images.builder import build_image
-    from pal.images.paths import load_image
 
-    try:
-        load_image(settings, name)
-    except Exception:
-        log.info("image %r missing: building it (first run only)", name)
-        build_image(
-            settings, name, progress=lambda step, frac: log.info("image: %s %.0f%%", step, frac * 100)
-        )
+    build_image(settings, name, progress=lambda step, frac: log.info("image: %s %.0f%%", step, frac * 100))
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
