@@ -70,9 +70,6 @@ class Node:
         self.store = SnapshotStore(settings.snapshots_root, mirror)
         self.store.cleanup_staging()
         self.runtime = NodeRuntime(settings, self.store, self.accel)
-        killed = self.runtime.kill_leftovers()
-        if killed:
-            log.warning("killed %d QEMU processes left by a previous run: %s", len(killed), killed)
         self.runtime.templates = (
             TemplateCache(settings.data_dir / "templates") if settings.templates else None
         )
@@ -124,6 +121,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     prepare_data_dir(settings)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
+    adopted, killed = await node.runtime.adopt_all()
+    if adopted or killed:
+        log.warning("VMs left by a previous run: adopted %s, killed %s", adopted, killed)
     rpc = node.rpc_server()
     rpc_task = asyncio.create_task(rpc.serve(), name="manager-rpc")
     while not rpc.started:

@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.s3server import s3_server  # noqa: F401  (session fixture: a real S3 server)
+
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
 

@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,19 +257,114 @@ class NodeRuntime:
         return dst, disks.disk_format_for(method)
 
     def _write_state(self, lv: LiveVm) -> None:
-        """Enough to re-adopt or clean up this VM after a manager crash."""
+        """Everything needed to re-adopt this VM if the manager process dies (root-only:
+        it holds the exec token and the VM's secrets)."""
         state = {
             "vmId": lv.vm_id,
             "tenantId": lv.tenant_id,
             "pid": lv.qemu.pid,
             "incarnation": lv.incarnation,
+            "token": lv.token,
+            "env": lv.env,
             "image": lv.image.name,
-            "memSnapshotId": lv.mem_snapshot_id,
+            "memoryMib": lv.memory_mib,
+            "vcpus": lv.vcpus,
+            "diskMib": lv.disk_mib,
+            "diskFormat": lv.qemu.spec.disk_format,
+            "memPath": str(lv.qemu.mem_path),
+            "memShare": lv.qemu.mem_share,
+            "memRef": None
+            if lv.mem_ref is None
+            else [lv.mem_ref.agent_version_id, lv.mem_ref.vm_id, lv.mem_ref.snapshot_id],
         }
         path = self._vm_dir(lv.vm_id) / "state.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
         os.replace(tmp, path)
+
+    async def adopt_all(self) -> tuple[list[str], list[str]]:
+        """At start: take over the QEMUs a previous manager of this data dir left running
+        (a crash or restart of the control plane must not kill the sandboxes). A VM that
+        cannot be adopted is killed; the scheduler's reconciliation then settles its state.
+        """
+        adopted: list[str] = []
+        killed: list[str] = []
+        root = self.settings.vms_dir
+        if not root.is_dir():
+            return adopted, killed
+        for vm_dir in sorted(root.iterdir()):
+            try:
+                lv = await self._adopt(vm_dir)
+            except Exception as exc:
+                log.warning("cannot adopt %s: %s", vm_dir.name, exc)
+                lv = None
+            if lv is not None:
+                self.vms[lv.vm_id] = lv
+                adopted.append(lv.vm_id)
+                continue
+            if self._kill_leftover(vm_dir):
+                killed.append(vm_dir.name)
+            shutil.rmtree(vm_dir, ignore_errors=True)
+        return adopted, killed
+
+    async def _adopt(self, vm_dir: Path) -> LiveVm | None:
+        st = json.loads((vm_dir / "state.json").read_text())
+        pid = int(st["pid"])
+        if not _is_qemu_of(pid, vm_dir):
+            return None
+        image = load_image(self.settings, st["image"])
+        spec = VmSpec(
+            vm_id=st["vmId"],
+            vm_dir=vm_dir,
+            image=image,
+            vcpus=int(st["vcpus"]),
+            memory_mib=int(st["memoryMib"]),
+            disk_path=vm_dir / "disk",
+            disk_format=st["diskFormat"],
+            config_drive=vm_dir / "config.img",
+            accel=self.accel.name,
+        )
+        qemu = await QemuVm.adopt(spec, pid, mem_path=Path(st["memPath"]), mem_share=bool(st["memShare"]))
+        channel = HarnessChannel(qemu.agent_socket, spec.vm_id)
+        try:
+            await channel.connect(timeout=2)
+            # The harness heartbeats as soon as it sees the new connection.
+            await channel.wait_heartbeat(int(st["incarnation"]), timeout=5)
+        except BaseException:
+            await channel.close()
+            await qemu.kill()
+            raise
+        mem_ref = None
+        if st.get("memRef"):
+            av, src, snap = st["memRef"]
+            mem_ref = SnapshotRef(av, src, snap, None)
+        log.info("adopted VM %s (QEMU pid %d) left by a previous manager", spec.vm_id, pid)
+        return LiveVm(
+            vm_id=spec.vm_id,
+            tenant_id=st["tenantId"],
+            qemu=qemu,
+            channel=channel,
+            image=image,
+            incarnation=int(st["incarnation"]),
+            token=st["token"],
+            env=dict(st.get("env") or {}),
+            memory_mib=spec.memory_mib,
+            vcpus=spec.vcpus,
+            disk_mib=int(st["diskMib"]),
+            mem_snapshot_id=mem_ref.snapshot_id if mem_ref else None,
+            mem_ref=mem_ref,
+        )
+
+    @staticmethod
+    def _kill_leftover(vm_dir: Path) -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((vm_dir / "qemu.pid").read_text().strip())
+            if _is_qemu_of(pid, vm_dir):
+                os.killpg(pid, 9)
+                return True
+        return False
 
     # ------------------------------------------------------------------ stop
     async def stop(self, vm_id: str) -> None:
@@ -283,27 +377,6 @@ class NodeRuntime:
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.stop(v) for v in list(self.vms)), return_exceptions=True)
-
-    def kill_leftovers(self) -> list[str]:
-        """At start: QEMUs left by a crashed manager of this data dir are killed.
-
-        Their VMs are then reported not alive, and the scheduler's reconciliation moves
-        them to a true state (FAILED, or PAUSED when a complete snapshot exists).
-        """
-        killed: list[str] = []
-        root = self.settings.vms_dir
-        if not root.is_dir():
-            return killed
-        for vm_dir in root.iterdir():
-            pidfile = vm_dir / "qemu.pid"
-            with contextlib.suppress(OSError, ValueError):
-                pid = int(pidfile.read_text().strip())
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"qemu-system" in cmdline and str(vm_dir).encode() in cmdline:
-                    os.kill(pid, 9)
-                    killed.append(vm_dir.name)
-            shutil.rmtree(vm_dir, ignore_errors=True)
-        return killed
 
     # ------------------------------------------------------------------ snapshot
     async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
@@ -475,7 +548,7 @@ class NodeRuntime:
                     vm_id=lv.vm_id,
                     alive=alive,
                     pid=lv.qemu.pid,
-                    incarnation=hb.get("incarnation"),
+                    incarnation=hb.get("incarnation", lv.incarnation),
                     has_active_exec=bool(hb.get("active")) or lv.active_execs > 0,
                     last_activity_unix_ms=max(int(hb.get("last_activity_ms") or 0), lv.last_activity_ms),
                     last_heartbeat_unix_ms=int(
@@ -488,5 +561,10 @@ class NodeRuntime:
         return NodeHeartbeat(node_id=self.node_id, accel=self.accel.name, vms=out)
 
 
-def new_snapshot_id() -> str:
-    return "snap-" + uuid.uuid4().hex[:16]
+def _is_qemu_of(pid: int, vm_dir: Path) -> bool:
+    """Whether ``pid`` is a live QEMU whose command line names ``vm_dir`` (not a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"qemu-system" in cmdline and str(vm_dir).encode() in cmdline

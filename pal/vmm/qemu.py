@@ -94,12 +94,13 @@ class QemuVm:
         self.mem_clone_method: str | None = None  # set by a "shared" restore
         self._snapshot_dir: Path | None = None  # set by spawn_incoming
         self._helpers = False  # a `migrate exec:` helper may be alive in our process group
+        self._adopted_pid: int | None = None  # set by adopt(): a QEMU we did not start
 
     # ---------------------------------------------------------------- properties
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self._proc.pid if self._proc else self._adopted_pid
 
     @property
     def returncode(self) -> int | None:
@@ -226,6 +227,40 @@ class QemuVm:
         vm = await cls.spawn_incoming(spec, snapshot_dir, mem_mode)
         await vm.load()
         vm.timings_ms["total"] = _ms(t0)
+        return vm
+
+    @classmethod
+    async def adopt(cls, spec: VmSpec, pid: int, *, mem_path: Path, mem_share: bool) -> QemuVm:
+        """Take over a QEMU a previous manager process started (it crashed or restarted).
+
+        The guest CPUs are left running: a capture that was in flight died with the old
+        manager, so any outgoing migration is cancelled and a stopped guest continued.
+        """
+        vm = cls(spec)
+        vm.mem_path, vm.mem_share = mem_path, mem_share
+        vm._adopted_pid = pid
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:
+            raise VmExited(f"QEMU {pid} of {spec.vm_id} is gone: {exc}") from exc
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            vm.exited.set()
+
+        loop.add_reader(pidfd, gone)  # a pidfd turns readable when the process exits
+        try:
+            await vm._connect_qmp()
+            status = (await vm._qmp_call("query-status")).get("status")
+            if status != "running":
+                with contextlib.suppress(VmmError):
+                    await vm._qmp_call("migrate_cancel")
+                await vm._qmp_call("cont")
+        except BaseException:
+            await vm.kill()
+            raise
         return vm
 
     # ---------------------------------------------------------------- process
@@ -419,8 +454,30 @@ class QemuVm:
         except BaseException:
             await self.kill()
 
+    async def _kill_adopted(self) -> None:
+        pid = self._adopted_pid
+        assert pid is not None
+        if not self.exited.is_set():
+            if self._qmp is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._qmp.execute("quit"), timeout=0.5)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.exited.wait(), timeout=KILL_GRACE_S)
+            if not self.exited.is_set():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # QEMU leads its own session/group
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.exited.wait(), timeout=5)
+        if self._qmp is not None:
+            with contextlib.suppress(Exception):
+                await self._qmp.disconnect()
+            self._qmp = None
+
     async def kill(self) -> None:
         """QMP quit, then SIGKILL to the process group; always reaps. Idempotent."""
+        if self._adopted_pid is not None:
+            await self._kill_adopted()
+            return
         proc = self._proc
         if proc is not None and not self.exited.is_set():
             if self._qmp is not None:

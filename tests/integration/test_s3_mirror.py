@@ -19,10 +19,9 @@ from pal.snapshots.hashing import sparse_sha256
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.s3 import CorruptLocalCopy, S3Mirror
 from pal.snapshots.store import SnapshotStore
-from tests.s3server import TEST_ENV, S3Server, free_port, s3_server
+from tests.s3server import TEST_ENV, S3Server, free_port
 
 pytestmark = pytest.mark.s3
-__all__ = ["s3_server"]  # the session fixture, re-exported for pytest
 
 AV = "default-0123456789ab"
 
