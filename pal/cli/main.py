@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .output import print_json, print_table
+from .output import err_console, print_json, print_table
 from .vm import files_app, vm_app
 
 app = typer.Typer(
@@ -64,8 +64,11 @@ def image_build(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from pal.images import build_image
+    from pal.server import prepare_data_dir
 
     settings = _settings(data_dir)
+    # Images, VM disks and snapshots must share a reflink-capable file system.
+    err_console.print(f"data dir {settings.data_dir}: {prepare_data_dir(settings)}")
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
     ) as progress:

@@ -118,16 +118,21 @@ class Channel:
         """Request lines as they arrive; ends at EOF unless reconnecting."""
         buf = bytearray()
         skipping = False  # inside an over-long line: drop until its newline
-        backoff = 0.005
+        backoff = 0.002
+        lost_at = time.monotonic()
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
         while True:
             if not self.connected.is_set():
                 if not self._peer_present():
                     time.sleep(backoff)
-                    backoff = min(backoff * 2, 0.1)
+                    # The port cannot signal the host's return (poll reports POLLHUP until
+                    # then), so we poll. Right after a restore or fork the host reconnects
+                    # within milliseconds and every ms counts; a long absence backs off.
+                    recent = time.monotonic() - lost_at < 3.0
+                    backoff = min(backoff * 2, 0.005 if recent else 0.1)
                     continue
-                backoff = 0.005
+                backoff = 0.002
                 buf.clear()
                 skipping = False
                 self.connected.set()
@@ -148,6 +153,7 @@ class Channel:
                 data = b""
             if not data:
                 self.connected.clear()
+                lost_at = time.monotonic()
                 if not self.reconnect:
                     return
                 continue

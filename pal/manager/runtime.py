@@ -158,6 +158,7 @@ class NodeRuntime:
                 snap_dir = await asyncio.to_thread(self.store.locate, ref)
                 disk, fmt = await self._disk_from(snap_dir / "rootfs", image, vm_dir, req.disk_mib)
                 spec = self._vm_spec(req, image, vm_dir, disk, fmt)
+                t_prep = time.perf_counter()
                 qemu = await QemuVm.restore(spec, snap_dir, r.mem_mode)
                 if r.mem_mode == "private" and (snap_dir / "mem").exists():
                     mem_ref = ref
@@ -165,13 +166,16 @@ class NodeRuntime:
             elif template is not None:
                 disk, fmt = await self._disk_from(template / "rootfs", image, vm_dir, req.disk_mib)
                 spec = self._vm_spec(req, image, vm_dir, disk, fmt)
+                t_prep = time.perf_counter()
                 qemu = await QemuVm.restore(spec, template, "shared")
                 method = "template"
             else:
                 disk, fmt = await self._disk_from(image.rootfs, image, vm_dir, req.disk_mib)
                 spec = self._vm_spec(req, image, vm_dir, disk, fmt)
+                t_prep = time.perf_counter()
                 qemu = await QemuVm.boot(spec)
                 method = "cold"
+            t_vmm = time.perf_counter()
             channel = HarnessChannel(qemu.agent_socket, req.vm_id)
             await channel.connect()
             timeout = (
@@ -196,7 +200,16 @@ class NodeRuntime:
             self.vms[req.vm_id] = lv
             self._write_state(lv)
             boot_ms = (time.perf_counter() - t0) * 1000
-            log.info("VM %s up by %s in %.0f ms (pid %s)", req.vm_id, method, boot_ms, qemu.pid)
+            log.info(
+                "VM %s up by %s in %.0f ms (pid %s): prepare %.0f, vmm %s, identify %.0f ms",
+                req.vm_id,
+                method,
+                boot_ms,
+                qemu.pid,
+                (t_prep - t0) * 1000,
+                qemu.timings_ms,
+                (time.perf_counter() - t_vmm) * 1000,
+            )
             return SpawnResult(
                 vm_id=req.vm_id,
                 pid=qemu.pid or 0,

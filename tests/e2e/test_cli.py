@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,8 @@ def pal(env: dict[str, str], *args: str, stdin: str | None = None) -> subprocess
     )
 
 
-def pal_json(env: dict[str, str], *args: str, stdin: str | None = None) -> object:
+def pal_json(env: dict[str, str], *args: str, stdin: str | None = None) -> Any:
+    """Run `pal ARGS`, require exit status 0, and return its JSON output."""
     res = pal(env, *args, stdin=stdin)
     assert res.returncode == 0, f"pal {' '.join(args)} -> {res.returncode}\n{res.stdout}\n{res.stderr}"
     return json.loads(res.stdout)
@@ -64,18 +66,16 @@ def vms(user_env: dict[str, str]) -> Iterator[list[str]]:
             pal(user_env, "vm", "rm", vm_id)
 
 
-def schedule(env: dict[str, str], vms: list[str], *flags: str) -> dict[str, object]:
-    vm = pal_json(env, "vm", "schedule", *flags)
-    assert isinstance(vm, dict)
+def schedule(env: dict[str, str], vms: list[str], *flags: str) -> dict[str, Any]:
+    vm: dict[str, Any] = pal_json(env, "vm", "schedule", *flags)
     vms.append(str(vm["vmId"]))
     return vm
 
 
-def wait_state(env: dict[str, str], vm_id: str, state: str, within: float) -> dict[str, object]:
+def wait_state(env: dict[str, str], vm_id: str, state: str, within: float) -> dict[str, Any]:
     deadline = time.monotonic() + within
     while True:
-        got = pal_json(env, "vm", "get", vm_id)
-        assert isinstance(got, dict)
+        got: dict[str, Any] = pal_json(env, "vm", "get", vm_id)
         if got["state"] == state or time.monotonic() > deadline:
             assert got["state"] == state, f"not {state} within {within}s: {got}"
             return got
@@ -106,7 +106,6 @@ def test_schedule_exec_files_ls_get_rm(user_env: dict[str, str], vms: list[str],
     res = pal(user_env, "files", "cat", vm_id, "notes/a.txt")
     assert (res.returncode, res.stdout) == (0, "line one\n")
     listing = pal_json(user_env, "files", "ls", vm_id, "notes")
-    assert isinstance(listing, dict)
     assert sorted((e["name"], e["type"], e["size"]) for e in listing["entries"]) == [
         ("a.txt", "file", 9),
         ("job.py", "file", 23),
@@ -119,14 +118,14 @@ def test_schedule_exec_files_ls_get_rm(user_env: dict[str, str], vms: list[str],
     assert "notes/missing.txt" in error_of(res)["message"]
 
     got = pal_json(user_env, "vm", "get", vm_id)
-    assert isinstance(got, dict) and got["vmId"] == vm_id and got["state"] == "running"
+    assert got["vmId"] == vm_id and got["state"] == "running"
     listed = pal_json(user_env, "vm", "ls")
-    assert isinstance(listed, list) and [v["vmId"] for v in listed if v["state"] == "running"] == [vm_id]
+    assert [v["vmId"] for v in listed if v["state"] == "running"] == [vm_id]
     table = pal(user_env, "vm", "ls", "--table")
     assert table.returncode == 0 and "running" in table.stdout
 
     removed = pal_json(user_env, "vm", "rm", vm_id)
-    assert isinstance(removed, dict) and removed["state"] == "terminated"
+    assert removed["state"] == "terminated"
     res = pal(user_env, "vm", "exec", vm_id, "--", "true")
     assert res.returncode != 0 and error_of(res)["code"]
 
@@ -164,8 +163,8 @@ def test_pause_resume_fork_events(user_env: dict[str, str], vms: list[str]) -> N
     pal_json(user_env, "files", "put", vm_id, "state.txt", stdin="before pause\n")
 
     paused = pal_json(user_env, "vm", "pause", vm_id)
-    assert isinstance(paused, dict) and paused["state"] == "paused" and paused["snapshotId"]
-    assert pal_json(user_env, "vm", "get", vm_id)["state"] == "paused"  # type: ignore[index]
+    assert paused["state"] == "paused" and paused["snapshotId"]
+    assert pal_json(user_env, "vm", "get", vm_id)["state"] == "paused"
     # an operator-paused VM is not woken by an exec: the user is told why
     res = pal(user_env, "vm", "exec", vm_id, "--", "true")
     assert res.returncode != 0 and "paused" in res.stderr.lower()
@@ -178,13 +177,13 @@ def test_pause_resume_fork_events(user_env: dict[str, str], vms: list[str]) -> N
     assert res.stdout == "before pause\n"
 
     forked = pal_json(user_env, "vm", "fork", vm_id, "-n", "2")
-    assert isinstance(forked, dict) and forked["sourceVmId"] == vm_id
+    assert forked["sourceVmId"] == vm_id
     kids = [str(f["vmId"]) for f in forked["forks"]]
     vms.extend(kids)
     assert len(set(kids)) == 2 and vm_id not in kids
     for i, kid in enumerate(kids):
         got = pal_json(user_env, "vm", "get", kid)
-        assert isinstance(got, dict) and got["state"] == "running" and got["parentVmId"] == vm_id
+        assert got["state"] == "running" and got["parentVmId"] == vm_id
         res = pal(user_env, "vm", "exec", kid, "--", "/bin/sh", "-c", f"cat state.txt; echo kid{i} > own.txt")
         assert (res.returncode, res.stdout) == (0, "before pause\n")
     # a child's writes are its own
@@ -193,7 +192,6 @@ def test_pause_resume_fork_events(user_env: dict[str, str], vms: list[str]) -> N
     assert pal(user_env, "files", "cat", vm_id, "own.txt").returncode != 0
 
     events = pal_json(user_env, "vm", "events", vm_id)
-    assert isinstance(events, list)
     # the VM's history, oldest first: it ran, was paused, ran again (intermediate states aside)
     settled = [e["toState"] for e in events if e.get("toState") in ("running", "paused")]
     assert settled[:3] == ["running", "paused", "running"], events
@@ -208,12 +206,12 @@ def test_idle_timeout_suspends_and_exec_wakes(user_env: dict[str, str], vms: lis
     assert "idle" in str(got["reason"])
     res = pal(user_env, "vm", "exec", vm_id, "--", "cat", "keep.txt")
     assert (res.returncode, res.stdout, res.stderr) == (0, "kept\n", "")
-    assert pal_json(user_env, "vm", "get", vm_id)["state"] == "running"  # type: ignore[index]
-    kinds = [e["kind"] for e in pal_json(user_env, "vm", "events", vm_id)]  # type: ignore[union-attr]
+    assert pal_json(user_env, "vm", "get", vm_id)["state"] == "running"
+    kinds = [e["kind"] for e in pal_json(user_env, "vm", "events", vm_id)]
     assert "auto_resume" in kinds
 
 
-def test_errors_are_clear_and_non_zero(user_env: dict[str, str]) -> None:
+def test_errors_are_clear_and_non_zero(user_env: dict[str, str], vms: list[str]) -> None:
     res = pal({**user_env, "PAL_API_KEY": "pal_not-a-real-key"}, "vm", "ls")
     assert res.returncode != 0 and res.stdout == ""
     err = error_of(res)
@@ -225,6 +223,14 @@ def test_errors_are_clear_and_non_zero(user_env: dict[str, str]) -> None:
         res = pal(user_env, *args)
         assert res.returncode != 0, args
         assert error_of(res)["code"] == "NOT_FOUND", res.stderr
+
+    vm_id = str(schedule(user_env, vms)["vmId"])
+    for flags in ((), ("--stream",)):
+        res = pal(user_env, "vm", "exec", *flags, vm_id, "--", "no-such-command")
+        assert res.returncode != 0 and "not found" in res.stderr, (flags, res.stderr)
+    res = pal(user_env, "files", "put", vm_id, "big.bin", stdin="x" * (1024 * 1024 + 1))
+    assert res.returncode != 0 and error_of(res)["code"], res.stderr
+    assert pal(user_env, "files", "ls", vm_id, "../etc").returncode != 0
 
     # nothing listening: the user is told where it tried
     dead = f"http://127.0.0.1:{free_port()}"
@@ -241,7 +247,9 @@ def test_doctor_names_accelerator_and_reflink(pal_server: PalServer) -> None:
         if len(cells) == 2:
             rows[cells[0]] = cells[1]
     # doctor names the accelerator that `pal up` announced it runs on ("tcg" on these hosts)
-    announced = re.search(r"Pal is up on \S+ \(.*accel (\w+)\)", pal_server.log_path.read_text(errors="replace"))
+    announced = re.search(
+        r"Pal is up on \S+ \(.*accel (\w+)\)", pal_server.log_path.read_text(errors="replace")
+    )
     assert announced, pal_server.log_tail()
     assert rows["accelerator"].split()[0] == announced.group(1)
     assert rows["reflink"].startswith("yes"), rows
