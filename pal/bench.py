@@ -85,9 +85,9 @@ class Api:
             raise RuntimeError(f"exec in {vm} failed: {out}")
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[float, Any]:
     t = time.perf_counter()
-    res = fn()
+    res = fn(*args, **kw)
     return (time.perf_counter() - t) * 1000, res
 
 
@@ -195,27 +195,27 @@ def run_bench(
 
     log(f"template schedule → first exec ×{iterations}, pause/resume ×{iterations}, stop ×{iterations}")
     for _ in range(iterations):
-        ms, vm = timed(lambda: api.call("POST", "/v1/runtime/schedule", json=spec))
+        ms, vm = timed(api.call, "POST", "/v1/runtime/schedule", json=spec)
         vid = vm["vmId"]
-        ms2, _ = timed(lambda vid=vid: api.exec_ok(vid))
+        ms2, _ = timed(api.exec_ok, vid)
         res["template_to_first_exec"].append(ms + ms2)
-        ms, _ = timed(lambda vid=vid: api.call("POST", f"/v1/runtime/vms/{vid}/pause"))
+        ms, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vid}/pause")
         res["snapshot"].append(ms)
-        ms_r, _ = timed(lambda vid=vid: api.call("POST", f"/v1/runtime/vms/{vid}/resume"))
-        ms_e, _ = timed(lambda vid=vid: api.exec_ok(vid))
+        ms_r, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vid}/resume")
+        ms_e, _ = timed(api.exec_ok, vid)
         res["restore"].append(ms_r)
         res["first_exec_after_restore"].append(ms_e)
         res["resume_to_first_exec"].append(ms_r + ms_e)
-        ms, _ = timed(lambda vid=vid: api.call("DELETE", f"/v1/runtime/vms/{vid}"))
+        ms, _ = timed(api.call, "DELETE", f"/v1/runtime/vms/{vid}")
         res["stop"].append(ms)
 
     log(f"fork N=1 ×{iterations}")
     src = api.call("POST", "/v1/runtime/schedule", json=spec)["vmId"]
     api.exec_ok(src)
     for _ in range(iterations):
-        ms, out = timed(lambda: api.call("POST", f"/v1/runtime/vms/{src}/fork", json={"count": 1}))
+        ms, out = timed(api.call, "POST", f"/v1/runtime/vms/{src}/fork", json={"count": 1})
         child = out["forks"][0]["vmId"]
-        ms2, _ = timed(lambda child=child: api.exec_ok(child))
+        ms2, _ = timed(api.exec_ok, child)
         res["fork_n1"].append(ms)
         res["first_exec_after_fork"].append(ms2)
         api.call("DELETE", f"/v1/runtime/vms/{child}")
@@ -223,7 +223,7 @@ def run_bench(
     for n, key in ((10, "fork_n10_all_running"), (50, "fork_n50_all_running")):
         log(f"fork N={n} ×{fork_iterations}")
         for i in range(fork_iterations):
-            ms, out = timed(lambda n=n: api.call("POST", f"/v1/runtime/vms/{src}/fork", json={"count": n}))
+            ms, out = timed(api.call, "POST", f"/v1/runtime/vms/{src}/fork", json={"count": n})
             kids = [f["vmId"] for f in out["forks"] if f["state"] == "running"]
             if len(kids) != n:
                 log(f"  only {len(kids)}/{n} forks running: {[f.get('error') for f in out['forks']]}")
@@ -246,8 +246,8 @@ def run_bench(
     cold_n = max(3, iterations // 4)
     log(f"cold boot → first exec ×{cold_n}")
     for _ in range(cold_n):
-        ms, vm = timed(lambda: api.call("POST", "/v1/runtime/schedule", json={**spec, "boot": "cold"}))
-        ms2, _ = timed(lambda vm=vm: api.exec_ok(vm["vmId"]))
+        ms, vm = timed(api.call, "POST", "/v1/runtime/schedule", json={**spec, "boot": "cold"})
+        ms2, _ = timed(api.exec_ok, vm["vmId"])
         res["cold_boot_to_first_exec"].append(ms + ms2)
         api.call("DELETE", f"/v1/runtime/vms/{vm['vmId']}")
 

@@ -463,7 +463,7 @@ class NodeRuntime:
                 path=str(path),
                 sizes=art.sizes,
                 durations_ms=durations,
-                memory_kind=art.memory_kind,
+                memory_kind="stream" if art.memory_kind == "stream" else "file",
             )
 
     def _mapped_snapshots(self) -> set[str]:
