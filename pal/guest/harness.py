@@ -550,6 +550,12 @@ class Harness:
         # Forks of one snapshot share Python's RNG state too: mix in the new seed.
         random.seed(seed_bytes + os.urandom(16))
         self._apply_identity(msg)
+        if self.system and self.vm_id:
+            # A forked or template-started guest must not keep its source's name.
+            try:
+                socket.sethostname(self.vm_id[:63])
+            except OSError as exc:
+                _log(f"sethostname failed: {exc}")
         self._reply(rid, P.K_OK, result={"vm_id": self.vm_id, "incarnation": self.incarnation})
         self.send_heartbeat()
         self._hb_wake.set()  # restart the period from now
@@ -593,6 +599,9 @@ class Harness:
         env = {"PATH": DEFAULT_PATH, "HOME": home, "LANG": "C.UTF-8", "USER": user, "LOGNAME": user}
         with self._lock:
             env.update(self.secrets)
+            # Who am I: lets a workload tell its sandbox (and incarnation) apart from a fork's.
+            env["PAL_VM_ID"] = self.vm_id or ""
+            env["PAL_INCARNATION"] = str(self.incarnation)
         if req_env is not None:
             if not isinstance(req_env, dict):
                 raise ExecError(P.ERR_INVAL, "env must be an object")

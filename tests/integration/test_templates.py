@@ -1,0 +1,63 @@
+"""Issue: warm templates — schedule restores a booted snapshot, yet every VM is its own."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.vm
+
+
+def sh(api: httpx.Client, vm: str, line: str) -> str:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", line]})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    return str(r.json()["stdout"])
+
+
+def test_schedule_uses_the_template_and_each_vm_has_its_own_identity_and_disk(api: httpx.Client) -> None:
+    vms = []
+    try:
+        for _ in range(3):
+            r = api.post("/v1/runtime/schedule", json={})
+            assert r.status_code == 200, r.text
+            assert r.json()["bootMethod"] == "template"
+            vms.append(r.json()["vmId"])
+        seen_rand, seen_host = set(), set()
+        for i, vm in enumerate(vms):
+            assert sh(api, vm, "echo $PAL_VM_ID").strip() == vm
+            seen_host.add(sh(api, vm, "hostname").strip())
+            seen_rand.add(sh(api, vm, "head -c 16 /dev/urandom | od -An -tx1"))
+            assert abs(float(sh(api, vm, "date +%s.%N")) - time.time()) < 2.0
+            sh(api, vm, f"echo vm-{i} > /workspace/who.txt && sync")
+        assert len(seen_rand) == 3 and len(seen_host) == 3
+        for i, vm in enumerate(vms):
+            # Each VM writes its own disk: nothing leaks between template siblings.
+            assert sh(api, vm, "cat /workspace/who.txt") == f"vm-{i}\n"
+        # And the next template VM starts clean.
+        r = api.post("/v1/runtime/schedule", json={})
+        vms.append(r.json()["vmId"])
+        got = api.get(f"/v1/runtime/vms/{vms[-1]}/files/content", params={"path": "who.txt"})
+        assert got.status_code == 404
+    finally:
+        for vm in vms:
+            api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_a_size_without_a_template_cold_boots_and_then_gets_one(api: httpx.Client) -> None:
+    spec = {"limits": {"memoryMib": 192}}
+    r = api.post("/v1/runtime/schedule", json=spec)
+    assert r.status_code == 200, r.text
+    first = r.json()
+    api.delete(f"/v1/runtime/vms/{first['vmId']}")
+    # The first VM of a new size boots cold and triggers that size's template.
+    assert first["bootMethod"] in ("cold", "template")
+    deadline = time.time() + 120
+    method = first["bootMethod"]
+    while method != "template" and time.time() < deadline:
+        time.sleep(1)
+        r = api.post("/v1/runtime/schedule", json=spec)
+        method = r.json()["bootMethod"]
+        api.delete(f"/v1/runtime/vms/{r.json()['vmId']}")
+    assert method == "template"
