@@ -66,9 +66,9 @@ def test_sync_exec_stream(live: tuple[Env, str]) -> None:
             ("stderr", "warn\n", None),
             ("exit", None, 0),
         ]
-        with pytest.raises(BadRequestError) as exc:
-            list(c.runtime.exec_stream(vm_id, "missing"))
-        assert exc.value.code == "EXECUTABLE_NOT_FOUND"
+        # A guest-side failure is the stream's last event, not an HTTP error.
+        (err,) = list(c.runtime.exec_stream(vm_id, "missing"))
+        assert err.type == "error" and err.code == "EXECUTABLE_NOT_FOUND" and err.message
 
 
 def test_typed_errors(live: tuple[Env, str]) -> None:

@@ -62,9 +62,10 @@ def test_probe_result_is_cached_per_host_and_qemu(tmp_path: Path, monkeypatch: p
     assert second.name == "tcg" and "(cached)" in second.reason
     assert len(calls) == 1
     # A different QEMU (or host kernel) invalidates the cache.
-    cache = json.loads((tmp_path / "accel.json").read_text())
+    cache_file = _settings(tmp_path).images_dir / "accel.json"
+    cache = json.loads(cache_file.read_text())
     cache["key"]["qemu"] = "0.0.1"
-    (tmp_path / "accel.json").write_text(json.dumps(cache))
+    cache_file.write_text(json.dumps(cache))
     accel.probe(_settings(tmp_path))
     assert len(calls) == 2
 
