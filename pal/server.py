@@ -40,6 +40,8 @@ def _logging() -> None:
     # Per-request and per-QMP-event lines drown what matters.
     for noisy in ("httpx", "httpcore", "alembic", "qemu.qmp", "botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # qemu.qmp logs every refused connect while QEMU is still starting; we report real failures.
+    logging.getLogger("qemu.qmp").setLevel(logging.CRITICAL)
 
 
 class Node:

@@ -13,8 +13,10 @@ restart loads held jobs as ordinary ones, and their handlers judge what was done
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -152,6 +154,10 @@ class JobQueue:
         return None
 
     def _run(self) -> None:
+        # Background work (sealing checksums, S3 transfers) must not take CPU from the
+        # guests: on Linux a thread has its own nice value, so lower only this one.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while True:
             with self._cond:
                 job = self._next_job()
