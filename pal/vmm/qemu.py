@@ -454,10 +454,14 @@ class QemuVm:
         except BaseException:
             await self.kill()
 
-    async def _kill_adopted(self) -> None:
-        pid = self._adopted_pid
-        assert pid is not None
-        if not self.exited.is_set():
+    async def kill(self) -> None:
+        """QMP quit, then SIGKILL to the process group; always reaps. Idempotent.
+
+        Works the same for an adopted QEMU (not our child: its exit is seen via a pidfd).
+        """
+        proc = self._proc
+        pid = self.pid
+        if pid is not None and not self.exited.is_set():
             if self._qmp is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._qmp.execute("quit"), timeout=0.5)
@@ -466,28 +470,6 @@ class QemuVm:
             if not self.exited.is_set():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)  # QEMU leads its own session/group
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.exited.wait(), timeout=5)
-        if self._qmp is not None:
-            with contextlib.suppress(Exception):
-                await self._qmp.disconnect()
-            self._qmp = None
-
-    async def kill(self) -> None:
-        """QMP quit, then SIGKILL to the process group; always reaps. Idempotent."""
-        if self._adopted_pid is not None:
-            await self._kill_adopted()
-            return
-        proc = self._proc
-        if proc is not None and not self.exited.is_set():
-            if self._qmp is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._qmp.execute("quit"), timeout=0.5)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.exited.wait(), timeout=KILL_GRACE_S)
-            if not self.exited.is_set():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
                 await self.exited.wait()
         if proc is not None and self._helpers:
             # The group may still hold a `cat` helper of an aborted migration.
