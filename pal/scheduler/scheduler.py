@@ -65,6 +65,9 @@ def new_vm_id() -> str:
     return "vm-" + uuid.uuid4().hex[:24]
 
 
+SHUTDOWN_REASON = "suspended (server shutdown); wakes on the next request"
+
+
 def new_snapshot_id() -> str:
     return "snap-" + uuid.uuid4().hex[:24]
 
@@ -137,9 +140,28 @@ class Scheduler:
                 log.exception("scheduler background tick failed")
 
     async def shutdown_vms(self) -> None:
-        """Stop every live VM (``pal up`` on SIGTERM); each ends terminated."""
+        """`pal up` on SIGTERM: leave no QEMU running, and lose no sandbox.
+
+        Running VMs are suspended exactly like an idle suspend (same crash-safe pause path),
+        so the next exec or file request after the restart wakes them transparently;
+        VMs caught mid-spawn or mid-drain, or whose pause fails, are stopped (terminated).
+        """
         live = self.store.list_vms(states=[S.PENDING, S.SPAWNING, S.RUNNING, S.DRAINING])
-        results = await asyncio.gather(*(self._delete(vm.vm_id) for vm in live), return_exceptions=True)
+
+        async def settle(vm: VmRecord) -> None:
+            if vm.state == S.RUNNING:
+                try:
+                    async with self.op_lock(vm.vm_id):
+                        await self._pause_locked(
+                            vm.vm_id, by="idle", marker=Marker.IDLE_PAUSING, reason=SHUTDOWN_REASON
+                        )
+                    return
+                except Exception as exc:
+                    log.warning("shutdown: could not suspend VM %s (%s); stopping it", vm.vm_id, exc)
+            if self._reload(vm.vm_id).state not in (S.PAUSED, S.TERMINATED):
+                await self._delete(vm.vm_id)
+
+        results = await asyncio.gather(*(settle(vm) for vm in live), return_exceptions=True)
         for vm, res in zip(live, results, strict=True):
             if isinstance(res, BaseException):
                 log.error("shutdown: could not stop VM %s: %s", vm.vm_id, res)

@@ -156,3 +156,26 @@ def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:
             c.delete(f"/v1/runtime/vms/{vm}")
     finally:
         stop_server(server)
+
+
+def test_sigterm_suspends_running_vms_and_a_restart_wakes_them(run_dir) -> None:
+    server = start_server(run_dir)
+    key = server.tenant("restart", max_vms=MAX_VMS)
+    with server.client(key, timeout=60) as c:
+        vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+        c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", "echo 9 > /tmp/mem"]})
+    stop_server(server)  # SIGTERM
+    assert server.proc.returncode == 0
+    assert qemu_pids_under(run_dir) == [], "no QEMU outlives the server"
+    server = start_server(run_dir)
+    try:
+        with server.client(key, timeout=60) as c:
+            got = c.get(f"/v1/runtime/vms/{vm}").json()
+            assert got["state"] == "paused" and "shutdown" in got["reason"]
+            assert free_slots(c) == MAX_VMS
+            out = c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["/tmp/mem"]})
+            assert out.status_code == 200 and out.json()["stdout"] == "9\n", out.text
+            assert c.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+            c.delete(f"/v1/runtime/vms/{vm}")
+    finally:
+        stop_server(server)

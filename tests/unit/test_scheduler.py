@@ -283,14 +283,23 @@ async def test_delete_whose_stop_fails_can_be_retried(env: SchedEnv) -> None:
     assert (await env.sched.delete(env.tenant_id, vm_id)).state == S.TERMINATED
 
 
-async def test_shutdown_vms_terminates_every_live_vm(env: SchedEnv) -> None:
+async def test_shutdown_suspends_running_vms_and_stops_what_it_cannot(env: SchedEnv) -> None:
     a = await _running(env)
     b = await _running(env)
+    c = await _running(env)
     await env.sched.pause(env.tenant_id, b)
+    env.manager.fail("snapshot", BackendError("disk full"), vm_id=c)
     await env.sched.shutdown_vms()
-    assert env.store.get_vm(a).state == S.TERMINATED  # type: ignore[union-attr]
-    assert env.store.get_vm(b).state == S.PAUSED  # type: ignore[union-attr]
+    va, vb, vc = (env.store.get_vm(v) for v in (a, b, c))
+    assert va is not None and va.state == S.PAUSED and va.paused_by == "idle"
+    assert va.reason is not None and "shutdown" in va.reason
+    assert vb is not None and vb.state == S.PAUSED and vb.paused_by == "operator"
+    assert vc is not None and vc.state == S.TERMINATED
     assert env.manager.alive == {}
+    assert quotas.in_use(env.store, env.tenant_id) == 0
+    # after the restart, the suspended VM wakes on its next request
+    assert await _exec(env, a) == ["stdout", "exit"]
+    assert (await env.sched.get(env.tenant_id, a)).state == S.RUNNING
 
 
 # -- exec, files and auto-resume ---------------------------------------------------------------
