@@ -838,6 +838,26 @@ def system_setup() -> None:
     # children can be waited for (the reaper thread collects them).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
+    grow_root_fs()
+
+
+def grow_root_fs(device: str = "/dev/vda") -> None:
+    """Grow / to fill its disk when the host made the disk larger than the image (diskMib).
+
+    Only at boot: a restored VM's disk comes from its snapshot, already grown.
+    """
+    try:
+        with open(f"/sys/block/{os.path.basename(device)}/size") as f:
+            disk_bytes = int(f.read()) * 512
+        st = os.statvfs("/")
+    except (OSError, ValueError):
+        return
+    if disk_bytes <= st.f_blocks * st.f_frsize + 128 * 1024 * 1024:
+        return  # same size as the image, give or take the file system's own overhead
+    try:
+        subprocess.run(["resize2fs", device], check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log(f"could not grow the root file system: {exc}")
 
 
 def find_port(name: str = P.PORT_NAME, sys_dir: str = "/sys/class/virtio-ports") -> str | None:

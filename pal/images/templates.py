@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPLETE = "template.json"
+DEFAULT_DISK_MIB = 2048  # AgentSpec's default (pal/scheduler/spec.py)
 
 
 class TemplateCache:
@@ -35,30 +36,45 @@ class TemplateCache:
         self._building: dict[str, asyncio.Task[Path | None]] = {}
 
     @staticmethod
-    def key(image: ImagePaths, memory_mib: int, vcpus: int) -> str:
-        return f"{image.agent_version_id}-{memory_mib}m-{vcpus}c"
+    def key(image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int = DEFAULT_DISK_MIB) -> str:
+        # The disk size is part of the key: the guest grows its file system at boot.
+        return f"{image.agent_version_id}-{memory_mib}m-{vcpus}c-{disk_mib}d"
 
-    def lookup(self, image: ImagePaths, memory_mib: int, vcpus: int) -> Path | None:
-        path = self.root / self.key(image, memory_mib, vcpus)
+    def lookup(
+        self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int = DEFAULT_DISK_MIB
+    ) -> Path | None:
+        path = self.root / self.key(image, memory_mib, vcpus, disk_mib)
         return path if (path / COMPLETE).exists() else None
 
     def ensure_in_background(
-        self, runtime: NodeRuntime, image: ImagePaths, memory_mib: int, vcpus: int
+        self,
+        runtime: NodeRuntime,
+        image: ImagePaths,
+        memory_mib: int,
+        vcpus: int,
+        disk_mib: int = DEFAULT_DISK_MIB,
     ) -> asyncio.Task[Path | None]:
-        key = self.key(image, memory_mib, vcpus)
+        key = self.key(image, memory_mib, vcpus, disk_mib)
         task = self._building.get(key)
         if task is None or task.done():
-            task = asyncio.create_task(self.build(runtime, image, memory_mib, vcpus), name=f"template-{key}")
+            task = asyncio.create_task(
+                self.build(runtime, image, memory_mib, vcpus, disk_mib), name=f"template-{key}"
+            )
             self._building[key] = task
         return task
 
     async def build(
-        self, runtime: NodeRuntime, image: ImagePaths, memory_mib: int, vcpus: int
+        self,
+        runtime: NodeRuntime,
+        image: ImagePaths,
+        memory_mib: int,
+        vcpus: int,
+        disk_mib: int = DEFAULT_DISK_MIB,
     ) -> Path | None:
         """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template."""
         from pal.manager.models import SpawnRequest  # manager imports images, not vice versa
 
-        key = self.key(image, memory_mib, vcpus)
+        key = self.key(image, memory_mib, vcpus, disk_mib)
         final = self.root / key
         if (final / COMPLETE).exists():
             return final
@@ -73,6 +89,7 @@ class TemplateCache:
                     image=image.name,
                     vcpus=vcpus,
                     memory_mib=memory_mib,
+                    disk_mib=disk_mib,
                     token=secrets.token_urlsafe(16),
                     boot="cold",
                 )
@@ -88,6 +105,7 @@ class TemplateCache:
                 "agentVersionId": image.agent_version_id,
                 "memoryMib": memory_mib,
                 "vcpus": vcpus,
+                "diskMib": disk_mib,
                 "memoryKind": art.memory_kind,
                 "createdAt": time.time(),
                 "buildMs": (time.perf_counter() - t0) * 1000,

@@ -151,10 +151,10 @@ class NodeRuntime:
             method: str
             template = None
             if req.restore is None and req.boot != "cold" and self.templates is not None:
-                template = self.templates.lookup(image, req.memory_mib, req.vcpus)
+                template = self.templates.lookup(image, req.memory_mib, req.vcpus, req.disk_mib)
                 if template is None:
                     # This one boots cold; the next VM of this size restores warm.
-                    self.templates.ensure_in_background(self, image, req.memory_mib, req.vcpus)
+                    self.templates.ensure_in_background(self, image, req.memory_mib, req.vcpus, req.disk_mib)
             if req.restore is not None:
                 r = req.restore
                 ref = SnapshotRef(r.agent_version_id, r.source_vm_id, r.snapshot_id, r.tenant_id)

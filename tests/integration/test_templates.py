@@ -45,15 +45,20 @@ def test_schedule_uses_the_template_and_each_vm_has_its_own_identity_and_disk(ap
             api.delete(f"/v1/runtime/vms/{vm}")
 
 
+def root_fs_mib(api: httpx.Client, vm: str) -> int:
+    return int(sh(api, vm, "df -m --output=size / | tail -1").strip())
+
+
 def test_a_size_without_a_template_cold_boots_and_then_gets_one(api: httpx.Client) -> None:
-    spec = {"limits": {"memoryMib": 192}}
+    # A bigger disk than the image's: the guest grows its root file system to fill it.
+    spec = {"limits": {"memoryMib": 192, "diskMib": 3072}}
     r = api.post("/v1/runtime/schedule", json=spec)
     assert r.status_code == 200, r.text
     first = r.json()
     api.delete(f"/v1/runtime/vms/{first['vmId']}")
     # The first VM of a new size boots cold and triggers that size's template.
     assert first["bootMethod"] in ("cold", "template")
-    deadline = time.time() + 120
+    deadline = time.time() + 180
     method = first["bootMethod"]
     while method != "template" and time.time() < deadline:
         time.sleep(1)
@@ -61,3 +66,13 @@ def test_a_size_without_a_template_cold_boots_and_then_gets_one(api: httpx.Clien
         method = r.json()["bootMethod"]
         api.delete(f"/v1/runtime/vms/{r.json()['vmId']}")
     assert method == "template"
+    vm = api.post("/v1/runtime/schedule", json=spec).json()["vmId"]
+    try:
+        assert 2900 <= root_fs_mib(api, vm) <= 3072
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    try:
+        assert root_fs_mib(api, vm) < 2100, "the default size is untouched"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
