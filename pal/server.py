@@ -185,7 +185,7 @@ def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
 
 def doctor(settings: Settings) -> dict[str, Any]:
     """What this host gives Pal: accelerator, reflink, QEMU and kernel versions."""
-    from pal.vmm import disks
+    from pal.vmm import cgroups, disks
     from pal.vmm.accel import probe
     from pal.vmm.versions import qemu_version
 
@@ -198,6 +198,7 @@ def doctor(settings: Settings) -> dict[str, Any]:
         out["accelerator"] = f"unknown ({exc})"
     d = settings.data_dir if settings.data_dir.exists() else Path("/tmp")
     out["reflink"] = "yes (reflink clones)" if disks.reflink_supported(d) else "no (qcow2 overlays)"
+    out["cgroups"] = cgroups.describe()
     try:
         from pal.images.paths import load_image
 

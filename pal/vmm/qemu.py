@@ -32,6 +32,7 @@ from qemu.qmp import QMPClient, QMPError
 from pal.errors import InvalidRequest
 from pal.guest.protocol import encode_config
 from pal.vmm import disks
+from pal.vmm.cgroups import VmCgroup
 from pal.vmm.cmdline import VmSpec, build_argv
 from pal.vmm.errors import VmExited, VmmError
 from pal.vmm.versions import qemu_version
@@ -95,6 +96,7 @@ class QemuVm:
         self._snapshot_dir: Path | None = None  # set by spawn_incoming
         self._helpers = False  # a `migrate exec:` helper may be alive in our process group
         self._adopted_pid: int | None = None  # set by adopt(): a QEMU we did not start
+        self.cgroup: VmCgroup | None = None  # host CPU/memory limits (best effort)
 
     # ---------------------------------------------------------------- properties
 
@@ -239,6 +241,7 @@ class QemuVm:
         vm = cls(spec)
         vm.mem_path, vm.mem_share = mem_path, mem_share
         vm._adopted_pid = pid
+        vm.cgroup = VmCgroup.existing(spec.vm_id)
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:
@@ -295,6 +298,9 @@ class QemuVm:
         except OSError as exc:
             raise VmmError(f"cannot start {argv[0]}: {exc}") from exc
         self._watcher = asyncio.create_task(self._watch(), name=f"qemu-watch-{spec.vm_id}")
+        self.cgroup = VmCgroup.create(spec.vm_id, spec.vcpus, spec.memory_mib)
+        if self.cgroup is not None:
+            self.cgroup.add(self._proc.pid)
         await self._connect_qmp()
         self.timings_ms["qmp"] = _ms(t0)
 
@@ -486,3 +492,6 @@ class QemuVm:
         if self._log_fd is not None:
             os.close(self._log_fd)
             self._log_fd = None
+        if self.cgroup is not None and self.exited.is_set():
+            cgroup, self.cgroup = self.cgroup, None
+            await asyncio.to_thread(cgroup.remove)

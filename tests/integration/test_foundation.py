@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -215,3 +216,26 @@ def test_cold_boot_works_too(api: httpx.Client) -> None:
         assert "harness" in out.json()["stdout"]
     finally:
         api.delete(f"/v1/runtime/vms/{vm_id}")
+
+
+def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: httpx.Client) -> None:
+    vm_id = api.post("/v1/runtime/schedule", json={"limits": {"vcpus": 1}}).json()["vmId"]
+    root = Path("/sys/fs/cgroup")
+    try:
+        (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vm_id)
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        groups = {ctrls: path for _, ctrls, path in (line.split(":", 2) for line in lines)}
+        if (root / "cgroup.controllers").exists():  # cgroup v2
+            dirs = {"memory": root / groups[""].lstrip("/"), "cpu": root / groups[""].lstrip("/")}
+            limit = int((dirs["memory"] / "memory.max").read_text())
+            quota = int((dirs["cpu"] / "cpu.max").read_text().split()[0])
+        else:
+            dirs = {c: root / c / groups[c].lstrip("/") for c in ("memory", "cpu")}
+            limit = int((dirs["memory"] / "memory.limit_in_bytes").read_text())
+            quota = int((dirs["cpu"] / "cpu.cfs_quota_us").read_text())
+        assert all(str(d).endswith(f"/pal/{vm_id}") for d in dirs.values()), dirs
+        assert limit == (256 + 384) * 1024 * 1024, "guest RAM + QEMU overhead"
+        assert quota == 150_000, "1 vCPU + half a core for QEMU's own threads"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm_id}")
+    assert not any(d.exists() for d in dirs.values()), "the VM's cgroups are removed with it"
