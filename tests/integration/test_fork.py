@@ -120,3 +120,28 @@ def test_fork_of_paused_vm_and_fork_of_fork_and_pause_of_fork(api: httpx.Client)
     finally:
         for v in reversed(made):
             api.delete(f"/v1/runtime/vms/{v}")
+
+
+def test_snapshots_live_forks_map_survive_retention_and_source_delete(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
+    src = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    kids: list[str] = []
+    snaps: list[str] = []
+    try:
+        for i in range(4):  # four fork snapshots of one VM: retention keeps 3 + what is mapped
+            sh(api, src, f"echo {i} > gen.txt")
+            out = api.post(f"/v1/runtime/vms/{src}/fork", json={"count": 1}).json()
+            snaps.append(out["snapshotId"])
+            kids.append(out["forks"][0]["vmId"])
+        assert api.delete(f"/v1/runtime/vms/{src}").status_code == 200
+        first = list(pal_server.data_dir.glob(f"snapshots/*/{src}/{snaps[0]}/meta.json"))
+        assert first, "the oldest fork snapshot is still mapped by a live child: kept"
+        for i, k in enumerate(kids):
+            assert sh(api, k, "cat gen.txt")["stdout"] == f"{i}\n"
+        # once its child is gone, nothing protects it any more
+        api.delete(f"/v1/runtime/vms/{kids[0]}")
+        assert sh(api, kids[1], "echo still-fine")["stdout"] == "still-fine\n"
+    finally:
+        for v in [*kids, src]:
+            api.delete(f"/v1/runtime/vms/{v}")
