@@ -44,7 +44,7 @@ from pal.manager.models import (
 from pal.scheduler.spec import ExecRequest
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
-from pal.vmm import disks
+from pal.vmm import disks, jail
 from pal.vmm.accel import AccelInfo
 from pal.vmm.qemu import QemuVm, VmSpec
 
@@ -83,6 +83,7 @@ class NodeRuntime:
         self.node_id = os.uname().nodename
         self.vms: dict[str, LiveVm] = {}
         self._spawning: set[str] = set()
+        self._uids: dict[str, int] = {}  # vm id -> the uid its QEMU runs as (jail.py)
         self.templates: Any = None  # pal.images.templates.TemplateCache, set by the server
 
     # ------------------------------------------------------------------ helpers
@@ -120,7 +121,11 @@ class NodeRuntime:
         return path
 
     def _vm_spec(self, req: SpawnRequest, image: ImagePaths, vm_dir: Path, disk: Path, fmt: str) -> VmSpec:
+        run_as = jail.pick_identity(set(self._uids.values()))
+        if run_as is not None:
+            self._uids[req.vm_id] = run_as[0]
         return VmSpec(
+            run_as=run_as,
             vm_id=req.vm_id,
             vm_dir=vm_dir,
             image=image,
@@ -232,6 +237,7 @@ class NodeRuntime:
                     log.warning("VM %s failed to start: %s\n%s", req.vm_id, exc, tail)
             with contextlib.suppress(OSError):
                 shutil.rmtree(vm_dir)
+            self._uids.pop(req.vm_id, None)
             raise
         finally:
             self._spawning.discard(req.vm_id)
@@ -289,6 +295,7 @@ class NodeRuntime:
             "diskFormat": lv.qemu.spec.disk_format,
             "memPath": str(lv.qemu.mem_path),
             "memShare": lv.qemu.mem_share,
+            "runAs": list(lv.qemu.spec.run_as) if lv.qemu.spec.run_as else None,
             "memRef": None
             if lv.mem_ref is None
             else [lv.mem_ref.agent_version_id, lv.mem_ref.vm_id, lv.mem_ref.snapshot_id],
@@ -315,6 +322,7 @@ class NodeRuntime:
                 lv = await self._adopt(vm_dir)
             except Exception as exc:
                 log.warning("cannot adopt %s: %s", vm_dir.name, exc)
+                self._uids.pop(vm_dir.name, None)
                 lv = None
             if lv is not None:
                 self.vms[lv.vm_id] = lv
@@ -341,7 +349,10 @@ class NodeRuntime:
             disk_format=st["diskFormat"],
             config_drive=vm_dir / "config.img",
             accel=self.accel.name,
+            run_as=tuple(st["runAs"]) if st.get("runAs") else None,  # type: ignore[arg-type]
         )
+        if spec.run_as is not None:
+            self._uids[spec.vm_id] = spec.run_as[0]
         qemu = await QemuVm.adopt(spec, pid, mem_path=Path(st["memPath"]), mem_share=bool(st["memShare"]))
         channel = HarnessChannel(qemu.agent_socket, spec.vm_id)
         try:
@@ -388,6 +399,7 @@ class NodeRuntime:
         if lv is not None:
             await lv.channel.close()
             await lv.qemu.kill()
+        self._uids.pop(vm_id, None)
         with contextlib.suppress(OSError):
             shutil.rmtree(self._vm_dir(vm_id))
 

@@ -66,6 +66,7 @@ class VmSpec:
     accel: str = "tcg"  # "kvm" | "tcg"
     extra_kernel_args: str = ""
     binary: str = QEMU_BINARY
+    run_as: tuple[int, int] | None = None  # (uid, gid) QEMU drops to; see jail.py
 
     @property
     def qmp_socket(self) -> Path:
@@ -153,8 +154,15 @@ def build_argv(spec: VmSpec, *, mem_path: Path, mem_share: bool, incoming: bool 
     # `identify` seed after every restore/fork instead.
     argv += ["-qmp", f"unix:{spec.qmp_socket},server=on,wait=off", "-pidfile", str(spec.pid_path)]
     if qemu_supports_sandbox(spec.binary):
-        # spawn stays allowed: `migrate exec:cat > file` forks a shell.
-        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny"]
+        # Migration goes through descriptors we pass in, so QEMU never needs to spawn.
+        # -runas needs setuid/setgid once (seccomp is installed before the drop); after
+        # the drop QEMU holds no capabilities, so it cannot elevate anyway.
+        elevate = "allow" if spec.run_as is not None else "deny"
+        argv += ["-sandbox", f"on,obsolete=deny,elevateprivileges={elevate},spawn=deny,resourcecontrol=deny"]
+    if spec.run_as is not None:
+        # Every file QEMU needs is opened at start-up (or passed as a descriptor later);
+        # then it drops to the VM's own unprivileged uid before running the guest.
+        argv += ["-runas", f"{spec.run_as[0]}:{spec.run_as[1]}"]
     if incoming:
         argv += ["-incoming", "defer"]
     return argv

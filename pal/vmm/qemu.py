@@ -94,7 +94,6 @@ class QemuVm:
         self.disk_clone_method: str | None = None  # set when QemuVm cloned the disk itself
         self.mem_clone_method: str | None = None  # set by a "shared" restore
         self._snapshot_dir: Path | None = None  # set by spawn_incoming
-        self._helpers = False  # a `migrate exec:` helper may be alive in our process group
         self._adopted_pid: int | None = None  # set by adopt(): a QEMU we did not start
         self.cgroup: VmCgroup | None = None  # host CPU/memory limits (best effort)
 
@@ -207,9 +206,15 @@ class QemuVm:
         try:
             t0 = time.perf_counter()
             await self._set_ignore_shared(self.ignore_shared)
-            self._helpers = True
-            await self._qmp_call("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(snapshot))}"})
-            await self._wait_migration()
+            # We open the file and hand QEMU the descriptor: QEMU runs as an unprivileged
+            # uid that cannot open snapshot files itself, and needs no shell to read one.
+            fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await self._pass_fd("pal-migrate", fd)
+                await self._qmp_call("migrate-incoming", {"uri": "fd:pal-migrate"})
+                await self._wait_migration()
+            finally:
+                os.close(fd)
             self.timings_ms["load"] = _ms(t0)
             t0 = time.perf_counter()
             await self._qmp_call("cont")  # required: an incoming VM does not start by itself
@@ -280,6 +285,10 @@ class QemuVm:
 
     async def _spawn(self, *, incoming: bool) -> None:
         spec = self.spec
+        if spec.run_as is not None:
+            # QEMU re-opens its disk when an incoming VM starts, by then as its own uid:
+            # the VM's private disk must be its own. (Snapshots and images stay root's.)
+            os.chown(spec.disk_path, *spec.run_as)
         for p in (spec.qmp_socket, spec.agent_socket, spec.pid_path):
             p.unlink(missing_ok=True)
         argv = build_argv(spec, mem_path=self.mem_path, mem_share=self.mem_share, incoming=incoming)
@@ -366,6 +375,13 @@ class QemuVm:
 
     # ---------------------------------------------------------------- operations
 
+    async def _pass_fd(self, name: str, fd: int) -> None:
+        """Give QEMU an open file descriptor under ``name`` (SCM_RIGHTS + QMP getfd)."""
+        if self._qmp is None or self.exited.is_set():
+            raise VmExited(f"QEMU for {self.spec.vm_id} is not running")
+        self._qmp.send_fd_scm(fd)
+        await self._qmp_call("getfd", {"fdname": name})
+
     async def pause(self) -> None:
         """Stop the guest CPUs (QMP stop: also drains and flushes the block devices)."""
         await self._qmp_call("stop")
@@ -418,9 +434,13 @@ class QemuVm:
             # x-ignore-shared skips share=on file-backed RAM; for private RAM it must be
             # off anyway so restore knows to expect RAM in the stream.
             await self._set_ignore_shared(kind == MEMORY_FILE)
-            self._helpers = True
-            await self._qmp_call("migrate", {"uri": f"exec:cat > {shlex.quote(str(paths['snapshot']))}"})
-            await self._wait_migration()
+            fd = os.open(paths["snapshot"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                await self._pass_fd("pal-migrate", fd)
+                await self._qmp_call("migrate", {"uri": "fd:pal-migrate"})
+                await self._wait_migration()
+            finally:
+                os.close(fd)
             dur["device_state"] = _ms(t0)
             if kind == MEMORY_FILE:
                 t0 = time.perf_counter()
@@ -465,7 +485,6 @@ class QemuVm:
 
         Works the same for an adopted QEMU (not our child: its exit is seen via a pidfd).
         """
-        proc = self._proc
         pid = self.pid
         if pid is not None and not self.exited.is_set():
             if self._qmp is not None:
@@ -477,11 +496,6 @@ class QemuVm:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)  # QEMU leads its own session/group
                 await self.exited.wait()
-        if proc is not None and self._helpers:
-            # The group may still hold a `cat` helper of an aborted migration.
-            self._helpers = False
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
         if self._watcher is not None:
             await self._watcher
             self._watcher = None

@@ -218,6 +218,31 @@ def test_cold_boot_works_too(api: httpx.Client) -> None:
         api.delete(f"/v1/runtime/vms/{vm_id}")
 
 
+def qemu_uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError("no Uid line")
+
+
+def test_each_qemu_runs_as_its_own_unprivileged_uid(pal_server: PalServer, api: httpx.Client) -> None:
+    vms = [api.post("/v1/runtime/schedule", json={}).json()["vmId"] for _ in range(2)]
+    try:
+        uids = []
+        for vm_id in vms:
+            (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vm_id)
+            uids.append(qemu_uid(pid))
+        assert all(u >= 1000 for u in uids) and uids[0] != uids[1], uids
+        # and the jail does not get in the way of the lifecycle
+        assert api.post(f"/v1/runtime/vms/{vms[0]}/pause").status_code == 200
+        assert api.post(f"/v1/runtime/vms/{vms[0]}/resume").status_code == 200
+        (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vms[0])
+        assert qemu_uid(pid) >= 1000
+    finally:
+        for vm_id in vms:
+            api.delete(f"/v1/runtime/vms/{vm_id}")
+
+
 def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: httpx.Client) -> None:
     vm_id = api.post("/v1/runtime/schedule", json={"limits": {"vcpus": 1}}).json()["vmId"]
     root = Path("/sys/fs/cgroup")
