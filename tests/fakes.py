@@ -37,6 +37,7 @@ class FakeVm:
     mem_mode: str | None = None
     has_active_exec: bool = False
     last_activity_unix_ms: int = 0
+    last_heartbeat_unix_ms: int = 0  # 0: never reported (not judged stale)
     files: dict[str, bytes] = field(default_factory=dict)
 
 
@@ -190,6 +191,7 @@ class FakeManager:
                     incarnation=v.incarnation,
                     has_active_exec=v.has_active_exec,
                     last_activity_unix_ms=v.last_activity_unix_ms,
+                    last_heartbeat_unix_ms=v.last_heartbeat_unix_ms,
                 )
                 for v in self.alive.values()
             ],

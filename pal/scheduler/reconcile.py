@@ -37,6 +37,9 @@ async def _snapshot_complete(sched: Scheduler, vm: VmRecord, snapshot_id: str | 
     return st.complete
 
 
+STALE_HEARTBEATS = 6  # heartbeat periods without one before a harness counts as gone (5 s x 6)
+
+
 def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
     a = alive.get(vm.vm_id)
     return a is not None and (a.incarnation is None or a.incarnation == vm.incarnation)
@@ -163,24 +166,31 @@ def fix_slots(sched: Scheduler) -> list[str]:
 
 
 async def reconcile_light(sched: Scheduler) -> list[str]:
-    """A RUNNING VM whose QEMU died -> FAILED. Rows are read before the heartbeat, and each
-    is re-checked under its lock, so a VM that came up meanwhile is never failed."""
+    """A RUNNING VM whose QEMU died, or whose harness went silent (no heartbeat for
+    STALE_HEARTBEATS periods: spec's "stale after 30 s"), -> FAILED, its QEMU stopped.
+    Rows are read before the heartbeat, and each is re-checked under its lock, so a VM
+    that came up meanwhile is never failed."""
     rows = sched.store.list_vms(states=[S.RUNNING])
     if not rows:
         return []
     hb = await sched.manager.heartbeat()
     alive = {a.vm_id: a for a in hb.vms if a.alive}
+    stale_ms = int(sched.settings.heartbeat_interval_s * STALE_HEARTBEATS * 1000)
+    now = sched.now_ms()
     fixes = []
     for vm in rows:
-        if _alive(alive, vm):
+        a = alive.get(vm.vm_id)
+        silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
+        if _alive(alive, vm) and silent_ms <= stale_ms:
             continue
+        reason = f"harness silent for {silent_ms // 1000} s" if silent_ms > stale_ms else "QEMU exited"
         async with sched.op_lock(vm.vm_id):
             fresh = sched.store.get_vm(vm.vm_id)
             if fresh is None or fresh.state != S.RUNNING or fresh.incarnation != vm.incarnation:
                 continue
             if vm.vm_id in alive:
                 await sched.stop_quietly(vm.vm_id)
-            await sched.transitions.transition(vm.vm_id, S.FAILED, reason="QEMU exited", expect=S.RUNNING)
-        fixes.append(f"{vm.vm_id}: running but gone -> failed")
-        log.warning("reconcile: %s running but its QEMU is gone -> failed", vm.vm_id)
+            await sched.transitions.transition(vm.vm_id, S.FAILED, reason=reason, expect=S.RUNNING)
+        fixes.append(f"{vm.vm_id}: running but {reason} -> failed")
+        log.warning("reconcile: %s running but %s -> failed", vm.vm_id, reason)
     return fixes

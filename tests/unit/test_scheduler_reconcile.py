@@ -205,6 +205,20 @@ async def test_light_reconcile_fails_dead_running_vms_only(env: SchedEnv) -> Non
     assert _vm(env, dead).state == S.FAILED and _vm(env, fine).state == S.RUNNING
 
 
+async def test_light_reconcile_fails_a_vm_whose_harness_went_silent(env: SchedEnv) -> None:
+    silent = await _running(env)
+    fine = await _running(env)
+    now = env.sched.now_ms()
+    env.manager.alive[silent].last_heartbeat_unix_ms = now - 31_000
+    env.manager.alive[fine].last_heartbeat_unix_ms = now - 29_000
+    fixes = await reconcile.reconcile_light(env.sched)
+    assert len(fixes) == 1
+    assert _vm(env, silent).state == S.FAILED and "silent" in (_vm(env, silent).reason or "")
+    assert silent not in env.manager.alive, "its QEMU was stopped"
+    assert _vm(env, fine).state == S.RUNNING
+    assert quotas.in_use(env.store, env.tenant_id) == 1
+
+
 async def test_reconcile_changes_nothing_on_a_consistent_store(env: SchedEnv) -> None:
     a = await _running(env)
     b = await _running(env)
