@@ -118,9 +118,15 @@ def test_image_build_reports_progress(monkeypatch: pytest.MonkeyPatch, tmp_path:
         d = tmp_path / "images" / name
         return ImagePaths(name=name, dir=d, vmlinux=d / "vmlinux", initrd=d / "initrd.img", rootfs=d / "r")
 
+    import pal.server
+
+    prepared: list[Path] = []
     monkeypatch.setattr(pal.images, "build_image", fake_build)
+    # The real one would loop-mount an XFS image on this non-reflink tmp dir.
+    monkeypatch.setattr(pal.server, "prepare_data_dir", lambda s: prepared.append(s.data_dir) or "native")
     res = runner.invoke(app, ["image", "build", "mini", "--data-dir", str(tmp_path), "--force"])
     assert res.exit_code == 0, res.output
+    assert prepared == [tmp_path], "the data dir is made reflink-capable before building"
     assert seen == [("rootfs", 0.5), ("done", 1.0)]
     assert '"name": "mini"' in res.stdout
 
