@@ -767,15 +767,12 @@ def _uptime(fallback_start: float) -> float:
 # --------------------------------------------------------------------------- system (PID 1)
 
 
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
 def set_wall_clock(now_ns: int) -> None:
     """After a restore the guest clock lags by the paused time: take the host's."""
-    ts = _Timespec(now_ns // 1_000_000_000, now_ns % 1_000_000_000)
-    if libc().clock_settime(0, ctypes.byref(ts)) != 0:  # 0 = CLOCK_REALTIME
-        _log(f"clock_settime failed: errno {ctypes.get_errno()}")
+    try:
+        time.clock_settime_ns(time.CLOCK_REALTIME, now_ns)
+    except OSError as exc:
+        _log(f"clock_settime failed: {exc}")
 
 
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
