@@ -38,6 +38,8 @@ TIMEOUT_EXIT_CODE = 124
 FIRST_EVENT_GRACE_S = 1.0
 KEEPALIVE_S = 15.0
 
+BUFFERED_OUTPUT_MAX = 8 * 1024 * 1024  # characters kept per stream in a buffered exec
+
 _GUEST_ERRORS: dict[str, tuple[int, str]] = {
     "ENOENT": (400, "EXECUTABLE_NOT_FOUND"),
     "EPERM": (400, "NOT_EXECUTABLE"),
@@ -59,25 +61,44 @@ def _is_timeout(ev: ExecEvent) -> bool:
     return ev.type == "error" and ev.code == "ETIMEDOUT"
 
 
+class _Capped:
+    """One output stream of a buffered exec, kept up to BUFFERED_OUTPUT_MAX characters: a
+    command printing without end must not grow the server's memory without end (stream
+    it with SSE to get everything)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+        self.cut = False
+
+    def add(self, data: str) -> None:
+        room = BUFFERED_OUTPUT_MAX - self.size
+        if len(data) > room:
+            data, self.cut = data[: max(room, 0)], True
+        self.parts.append(data)
+        self.size += len(data)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _out(code: int, out: _Capped, err: _Capped, timed_out: bool | None = None) -> ExecOut:
+    cut = (out.cut or err.cut) or None
+    return ExecOut(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out, truncated=cut)
+
+
 async def buffered_exec(events: AsyncIterator[ExecEvent]) -> ExecOut:
-    stdout: list[str] = []
-    stderr: list[str] = []
+    stdout, stderr = _Capped(), _Capped()
     try:
         async for ev in events:
             if ev.type == "stdout":
-                stdout.append(ev.data or "")
+                stdout.add(ev.data or "")
             elif ev.type == "stderr":
-                stderr.append(ev.data or "")
+                stderr.add(ev.data or "")
             elif ev.type == "exit":
-                code = ev.exit_code if ev.exit_code is not None else -1
-                return ExecOut(exit_code=code, stdout="".join(stdout), stderr="".join(stderr))
+                return _out(ev.exit_code if ev.exit_code is not None else -1, stdout, stderr)
             elif _is_timeout(ev):
-                return ExecOut(
-                    exit_code=TIMEOUT_EXIT_CODE,
-                    stdout="".join(stdout),
-                    stderr="".join(stderr),
-                    timed_out=True,
-                )
+                return _out(TIMEOUT_EXIT_CODE, stdout, stderr, timed_out=True)
             else:
                 raise guest_error(ev.code, ev.message)
     finally:

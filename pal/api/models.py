@@ -85,6 +85,10 @@ class ExecOut(_Out):
     timed_out: bool | None = Field(
         default=None, description="true when the guest killed the command at timeoutSecs; absent otherwise"
     )
+    truncated: bool | None = Field(
+        default=None,
+        description="true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise",
+    )
 
 
 class FileEntryOut(_Out):
