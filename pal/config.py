@@ -1,7 +1,9 @@
 """Settings read from the environment (and CLI flags), in one place.
 
-Every environment variable Pal honours is read here, so `pal doctor` and the docs
-can list them from one source.
+Every environment variable the server side honours is read here (README, "Configuration",
+lists them). The client side's PAL_URL and PAL_API_KEY are read by the SDK itself
+(pal/sdk/_wire.py), which imports nothing else from pal; the tests' PAL_TEST_DATA_DIR by
+tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -10,7 +12,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pal.spec import Egress, WaitPause, parse_egress_default, parse_wait_pause_default
+
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
+
+
+def env_log_level() -> str:
+    """PAL_LOG_LEVEL, also for the processes Pal starts (the egress gateway)."""
+    return (os.environ.get("PAL_LOG_LEVEL") or "INFO").upper()
+
+
+def armed_failpoint() -> str:
+    """PAL_FAILPOINT: the crash point armed in this process (tests only; see failpoints.py)."""
+    return os.environ.get("PAL_FAILPOINT", "")
+
+
 FORK_COUNT_CEILING = 1000
 
 
@@ -34,6 +50,34 @@ def _float_env(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from exc
 
 
+def parse_labels(raw: str | list[str]) -> dict[str, str]:
+    """``"k=v,k2=v2"`` (or a list of ``k=v``) as a dict; ValueError on a malformed item."""
+    items = raw if isinstance(raw, list) else [x for x in raw.split(",")]
+    out: dict[str, str] = {}
+    for item in (x.strip() for x in items):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"label {item!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _path_env(name: str) -> Path | None:
+    raw = os.environ.get(name)
+    return Path(raw) if raw and raw.strip() else None
+
+
+def _cgroups_env() -> bool:
+    raw = os.environ.get("PAL_CGROUPS", "required").strip().lower()
+    if raw in ("required", "on", "1", "yes", "true", ""):
+        return True
+    if raw in ("off", "0", "no", "false"):
+        return False
+    raise ValueError(f"PAL_CGROUPS must be 'required' or 'off', got {raw!r}")
+
+
 @dataclass
 class Settings:
     data_dir: Path = DEFAULT_DATA_DIR
@@ -43,13 +87,50 @@ class Settings:
     fork_concurrency: int = 16  # PAL_FORK_CONCURRENCY
     harness_ready_timeout_ms: int = 5000  # PAL_HARNESS_READY_TIMEOUT_MS
     idle_sweep_interval_s: float = 10.0  # PAL_IDLE_SWEEP_INTERVAL (DefaultIdleSweepInterval)
-    heartbeat_interval_s: float = 5.0  # harness heartbeat period
+    heartbeat_interval_s: float = 5.0  # PAL_HEARTBEAT_INTERVAL: harness heartbeat period
     s3_endpoint: str | None = None  # S3_ENDPOINT
     s3_bucket: str | None = None  # S3_BUCKET
     s3_region: str = "us-east-1"  # AWS_DEFAULT_REGION
     xfs_image_size_gib: int = 64  # PAL_XFS_IMAGE_GIB: loop XFS for a non-reflink data dir
     templates: bool = True  # PAL_TEMPLATES=0 disables warm templates (always cold boot)
-    extra: dict[str, str] = field(default_factory=dict)
+    metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
+    # PAL_METRICS_TOKEN: bearer token for GET /metrics; unset = loopback clients only
+    metrics_token: str | None = None
+    # PAL_DASHBOARD_SECRET: signs dashboard sessions; unset = a random key kept in the data dir
+    dashboard_secret: str | None = None
+    egress_default: Egress = "open"  # PAL_EGRESS_DEFAULT: a VM's egress when its spec has none
+    egress_resolve: str | None = None  # PAL_EGRESS_RESOLVE=name=ip,... (like curl --resolve)
+    # PAL_EGRESS_ALLOW_INTERNAL=cidr[:port],...: internal destinations the operator opens
+    egress_allow_internal: list[str] = field(default_factory=list)
+    # PAL_EGRESS_CA_BUNDLE: PEM file of CAs the gateway trusts (besides the system store) when
+    # it connects upstream for a brokered secret (a private or test CA)
+    egress_ca_bundle: Path | None = None
+    image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
+    # -- cluster (docs/deploy.md) --
+    database_url: str | None = None  # PAL_DATABASE_URL / --database; unset = SQLite in the data dir
+    # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
+    cluster_secret: str | None = None
+    node_token: str | None = None  # PAL_NODE_TOKEN (node): this node's token
+    admin_token: str | None = None  # PAL_ADMIN_TOKEN: operator routes; unset = loopback only
+    node_heartbeat_interval_s: float = 5.0  # PAL_NODE_HEARTBEAT_INTERVAL
+    node_lost_after_s: float = 30.0  # PAL_NODE_LOST_AFTER: a node silent this long has lost its VMs
+    leader_lease_s: float = 5.0  # PAL_LEADER_LEASE: failover comes within about this long
+    node_name: str | None = None  # PAL_NODE_NAME / --name: this node's id (default: host name)
+    node_region: str = ""  # PAL_NODE_REGION / --region
+    node_labels: dict[str, str] = field(default_factory=dict)  # PAL_NODE_LABELS "k=v,k2=v2"
+    node_memory_mib: int = 0  # PAL_NODE_MEMORY_MIB: guest RAM to hand out; 0 = host RAM - 1 GiB
+    cgroups: bool = True  # PAL_CGROUPS=off: VMs run without host limits (else fail closed)
+    # PAL_WAIT_PAUSE: waitPause of a VM whose spec has none (None: off)
+    wait_pause_default: WaitPause | None = None
+
+    # PAL_SNAPSHOT_KEY_FILE: HMAC key authenticating snapshot meta.json (share it across a
+    # cluster's control plane and nodes); default <data_dir>/keys/snapshot.key, made on first use
+    snapshot_key_file: Path | None = None
+    # PAL_SECRETS_KEY_FILE: key encrypting secrets in the store (every control plane replica
+    # needs the same one); default <data_dir>/keys/secrets.key, made on first use
+    secrets_key_file: Path | None = None
+    log_level: str = "INFO"  # PAL_LOG_LEVEL: the server's log level
+    servers: list[str] = field(default_factory=list)  # PAL_SERVERS (node): control-plane URLs
 
     @property
     def snapshots_root(self) -> Path:
@@ -66,6 +147,18 @@ class Settings:
     @property
     def db_path(self) -> Path:
         return self.data_dir / "pal.db"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.data_dir / "keys"
+
+    @property
+    def snapshot_key_path(self) -> Path:
+        return self.snapshot_key_file or (self.keys_dir / "snapshot.key")
+
+    @property
+    def secrets_key_path(self) -> Path:
+        return self.secrets_key_file or (self.keys_dir / "secrets.key")
 
     @property
     def manager_socket(self) -> Path:
@@ -96,4 +189,31 @@ class Settings:
             s3_region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
             xfs_image_size_gib=_int_env("PAL_XFS_IMAGE_GIB", 64),
             templates=os.environ.get("PAL_TEMPLATES", "1") not in ("0", "false", "no"),
+            metrics_interval_s=max(0.5, _float_env("PAL_METRICS_INTERVAL", 5.0)),
+            metrics_token=os.environ.get("PAL_METRICS_TOKEN") or None,
+            dashboard_secret=os.environ.get("PAL_DASHBOARD_SECRET") or None,
+            egress_default=parse_egress_default(os.environ.get("PAL_EGRESS_DEFAULT")),
+            egress_resolve=os.environ.get("PAL_EGRESS_RESOLVE") or None,
+            egress_ca_bundle=Path(bundle) if (bundle := os.environ.get("PAL_EGRESS_CA_BUNDLE")) else None,
+            egress_allow_internal=[
+                p.strip() for p in os.environ.get("PAL_EGRESS_ALLOW_INTERNAL", "").split(",") if p.strip()
+            ],
+            image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
+            database_url=os.environ.get("PAL_DATABASE_URL") or None,
+            cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
+            node_token=os.environ.get("PAL_NODE_TOKEN") or None,
+            admin_token=os.environ.get("PAL_ADMIN_TOKEN") or None,
+            node_heartbeat_interval_s=max(0.5, _float_env("PAL_NODE_HEARTBEAT_INTERVAL", 5.0)),
+            node_lost_after_s=max(2.0, _float_env("PAL_NODE_LOST_AFTER", 30.0)),
+            leader_lease_s=max(1.0, _float_env("PAL_LEADER_LEASE", 5.0)),
+            node_name=os.environ.get("PAL_NODE_NAME") or None,
+            node_region=os.environ.get("PAL_NODE_REGION", ""),
+            node_labels=parse_labels(os.environ.get("PAL_NODE_LABELS", "")),
+            node_memory_mib=max(0, _int_env("PAL_NODE_MEMORY_MIB", 0)),
+            snapshot_key_file=_path_env("PAL_SNAPSHOT_KEY_FILE"),
+            secrets_key_file=_path_env("PAL_SECRETS_KEY_FILE"),
+            cgroups=_cgroups_env(),
+            wait_pause_default=parse_wait_pause_default(os.environ.get("PAL_WAIT_PAUSE")),
+            log_level=env_log_level(),
+            servers=[s.strip() for s in os.environ.get("PAL_SERVERS", "").split(",") if s.strip()],
         )

@@ -7,6 +7,8 @@ manager RPC carries the same code/status across the process boundary.
 
 from __future__ import annotations
 
+import re
+
 
 class PalError(Exception):
     status: int = 500
@@ -22,6 +24,20 @@ class PalError(Exception):
 
     def to_body(self) -> dict[str, dict[str, str]]:
         return {"error": {"code": self.code, "message": self.message}}
+
+
+# An absolute host path (not a URL's path: no '/', word char, '.' or ':' right before it).
+_HOST_PATH = re.compile(r"(?<![\w/.:])/[^\s'\",;()\[\]{}<>]+")
+PUBLIC_MESSAGE_MAX = 300
+
+
+def public_message(message: str, limit: int = PUBLIC_MESSAGE_MAX) -> str:
+    """A backend failure's message as a client may see it (API errors, a VM's reason): its
+    first line only (QEMU log tails and tracebacks come after it), host paths replaced by
+    ``<path>``, at most ``limit`` characters. The full text goes to the server log."""
+    first = message.split("\n", 1)[0].strip()
+    first = _HOST_PATH.sub("<path>", first)
+    return first if len(first) <= limit else first[: limit - 1] + "…"
 
 
 class InvalidRequest(PalError):
@@ -58,10 +74,20 @@ class TooLarge(PalError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 
 
+class UnsupportedMediaType(PalError):
+    status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
+
+
 class BackendError(PalError):
     """The VMM, guest or storage failed doing something that should have worked."""
 
     status, code = 500, "BACKEND_ERROR"
+
+
+class BadGateway(PalError):
+    """A server in the guest that Pal proxies to (ports) is not there or broke the exchange."""
+
+    status, code = 502, "BAD_GATEWAY"
 
 
 class Unavailable(PalError):
@@ -70,8 +96,21 @@ class Unavailable(PalError):
     status, code = 503, "UNAVAILABLE"
 
 
+class NotLeader(Unavailable):
+    """This control-plane replica does not hold the leadership lease (any more): its
+    state-mutating transaction was refused (fencing). Followers forward such requests."""
+
+    code = "NOT_LEADER"
+
+
 class GuestTimeout(PalError):
     status, code = 504, "GUEST_TIMEOUT"
+
+
+class InsufficientStorage(PalError):
+    """The node lacks the disk or memory this would need (checked before any work)."""
+
+    status, code = 507, "INSUFFICIENT_STORAGE"
 
 
 _BY_STATUS: dict[int, type[PalError]] = {
@@ -82,9 +121,12 @@ _BY_STATUS: dict[int, type[PalError]] = {
     404: NotFound,
     409: Conflict,
     413: TooLarge,
+    415: UnsupportedMediaType,
     500: BackendError,
+    502: BadGateway,
     503: Unavailable,
     504: GuestTimeout,
+    507: InsufficientStorage,
 }
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 
-_ARMED = os.environ.get("PAL_FAILPOINT", "")
+from pal.config import armed_failpoint
+
+_ARMED = armed_failpoint()
 
 
 def hit(name: str) -> None:

@@ -1,8 +1,9 @@
 """`pal up`: the control plane and an embedded runtime manager in one process.
 
 The scheduler talks to the embedded manager through the same RPC client (over the
-manager's unix socket) a remote node would use: one code path. SIGTERM/SIGINT stop every
-VM this process started, then the servers.
+manager's unix socket) a remote node would use: one code path. SIGTERM/SIGINT suspend every
+running VM (snapshot + stop, as an idle suspend: the next request after a restart wakes it),
+stop the VMs caught mid-spawn or mid-drain, then the servers. No QEMU outlives it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Generator
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -21,9 +22,6 @@ import uvicorn
 from pal.config import Settings
 
 log = logging.getLogger("pal")
-
-DEFAULT_TEMPLATE_MEM_MIB = 256
-DEFAULT_TEMPLATE_VCPUS = 1
 
 
 class _Server(uvicorn.Server):
@@ -34,9 +32,13 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _logging() -> None:
-    level = os.environ.get("PAL_LOG_LEVEL", "INFO").upper()
+def _logging(settings: Settings) -> None:
+    level = settings.log_level
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pal.api.middleware import RequestIdFilter
+
+    for handler in logging.getLogger().handlers:  # lines written during a request name its id
+        handler.addFilter(RequestIdFilter())
     # Per-request and per-QMP-event lines drown what matters.
     for noisy in ("httpx", "httpcore", "alembic", "qemu.qmp", "botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -48,74 +50,120 @@ class Node:
     """The embedded runtime manager: snapshot store + VM runtime + its RPC server."""
 
     def __init__(self, settings: Settings) -> None:
-        from pal.images.templates import TemplateCache
         from pal.manager.runtime import NodeRuntime
-        from pal.snapshots.s3 import S3Mirror
+        from pal.manager.templates import TemplateCache
         from pal.snapshots.store import SnapshotStore
         from pal.vmm.accel import probe
 
         self.settings = settings
         self.accel = probe(settings)
         log.info("accelerator: %s (%s)", self.accel.name, self.accel.reason)
-        mirror = (
-            S3Mirror(
-                settings.s3_endpoint,
-                settings.s3_bucket or "",
-                settings.s3_region,
-                logging.getLogger("pal.s3"),
-            )
-            if settings.s3_enabled
-            else None
-        )
-        if mirror is not None:
+        self.store = SnapshotStore.from_settings(settings)
+        if self.store.mirror is not None:
             log.info("snapshot mirror: S3 %s bucket %s", settings.s3_endpoint, settings.s3_bucket)
-        self.store = SnapshotStore(settings.snapshots_root, mirror)
         self.store.cleanup_staging()
         self.runtime = NodeRuntime(settings, self.store, self.accel)
         self.runtime.templates = (
             TemplateCache(settings.data_dir / "templates") if settings.templates else None
         )
+        self._log_limits()
 
-    def rpc_server(self) -> _Server:
+    def _log_limits(self) -> None:
+        from pal.errors import Unavailable
+        from pal.vmm import cgroups
+
+        if not self.settings.cgroups:
+            log.warning("PAL_CGROUPS=off: VMs run without host CPU, memory, pids and IO limits")
+            return
+        try:
+            log.info("host limits per VM: cgroup %s (cpu, memory, pids, io weight)", cgroups.host().version)
+        except Unavailable as exc:
+            log.error("%s: no VM can start", exc.message)
+
+    def rpc_server(self) -> tuple[_Server, socket.socket]:
+        """The manager's RPC server and its socket (root-only: see rpc_socket.py)."""
+        from pal.manager import rpc_socket
         from pal.manager.rpc import create_rpc_app
 
-        sock = self.settings.manager_socket
-        sock.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
-        cfg = uvicorn.Config(create_rpc_app(self.runtime), uds=str(sock), log_level="warning", lifespan="off")
-        return _Server(cfg)
+        sock = rpc_socket.bind(self.settings.manager_socket)
+        cfg = uvicorn.Config(
+            create_rpc_app(self.runtime),
+            log_level="warning",
+            lifespan="off",
+            http=rpc_socket.PeerCheckedProtocol,
+        )
+        return _Server(cfg), sock
 
     def warm_default_template(self) -> None:
-        from pal.images.paths import load_image
+        """Build the template of the default image at the default size (AgentSpec's)."""
+        from pal.images.paths import list_images, load_image
+        from pal.spec import Limits
 
         if self.runtime.templates is None:
             return
+        size = Limits.model_validate({})
         with contextlib.suppress(Exception):
+            # Templates of image builds that no longer exist go; every current image keeps its own.
+            self.runtime.templates.prune({i.agent_version_id for i in list_images(self.settings)})
             image = load_image(self.settings, "default")
-            self.runtime.templates.prune({image.agent_version_id})
             self.runtime.templates.ensure_in_background(
-                self.runtime, image, DEFAULT_TEMPLATE_MEM_MIB, DEFAULT_TEMPLATE_VCPUS
+                self.runtime, image, size.memory_mib, size.vcpus, size.disk_mib
             )
 
 
+def secure_umask() -> None:
+    """Files Pal creates are root's alone (0600/0700) unless it says otherwise."""
+    os.umask(0o077)
+
+
 def prepare_data_dir(settings: Settings) -> str:
-    """Make the data dir exist on a reflink-capable file system; say what was done."""
+    """Make the data dir exist, root-only (0700), on a reflink-capable file system; say
+    what was done."""
     from pal.vmm.datadir import ensure_reflink_datadir
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    return ensure_reflink_datadir(settings, log.info)
+    action = ensure_reflink_datadir(settings, log.info)
+    os.chmod(settings.data_dir, 0o700)  # the mount's root, when it is a loop XFS
+    return action
 
 
 def ensure_image(settings: Settings, name: str = "default") -> None:
-    """Build the image when it is missing or its harness changed (a no-op otherwise)."""
+    """Build the image when it is missing or its harness changed (a no-op otherwise), and
+    re-assemble imported and Dockerfile images built from older guest files."""
     from pal.images.builder import build_image
+    from pal.images.importer import refresh_stale
 
     build_image(settings, name, progress=lambda step, frac: log.info("image: %s %.0f%%", step, frac * 100))
+    for image, error in refresh_stale(settings).items():
+        if error:
+            log.error("image %s could not be re-assembled with the new guest files: %s", image, error)
+        else:
+            log.info("image %s re-assembled with the new guest files", image)
+
+
+def drop_unused_templates(settings: Settings, digest: str | None) -> None:
+    """Remove the templates of an image build no image refers to any more (replaced or
+    removed). Builds in progress are left to the server that runs them."""
+    from pal.images.paths import list_images
+    from pal.manager.templates import TemplateCache
+
+    if digest and all(i.agent_version_id != digest for i in list_images(settings)):
+        TemplateCache(settings.data_dir / "templates").drop(digest)
+
+
+def remove_image(settings: Settings, name: str) -> None:
+    """Remove image ``name`` and its templates (callers check that no VM needs it)."""
+    from pal.images.importer import remove_image as remove
+    from pal.images.paths import load_image
+
+    digest = load_image(settings, name).agent_version_id
+    remove(settings, name)
+    drop_unused_templates(settings, digest)
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
     from pal.api.app import create_app
+    from pal.dashboard.app import install_dashboard
     from pal.manager.client import ManagerClient
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
@@ -123,11 +171,14 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     prepare_data_dir(settings)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
+    await node.runtime.start_network()
     adopted, killed = await node.runtime.adopt_all()
+    await node.runtime.settle_network()
     if adopted or killed:
         log.warning("VMs left by a previous run: adopted %s, killed %s", adopted, killed)
-    rpc = node.rpc_server()
-    rpc_task = asyncio.create_task(rpc.serve(), name="manager-rpc")
+    sampler = asyncio.create_task(node.runtime.run_sampler(), name="vm-metrics")
+    rpc, rpc_sock = node.rpc_server()
+    rpc_task = asyncio.create_task(rpc.serve(sockets=[rpc_sock]), name="manager-rpc")
     while not rpc.started:
         if rpc_task.done():
             rpc_task.result()
@@ -135,18 +186,24 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     client = ManagerClient(settings.manager_socket)
     store = Store.open(settings)
-    scheduler = Scheduler(settings, store, client)
+    scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port))
     await scheduler.start()
     node.warm_default_template()
 
     async def health() -> dict[str, Any]:
         from pal.images.paths import load_image
+        from pal.vmm import cgroups
 
         load_image(settings, "default")
+        if settings.cgroups:
+            cgroups.host()  # fail closed: no VM can start without its limits
         hb = await client.heartbeat()
-        return {"ok": True, "accel": hb.accel, "vms": len(hb.vms)}
+        return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
 
-    app = create_app(scheduler, store, settings, health=health)
+    from pal.dashboard.session import load_secret
+
+    app = create_app(scheduler, store, settings, health=health, link_secret=load_secret(settings))
+    install_dashboard(app, scheduler, store, settings)
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
 
     stop = asyncio.Event()
@@ -155,7 +212,13 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         loop.add_signal_handler(sig, stop.set)
     api_task = asyncio.create_task(api.serve(), name="api")
     log.info(
-        "Pal is up on http://%s:%d (data dir %s, accel %s)", host, port, settings.data_dir, node.accel.name
+        "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime",
+        host,
+        port,
+        settings.data_dir,
+        node.accel.name,
+        host,
+        port,
     )
     try:
         done, _ = await asyncio.wait(
@@ -165,12 +228,14 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
             if t is not stop and t.exception() is not None:
                 log.error("server task failed: %s", t.exception())
     finally:
-        log.info("stopping: every VM this server started is being stopped")
+        log.info("stopping: running VMs are suspended (they wake on their next request), the rest stopped")
         api.should_exit = True
         with contextlib.suppress(Exception):
             await scheduler.shutdown_vms()
         await scheduler.close()
+        sampler.cancel()
         await node.runtime.stop_all()
+        await node.runtime.net.gateway.stop()
         await asyncio.to_thread(node.store.close)
         rpc.should_exit = True
         await asyncio.gather(api_task, rpc_task, return_exceptions=True)
@@ -179,34 +244,90 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
 
 def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
-    _logging()
+    secure_umask()
+    _logging(settings)
     asyncio.run(serve(settings, host, port))
 
 
-def doctor(settings: Settings) -> dict[str, Any]:
-    """What this host gives Pal: accelerator, reflink, QEMU and kernel versions."""
-    from pal.vmm import cgroups, disks
-    from pal.vmm.accel import probe
-    from pal.vmm.versions import qemu_version
+def leadership(settings: Settings, store: Any, host: str, port: int, advertise: str | None = None) -> Any:
+    """PostgreSQL: a lease with a fencing token (replicas may run beside this one).
+    SQLite: the only replica, always the leader."""
+    from pal.scheduler.leader import LeaseLeader, SingleProcessLeader
 
-    out: dict[str, Any] = {"dataDir": str(settings.data_dir)}
-    out["qemu"] = qemu_version()
-    try:
-        info = probe(settings)
-        out["accelerator"] = f"{info.name} ({info.reason})"
-    except Exception as exc:
-        out["accelerator"] = f"unknown ({exc})"
-    d = settings.data_dir if settings.data_dir.exists() else Path("/tmp")
-    out["reflink"] = "yes (reflink clones)" if disks.reflink_supported(d) else "no (qcow2 overlays)"
-    out["cgroups"] = cgroups.describe()
-    try:
-        from pal.images.paths import load_image
+    if store.dialect != "postgresql":
+        return SingleProcessLeader()
+    url = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
+    return LeaseLeader(store, url, ttl_s=settings.leader_lease_s)
 
-        img = load_image(settings, "default")
-        out["image"] = img.agent_version_id
-        out["kernel"] = img.meta.get("kernelVersion")
-    except Exception as exc:
-        out["image"] = f"missing ({exc})"
-    out["snapshotDir"] = str(settings.snapshots_root)
-    out["s3"] = f"{settings.s3_endpoint}/{settings.s3_bucket}" if settings.s3_enabled else "off"
+
+async def role(scheduler: Any) -> dict[str, Any]:
+    leads = await scheduler.is_leader()
+    out: dict[str, Any] = {"role": "leader" if leads else "follower"}
+    token = getattr(scheduler.leader, "token", None)
+    if leads and token is not None:
+        out["fencingToken"] = token
+    if not leads:
+        with contextlib.suppress(Exception):
+            out["leader"] = await scheduler.leader.leader_url()
     return out
+
+
+async def serve_control_plane(
+    settings: Settings, host: str = "127.0.0.1", port: int = 8080, advertise: str | None = None
+) -> None:
+    """`pal server`: API, scheduler and operator routes, no node of its own. Several run
+    against one PostgreSQL; the leader mutates, followers forward (pal/api/forward.py)."""
+    from pal.api.app import create_app
+    from pal.dashboard.session import load_secret
+    from pal.scheduler.scheduler import Scheduler
+    from pal.store import Store, redacted
+
+    # Port links are signed with it: replicas share it (checked before anything starts).
+    link_secret = load_secret(settings, replica=True)
+    store = Store.open(settings)
+    scheduler = Scheduler(settings, store, leader=leadership(settings, store, host, port, advertise))
+    await scheduler.start()
+
+    async def health() -> dict[str, Any]:
+        nodes = scheduler.node_views()
+        return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
+
+    app = create_app(scheduler, store, settings, health=health, link_secret=link_secret)
+    api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    api_task = asyncio.create_task(api.serve(), name="api")
+    log.info("Pal control plane on http://%s:%d (store %s)", host, port, redacted(store.url))
+    try:
+        await asyncio.wait({api_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        # VMs live on the nodes: stopping a replica stops none of them; the lease is released
+        # so another replica takes over at once.
+        api.should_exit = True
+        await scheduler.close()
+        await asyncio.gather(api_task, return_exceptions=True)
+        store.close()
+
+
+def run_control_plane(settings: Settings, host: str, port: int, advertise: str | None) -> None:
+    _logging(settings)
+    asyncio.run(serve_control_plane(settings, host, port, advertise))
+
+
+def jail_summary() -> str:
+    """How each QEMU is confined here (what `pal doctor` shows)."""
+    from pal.vmm.versions import qemu_supports_sandbox
+
+    who = (
+        "own uid per VM (exec'd unprivileged, no -runas)"
+        if os.geteuid() == 0
+        else f"NOT dropped: Pal runs as uid {os.geteuid()}, so QEMUs run as it"
+    )
+    sandbox = (
+        "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
+        if qemu_supports_sandbox()
+        else "NO seccomp: this QEMU was built without -sandbox"
+    )
+    return f"{who}; {sandbox}; files as descriptors; minimal environment"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up Pal on a fresh Debian 12 machine, as root. Idempotent: re-running it only does
-# what is missing. Usage: sudo bash scripts/install.sh [--up [pal up options...]]
+# what is missing. Usage: bash scripts/install.sh [--up [pal up options...] | --for-tests]
+#   --up          then run `pal up` with the options that follow
+#   --for-tests   set up for scripts/test.sh (no hint about starting a server)
 #   PAL_DATA_DIR  where images, snapshots and the store live (default /var/lib/pal)
 set -euo pipefail
 
@@ -8,8 +10,12 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 UP=0
+FOR_TESTS=0
 if [[ "${1:-}" == "--up" ]]; then
   UP=1
+  shift
+elif [[ "${1:-}" == "--for-tests" ]]; then
+  FOR_TESTS=1
   shift
 fi
 
@@ -21,15 +27,29 @@ if [[ "$(id -u)" -ne 0 ]]; then
 fi
 
 # Host tools: QEMU and the image builder's tools. python3-dev + gcc build any wheel pip
-# cannot find prebuilt.
+# cannot find prebuilt. nftables brings libnftables (each VM's namespace rules, in-process);
+# iproute2 (`ip netns`) and openssl are used by `pal bench network` and the tests.
+# chromium + a font: the dashboard's browser tests (Playwright drives Debian's chromium; it
+# never downloads a browser).
+# skopeo + umoci import container images (OCI / Docker archives, registries); buildah
+# builds Dockerfiles (`pal image build -f`).
 PACKAGES=(
   qemu-system-x86 qemu-utils mmdebstrap busybox-static xfsprogs lz4 e2fsprogs cpio kmod
   zstd xz-utils ca-certificates python3 python3-venv python3-dev gcc
+  nftables iproute2 openssl
+  chromium fonts-dejavu-core
+  skopeo umoci buildah
+  postgresql
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node >= 18 and npm for the TypeScript SDK: Debian's packages, unless the host already has
+# a node and npm (another packaging of Node.js would conflict with Debian's npm).
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
 if ((${#missing[@]})); then
   log "apt-get install ${missing[*]}"
   apt-get update
@@ -69,6 +89,17 @@ else
   log "Python packages up to date"
 fi
 
+# The TypeScript SDK's pinned dev tools (typescript, openapi-typescript) from its lock file.
+NPM_STAMP=sdk/typescript/node_modules/.pal-install-stamp
+want_npm="$(sha256sum sdk/typescript/package-lock.json | cut -d' ' -f1)"
+if [[ "$(cat "$NPM_STAMP" 2>/dev/null || true)" != "$want_npm" ]]; then
+  log "npm ci (sdk/typescript)"
+  (cd sdk/typescript && npm ci --no-audit --no-fund --loglevel=error)
+  echo "$want_npm" >"$NPM_STAMP"
+else
+  log "TypeScript SDK dev packages up to date"
+fi
+
 export PAL_DATA_DIR="${PAL_DATA_DIR:-/var/lib/pal}"
 log "guest image 'default' in $PAL_DATA_DIR (reused when already built)"
 .venv/bin/pal image build default --data-dir "$PAL_DATA_DIR"
@@ -77,4 +108,8 @@ if ((UP)); then
   log "starting pal up"
   exec .venv/bin/pal up --data-dir "$PAL_DATA_DIR" "$@"
 fi
-log "done. Start the server with: .venv/bin/pal up --data-dir $PAL_DATA_DIR"
+if ((FOR_TESTS)); then
+  log "set up for the tests (data dir $PAL_DATA_DIR)"
+else
+  log "done. Start the server with: .venv/bin/pal up --data-dir $PAL_DATA_DIR"
+fi

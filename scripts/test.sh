@@ -8,10 +8,11 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 export PAL_TEST_DATA_DIR="${PAL_TEST_DATA_DIR:-/var/lib/pal-test}"
-PAL_DATA_DIR="$PAL_TEST_DATA_DIR" bash scripts/install.sh
+PAL_DATA_DIR="$PAL_TEST_DATA_DIR" bash scripts/install.sh --for-tests
 
 echo "==> ruff check"
 .venv/bin/ruff check pal tests
+.venv/bin/ruff format --check pal tests
 
 echo "==> pytest"
 .venv/bin/pytest -q tests "$@"

@@ -16,19 +16,60 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pal.localcluster.postgres import LocalPostgres
+from pal.localcluster.processes import qemu_pids_under
+from tests.netservers import (
+    ALLOW_INTERNAL_ENV,
+    RESOLVE_ENV,
+    Upstream,
+    upstream,  # noqa: F401  (session fixture: HTTP/TLS servers on 127.0.0.2)
+)
 from tests.s3server import s3_server  # noqa: F401  (session fixture: a real S3 server)
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[LocalPostgres]:
+    """A real PostgreSQL (Debian's, initdb + pg_ctl in a temp dir, 127.0.0.1) for the session."""
+    with LocalPostgres() as pg:
+        yield pg
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each kind the store supports."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'pal.db'}"
+    pg: LocalPostgres = request.getfixturevalue("postgres")
+    return pg.new_database()
+
+
+# How far a TCG guest's clock may drift from the host's after it was set at identify: 1.4 s
+# was seen at a load of 15 on 2 cores. A clock frozen in a snapshot or template is off by
+# much more (the tests make sure of it), so it still fails.
+CLOCK_TOLERANCE_S = 2.0
+
+
+def assert_guest_clock_is_the_hosts(read_guest_clock: Callable[[], float]) -> None:
+    """The guest's wall clock (read by one exec) lies between the host's clock just before
+    and just after that exec: however loaded the host, a clock frozen at a snapshot or
+    template fails it, a right one does not."""
+    before = time.time()
+    guest = read_guest_clock()
+    after = time.time()
+    assert before - CLOCK_TOLERANCE_S <= guest <= after + CLOCK_TOLERANCE_S, (before, guest, after)
 
 
 def free_port() -> int:
@@ -37,18 +78,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def qemu_pids_under(path: Path) -> list[int]:
-    """PIDs of QEMU processes whose command line mentions ``path``."""
-    pids = []
-    needle = str(path).encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            cmd = (d / "cmdline").read_bytes()
-            if b"qemu-system" in cmd and needle in cmd:
-                pids.append(int(d.name))
-    return pids
+def gateway_pids_under(path: Path) -> list[int]:
+    return qemu_pids_under(path, b"pal.network.gateway")
+
+
+def netns_of(data_dir: Path) -> list[str]:
+    """Network namespaces of the node using ``data_dir``."""
+    from pal.network import netns
+
+    return netns.list_names(netns.node_tag(data_dir))
 
 
 def pal_cli(
@@ -98,9 +136,14 @@ def prepare_base_dir() -> None:
     ensure_image(settings)
 
 
-def start_server(run_dir: Path, extra_env: dict[str, str] | None = None) -> PalServer:
+def start_server(
+    run_dir: Path, extra_env: dict[str, str] | None = None, *, share_cache: bool = True
+) -> PalServer:
+    """A real `pal up` on ``run_dir``. With ``share_cache`` its images and templates are
+    symlinks into TEST_DATA_DIR (built once per machine); without, the data dir is the
+    server's alone (see :func:`private_data_dir`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for shared in ("images", "templates"):
+    for shared in ("images", "templates") if share_cache else ():
         (TEST_DATA_DIR / shared).mkdir(exist_ok=True)
         link = run_dir / shared
         if not link.exists():
@@ -112,6 +155,12 @@ def start_server(run_dir: Path, extra_env: dict[str, str] | None = None) -> PalS
         "PAL_IDLE_SWEEP_INTERVAL": "1",
         "PAL_LOG_LEVEL": "INFO",
         "PAL_DATA_DIR": str(run_dir),
+        # Test names point at servers on 127.0.0.2, the one internal address guests may reach.
+        "PAL_EGRESS_RESOLVE": RESOLVE_ENV,
+        "PAL_EGRESS_ALLOW_INTERNAL": ALLOW_INTERNAL_ENV,
+        # A hang guard, not a speed bound: a restored guest on a loaded 2-core host can take
+        # longer than the default 5 s to answer identify (seen: a session's first schedule).
+        "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
         **(extra_env or {}),
     }
     with open(log_path, "ab") as logf:
@@ -133,6 +182,48 @@ def start_server(run_dir: Path, extra_env: dict[str, str] | None = None) -> PalS
         time.sleep(0.3)
     stop_server(server)
     raise RuntimeError(f"pal up did not become healthy:\n{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def private_data_dir() -> Iterator[Path]:
+    """A data dir where users make one: ``<mktemp -d>/d``, under a 0700 parent, shared with
+    nothing. On a file system without reflinks (ext4 /tmp) it becomes a loop-mounted XFS
+    like any user's; ``pal data-dir umount`` takes it down at the end, so no mount is left
+    under /tmp. The guest image is copied in (building one from scratch is not under test).
+    """
+    from pal.config import Settings
+    from pal.images.paths import load_image
+    from pal.server import prepare_data_dir
+    from pal.vmm import disks
+
+    prepare_base_dir()
+    parent = Path(tempfile.mkdtemp(prefix="pal-private-"))
+    data = parent / "d"
+    try:
+        prepare_data_dir(Settings.from_env(data))
+        base = TEST_DATA_DIR / "images"
+        image = load_image(Settings.from_env(TEST_DATA_DIR), "default")
+        # the image (root fs + meta) and the boot set it names (kernel + initrd), as built
+        for src_dir in {image.dir, image.vmlinux.parent}:
+            dst_dir = data / "images" / src_dir.relative_to(base)
+            dst_dir.mkdir(parents=True, exist_ok=True)
+            for f in src_dir.iterdir():
+                if f.is_file():
+                    disks.clone(f, dst_dir / f.name, qcow2_ok=False)
+                    os.chmod(dst_dir / f.name, f.stat().st_mode)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.copy(base / "accel.json", data / "images" / "accel.json")
+        yield data
+    finally:
+        for pid in qemu_pids_under(data):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        umount = pal_cli("data-dir", "umount", "--data-dir", str(data), check=False)
+        mounted = os.path.ismount(data)
+        if mounted:  # never leave a mount under /tmp, even when the command is broken
+            subprocess.run(["umount", str(data)], check=False)
+        shutil.rmtree(parent, ignore_errors=True)
+        assert umount.returncode == 0 and not mounted, umount.stderr
 
 
 def stop_server(server: PalServer, sig: int = signal.SIGTERM) -> None:
@@ -157,25 +248,32 @@ def wait_template(server: PalServer, key: str, timeout: float = 600) -> None:
             if vm.get("bootMethod") == "template":
                 return
             time.sleep(1)
-    raise RuntimeError("warm template was not built in time")
+    raise RuntimeError(f"warm template was not built in time:\n{server.log_tail()}")
 
 
 @pytest.fixture(scope="session")
-def pal_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PalServer]:
-    """One real `pal up` for the integration tests of a session."""
+def pal_server(upstream: Upstream) -> Iterator[PalServer]:  # noqa: F811
+    """One real `pal up` for the integration tests of a session (its egress gateway trusts
+    the test TLS server's CA, for brokered secrets)."""
     prepare_base_dir()
     run_dir = TEST_DATA_DIR / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    server = start_server(run_dir)
+    server = start_server(run_dir, {"PAL_EGRESS_CA_BUNDLE": str(upstream.ca_path)})
     try:
         yield server
     finally:
         stop_server(server)
-        leaked = qemu_pids_under(run_dir)
+        leaked = qemu_pids_under(run_dir) + gateway_pids_under(run_dir)
         for pid in leaked:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        namespaces = netns_of(run_dir)
+        from pal.network import netns
+
+        for name in namespaces:
+            netns.delete(name)
         shutil.rmtree(run_dir, ignore_errors=True)
-        assert not leaked, f"QEMU processes outlived the server: {leaked}"
+        assert not leaked, f"QEMU or gateway processes outlived the server: {leaked}"
+        assert not namespaces, f"network namespaces outlived the server: {namespaces}"
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,4 @@
-"""A real S3-compatible server for tests: moto's standalone server as a subprocess.
-
-Not an in-process mock: the code under test talks HTTP to another process, so timeouts,
-connection refusals and server restarts behave as with MinIO or AWS.
+"""The S3 server of the tests: pal/localcluster/s3.py's moto server.
 
 Use the session fixture ``s3_server`` (an :class:`S3Server`), or ``S3Server(port)`` as a
 context manager when a test must start/stop a server itself (e.g. "server comes back").
@@ -10,91 +7,13 @@ context manager when a test must start/stop a server itself (e.g. "server comes 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
-from types import TracebackType
 
 import pytest
 
-# Credentials the S3 client reads from the environment; moto accepts any.
-TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "pal-test",
-    "AWS_SECRET_ACCESS_KEY": "pal-test-secret",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+from pal.localcluster.s3 import TEST_ENV, S3Server, free_port
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _moto_server_bin() -> str:
-    # Next to the interpreter running pytest (the venv), else on PATH.
-    candidate = Path(sys.executable).with_name("moto_server")
-    found = str(candidate) if candidate.exists() else shutil.which("moto_server")
-    if not found:
-        raise RuntimeError("moto_server not found: pip install 'moto[server]'")
-    return found
-
-
-class S3Server:
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 30.0) -> S3Server:
-        # Own process group, so stop() can kill exactly this server and its children.
-        self._proc = subprocess.Popen(
-            [_moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self._proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "/", timeout=1):
-                    return self
-            except urllib.error.HTTPError:
-                return self  # it answered, even if with an error status
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"moto_server did not answer on {self.endpoint} within {timeout}s")
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-        except ProcessLookupError:
-            proc.wait(timeout=5)
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+__all__ = ["TEST_ENV", "S3Server", "free_port", "s3_server"]
 
 
 @pytest.fixture(scope="session")

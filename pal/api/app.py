@@ -6,48 +6,115 @@ and serves it; nothing here starts or stops anything.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 
 import pal
 from pal.config import Settings
 
 from .auth import make_tenant_dependency
 from .errors import install_error_handlers
-from .routes import runtime_router
+from .forward import ForwardToLeader
+from .middleware import BodyLimitMiddleware, RequestIdMiddleware
+from .nodes import nodes_router
+from .ports import Links, ports_router
+from .prometheus import metrics_router
+from .routes import images_router, runtime_router
 
 log = logging.getLogger("pal.api")
+DOCS_ASSETS = "/docs-assets"
+READY_POLL_S = 0.5  # how often a starting server checks whether it is ready yet
 
 HealthCheck = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 
-def create_app(scheduler: Any, store: Any, settings: Settings, health: HealthCheck | None = None) -> FastAPI:
+def create_app(
+    scheduler: Any,
+    store: Any,
+    settings: Settings,
+    health: HealthCheck | None = None,
+    link_secret: bytes | None = None,
+    ready: HealthCheck | None = None,
+) -> FastAPI:
     """The REST API over ``scheduler``; ``store`` resolves API keys to tenants.
 
     ``health()`` returns a dict with at least ``ok: bool`` (scheduler started, manager
     reachable, image present); /healthz answers 200 when ok, else 503. Without one,
-    /healthz only says the process is up.
+    /healthz only says the process is up. ``ready()`` returns ``ready: bool`` (and what it
+    waits for; default: pal/scheduler/readiness.py on ``scheduler``'s nodes): /readyz
+    answers 200 when the server is healthy and ready to schedule at full speed, else 503.
+    Served with a lifespan (uvicorn), the app logs once when it becomes ready.
     """
-    app = FastAPI(
+    if ready is None and getattr(scheduler, "nodes", None) is not None:
+
+        async def ready() -> dict[str, Any]:
+            from pal.scheduler.readiness import readiness
+
+            return await readiness(scheduler, templates=settings.templates)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_announce_ready(health, ready), name="announce-ready")
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    # /docs (Swagger UI) and /redoc with their assets served from the fastapi-offline
+    # package: no CDN, so they work on machines without Internet access.
+    app = FastAPIOffline(
         title="Pal",
         version=getattr(pal, "__version__", "0.1.0"),
         description="Self-hostable microVM sandboxes for AI agents.",
-        docs_url=None,
-        redoc_url=None,
+        static_url=DOCS_ASSETS,
+        lifespan=lifespan,
     )
     app.state.scheduler = scheduler
     app.state.store = store
     app.state.settings = settings
     install_error_handlers(app)
-    app.include_router(runtime_router(scheduler, make_tenant_dependency(store)))
+    require_tenant = make_tenant_dependency(store)
+    app.include_router(runtime_router(scheduler, require_tenant))
+    # Port links are signed with the server's secret (pal.server passes the one dashboard
+    # sessions use, which replicas share); without one they last as long as this process.
+    app.include_router(ports_router(scheduler, store, Links(link_secret or secrets.token_bytes(32))))
+    app.include_router(images_router(scheduler, require_tenant))
+    app.include_router(metrics_router(scheduler, settings))
+    app.include_router(nodes_router(scheduler, settings))
+    leader = getattr(scheduler, "leader", None)
+    if leader is not None:
+        # Followers forward what they cannot answer from the store (pal/api/forward.py).
+        app.add_middleware(
+            ForwardToLeader,
+            is_leader=leader.is_leader,
+            leader_url=leader.leader_url,
+            failover_s=settings.leader_lease_s + 1.0,
+        )
 
-    @app.get("/healthz", tags=["health"], summary="200 when this server can schedule VMs, else 503")
-    async def healthz() -> JSONResponse:
+    # Outermost last: every request gets its id first, then the body limit applies.
+    app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.get(
+        "/healthz",
+        tags=["health"],
+        summary="200 when this server can schedule VMs, else 503; details for the operator only",
+    )
+    async def healthz(request: Request) -> JSONResponse:
+        """``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
+        with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+        key the server shows no internals (they are in its log under the request id)."""
         if health is None:
             return JSONResponse({"ok": True})
         try:
@@ -59,6 +126,66 @@ def create_app(scheduler: Any, store: Any, settings: Settings, health: HealthChe
             report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         ok = bool(report.get("ok"))
         report["ok"] = ok
-        return JSONResponse(report, status_code=200 if ok else 503, headers={"Cache-Control": "no-store"})
+        shown = report if _operator_key(request, settings) else {"ok": ok}
+        return JSONResponse(shown, status_code=200 if ok else 503, headers={"Cache-Control": "no-store"})
+
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="200 when this server schedules at full speed (default template warm), else 503",
+    )
+    async def readyz(request: Request) -> JSONResponse:
+        """``{"ready": bool}`` for anyone; with the operator's token also ``waitingFor``
+        (what readiness still waits for). Healthy first: an unhealthy server is not ready."""
+        report = await _readiness(health, ready)
+        is_ready = bool(report.get("ready"))
+        report["ready"] = is_ready
+        shown = report if _operator_key(request, settings) else {"ready": is_ready}
+        return JSONResponse(
+            shown, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"}
+        )
 
     return app
+
+
+def _operator_key(request: Request, settings: Settings) -> bool:
+    """The request carries the operator's admin or metrics token."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return False
+    return any(
+        tok and hmac.compare_digest(given.strip().encode(), tok.encode())
+        for tok in (settings.admin_token, settings.metrics_token)
+    )
+
+
+async def _readiness(health: HealthCheck | None, ready: HealthCheck | None) -> dict[str, Any]:
+    """``{"ready": bool, "waitingFor"?: str}``: healthy first, then ``ready()``."""
+    report: dict[str, Any] = {"ready": True}
+    try:
+        for probe in (health, ready):
+            if probe is None:
+                continue
+            result = probe()
+            got = dict(await result if inspect.isawaitable(result) else result)
+            if probe is health and not got.get("ok"):
+                return {"ready": False, "waitingFor": got.get("error") or "a healthy server (see /healthz)"}
+            if probe is ready:
+                report = got
+    except Exception as exc:  # a failing probe is a server not ready, not a 500
+        log.warning("readiness check failed: %s", exc)
+        return {"ready": False, "waitingFor": f"{type(exc).__name__}: {exc}"}
+    report["ready"] = bool(report.get("ready"))
+    return report
+
+
+async def _announce_ready(health: HealthCheck | None, ready: HealthCheck | None) -> None:
+    """Log once when the server schedules at full speed (what /readyz reports), so whoever
+    runs `pal up` sees when to start sending work. Polls until then, not after."""
+    started = time.monotonic()
+    while not (await _readiness(health, ready))["ready"]:
+        await asyncio.sleep(READY_POLL_S)
+    log.info(
+        "Pal is ready: the default template is warm, schedules run at full speed (%.1f s after start)",
+        time.monotonic() - started,
+    )

@@ -38,10 +38,18 @@ def make_tenant_dependency(store: Any) -> Any:
         request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> str:
         if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
-            raise Unauthorized("missing API key: send 'Authorization: Bearer <apiKey>'")
+            raise Unauthorized(
+                "missing API key: send 'Authorization: Bearer <apiKey>' (the SDKs and the CLI "
+                "send PAL_API_KEY; a key comes from `pal tenants create`)"
+            )
         tenant = await tenant_for_key(store, creds.credentials)
         if tenant is None:
-            raise Unauthorized("invalid API key")
+            why = getattr(store, "why_key_refused", None)
+            # expired, rotated out, tenant being deleted, or unknown: said plainly (never
+            # which tenant an unknown key might have belonged to)
+            raise Unauthorized(
+                await run_in_threadpool(why, creds.credentials) if why is not None else "invalid API key"
+            )
         request.state.tenant = tenant
         return str(tenant.id)
 

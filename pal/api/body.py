@@ -1,12 +1,46 @@
-"""Bounded request bodies: file uploads are refused past 1 MiB without buffering more."""
+"""Bodies: JSON requests must say they are JSON; file uploads are refused past the files
+limit without buffering more; file downloads say whether they are text."""
 
 from __future__ import annotations
 
+import codecs
+
 from fastapi import Request
 
-from pal.errors import InvalidRequest, TooLarge
+from pal.errors import InvalidRequest, TooLarge, UnsupportedMediaType
+from pal.guest.protocol import MAX_FILE_BYTES  # the one definition (the harness enforces it too)
 
-MAX_FILE_BYTES = 1024 * 1024  # the files API limit (spec: "at most 1 MiB")
+MAX_FILE_WORDS = f"{MAX_FILE_BYTES >> 20} MiB"  # the limit as messages and docs say it
+
+
+def require_json(request: Request) -> None:
+    """A route dependency: a JSON body must come as ``Content-Type: application/json``.
+
+    ``curl -d`` sends ``application/x-www-form-urlencoded``; rather than guess, the answer
+    is 415 saying what to send. Refusing other types also keeps browsers from posting
+    cross-site forms (a "simple" request) to a JSON route. No body at all is fine.
+    """
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return
+    given = request.headers.get("content-type", "")
+    media = given.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise UnsupportedMediaType(
+        f"the request body must be JSON sent with 'Content-Type: application/json' "
+        f"(curl: -H 'Content-Type: application/json'); got {given or 'no Content-Type'}"
+    )
+
+
+def content_type(data: bytes, truncated: bool) -> str:
+    """Text as ``text/plain; charset=utf-8``; anything that is not UTF-8 (binaries, other
+    encodings) as ``application/octet-stream``, so no client decodes it by mistake. A cut
+    at the limit may split the last character: that alone does not make it binary."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=not truncated)
+    except UnicodeDecodeError:
+        return "application/octet-stream"
+    return "text/plain; charset=utf-8"
 
 
 async def read_bounded(request: Request, limit: int = MAX_FILE_BYTES) -> bytes:
@@ -22,12 +56,12 @@ async def read_bounded(request: Request, limit: int = MAX_FILE_BYTES) -> bytes:
         except ValueError:
             raise InvalidRequest("Content-Length is not a number") from None
         if length > limit:
-            raise TooLarge(f"file content is {length} bytes; the limit is {limit} bytes (1 MiB)")
+            raise TooLarge(f"file content is {length} bytes; the limit is {limit} bytes")
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise TooLarge(f"file content exceeds the limit of {limit} bytes (1 MiB)")
+            raise TooLarge(f"file content exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)

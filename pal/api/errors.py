@@ -1,7 +1,9 @@
-"""Every failure becomes `{"error": {"code", "message"}}` with the right status.
+"""Every failure becomes `{"error": {"code", "message", "requestId"}}` with the right status.
 
 FastAPI's defaults (422 for validation, `{"detail": ...}` bodies, HTML-less 404s) are
-replaced here so clients only ever parse one error shape.
+replaced here so clients only ever parse one error shape. A server-side failure (5xx) is
+logged in full under the request id and answered with ``public_message``: its first line,
+no host paths, no QEMU log tail (docs/security.md, "Errors").
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pal.errors import PalError
-from pal.scheduler.states import IllegalTransition
+from pal.errors import PalError, public_message
+
+from .middleware import current_request_id
 
 log = logging.getLogger("pal.api")
 
@@ -31,10 +34,26 @@ _HTTP_CODES = {
 }
 
 
+def public_error(status: int, code: str, message: str) -> dict[str, str]:
+    """The error body's inner object. A 5xx is logged in full (under the request id, by the
+    log filter) and answered without internals."""
+    if status == 502:
+        # A sandbox's own server not there (yet), or broken: its business, not the server's.
+        log.info("request failed: %s %s: %s", status, code, message)
+    elif status >= 500:
+        log.warning("request failed: %s %s: %s", status, code, message)
+        message = public_message(message)
+    err = {"code": code, "message": message}
+    rid = current_request_id()
+    if rid:
+        err["requestId"] = rid
+    return err
+
+
 def error_response(
     status: int, code: str, message: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse({"error": public_error(status, code, message)}, status_code=status, headers=headers)
 
 
 def validation_message(errors: list[Any]) -> str:
@@ -65,14 +84,8 @@ def validation_message(errors: list[Any]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PalError)
     async def _pal(_: Request, exc: PalError) -> JSONResponse:
-        if exc.status >= 500:
-            log.warning("request failed: %s %s", exc.code, exc.message)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return error_response(exc.status, exc.code, exc.message, headers)
-
-    @app.exception_handler(IllegalTransition)
-    async def _illegal(_: Request, exc: IllegalTransition) -> JSONResponse:
-        return error_response(409, "FAILED_PRECONDITION", str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -87,4 +100,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, "INTERNAL", f"internal error: {type(exc).__name__}")
+        return error_response(500, "INTERNAL", f"internal error ({type(exc).__name__}); see the server log")

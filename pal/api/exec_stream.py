@@ -1,18 +1,10 @@
 """Exec over HTTP: buffered JSON, or Server-Sent Events flushed as the guest produces output.
 
-Guest error codes (pal.guest.protocol ERR_*) are mapped to API errors here:
-
-| guest code | buffered answer | SSE |
-|---|---|---|
-| ENOENT | 400 EXECUTABLE_NOT_FOUND | `error` event, same code |
-| EPERM | 400 NOT_EXECUTABLE | `error` |
-| EESCAPE | 400 PATH_ESCAPE | `error` |
-| EINVAL, ENOTDIR, EISDIR | 400 INVALID_ARGUMENT (bad cwd, argv...) | `error` |
-| ETIMEDOUT | **200** `{exitCode: 124, timedOut: true}` + output so far | `exit`, same fields |
-| EAUTH, EIO, anything else | 503 (the guest could not run it; never 500) | `error` |
-
-A timeout is answered like `timeout(1)` does (exit status 124) rather than 408, because the
-command did run and its partial output is what the caller needs to see.
+A guest error ends the exec with the error of pal/manager/guest_errors.py (the one
+mapping of guest codes): as the answer of a buffered exec, as an `error` event on SSE. A
+timeout (ETIMEDOUT) is not an error: it is answered like `timeout(1)` does, `exitCode: 124,
+timedOut: true` with the output so far, rather than 408, because the command did run and
+its partial output is what the caller needs to see.
 """
 
 from __future__ import annotations
@@ -26,9 +18,10 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pal.errors import PalError
+from pal.manager.guest_errors import to_pal_error
 from pal.manager.models import ExecEvent
 
-from .errors import error_response
+from .errors import error_response, public_error
 from .models import ExecOut
 
 TIMEOUT_EXIT_CODE = 124
@@ -39,22 +32,6 @@ FIRST_EVENT_GRACE_S = 1.0
 KEEPALIVE_S = 15.0
 
 BUFFERED_OUTPUT_MAX = 8 * 1024 * 1024  # characters kept per stream in a buffered exec
-
-_GUEST_ERRORS: dict[str, tuple[int, str]] = {
-    "ENOENT": (400, "EXECUTABLE_NOT_FOUND"),
-    "EPERM": (400, "NOT_EXECUTABLE"),
-    "EESCAPE": (400, "PATH_ESCAPE"),
-    "EINVAL": (400, "INVALID_ARGUMENT"),
-    "ENOTDIR": (400, "INVALID_ARGUMENT"),
-    "EISDIR": (400, "INVALID_ARGUMENT"),
-    "ETOOBIG": (413, "PAYLOAD_TOO_LARGE"),
-}
-
-
-def guest_error(code: str | None, message: str | None) -> PalError:
-    """The API error for an exec that ended with a guest `error` event."""
-    status, api_code = _GUEST_ERRORS.get(code or "", (503, code or "GUEST_ERROR"))
-    return PalError(message or f"guest error {code}", code=api_code, status=status)
 
 
 def _is_timeout(ev: ExecEvent) -> bool:
@@ -100,7 +77,7 @@ async def buffered_exec(events: AsyncIterator[ExecEvent]) -> ExecOut:
             elif _is_timeout(ev):
                 return _out(TIMEOUT_EXIT_CODE, stdout, stderr, timed_out=True)
             else:
-                raise guest_error(ev.code, ev.message)
+                raise to_pal_error(ev.code, ev.message, "exec")
     finally:
         await _aclose(events)
     raise PalError("exec stream ended without an exit status", code="GUEST_ERROR", status=503)
@@ -117,8 +94,8 @@ def event_frame(ev: ExecEvent) -> bytes:
         return sse_frame("exit", {"exitCode": ev.exit_code if ev.exit_code is not None else -1})
     if _is_timeout(ev):
         return sse_frame("exit", {"exitCode": TIMEOUT_EXIT_CODE, "timedOut": True})
-    err = guest_error(ev.code, ev.message)
-    return sse_frame("error", {"code": err.code, "message": err.message})
+    err = to_pal_error(ev.code, ev.message, "exec")
+    return sse_frame("error", public_error(err.status, err.code, err.message))
 
 
 _DONE = object()
@@ -132,9 +109,14 @@ async def _aclose(events: AsyncIterator[Any]) -> None:
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel the pump once and let it clean up (close the manager stream, which cancels
+    the command in the guest). Not ``await task``: when the client went away, Starlette's
+    cancel scope cancels *us* again and again, and each cancel of a task blocked in
+    ``await task`` is passed on to ``task``, interrupting its cleanup half-way (the
+    connection to the manager was left open and the command kept running)."""
     task.cancel()
     with contextlib.suppress(BaseException):
-        await task
+        await asyncio.wait({task})
 
 
 async def sse_exec(
@@ -190,7 +172,7 @@ async def sse_exec(
                     yield sse_frame("error", {"code": "GUEST_ERROR", "message": msg})
                     return
                 if isinstance(item, PalError):
-                    yield sse_frame("error", {"code": item.code, "message": item.message})
+                    yield sse_frame("error", public_error(item.status, item.code, item.message))
                     return
                 yield event_frame(item)
                 if item.type in ("exit", "error"):

@@ -1,25 +1,82 @@
 """Response bodies of the REST API (camelCase on the wire).
 
 Declared as pydantic models so `/openapi.json` documents every shape; request bodies are
-the scheduler's own models (`AgentSpec`, `ExecRequest`, `ForkRequest`).
+the models of pal/spec.py (`AgentSpec`, `ExecRequest`, `ForkRequest`).
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
-from pal.scheduler.spec import Limits
+from pal.spec import Egress, Limits, WaitPause
+from pal.store import VmRecord
 
 
 class _Out(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+    # from_attributes: built from the store's and scheduler's records by field name.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, from_attributes=True)
+    # Optional fields left out while null, so that the spec's shapes (e.g. resume: {vmId,
+    # snapshotId, state}) stay exact for VMs that never use the feature behind them.
+    _omit_null: ClassVar[frozenset[str]] = frozenset()
+
+    # No return annotation on purpose: with one, pydantic documents the model as that type.
+    @model_serializer(mode="wrap")
+    def _drop_omitted_nulls(self, handler: SerializerFunctionWrapHandler):
+        out = handler(self)
+        if isinstance(out, dict):
+            for name in self._omit_null:
+                for key in (name, type(self).model_fields[name].alias):
+                    if key in out and out[key] is None:
+                        del out[key]
+        return out
+
+
+class NetworkOut(_Out):
+    bytes_in: int = Field(description="bytes delivered to the guest")
+    bytes_out: int = Field(description="bytes the guest sent")
+    connections: int = Field(description="TCP connections the guest opened")
+    refused: int = Field(description="connections and DNS lookups the egress policy refused")
+    dns_queries: int
+    active: int | None = Field(default=None, description="open connections now (running VMs)")
+
+
+class PauseOut(_Out):
+    """What kind of pause a paused VM is in (its tier)."""
+
+    kind: str = Field(
+        description="`live`: the same QEMU, vCPUs stopped, slot kept; `snapshot`: in a snapshot, slot freed"
+    )
+    by: str | None = Field(default=None, description="`operator`, `idle` or `wait`")
+    since: datetime | None = None
+    offloaded: bool | None = Field(default=None, description="live: the guest's RAM was handed back")
+    resident_mib: int | None = Field(
+        default=None,
+        alias="residentMiB",
+        description="live: guest RAM still resident on the host, MiB (measured now)",
+    )
+    _omit_null = frozenset({"offloaded", "resident_mib"})
+
+
+class LiveStatsOut(_Out):
+    """Live pauses over the VM's life."""
+
+    live_pauses: int = 0
+    wait_pauses: int = 0
+    live_paused_ms: int = Field(default=0, description="total time live-paused (finished pauses)")
+    offloads: int = 0
+    freed_mib: int = Field(default=0, description="resident MiB handed back by offloads, summed")
+    bytes_while_paused: int = Field(default=0, description="response bytes the host held while paused")
 
 
 class VmOut(_Out):
+    """A VM as the API shows it: the public columns of the store's ``VmRecord``, read by
+    name. A new VM field goes in store/records.py, store/tables.py (+ a migration) and,
+    if clients see it, here."""
+
     vm_id: str
     state: str
     image: str
@@ -36,22 +93,37 @@ class VmOut(_Out):
         default=None,
         description="on schedule answers: how the VM started (`template`, `cold`); null elsewhere",
     )
+    egress: Egress = Field(default="none", description="the VM's egress policy")
+    network: NetworkOut | None = Field(
+        default=None, description="network counters over the VM's life (GET of one VM only)"
+    )
+    idle_live_pause_secs: int = 0
+    wait_pause: WaitPause | None = Field(default=None, description="wait management; null: off")
+    pause: PauseOut | None = Field(
+        default=None, description="paused VMs: the kind of pause (GET of one VM); absent otherwise"
+    )
+    live_stats: LiveStatsOut | None = Field(default=None, description="live pauses over the VM's life")
+    _omit_null = frozenset({"pause"})
 
     @classmethod
-    def from_view(cls, view: Any) -> VmOut:
-        return cls(
-            vm_id=view.vm_id,
-            state=str(view.state),
-            image=view.image,
-            limits=view.limits,
-            created_at=view.created_at,
-            snapshot_id=view.snapshot_id,
-            parent_vm_id=view.parent_vm_id,
-            reason=view.reason,
-            idle_timeout_secs=view.idle_timeout_secs,
-            paused_by=getattr(view, "paused_by", None),
-            boot_method=getattr(view, "boot_method", None),
-        )
+    def of(
+        cls,
+        vm: VmRecord,
+        boot_method: str | None = None,
+        network: dict[str, int] | None = None,
+        pause: dict[str, Any] | None = None,
+    ) -> VmOut:
+        out = cls.model_validate(vm)
+        out.boot_method = boot_method
+        out.network = NetworkOut.model_validate(network) if network is not None else None
+        out.pause = PauseOut.model_validate(pause) if pause is not None else None
+        out.live_stats = LiveStatsOut.model_validate(vm.live_stats or {})
+        return out
+
+
+class SecretRotatedOut(_Out):
+    name: str
+    applied: str = Field(description="`now` (the VM runs: its next request) or `next start`")
 
 
 class VmListOut(_Out):
@@ -64,6 +136,8 @@ class SnapshotStateOut(_Out):
     vm_id: str
     snapshot_id: str | None
     state: str
+    pause: PauseOut | None = Field(default=None, description="paused: the kind of pause; absent otherwise")
+    _omit_null = frozenset({"pause"})
 
 
 class ForkChildOut(_Out):
@@ -108,12 +182,22 @@ class FileWrittenOut(_Out):
     bytes_written: int
 
 
+class FileDeletedOut(_Out):
+    path: str
+    deleted: bool
+
+
 class EventOut(_Out):
+    """A status or audit event: the public columns of the store's ``EventRecord``."""
+
     at: datetime
     kind: str
     from_state: str | None = None
     to_state: str | None = None
     reason: str | None = None
+    details: dict[str, Any] | None = Field(
+        default=None, description="egress_denied: {name, address, port, rule, suppressed}"
+    )
 
 
 class EventListOut(_Out):
@@ -123,7 +207,85 @@ class EventListOut(_Out):
 class ErrorBody(_Out):
     code: str
     message: str
+    request_id: str | None = Field(
+        default=None, description="the request's id (also its X-Request-Id header); the server log has more"
+    )
 
 
 class ErrorOut(_Out):
     error: ErrorBody
+
+
+class MetricSampleOut(_Out):
+    """One sample; a figure is null when unknown (see docs/metrics.md for each source)."""
+
+    t: int = Field(description="sample time, unix milliseconds")
+    cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
+    rss_bytes: int | None = Field(default=None, description="host RSS of the VM's QEMU")
+    pss_bytes: int | None = Field(default=None, description="host PSS of the VM's QEMU")
+    guest_mem_used_bytes: int | None = None
+    guest_mem_total_bytes: int | None = None
+    disk_used_bytes: int | None = None
+    disk_total_bytes: int | None = None
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    live_paused_ms: int | None = None
+
+
+class VmMetricsOut(_Out):
+    vm_id: str
+    interval_secs: float
+    window_secs: float
+    live: bool = Field(description="false: the VM is not running; these are its last samples, or none")
+    cpu_source: str | None = Field(default=None, description="`cgroup` or `proc`")
+    samples: list[MetricSampleOut]
+
+
+class SnapshotOut(_Out):
+    snapshot_id: str
+    created_at: str | None = None
+    sizes: dict[str, int] = Field(description="bytes per artifact (snapshot, mem, rootfs, vmm.json)")
+    sealed: bool
+    memory_kind: str | None = None
+    parent_snapshot_id: str | None = None
+
+
+class SnapshotListOut(_Out):
+    snapshots: list[SnapshotOut]
+
+
+class ImageOut(_Out):
+    name: str = Field(description="what `image` in the AgentSpec names")
+    digest: str = Field(description="content digest (`sha256-...`): a rebuilt image has a new one")
+    kind: str = Field(description="`debian` (built by Pal), `import` or `dockerfile`")
+    source_digest: str | None = Field(None, description="image id (config digest) of its source")
+    created_at: str | None = None
+    size_bytes: int = Field(0, description="unpacked size of its root file system tree")
+    user: str | None = Field(None, description="the workload user: execs and files run as it")
+    workdir: str | None = Field(None, description="default working directory of execs")
+    env: dict[str, str] = Field(default_factory=dict, description="environment every exec starts with")
+    cmd: list[str] | None = Field(None, description="the image's CMD (recorded, not run)")
+    warm_sizes: list[str] = Field(
+        default_factory=list, description="sizes with a warm template (`<mem>m-<vcpus>c-<disk>d`)"
+    )
+
+    @classmethod
+    def from_info(cls, info: Any) -> ImageOut:
+        cfg = info.config or {}
+        return cls(
+            name=info.name,
+            digest=info.agent_version_id,
+            kind=info.kind,
+            source_digest=info.source_digest,
+            created_at=info.created_at,
+            size_bytes=info.size_bytes,
+            user=cfg.get("user"),
+            workdir=cfg.get("workdir"),
+            env=dict(cfg.get("env") or {}),
+            cmd=cfg.get("cmd"),
+            warm_sizes=list(info.templates),
+        )
+
+
+class ImageListOut(_Out):
+    images: list[ImageOut]

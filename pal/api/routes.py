@@ -10,22 +10,29 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request, Response
 
-from pal.scheduler.spec import AgentSpec, ExecRequest, ForkRequest
+from pal.spec import AgentSpec, EgressUpdate, ExecRequest, ForkRequest, PauseRequest, SecretUpdate
 
-from .body import MAX_FILE_BYTES, read_bounded
+from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
 from .exec_stream import buffered_exec, sse_exec
 from .models import (
     ErrorOut,
     EventListOut,
     EventOut,
     ExecOut,
+    FileDeletedOut,
     FileEntryOut,
     FileListOut,
     FileWrittenOut,
-    ForkChildOut,
     ForkOut,
+    ImageListOut,
+    ImageOut,
+    PauseOut,
+    SecretRotatedOut,
+    SnapshotListOut,
+    SnapshotOut,
     SnapshotStateOut,
     VmListOut,
+    VmMetricsOut,
     VmOut,
 )
 from .paths import check_workspace_path
@@ -48,45 +55,93 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     r = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
     Tenant = Annotated[str, Depends(require_tenant)]
 
-    @r.post("/schedule", response_model=VmOut, summary="Schedule a sandbox microVM")
+    json_body = [Depends(require_json)]
+    json_errors: dict[int | str, dict[str, Any]] = {
+        415: {"model": ErrorOut, "description": "body not sent as `Content-Type: application/json`"}
+    }
+
+    @r.post(
+        "/schedule",
+        response_model=VmOut,
+        summary="Schedule a sandbox microVM",
+        dependencies=json_body,
+        responses=json_errors,
+    )
     async def schedule(tenant: Tenant, spec: Annotated[AgentSpec | None, Body()] = None) -> VmOut:
-        view = await scheduler.schedule(tenant, spec or AgentSpec.model_validate({}))
-        return VmOut.from_view(view)
+        vm, boot_method = await scheduler.schedule(tenant, spec or AgentSpec.model_validate({}))
+        return VmOut.of(vm, boot_method)
 
     @r.get("/vms", response_model=VmListOut, summary="List the tenant's VMs")
     async def list_vms(tenant: Tenant) -> VmListOut:
-        return VmListOut(vms=[VmOut.from_view(v) for v in await scheduler.list(tenant)])
+        return VmListOut(vms=[VmOut.of(v) for v in await scheduler.list(tenant)])
 
     @r.get("/vms/{vm_id}", response_model=VmOut)
     async def get_vm(tenant: Tenant, vm_id: str) -> VmOut:
-        return VmOut.from_view(await scheduler.get(tenant, vm_id))
+        vm = await scheduler.get(tenant, vm_id)
+        return VmOut.of(vm, network=await scheduler.network(vm), pause=await scheduler.live.view(vm))
 
     @r.delete("/vms/{vm_id}", response_model=VmOut, summary="Stop the VM (terminated)")
     async def delete_vm(tenant: Tenant, vm_id: str) -> VmOut:
-        return VmOut.from_view(await scheduler.delete(tenant, vm_id))
+        return VmOut.of(await scheduler.delete(tenant, vm_id))
 
-    @r.post("/vms/{vm_id}/pause", response_model=SnapshotStateOut)
-    async def pause(tenant: Tenant, vm_id: str) -> SnapshotStateOut:
-        v = await scheduler.pause(tenant, vm_id)
-        return SnapshotStateOut(vm_id=v.vm_id, snapshot_id=v.snapshot_id, state=str(v.state))
+    @r.put(
+        "/vms/{vm_id}/egress",
+        response_model=VmOut,
+        summary="Change the egress policy (running VMs: new connections at once, refused open ones reset)",
+    )
+    async def set_egress(tenant: Tenant, vm_id: str, update: EgressUpdate) -> VmOut:
+        vm = await scheduler.set_egress(tenant, vm_id, update)
+        return VmOut.of(vm, network=await scheduler.network(vm))
 
-    @r.post("/vms/{vm_id}/resume", response_model=SnapshotStateOut)
+    @r.put(
+        "/vms/{vm_id}/secrets/{name}",
+        response_model=SecretRotatedOut,
+        summary="Rotate a brokered secret's value (the guest holds only its placeholder: untouched)",
+    )
+    async def rotate_secret(tenant: Tenant, vm_id: str, name: str, update: SecretUpdate) -> SecretRotatedOut:
+        live = await scheduler.rotate_secret(tenant, vm_id, name, update)
+        return SecretRotatedOut(name=name, applied="now" if live else "next start")
+
+    @r.post(
+        "/vms/{vm_id}/pause",
+        response_model=SnapshotStateOut,
+        summary='Pause: a snapshot (default; frees the slot) or live (`{"mode": "live", "offload": true}`)',
+    )
+    async def pause(
+        tenant: Tenant, vm_id: str, req: Annotated[PauseRequest | None, Body()] = None
+    ) -> SnapshotStateOut:
+        v = await scheduler.pause(tenant, vm_id, req)
+        out = SnapshotStateOut.model_validate(v)
+        view = await scheduler.live.view(v, measure=False)
+        out.pause = PauseOut.model_validate(view) if view is not None else None
+        return out
+
+    @r.post(
+        "/vms/{vm_id}/resume",
+        response_model=SnapshotStateOut,
+        summary="Resume: a live-paused VM continues in place; a snapshot-paused one is restored",
+    )
     async def resume(tenant: Tenant, vm_id: str) -> SnapshotStateOut:
         v = await scheduler.resume(tenant, vm_id)
-        return SnapshotStateOut(vm_id=v.vm_id, snapshot_id=v.snapshot_id, state=str(v.state))
+        return SnapshotStateOut.model_validate(v)
 
-    @r.post("/vms/{vm_id}/fork", response_model=ForkOut, response_model_exclude_none=True)
+    @r.post(
+        "/vms/{vm_id}/fork",
+        response_model=ForkOut,
+        response_model_exclude_none=True,
+        dependencies=json_body,
+        responses=json_errors,
+    )
     async def fork(tenant: Tenant, vm_id: str, req: ForkRequest) -> ForkOut:
-        res = await scheduler.fork(tenant, vm_id, req.count)
-        forks = [ForkChildOut(vm_id=c.vm_id, state=str(c.state), error=c.error) for c in res.forks]
-        return ForkOut(source_vm_id=res.source_vm_id, snapshot_id=res.snapshot_id, forks=forks)
+        return ForkOut.model_validate(await scheduler.fork(tenant, vm_id, req.count))
 
     @r.post(
         "/vms/{vm_id}/exec",
         response_model=ExecOut,
         response_model_exclude_none=True,
         summary="Run a command (execve-style); `Accept: text/event-stream` streams it",
-        responses={200: {"content": {"text/event-stream": {}}}},
+        responses={200: {"content": {"text/event-stream": {}}}, **json_errors},
+        dependencies=json_body,
     )
     async def exec_(tenant: Tenant, vm_id: str, req: ExecRequest, request: Request) -> Any:
         if "text/event-stream" in request.headers.get("accept", ""):
@@ -102,14 +157,20 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     @r.get(
         "/vms/{vm_id}/files/content",
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}, "description": "file text, cut at 1 MiB"}},
+        responses={
+            200: {
+                "content": {"text/plain": {}, "application/octet-stream": {}},
+                "description": f"the file's bytes, cut at {MAX_FILE_WORDS} (`X-Pal-Truncated: true`); "
+                "`text/plain; charset=utf-8` when they are UTF-8, else `application/octet-stream`",
+            }
+        },
     )
     async def read_file(tenant: Tenant, vm_id: str, path: Annotated[str, Query()]) -> Response:
         data, truncated = await scheduler.read_file(tenant, vm_id, check_workspace_path(path, required=True))
         if len(data) > MAX_FILE_BYTES:
             data, truncated = data[:MAX_FILE_BYTES], True
         headers = {"X-Pal-Truncated": "true"} if truncated else {}
-        return Response(data, media_type="text/plain; charset=utf-8", headers=headers)
+        return Response(data, media_type=content_type(data, truncated), headers=headers)
 
     @r.put(
         "/vms/{vm_id}/files/content",
@@ -124,14 +185,40 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
         res = await scheduler.write_file(tenant, vm_id, checked, data)
         return FileWrittenOut(path=res.path, bytes_written=res.bytes_written)
 
+    @r.delete("/vms/{vm_id}/files/content", response_model=FileDeletedOut, summary="Remove a file or symlink")
+    async def delete_file(tenant: Tenant, vm_id: str, path: Annotated[str, Query()]) -> FileDeletedOut:
+        res = await scheduler.delete_file(tenant, vm_id, check_workspace_path(path, required=True))
+        return FileDeletedOut.model_validate(res)
+
     @r.get("/vms/{vm_id}/events", response_model=EventListOut, summary="Status and audit events")
     async def events(tenant: Tenant, vm_id: str) -> EventListOut:
-        evs = await scheduler.events(tenant, vm_id)
         return EventListOut(
-            events=[
-                EventOut(at=e.at, kind=e.kind, from_state=e.from_state, to_state=e.to_state, reason=e.reason)
-                for e in evs
-            ]
+            events=[EventOut.model_validate(e) for e in await scheduler.events(tenant, vm_id)]
         )
+
+    @r.get(
+        "/vms/{vm_id}/metrics",
+        response_model=VmMetricsOut,
+        summary="CPU, memory, disk and network samples of the last 15 minutes (every 5 s)",
+    )
+    async def metrics(tenant: Tenant, vm_id: str) -> VmMetricsOut:
+        m = await scheduler.metrics(tenant, vm_id)
+        return VmMetricsOut.model_validate(m.model_dump())
+
+    @r.get("/vms/{vm_id}/snapshots", response_model=SnapshotListOut, summary="The VM's snapshots, with sizes")
+    async def snapshots(tenant: Tenant, vm_id: str) -> SnapshotListOut:
+        snaps = await scheduler.snapshots(tenant, vm_id)
+        return SnapshotListOut(snapshots=[SnapshotOut.model_validate(x.model_dump()) for x in snaps])
+
+    return r
+
+
+def images_router(scheduler: Any, require_tenant: Any) -> APIRouter:
+    r = APIRouter(prefix="/v1", tags=["images"], responses={401: _ERRORS[401]})
+    Tenant = Annotated[str, Depends(require_tenant)]
+
+    @r.get("/images", response_model=ImageListOut, summary="Images this tenant may schedule")
+    async def list_images(tenant: Tenant) -> ImageListOut:
+        return ImageListOut(images=[ImageOut.from_info(i) for i in await scheduler.list_images(tenant)])
 
     return r

@@ -6,34 +6,80 @@ Server-side commands (up, image, doctor, tenants) import their modules lazily so
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from .output import err_console, print_json, print_table
+from pal.sizes import DEFAULT_MEMORY_MIB
+
+from .image import image_app
+from .nodes import node_app
+from .output import Table, fail, mode, print_json, print_table
+from .settings import say, server_settings
 from .vm import files_app, vm_app
 
 app = typer.Typer(
     name="pal", help="Pal: self-hostable microVM sandboxes for AI agents.", no_args_is_help=True
 )
-image_app = typer.Typer(help="Guest images (kernel + root file system).", no_args_is_help=True)
 tenants_app = typer.Typer(help="Tenants and their API keys (opens the store directly).", no_args_is_help=True)
+data_dir_app = typer.Typer(help="The data directory's loop-mounted file system.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(tenants_app, name="tenants")
+app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
+app.add_typer(node_app, name="node")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
 ]
 
 
-def _settings(data_dir: Path | None) -> Any:
-    from pal.config import Settings
+Database = Annotated[
+    str | None,
+    typer.Option(
+        "--database", help="PostgreSQL URL (default PAL_DATABASE_URL; unset: SQLite in the data dir)"
+    ),
+]
 
-    return Settings.from_env(data_dir)
+
+def _accel(settings: Any, accel: str | None) -> None:
+    if accel is not None:
+        if accel not in ("auto", "kvm", "tcg"):
+            raise typer.BadParameter("--accel must be auto, kvm or tcg")
+        settings.accel = accel
+
+
+@data_dir_app.command("umount")
+def data_dir_umount(data_dir: DataDir = None) -> None:
+    """Unmount the reflink XFS image Pal loop-mounted on the data dir (stop `pal up` first).
+
+    `pal up` and `pal image build` mount it again when needed; the image file is kept.
+    """
+    from pal.errors import PalError
+    from pal.vmm.datadir import umount_reflink_datadir
+
+    try:
+        umount_reflink_datadir(server_settings(data_dir), say)
+    except PalError as exc:
+        from .output import fail
+
+        fail(exc.message, exc.code)
+
+
+@app.callback()
+def main(
+    json_errors: Annotated[
+        bool, typer.Option("--json", help="errors as JSON on stderr, for scripts (results are JSON already)")
+    ] = False,
+) -> None:
+    """Pal: self-hostable microVM sandboxes for AI agents.
+
+    `pal up` runs everything on this machine; `pal vm ...` and `pal files ...` talk to it
+    over HTTP (PAL_URL, default http://127.0.0.1:8080, and PAL_API_KEY).
+    """
+    mode.json_errors = json_errors
 
 
 @app.command()
@@ -42,129 +88,291 @@ def up(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     data_dir: DataDir = None,
     accel: Annotated[str | None, typer.Option(help="auto | kvm | tcg (default PAL_ACCEL or auto)")] = None,
+    database: Database = None,
 ) -> None:
     """Run the server, runtime manager and store on this machine (until SIGTERM/Ctrl-C)."""
-    settings = _settings(data_dir)
-    if accel is not None:
-        if accel not in ("auto", "kvm", "tcg"):
-            raise typer.BadParameter("--accel must be auto, kvm or tcg")
-        settings.accel = accel
+    settings = server_settings(data_dir)
+    _accel(settings, accel)
+    if database:
+        settings.database_url = database
     from pal import server
 
     server.run(settings, host, port)
 
 
-@image_app.command("build")
-def image_build(
-    name: Annotated[str, typer.Argument(help="image name")] = "default",
-    data_dir: DataDir = None,
-    force: Annotated[bool, typer.Option(help="rebuild even if the image exists")] = False,
+@app.command()
+def server(
+    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    database: Database = None,
+    advertise_url: Annotated[
+        str | None, typer.Option(help="URL other replicas reach this one at (default http://HOST:PORT)")
+    ] = None,
 ) -> None:
-    """Build a guest image from Debian packages (kernel, initramfs, root fs, warm template)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    """Run a control-plane replica: API, scheduler, operator routes (nodes run `pal node`).
 
-    from pal.images import build_image
-    from pal.server import prepare_data_dir
+    Several replicas share one PostgreSQL; one leads, the others forward to it."""
+    settings = server_settings(None)
+    if database:
+        settings.database_url = database
+    if not settings.database_url:
+        raise typer.BadParameter(
+            "pal server needs PostgreSQL: --database or PAL_DATABASE_URL (pal up embeds SQLite)"
+        )
+    from pal import server as server_mod
 
-    settings = _settings(data_dir)
-    # Images, VM disks and snapshots must share a reflink-capable file system.
-    err_console.print(f"data dir {settings.data_dir}: {prepare_data_dir(settings)}")
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
-    ) as progress:
-        task = progress.add_task(f"image {name}", total=1.0)
-
-        def on_progress(step: str, fraction: float) -> None:
-            progress.update(task, description=f"{name}: {step}", completed=max(0.0, min(1.0, fraction)))
-
-        result = build_image(settings, name, progress=on_progress, force=force)
-        progress.update(task, completed=1.0)
-    if result is not None:
-        print_json(_jsonable(result))
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "model_dump"):
-        return value.model_dump(mode="json", by_alias=True)
-    if hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return json.loads(json.dumps(asdict(value), default=str))
-    return value if isinstance(value, dict | list | str | int | float | bool) else str(value)
+    server_mod.run_control_plane(settings, host, port, advertise_url)
 
 
 @app.command()
-def doctor(data_dir: DataDir = None) -> None:
-    """Check this host: accelerator, reflinks, image, store, manager."""
-    from rich.console import Console
-    from rich.table import Table
+def doctor(
+    data_dir: DataDir = None,
+    url: Annotated[
+        str | None, typer.Option(help="server to check (default PAL_URL or http://127.0.0.1:8080)")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="the checks as JSON")] = False,
+) -> None:
+    """Check this host and a running Pal; exits 1 when a check fails.
 
-    from pal import server
+    QEMU, accelerator, reflinks, cgroups, jail, image, network, snapshots, store, server and
+    runtime manager."""
+    import logging
 
-    report = server.doctor(_settings(data_dir))
-    table = Table(title="pal doctor")
-    table.add_column("check")
-    table.add_column("result")
-    for key, value in report.items():
-        table.add_row(str(key), value if isinstance(value, str) else json.dumps(value, default=str))
-    Console().print(table)
+    from pal import doctor as doc
+
+    # The first KVM probe boots a tiny VM (up to a few seconds): say so while it runs.
+    logging.basicConfig(level=logging.WARNING, format="pal: %(message)s")
+    logging.getLogger("pal.vmm.accel").setLevel(logging.INFO)
+    from pal.sdk._wire import resolve
+
+    checks = doc.run(server_settings(data_dir), resolve(url, None)[0])
+    if as_json:
+        print_json([{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks])
+    else:
+        marks = {True: "ok", False: "FAIL", None: "-"}
+        print_table(
+            [{"check": c.name, "": marks[c.ok], "detail": c.detail} for c in checks], ["check", "", "detail"]
+        )
+    if any(c.ok is False for c in checks):
+        raise typer.Exit(1)
+
+
+def _store_settings(data_dir: Path | None, database: str | None) -> Any:
+    settings = server_settings(data_dir)
+    if database:
+        settings.database_url = database
+    return settings
 
 
 def _tenant_json(t: Any) -> dict[str, Any]:
-    return {"id": t.id, "name": t.name, "maxVms": t.max_vms, "createdAt": t.created_at.isoformat()}
+    gib = t.max_snapshot_bytes / (1 << 30) if t.max_snapshot_bytes is not None else None
+    return {
+        "id": t.id,
+        "name": t.name,
+        "maxVms": t.max_vms,
+        "maxPaused": t.max_paused,
+        "maxSnapshotGib": gib,
+        "keyExpiresAt": t.api_key_expires_at.isoformat() if t.api_key_expires_at else None,
+        "deleting": t.deleting_at is not None,
+        "createdAt": t.created_at.isoformat(),
+    }
+
+
+def _limit(value: str | None, what: str, scale: float = 1) -> int | None:
+    """A limit option: a number, or `none` for no limit."""
+    if value is None or value.lower() == "none":
+        return None
+    try:
+        n = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"{what} must be a number or 'none'") from None
+    if n < 0:
+        raise typer.BadParameter(f"{what} must be 0 or more")
+    return int(n * scale)
+
+
+MaxPaused = Annotated[str | None, typer.Option("--max-paused", help="paused VMs at once (none: no limit)")]
+MaxSnapshotGib = Annotated[
+    str | None, typer.Option("--max-snapshot-gib", help="GiB of snapshots kept (none: no limit)")
+]
+KeyTtlDays = Annotated[
+    float | None, typer.Option("--key-ttl-days", help="the API key expires after this many days")
+]
+
+
+def _with_store(data_dir: Path | None, database: str | None, fn: Any) -> Any:
+    """Run ``fn(store)``; a PalError becomes a clear CLI failure."""
+    from pal.errors import PalError
+    from pal.store import Store
+
+    settings = _store_settings(data_dir, database)
+    if not settings.database_url and not settings.db_path.exists():
+        # Not a data dir a server has used (a typo, PAL_DATA_DIR not exported in this shell,
+        # or its XFS image not mounted yet): a new store here would be one no server reads.
+        fail(
+            f"no Pal store in {settings.data_dir} ({settings.db_path.name} is missing): give the data "
+            f"dir your server uses (--data-dir or PAL_DATA_DIR), after starting `pal up` there once",
+            "NOT_FOUND",
+        )
+    store = Store.open(settings)
+    try:
+        return fn(store)
+    except PalError as exc:
+        fail(exc.message, exc.code)
+    finally:
+        store.close()
+
+
+def _find_tenant(store: Any, name_or_id: str) -> Any:
+    from pal.errors import NotFound
+
+    t = store.get_tenant(name_or_id) or store.tenant_by_name(name_or_id)
+    if t is None:
+        raise NotFound(f"no tenant {name_or_id!r}")
+    return t
 
 
 @tenants_app.command("create")
 def tenants_create(
-    name: str,
+    name: Annotated[str, typer.Argument(help="tenant name (unique)")],
     max_vms: Annotated[int, typer.Option("--max-vms", help="concurrent VM quota")] = 10,
+    max_paused: MaxPaused = None,
+    max_snapshot_gib: MaxSnapshotGib = None,
+    key_ttl_days: KeyTtlDays = None,
     data_dir: DataDir = None,
+    database: Database = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the API key")] = False,
 ) -> None:
-    """Create a tenant and print its API key (shown only once)."""
-    from pal.errors import PalError
-    from pal.store import Store
+    """Create a tenant and print its API key (shown only once: only a hash is kept)."""
+    from datetime import timedelta
 
-    store = Store.open(_settings(data_dir))
-    try:
-        tenant, key = store.create_tenant(name, max_vms)
-    except PalError as exc:
-        from .output import fail
+    ttl = timedelta(days=key_ttl_days) if key_ttl_days is not None else None
+    tenant, key = _with_store(
+        data_dir,
+        database,
+        lambda store: store.create_tenant(
+            name,
+            max_vms,
+            max_paused=_limit(max_paused, "--max-paused"),
+            max_snapshot_bytes=_limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30),
+            key_ttl=ttl,
+        ),
+    )
+    if quiet:
+        typer.echo(key)
+    else:
+        print_json({**_tenant_json(tenant), "apiKey": key})
 
-        fail(exc.message, exc.code)
-    finally:
-        store.close()
-    print_json({**_tenant_json(tenant), "apiKey": key})
+
+@tenants_app.command("set")
+def tenants_set(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    max_vms: Annotated[int | None, typer.Option("--max-vms", help="concurrent VM quota")] = None,
+    max_paused: MaxPaused = None,
+    max_snapshot_gib: MaxSnapshotGib = None,
+    data_dir: DataDir = None,
+    database: Database = None,
+) -> None:
+    """Change a tenant's limits (options not given stay as they are).
+
+    A lower limit applies to what comes next: nothing running is stopped."""
+    changes: dict[str, Any] = {}
+    if max_vms is not None:
+        changes["max_vms"] = max_vms
+    if max_paused is not None:
+        changes["max_paused"] = _limit(max_paused, "--max-paused")
+    if max_snapshot_gib is not None:
+        changes["max_snapshot_bytes"] = _limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30)
+    updated = _with_store(
+        data_dir, database, lambda store: store.set_tenant_limits(_find_tenant(store, tenant).id, **changes)
+    )
+    print_json(_tenant_json(updated))
+
+
+@tenants_app.command("rotate-key")
+def tenants_rotate_key(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    grace_secs: Annotated[
+        float, typer.Option("--grace-secs", help="the old key keeps working this long (0: refused at once)")
+    ] = 0,
+    key_ttl_days: KeyTtlDays = None,
+    data_dir: DataDir = None,
+    database: Database = None,
+) -> None:
+    """Give the tenant a new API key (printed once); the old one stops working after the grace."""
+    from datetime import timedelta
+
+    ttl = timedelta(days=key_ttl_days) if key_ttl_days is not None else None
+
+    def rotate(store: Any) -> tuple[Any, str]:
+        t = _find_tenant(store, tenant)
+        key = store.rotate_api_key(t.id, grace=timedelta(seconds=grace_secs), key_ttl=ttl)
+        return store.get_tenant(t.id), key
+
+    t, key = _with_store(data_dir, database, rotate)
+    print_json({**_tenant_json(t), "apiKey": key})
+
+
+@tenants_app.command("rm")
+def tenants_rm(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    data_dir: DataDir = None,
+    database: Database = None,
+) -> None:
+    """Remove a tenant: its keys are refused at once, then its VMs and snapshots go.
+
+    The server (its leader) deletes the tenant's VMs and their snapshots, locally and in S3,
+    and finally the tenant."""
+    t = _with_store(
+        data_dir, database, lambda store: store.mark_tenant_deleting(_find_tenant(store, tenant).id)
+    )
+    print_json({**_tenant_json(t), "note": "keys refused now; the server deletes its VMs and snapshots"})
 
 
 @tenants_app.command("ls")
-def tenants_ls(data_dir: DataDir = None, table: Annotated[bool, typer.Option("--table")] = False) -> None:
+def tenants_ls(
+    data_dir: DataDir = None,
+    table: Table = False,
+    database: Database = None,
+) -> None:
     """List tenants (never their keys)."""
-    from pal.store import Store
-
-    store = Store.open(_settings(data_dir))
-    try:
-        rows = [_tenant_json(t) for t in store.list_tenants()]
-    finally:
-        store.close()
+    rows = _with_store(data_dir, database, lambda store: [_tenant_json(t) for t in store.list_tenants()])
     if table:
-        print_table(rows, ["id", "name", "maxVms", "createdAt"], title="tenants")
+        print_table(
+            rows, ["id", "name", "maxVms", "maxPaused", "maxSnapshotGib", "keyExpiresAt", "createdAt"]
+        )
     else:
         print_json(rows)
 
 
-@app.command()
+bench_app = typer.Typer(help="Benchmarks: the latency table, `images`, `network`, `cluster` and `wait`.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench(
+    ctx: typer.Context,
     iterations: Annotated[int, typer.Option(help="iterations per measurement (p50/p90)")] = 20,
     fork_iterations: Annotated[int, typer.Option(help="iterations of the fork fan-out runs")] = 3,
-    memory_mib: Annotated[int, typer.Option(help="guest RAM of the measured VMs")] = 256,
+    memory_mib: Annotated[int, typer.Option(help="guest RAM of the measured VMs")] = DEFAULT_MEMORY_MIB,
     url: Annotated[str | None, typer.Option(help="measure a running server (with --api-key)")] = None,
     api_key: Annotated[str | None, typer.Option(help="tenant key for --url")] = None,
     data_dir: DataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where runtime-latency.md goes")] = Path("docs/benchmarks"),
+    only: Annotated[
+        str | None, typer.Option(help="main (the latency table) or steady (repeated cycles, readiness)")
+    ] = None,
+    steady_runs: Annotated[int, typer.Option(help="VMs taken through the 30 pause/resume cycles")] = 2,
+    ready_runs: Annotated[int, typer.Option(help="`pal up` starts timed from readiness to a first exec")] = 3,
 ) -> None:
-    """Latency benchmarks (snapshot, restore, fork, first exec, stop, cold boot)."""
+    """Latency benchmarks (snapshot, restore, fork, first exec, stop, cold boot) and the
+    steady state (repeated cycles of one VM, under load, readiness → first exec)."""
+    if ctx.invoked_subcommand is not None:
+        return
     from pal import bench as bench_mod
 
+    if only not in (None, *bench_mod.SECTIONS):
+        raise typer.BadParameter(f"--only takes one of {', '.join(bench_mod.SECTIONS)}")
     bench_mod.main(
         iterations=iterations,
         fork_iterations=fork_iterations,
@@ -173,6 +381,84 @@ def bench(
         api_key=api_key,
         data_dir=data_dir,
         out_dir=out_dir,
+        sections=(only,) if only else bench_mod.SECTIONS,
+        steady_runs=steady_runs,
+        ready_runs=ready_runs,
+    )
+
+
+@bench_app.command("cluster")
+def bench_cluster(
+    iterations: Annotated[int, typer.Option(help="resumes timed each way (p50/p90)")] = 5,
+    failovers: Annotated[int, typer.Option(help="leader kills timed")] = 10,
+    schedules: Annotated[int, typer.Option(help="VMs scheduled per throughput run")] = 8,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where cluster.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Cluster on one machine: schedule throughput (1 vs 3 nodes), failover, resume from S3."""
+    from pal import bench_cluster as mod
+
+    mod.main(
+        iterations=iterations,
+        failover_runs=failovers,
+        schedules=schedules,
+        data_dir=data_dir,
+        out_dir=out_dir,
+    )
+
+
+@bench_app.command("network")
+def bench_network(
+    iterations: Annotated[int, typer.Option(help="connections timed (p50/p90)")] = 100,
+    size_mib: Annotated[int, typer.Option(help="size of each download into the guest")] = 256,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where network.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Network: throughput, connection setup, gateway CPU, refusals, ports, brokered HTTPS.
+
+    Download into the guest vs its own pipe, connection setup through the
+    gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
+    first byte through a port, and a brokered HTTPS request vs a pass-through one."""
+    from pal import bench_network
+
+    bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
+
+
+@bench_app.command("images")
+def bench_images(
+    iterations: Annotated[int, typer.Option(help="template schedules timed per image (p50/p90)")] = 10,
+    memory_mib: Annotated[int, typer.Option(help="guest RAM of the measured VMs")] = DEFAULT_MEMORY_MIB,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where images.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """A custom image (imported busybox) beside the default one: import, first schedules.
+
+    Import, first schedule (cold) and schedule from its own template to the first exec,
+    beside the default image's rows of the same run."""
+    from pal import bench_images
+
+    bench_images.main(iterations=iterations, memory_mib=memory_mib, data_dir=data_dir, out_dir=out_dir)
+
+
+@bench_app.command("wait")
+def bench_wait(
+    iterations: Annotated[int, typer.Option(help="iterations per latency (p50/p90)")] = 20,
+    waits: Annotated[int, typer.Option(help="waits in a row on one VM (0: skip)")] = 100,
+    scenario_runs: Annotated[int, typer.Option(help="runs of the 10 s wait scenario")] = 3,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where wait.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Live pause: pause and resume, offload, wakes, the wait scenario, fork RAM mapping.
+
+    Live pause and resume, offload, first exec after a wake (idle live tier), the wait
+    scenario (a model answering after 10 s), waits in a row, fork RAM mapping."""
+    from pal import bench_wait
+
+    bench_wait.main(
+        iterations=iterations, waits=waits, scenario_runs=scenario_runs, data_dir=data_dir, out_dir=out_dir
     )
 
 

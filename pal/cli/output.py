@@ -1,5 +1,6 @@
-"""How the CLI prints: JSON on stdout by default (scriptable), rich tables on request,
-API errors as JSON on stderr with exit status 1."""
+"""How the CLI prints: results as JSON on stdout (scriptable), or plain aligned tables on
+request; errors as one human-readable line on stderr, or as JSON with the global
+``--json`` flag; exit status 1 on an error."""
 
 from __future__ import annotations
 
@@ -7,39 +8,56 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from pal.sdk import PalApiError
 
 T = TypeVar("T")
-err_console = Console(stderr=True)
+err_console = Console(stderr=True)  # progress bars and notes of long server-side commands
+
+
+# The --table flag of every listing command.
+Table = Annotated[bool, typer.Option("--table", help="aligned columns instead of JSON")]
+
+
+class _Mode:
+    json_errors = False  # set by the `pal --json` callback
+
+
+mode = _Mode()
 
 
 def print_json(value: Any) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str | None = None) -> None:
-    table = Table(title=title)
-    for col in columns:
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
-    Console().print(table)
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Aligned columns, never cut or wrapped (ids stay whole, so they can be copied)."""
+    cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    for line in [list(columns), *cells]:
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
 
-def fail(message: str, code: str = "ERROR", status: int = 1) -> None:
-    sys.stderr.write(json.dumps({"error": {"code": code, "message": message}}) + "\n")
+def note(message: str) -> None:
+    """A remark on stderr that is not an error (truncation, timeouts...)."""
+    sys.stderr.write(f"pal: {message}\n")
+
+
+def fail(message: str, code: str = "ERROR", status: int = 1) -> NoReturn:
+    if mode.json_errors:
+        sys.stderr.write(json.dumps({"error": {"code": code, "message": message}}) + "\n")
+    else:
+        sys.stderr.write(f"pal: error: {message} ({code})\n")
     raise typer.Exit(status)
 
 
 @contextmanager
 def api_errors() -> Iterator[None]:
-    """Turn SDK errors into a JSON error on stderr and exit status 1."""
+    """Turn SDK errors into an error line on stderr and exit status 1."""
     try:
         yield
     except PalApiError as exc:

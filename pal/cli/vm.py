@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from pal.guest.protocol import MAX_FILE_BYTES
 from pal.sdk import Client
+from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 
-from .output import api_errors, call, parse_pairs, print_json, print_table
+from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_table
+
+FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
 
 vm_app = typer.Typer(help="Schedule, inspect, pause, resume, fork, exec in VMs.", no_args_is_help=True)
-files_app = typer.Typer(help="Files under a VM's /workspace (text, at most 1 MiB).", no_args_is_help=True)
+files_app = typer.Typer(
+    help=f"Files under a VM's /workspace (any bytes, at most {FILE_LIMIT} each).", no_args_is_help=True
+)
 
 VM_COLUMNS = ["vmId", "state", "image", "createdAt", "snapshotId", "parentVmId", "reason"]
+TIMEOUT_EXIT_CODE = 124  # what the server answers for a command killed at its timeout
 
 
 def client() -> Client:
@@ -23,66 +31,160 @@ def client() -> Client:
 
 
 VmId = Annotated[str, typer.Argument(help="VM id")]
+Allow = Annotated[list[str] | None, typer.Option(help="only this destination (repeatable)")]
+Deny = Annotated[list[str] | None, typer.Option(help="everything but this destination (repeatable)")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM id")]
 
 
 @vm_app.command("schedule")
 def schedule(
     image: Annotated[str, typer.Option(help="guest image name")] = "default",
-    vcpus: Annotated[int | None, typer.Option(help="virtual CPUs")] = None,
-    memory_mib: Annotated[int | None, typer.Option(help="guest RAM in MiB")] = None,
-    disk_mib: Annotated[int | None, typer.Option(help="root disk in MiB")] = None,
+    vcpus: Annotated[int | None, typer.Option(help=f"virtual CPUs (default {DEFAULT_VCPUS})")] = None,
+    memory_mib: Annotated[
+        int | None, typer.Option(help=f"guest RAM in MiB (default {DEFAULT_MEMORY_MIB})")
+    ] = None,
+    disk_mib: Annotated[
+        int | None, typer.Option(help=f"root disk in MiB (default {DEFAULT_DISK_MIB})")
+    ] = None,
     idle_timeout: Annotated[int, typer.Option(help="suspend after N idle seconds (0 = never)")] = 0,
+    idle_live_pause: Annotated[
+        int, typer.Option(help="first idle tier: live-pause and offload after N idle seconds (0 = off)")
+    ] = 0,
+    wait_pause: Annotated[
+        bool | None,
+        typer.Option(help="pause while the guest idles waiting on the network (default: the server's)"),
+    ] = None,
     secret: Annotated[list[str] | None, typer.Option(help="K=V env var for every exec (repeatable)")] = None,
     cold: Annotated[bool, typer.Option(help="cold boot instead of a warm template")] = False,
+    egress: Annotated[str | None, typer.Option(help="none | open (default: the server's)")] = None,
+    allow: Allow = None,
+    deny: Deny = None,
+    egress_mbps: Annotated[int | None, typer.Option(help="network cap per direction, Mbit/s")] = None,
+    max_connections: Annotated[int | None, typer.Option(help="concurrent outbound connections")] = None,
+    quiet: Quiet = False,
 ) -> None:
-    """Start a sandbox microVM; prints its JSON (with vmId)."""
-    given = {"vcpus": vcpus, "memoryMib": memory_mib, "diskMib": disk_mib}
+    """Start a sandbox microVM; prints its JSON (with vmId), or only the id with -q.
+
+    Destinations for --allow/--deny: pypi.org, *.example.com, host:port, 1.2.3.4, 10.0.0.0/8[:port].
+    """
+    given = {
+        "vcpus": vcpus,
+        "memoryMib": memory_mib,
+        "diskMib": disk_mib,
+        "egressMbps": egress_mbps,
+        "maxConnections": max_connections,
+    }
     limits = {k: v for k, v in given.items() if v is not None}
     spec: dict[str, object] = {"image": image, "idleTimeoutSecs": idle_timeout}
+    if idle_live_pause:
+        spec["idleLivePauseSecs"] = idle_live_pause
+    if wait_pause is not None:
+        spec["waitPause"] = {} if wait_pause else False
     if limits:
         spec["limits"] = limits
     if secret:
         spec["secrets"] = parse_pairs(secret, "--secret")
     if cold:
         spec["boot"] = "cold"
-    print_json(call(lambda: client().runtime.schedule(**spec)))
+    policy = egress_option(egress, allow, deny)
+    if policy is not None:
+        spec["egress"] = policy
+    vm = call(lambda: client().runtime.schedule(**spec))
+    if quiet:
+        typer.echo(vm["vmId"])
+    else:
+        print_json(vm)
+
+
+def egress_option(
+    mode: str | None, allow: list[str] | None, deny: list[str] | None
+) -> str | dict[str, list[str]] | None:
+    """--egress / --allow / --deny as one egress value (None: not given)."""
+    given = [x for x in (mode, allow, deny) if x]
+    if len(given) > 1:
+        raise typer.BadParameter("use one of --egress, --allow or --deny")
+    if mode is not None and mode not in ("none", "open"):
+        raise typer.BadParameter("--egress must be none or open")
+    if allow:
+        return {"allow": list(allow)}
+    if deny:
+        return {"deny": list(deny)}
+    return mode
+
+
+@vm_app.command("egress")
+def egress_cmd(
+    vm_id: VmId,
+    allow: Allow = None,
+    deny: Deny = None,
+    open_: Annotated[
+        bool, typer.Option("--open", help="any destination (internal ones stay closed)")
+    ] = False,
+    none: Annotated[bool, typer.Option("--none", help="no network at all")] = False,
+) -> None:
+    """Change a VM's egress policy; a running VM applies it to its next connection."""
+    mode = "open" if open_ else ("none" if none else None)
+    if open_ and none:
+        raise typer.BadParameter("use one of --allow, --deny, --open or --none")
+    policy = egress_option(mode, allow, deny)
+    if policy is None:
+        raise typer.BadParameter("give --allow, --deny, --open or --none")
+    print_json(call(lambda: client().runtime.set_egress(vm_id, policy)))
 
 
 @vm_app.command("ls")
-def ls(table: Annotated[bool, typer.Option("--table", help="rich table instead of JSON")] = False) -> None:
-    """List your VMs."""
-    vms = call(lambda: client().runtime.list())
-    if table:
-        print_table(vms, VM_COLUMNS, title="VMs")
+def ls(
+    table: Table = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include terminated VMs")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM ids")] = False,
+) -> None:
+    """List your VMs (terminated ones only with --all)."""
+    vms = [v for v in call(lambda: client().runtime.list()) if all_ or v["state"] != "terminated"]
+    if quiet:
+        for v in vms:
+            typer.echo(v["vmId"])
+    elif table:
+        print_table(vms, VM_COLUMNS)
     else:
         print_json(vms)
 
 
 @vm_app.command("get")
 def get(vm_id: VmId) -> None:
+    """Show one VM: state, limits, snapshot, reason."""
     print_json(call(lambda: client().runtime.get(vm_id)))
 
 
 @vm_app.command("rm")
 def rm(vm_id: VmId) -> None:
-    """Stop a VM (-> terminated)."""
+    """Stop a VM for good (-> terminated); its snapshots are released."""
     print_json(call(lambda: client().runtime.delete(vm_id)))
 
 
 @vm_app.command("pause")
-def pause(vm_id: VmId) -> None:
-    """Snapshot and stop a running VM; frees its quota slot."""
-    print_json(call(lambda: client().runtime.pause(vm_id)))
+def pause(
+    vm_id: VmId,
+    live: Annotated[
+        bool, typer.Option("--live", help="stop the vCPUs in place (keeps QEMU and slot)")
+    ] = False,
+    offload: Annotated[bool, typer.Option("--offload", help="with --live: hand the guest RAM back")] = False,
+) -> None:
+    """Snapshot and stop a running VM (frees its quota slot), or live-pause it (--live)."""
+    if offload and not live:
+        raise typer.BadParameter("--offload needs --live")
+    mode = "live" if live else "snapshot"
+    print_json(call(lambda: client().runtime.pause(vm_id, mode, offload=offload)))
 
 
 @vm_app.command("resume")
 def resume(vm_id: VmId) -> None:
+    """Restore a paused VM from its snapshot, under the same id."""
     print_json(call(lambda: client().runtime.resume(vm_id)))
 
 
 @vm_app.command("fork")
 def fork(vm_id: VmId, n: Annotated[int, typer.Option("-n", "--count", help="number of forks")] = 1) -> None:
-    """N copy-on-write copies of a running VM."""
+    """N copy-on-write copies of a running or paused VM."""
     print_json(call(lambda: client().runtime.fork(vm_id, count=n)))
 
 
@@ -100,18 +202,23 @@ def exec_(
     env: Annotated[list[str] | None, typer.Option(help="K=V (repeatable)")] = None,
     cwd: Annotated[str | None, typer.Option(help="working directory (default /workspace)")] = None,
     timeout: Annotated[float | None, typer.Option(help="kill the command after N seconds")] = None,
+    user: Annotated[
+        str | None,
+        typer.Option(help="`root`, or the workload user (`pal`, or the image's USER; the default)"),
+    ] = None,
 ) -> None:
-    """Run a command execve-style; exits with the command's exit status."""
+    """Run a command execve-style; exits with the command's exit status (124 on timeout)."""
     exe, args = command[0], command[1:]
     envs = parse_pairs(env, "--env")
     rt = client().runtime
+    kw = {"env": envs, "cwd": cwd, "timeout_secs": timeout, "user": user}
     with api_errors():
         if not stream:
-            res = rt.exec(vm_id, exe, args, env=envs, cwd=cwd, timeout_secs=timeout)
+            res = rt.exec(vm_id, exe, args, **kw)  # type: ignore[arg-type]
             sys.stdout.write(res.stdout)
             sys.stderr.write(res.stderr)
-            raise typer.Exit(res.exit_code)
-        for ev in rt.exec_stream(vm_id, exe, args, env=envs, cwd=cwd, timeout_secs=timeout):
+            _exit(res.exit_code, res.timed_out, timeout)
+        for ev in rt.exec_stream(vm_id, exe, args, **kw):  # type: ignore[arg-type]
             if ev.type == "stdout":
                 sys.stdout.write(ev.data or "")
                 sys.stdout.flush()
@@ -119,41 +226,125 @@ def exec_(
                 sys.stderr.write(ev.data or "")
                 sys.stderr.flush()
             elif ev.type == "exit":
-                raise typer.Exit(ev.exit_code if ev.exit_code is not None else 1)
+                _exit(ev.exit_code if ev.exit_code is not None else 1, ev.timed_out, timeout)
             else:
-                sys.stderr.write(f"error: {ev.code}: {ev.message}\n")
-                raise typer.Exit(1)
-        raise typer.Exit(1)  # stream ended without an exit event
+                fail(ev.message or "the command failed", ev.code or "GUEST_ERROR")
+        fail("the exec stream ended without an exit status", "GUEST_ERROR")
+
+
+def _exit(code: int, timed_out: bool, timeout: float | None) -> None:
+    if timed_out:
+        after = f" after {timeout:g} s" if timeout else ""
+        note(f"the command timed out{after} and was killed (exit status {TIMEOUT_EXIT_CODE})")
+    raise typer.Exit(code)
 
 
 @files_app.command("ls")
 def files_ls(
     vm_id: VmId,
     path: Annotated[str, typer.Argument(help="directory under /workspace")] = "",
-    table: Annotated[bool, typer.Option("--table")] = False,
+    table: Table = False,
 ) -> None:
+    """List a directory (default /workspace itself)."""
     res = call(lambda: client().runtime.list_files(vm_id, path))
     if table:
-        print_table(res["entries"], ["name", "type", "size"], title=res["path"] or "/workspace")
+        print_table(res["entries"], ["name", "type", "size"])
     else:
         print_json(res)
 
 
 @files_app.command("cat")
-def files_cat(vm_id: VmId, path: str) -> None:
-    """Print a file (cut at 1 MiB; a note on stderr says so)."""
-    text = call(lambda: client().runtime.read_file(vm_id, path))
-    sys.stdout.write(text)
-    if text.truncated:
-        sys.stderr.write("\n[pal: truncated at 1 MiB]\n")
+def files_cat(vm_id: VmId, path: Annotated[str, typer.Argument(help="file under /workspace")]) -> None:
+    """Write a file's bytes to stdout, exactly (cut at 1 MiB; a note on stderr says so)."""
+    data = call(lambda: client().runtime.read_file_bytes(vm_id, path))
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+    if data.truncated:
+        note(f"truncated at {FILE_LIMIT} (the files API limit)")
+
+
+@files_app.command("get")
+def files_get(
+    vm_id: VmId,
+    path: Annotated[str, typer.Argument(help="file under /workspace")],
+    local: Annotated[
+        Path | None, typer.Argument(help="local file to write; stdout when omitted or -")
+    ] = None,
+) -> None:
+    """Copy a file out of the VM, byte for byte. A file cut at 1 MiB exits with status 1."""
+    data = call(lambda: client().runtime.read_file_bytes(vm_id, path))
+    if local is None or str(local) == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        local.write_bytes(data)
+    if data.truncated:
+        fail(
+            f"{path} is larger than {FILE_LIMIT} (the files API limit): only its first {FILE_LIMIT} "
+            "was copied",
+            "TRUNCATED",
+        )
 
 
 @files_app.command("put")
 def files_put(
     vm_id: VmId,
-    path: str,
-    local: Annotated[Path | None, typer.Argument(help="local file; stdin when omitted")] = None,
+    path: Annotated[str, typer.Argument(help="file under /workspace (parents are created)")],
+    local: Annotated[Path | None, typer.Argument(help="local file; stdin when omitted or -")] = None,
 ) -> None:
-    """Write a file from a local file or stdin."""
-    data = local.read_bytes() if local is not None else sys.stdin.buffer.read()
+    """Write a file from a local file or stdin, byte for byte (at most 1 MiB)."""
+    if local is None or str(local) == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        try:
+            data = local.read_bytes()
+        except OSError as exc:
+            fail(f"cannot read {local}: {exc.strerror or exc}", "LOCAL_FILE")
     print_json(call(lambda: client().runtime.write_file(vm_id, path, data)))
+
+
+@vm_app.command("port-url")
+def port_url(
+    vm_id: VmId,
+    port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
+    expires_in: Annotated[int, typer.Option(help="seconds the link works")] = 3600,
+) -> None:
+    """Print a signed link that opens PORT of the VM in a browser, without the API key."""
+    print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
+
+
+@vm_app.command("port-forward")
+def port_forward(
+    vm_id: VmId,
+    port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
+    local: Annotated[int, typer.Option("--local", help="local port (default: the same as PORT)")] = -1,
+    address: Annotated[str, typer.Option(help="local address to listen on")] = "127.0.0.1",
+) -> None:
+    """Forward a local port to PORT inside the VM through the API (any TCP protocol).
+
+    HTTP, WebSockets...: runs until interrupted; an idle-suspended VM wakes on use."""
+    import asyncio
+
+    from pal.sdk.portforward import forward
+
+    def ready(bound: int) -> None:
+        print(f"Forwarding {address}:{bound} -> {vm_id} port {port} (Ctrl-C stops)", flush=True)
+
+    def failed(exc: Exception) -> None:
+        print(f"connection refused by Pal: {exc}", file=sys.stderr, flush=True)
+
+    local_port = port if local < 0 else local
+    with api_errors(), contextlib.suppress(KeyboardInterrupt):
+        try:
+            run = forward(None, None, vm_id, port, local_port, address, on_ready=ready, on_error=failed)
+            asyncio.run(run)
+        except OSError as exc:
+            fail(f"cannot listen on {address}:{local_port}: {exc.strerror or exc}", "LOCAL_PORT")
+
+
+@files_app.command("rm")
+def files_rm(
+    vm_id: VmId, path: Annotated[str, typer.Argument(help="file or symlink under /workspace")]
+) -> None:
+    """Remove a file or symlink (not a directory)."""
+    print_json(call(lambda: client().runtime.delete_file(vm_id, path)))

@@ -13,25 +13,42 @@ connection); every reply and stream chunk echoes it. ``id`` 0 is reserved for un
 guest messages (heartbeats).
 
 Host -> guest kinds (``k``):
-  identify  {incarnation:int, token:str, vm_id:str, now_ns:int, seed:hex, env:{}}
+  identify  {incarnation:int, token:str, vm_id:str, now_ns:int, seed:hex, env:{}, mac:str,
+            ca_pem:str}
             Takes a new identity (after boot, restore, fork): sets the wall clock, reseeds
-            the RNG, replaces the exec token. Replies ``ok`` then sends a heartbeat at once.
+            the RNG, replaces the exec token, sets the NIC's MAC, and resets every TCP
+            connection a snapshot froze open (the host side of them is gone). A non-empty
+            ``ca_pem`` (a VM with brokered secrets) is added to the system trust store and
+            named by SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS in every exec.
+            Replies ``ok`` then sends a heartbeat at once.
   exec      {tok, argv:[executable, args...], env:{}, cwd:str|None, timeout:float|None,
             user:str|None}  -> ``out`` chunks, then ``exit`` or ``err``.
   cancel    {target:int}  kill the exec whose request id is ``target``.
   ls        {tok, path}            -> ok {path, entries:[{name,type,size}], truncated}
   read      {tok, path, limit:int} -> ok {path, size, truncated} + data
   write     {tok, path} + data     -> ok {path, bytesWritten}
+  rm        {tok, path}            -> ok {path, deleted: true}  (a file or symlink, never a dir)
   ping      {}                     -> ok {}
+  clock     {now_ns:int}           -> ok {}  sets the wall clock (after a live resume: the
+            guest's clocks stood still while its vCPUs were stopped), then a heartbeat.
+  probe     {}                     -> ok {runnable:int, cpu_busy:int, cpu_total:int,
+            timer_ms:int|null}: is the guest idle? ``runnable`` counts tasks running or
+            in uninterruptible wait besides the prober; ``cpu_*`` are /proc/stat ticks
+            (the host compares two probes); ``timer_ms`` is the nearest deadline of a
+            sleeping task (a ``sleep``, a socket timeout, an exec's timeoutSecs), None if
+            none. The harness keeps no such timer of its own, so every one it reports is
+            the workload's.
 
 Guest -> host kinds:
-  hb        id 0: {vm_id, incarnation, active:bool, last_activity_ms:int, boot_id, uptime_s}
+  hb        id 0: {vm_id, incarnation, active:bool, last_activity_ms:int, boot_id, uptime_s,
+            mem_total, mem_used, disk_total, disk_used}  (bytes; the guest's own view, for
+            metrics only; each may be missing)
   out       {fd: 1|2} + data
   exit      {code:int}
   ok        {result:{...}} (+ data for ``read``)
   err       {code: one of ERR_*, msg:str}
 
-Requests other than identify/ping/cancel must carry ``tok`` equal to the current
+Requests other than identify/ping/cancel/clock/probe must carry ``tok`` equal to the current
 incarnation's token; otherwise the harness answers ``err`` with ERR_AUTH. A restored VM
 therefore refuses anything presenting a token frozen into its snapshot.
 """
@@ -42,13 +59,22 @@ import base64
 import json
 from typing import Any
 
-PROTOCOL_VERSION = 1
 PORT_NAME = "agent"  # virtserialport name; the guest finds /dev/vportNpM by it
 CONFIG_MAGIC = b"PALCFG1\n"  # config drive: magic, then JSON spawn config, then NUL padding
 WORKSPACE = "/workspace"
 WORKLOAD_USER = "pal"
 MAX_FILE_BYTES = 1024 * 1024  # files API limit (1 MiB)
 MAX_LINE_BYTES = 8 * 1024 * 1024  # a peer sending longer lines is broken; drop them
+
+# The guest's network, the same in every VM (each VM has its own namespace on the host):
+# a static address, and the host side of its NIC as gateway and DNS server.
+GUEST_IP = "10.0.2.15"
+GATEWAY_IP = "10.0.2.2"
+NET_PREFIX = 24
+# The harness's port relay (portrelay.py) listens here on GUEST_IP, for the host only: it
+# reaches servers bound to 127.0.0.1. A privileged port no workload would pick, bound at boot
+# before any user code runs.
+RELAY_PORT = 1
 
 # Message kinds.
 K_IDENTIFY = "identify"
@@ -57,7 +83,10 @@ K_CANCEL = "cancel"
 K_LS = "ls"
 K_READ = "read"
 K_WRITE = "write"
+K_RM = "rm"
 K_PING = "ping"
+K_CLOCK = "clock"
+K_PROBE = "probe"
 K_HEARTBEAT = "hb"
 K_OUT = "out"
 K_EXIT = "exit"

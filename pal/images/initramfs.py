@@ -1,12 +1,14 @@
 """The initramfs: static busybox, the virtio modules, mount /dev/vda, switch_root into it.
 
 The cloud kernel has ext4 built in but virtio as modules, so this tiny stage exists only to
-load them; it is kept small because every byte is decompressed on each cold boot.
+load them; it is kept small because every byte is decompressed on each cold boot. It is the
+same for every image: it hands PID 1 to ``/.pal/init`` on the root disk (see bundle.py).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import lzma
 import shutil
 import subprocess
@@ -22,11 +24,16 @@ WANTED_MODULES = (
     "virtio_console",
     "virtio_blk",
     "virtio_rng",
+    # The NIC (virtio_net needs failover and net_failover; resolved from modinfo), and
+    # sock_diag for TCP so the harness can reset connections a snapshot froze open.
+    "virtio_net",
+    "inet_diag",
+    "tcp_diag",
 )
 OPTIONAL_MODULES = frozenset({"virtio_pci", "virtio_rng"})
 
 INIT_TEMPLATE = """#!/bin/busybox sh
-# Pal initramfs: load virtio, mount the root disk, hand PID 1 to /usr/lib/pal/init.
+# Pal initramfs: load virtio, mount the root disk, hand PID 1 to /.pal/init (every image).
 B=/bin/busybox
 $B mount -t devtmpfs devtmpfs /dev
 $B mount -t proc proc /proc
@@ -45,11 +52,20 @@ while [ ! -b /dev/vda ]; do
 done
 $B mkdir -p /newroot
 $B mount -t ext4 -o rw,noatime /dev/vda /newroot || die "cannot mount /dev/vda as ext4"
-[ -x /newroot/usr/lib/pal/init ] || die "/usr/lib/pal/init missing on the root disk"
+[ -x /newroot/.pal/init ] || die "/.pal/init missing on the root disk"
+$B mkdir -p /newroot/dev
 $B mount --move /dev /newroot/dev || die "cannot move /dev"
 $B umount /proc
-exec $B switch_root /newroot /usr/lib/pal/init
+exec $B switch_root /newroot /.pal/init
 """
+
+
+def recipe_hash(busybox: Path = BUSYBOX) -> str:
+    """What decides the initramfs besides the kernel's modules: script, module list, busybox."""
+    h = hashlib.sha256(INIT_TEMPLATE.encode())
+    h.update(" ".join(WANTED_MODULES).encode() + b"\n" + " ".join(sorted(OPTIONAL_MODULES)).encode())
+    h.update(hashlib.sha256(busybox.read_bytes()).hexdigest().encode())
+    return h.hexdigest()
 
 
 def _module_index(modules_dir: Path) -> dict[str, Path]:

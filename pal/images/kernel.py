@@ -7,9 +7,13 @@ cut out and decompress.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pwd
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,20 +56,20 @@ def download(pkg: KernelPackage, cache_dir: Path) -> Path:
     cached = cache_dir / f"{pkg.package}_{safe_version}_amd64.deb"
     if cached.is_file():
         return cached
-    work = cache_dir / f".download-{pkg.package}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    # The _apt sandbox user cannot write to root-owned dirs; the warning is harmless but
-    # chmod lets apt drop privileges cleanly.
-    work.chmod(0o777)
-    try:
+    # apt fetches as its sandbox user `_apt`, which must be able to write where it saves,
+    # and cannot enter the root-only data dir. So: a private temp dir (0700) outside it,
+    # owned by `_apt` (root's where that user does not exist), never a world-writable one.
+    with tempfile.TemporaryDirectory(prefix="pal-kernel-") as tmp:
+        work = Path(tmp)
+        with contextlib.suppress(KeyError):
+            os.chown(work, pwd.getpwnam("_apt").pw_uid, 0)
         _run(["apt-get", "download", "-q", f"{pkg.package}={pkg.version}"], cwd=work)
         debs = sorted(work.glob("*.deb"))
         if len(debs) != 1:
             raise RuntimeError(f"apt-get download produced {debs}")
-        debs[0].replace(cached)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        partial = cached.with_name(f".{cached.name}.partial")
+        shutil.copyfile(debs[0], partial)  # another file system, probably: copy, then rename
+        partial.replace(cached)
     return cached
 
 

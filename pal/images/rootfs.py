@@ -1,8 +1,9 @@
-"""Root file system: a cached Debian minbase tarball plus Pal's files, packed into ext4.
+"""The default image's root file system: a cached Debian minbase tarball plus Pal's user,
+and the ext4 packing every image shares.
 
 The mmdebstrap tarball is the slow part (~1 min) and does not depend on the harness, so it
-is cached under ``images/.cache``; a harness change re-runs only the quick customise and
-mkfs steps.
+is cached under ``images/.cache``; a harness change re-runs only the quick assembly steps.
+It is also where the guest bundle's Python comes from (bundle.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import subprocess
 from pathlib import Path
 
 from pal.images.apt_sources import AptSource
+from pal.images.config import WORKLOAD_UID, add_user
 
-PACKAGES = ("python3", "bash", "coreutils", "procps")
-ROOTFS_BYTES = 2 * 1024**3
-WORKLOAD_UID = 1000
-GUEST_FILES = ("harness.py", "protocol.py")  # from pal/guest, installed to /usr/lib/pal
-GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+PACKAGES = ("python3", "bash", "coreutils", "procps", "curl", "ca-certificates")
+ROOTFS_BYTES = 2 * 1024**3  # the smallest root fs an image gets (sparse)
 # Things the guest never needs; dropped at unpack time by dpkg so the image stays small.
 DPKG_EXCLUDES = (
     "/usr/share/doc/*",
@@ -28,11 +27,6 @@ DPKG_EXCLUDES = (
     "/usr/share/locale/*",
     "/usr/share/lintian/*",
 )
-INIT_SCRIPT = """#!/bin/sh
-# PID 1 after switch_root: the Pal guest harness (stdlib-only Python).
-# -S skips site.py (no site-packages needed; faster start), -u keeps output unbuffered.
-exec /usr/bin/python3 -u -S /usr/lib/pal/harness.py
-"""
 
 
 def tarball_key(sources: list[AptSource], codename: str) -> str:
@@ -66,39 +60,19 @@ def base_tarball(cache_dir: Path, sources: list[AptSource], codename: str) -> Pa
     return target
 
 
-def guest_files_hash() -> str:
-    """Hash of everything we install into the image ourselves; part of the content hash."""
-    h = hashlib.sha256(INIT_SCRIPT.encode())
-    for name in GUEST_FILES:
-        h.update(name.encode() + b"\0" + (GUEST_DIR / name).read_bytes())
-    return h.hexdigest()
-
-
 def unpack(tarball: Path, root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     # tar(1) keeps devices, xattrs and numeric owners exactly; tarfile would be slower.
     _run(["tar", "-C", str(root), "--numeric-owner", "-xpf", str(tarball)])
 
 
-def customise(root: Path, hostname: str = "pal") -> None:
-    """Add the workload user, /workspace and the harness; strip what the guest never uses."""
-    _add_user(root, "pal", WORKLOAD_UID)
-    for d, mode in ((root / "workspace", 0o755), (root / "home/pal", 0o750)):
-        d.mkdir(parents=True, exist_ok=True)
-        os.chown(d, WORKLOAD_UID, WORKLOAD_UID)
-        d.chmod(mode)
-    lib = root / "usr/lib/pal"
-    lib.mkdir(parents=True, exist_ok=True)
-    for name in GUEST_FILES:
-        shutil.copyfile(GUEST_DIR / name, lib / name)
-        (lib / name).chmod(0o644)
-    (lib / "init").write_text(INIT_SCRIPT)
-    (lib / "init").chmod(0o755)
-    (root / "etc/hostname").write_text(hostname + "\n")
-    (root / "etc/hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n::1 localhost\n")
-    # Pre-compile protocol.py so the first boot does not pay for it (harness.py runs as
-    # __main__ and is compiled on each start anyway; it is small).
-    _run(["chroot", str(root), "/usr/bin/python3", "-m", "py_compile", "/usr/lib/pal/protocol.py"])
+def customise(root: Path) -> None:
+    """Add the workload user and its home; strip what the guest never uses."""
+    add_user(root, "pal", WORKLOAD_UID)
+    home = root / "home/pal"
+    home.mkdir(parents=True, exist_ok=True)
+    os.chown(home, WORKLOAD_UID, WORKLOAD_UID)
+    home.chmod(0o750)
     for junk in ("var/lib/apt/lists", "var/cache/apt", "var/cache/debconf", "var/log"):
         path = root / junk
         if path.is_dir():
@@ -109,18 +83,24 @@ def customise(root: Path, hostname: str = "pal") -> None:
                     child.unlink()
 
 
-def _add_user(root: Path, name: str, uid: int) -> None:
-    # Edit the files directly: no chroot'd useradd, no dependency on the host's shadow tools.
-    passwd, group, shadow = root / "etc/passwd", root / "etc/group", root / "etc/shadow"
-    if any(line.split(":")[0] == name for line in passwd.read_text().splitlines()):
-        return
-    with passwd.open("a") as f:
-        f.write(f"{name}:x:{uid}:{uid}:Pal workload:/home/{name}:/bin/bash\n")
-    with group.open("a") as f:
-        f.write(f"{name}:x:{uid}:\n")
-    if shadow.exists():
-        with shadow.open("a") as f:
-            f.write(f"{name}:!:19000:0:99999:7:::\n")
+def tree_bytes(root: Path) -> int:
+    """Bytes the tree needs on ext4: file data rounded to 4 KiB blocks plus one block per inode."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        total += 4096 * len(dirnames)
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            total += 4096 + -(-st.st_blocks * 512 // 4096) * 4096
+    return total
+
+
+def ext4_size_for(tree: int) -> int:
+    """Root fs size for a tree: room for a third more, at least ROOTFS_BYTES, MiB-aligned."""
+    want = max(ROOTFS_BYTES, int(tree * 4 / 3) + 256 * 1024**2)
+    return -(-want // 1024**2) * 1024**2
 
 
 def make_ext4(root: Path, image: Path, size: int = ROOTFS_BYTES) -> None:

@@ -11,17 +11,35 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from pal.manager.models import (
+    BrokeredSet,
+    EgressEvents,
+    EgressSet,
+    EgressSetResult,
     ExecEvent,
+    FileDeleted,
     FileList,
     FileWritten,
+    ImageInfo,
+    LivePauseRequest,
+    LivePauseResult,
+    LiveResumeResult,
+    LiveState,
     NodeHeartbeat,
+    NodeStats,
+    Notices,
+    SnapshotInfo,
+    SnapshotOwners,
     SnapshotRequest,
     SnapshotResult,
     SnapshotStatus,
     SpawnRequest,
     SpawnResult,
+    VmMetrics,
+    WarmRequest,
+    WarmResult,
 )
-from pal.scheduler.spec import ExecRequest
+from pal.manager.tunnel import TunnelStream
+from pal.spec import ExecRequest
 
 
 class RuntimeManager(Protocol):
@@ -35,8 +53,10 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def stop(self, vm_id: str) -> None:
-        """Kill the VM's QEMU and remove its live files. Idempotent (unknown id: no-op)."""
+    async def stop(self, vm_id: str, incarnation: int | None = None) -> None:
+        """Kill the VM's QEMU and remove its live files. Idempotent (unknown id: no-op).
+        With ``incarnation``: only if the VM here runs that incarnation (stray cleanup must
+        never stop a newer one)."""
         ...
 
     async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
@@ -50,8 +70,54 @@ class RuntimeManager(Protocol):
         """
         ...
 
+    async def live_pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
+        """Stop the VM's vCPUs in place (pause-offload-resume.txt: Pause, and Offload).
+
+        Prerequisites: the VM is live on this node.
+        Success: its vCPUs are stopped, the gateway holds its connections (buffering their
+        upstreams), the pause is recorded on the node (a restarted manager adopts it as
+        live-paused); with ``offload`` its RAM has been handed back, with
+        ``offload_after_ms`` that happens later unless it is resumed first. Already
+        live-paused: ``by`` operator takes it over, ``offload`` offloads it. ``paused``
+        False: an ``if_waiting`` pause found no waiting connection or a busy guest, and
+        nothing changed.
+        Failure: the VM runs as before.
+        """
+        ...
+
+    async def live_resume(self, vm_id: str) -> LiveResumeResult:
+        """Continue a live-paused VM: the same QEMU and incarnation, connections kept.
+
+        Prerequisites: the VM is live on this node.
+        Success: its vCPUs run, its wall clock is the host's, the gateway delivered what it
+        held; ``resumed`` False if it was not live-paused (nothing changed).
+        Failure: its QEMU is gone (the scheduler then loses the VM).
+        """
+        ...
+
+    async def live_status(self, vm_id: str) -> LiveState | None:
+        """The VM's live pause (None while it runs), resident guest RAM measured now."""
+        ...
+
+    async def notices(self, after: int, epoch: str, wait_s: float) -> Notices:
+        """What the node saw for the scheduler to act on (wait-ready, wake, offloaded),
+        newer than ``after`` (all kept ones if ``epoch`` is not the node's numbering);
+        waits up to ``wait_s`` for one when there is none (long poll)."""
+        ...
+
     def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Run a command; yields stdout/stderr chunks as they come, then exit or error."""
+        ...
+
+    async def open_port(self, vm_id: str, port: int) -> TunnelStream:
+        """A byte stream to the server listening on ``port`` inside the guest (on 0.0.0.0
+        or 127.0.0.1); traffic on it counts as the VM's activity.
+
+        Prerequisites: the VM is live on this node (else 409).
+        Success: the stream is connected to the guest's server.
+        Failure: 400 for a port outside 1-65535; 502 (``PORT_NOT_LISTENING``) when nothing
+        listens there; nothing is left open.
+        """
         ...
 
     async def list_files(self, vm_id: str, path: str) -> FileList: ...
@@ -62,14 +128,95 @@ class RuntimeManager(Protocol):
 
     async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten: ...
 
+    async def set_egress(self, vm_id: str, req: EgressSet) -> EgressSetResult:
+        """Change a live VM's egress policy and limits.
+
+        Prerequisites: the VM is live on this node.
+        Success: new connections follow the policy at once; open connections it refuses
+        are reset (their number is returned); a restarted manager keeps the new policy.
+        Failure: the previous policy stays in force.
+        """
+        ...
+
+    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+        """New values for a live VM's brokered secrets (rotation).
+
+        Prerequisites: the VM is live on this node (else 409).
+        Success: the gateway puts the new values into the VM's next requests (on open
+        connections too); nothing in the guest changes.
+        Failure: the previous values stay in force.
+        """
+        ...
+
+    async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
+        """The current incarnation's gateway counters (bytesIn, bytesOut, connections,
+        refused, dnsQueries, active); None when the gateway cannot tell."""
+        ...
+
+    async def egress_events(self, after: int, epoch: str) -> EgressEvents:
+        """egress_denied events newer than ``after`` (all kept ones if ``epoch`` is not the
+        gateway's current numbering). Bounded: the gateway keeps the newest 2000."""
+        ...
+
+    async def warm(self, req: WarmRequest) -> WarmResult:
+        """Build the warm template of an image at a size now.
+
+        Prerequisites: the image exists; templates are enabled (else 503).
+        Success: ``ready`` is True and schedules of that image and size restore from it.
+        Failure: ``ready`` is False (the build failed; the next schedule retries it).
+        """
+        ...
+
+    async def delete_file(self, vm_id: str, path: str) -> FileDeleted:
+        """Remove a file or symlink under /workspace (404 FILE_NOT_FOUND, 400 for a dir)."""
+        ...
+
     async def heartbeat(self) -> NodeHeartbeat:
-        """This node's live VMs and each one's latest harness activity."""
+        """This node's live VMs and each one's latest harness activity, plus what placement
+        needs: capacity, warm templates, images, health, region and labels."""
+        ...
+
+    async def images(self) -> list[ImageInfo]:
+        """The complete images of this node, by name: content digest, exec defaults, which
+        tenants may use each (None: all) and its warm template sizes."""
+        ...
+
+    async def vm_metrics(self, vm_id: str) -> VmMetrics:
+        """The VM's resource samples of the last 15 minutes (pal/manager/metrics.py).
+
+        Prerequisites: none; a VM this node never ran answers an empty series.
+        Success: its samples, oldest first; ``live`` says whether it runs here now.
+        """
+        ...
+
+    async def stats(self) -> NodeStats:
+        """Operator figures of the node: live VMs, snapshot bytes per tier, queue depths."""
+        ...
+
+    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
+        """The VM's complete local snapshots, oldest first, with artifact sizes."""
         ...
 
     async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> SnapshotStatus:
         """Whether a snapshot is complete and verified (local or S3)."""
         ...
 
+    async def ensure_uploaded(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
+        """Make the snapshot restorable on any node: S3 holds a sealed, complete copy.
+
+        Prerequisites: the snapshot is complete on this node (or already in S3); S3 is set.
+        Success: S3 has the complete copy (meta.json last). Failure: Unavailable (no S3 or
+        S3 down), NotFound (no such snapshot here or in S3); nothing changes locally.
+        """
+        ...
+
     async def delete_snapshot(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None: ...
 
-    async def apply_retention(self, agent_version_id: str, vm_id: str, protected: list[str]) -> list[str]: ...
+    async def delete_vm_snapshots(self, agent_version_id: str, vm_id: str, keep: list[str]) -> list[str]:
+        """Delete every snapshot of a VM, local and S3, except ``keep`` (and what a live
+        fork on the node maps). Idempotent. Returns the local snapshot ids deleted."""
+        ...
+
+    async def snapshot_owners(self) -> SnapshotOwners:
+        """Which VMs have snapshots on the node's tiers (the control plane's sweep)."""
+        ...

@@ -1,40 +1,125 @@
 """Host end of the virtio-serial channel to one VM's guest harness.
 
 Multiplexes requests over the line-JSON protocol of ``pal/guest/protocol.py``: each request
-gets an id and a queue; a single reader task routes replies and stream chunks to their
-queue and keeps the latest heartbeat. The channel is per QEMU process: a restored VM gets a
+gets an id and an inbox; a single reader task routes replies and stream chunks to their
+inbox and keeps the latest heartbeat. The channel is per QEMU process: a restored VM gets a
 new channel to its new process's socket.
+
+The guest is hostile, so (docs/security.md, "The guest channel"):
+- every message is checked (guest_input.py) before it is routed; anything else is dropped,
+  and a guest that keeps sending such lines loses its channel. Nothing a guest sends can
+  raise out of the reader: the worst outcome is that *this* channel ends;
+- lines are at most ``MAX_GUEST_LINE_BYTES``; a longer one is discarded as it streams in;
+- each request's inbox is bounded (``INBOX_BYTES``); while it is full the reader stops
+  reading the guest's socket, so a guest flooding output into a slow consumer is throttled
+  by its own socket instead of growing the server's memory. A request that ends closes its
+  inbox, which releases the reader;
+- the reader yields to the event loop after every line, so one busy guest cannot starve
+  the other VMs' channels or the API;
+- a write the guest does not take within ``SEND_TIMEOUT_S`` ends the channel (a half
+  written line cannot be resumed);
+- when the channel ends (the VM stopped, QEMU died, the guest misbehaved) every request
+  waiting on it ends at once, including an exec without a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from pal.errors import BackendError, GuestTimeout
 from pal.guest import protocol as p
+from pal.manager import guest_input as gi
 
 log = logging.getLogger(__name__)
 
-_CLOSED = object()  # queue sentinel: the channel went away
+_CLOSED = object()  # inbox sentinel: the channel (or the request) went away
+
+INBOX_BYTES = 1 << 20  # wire bytes one request may have waiting (16 exec output chunks)
+SEND_TIMEOUT_S = 30.0  # a guest that takes no input for this long has lost its channel
+# A guest sending more undecodable or malformed lines than this within the window is not
+# a harness resynchronising after a restore (a line or two): its channel is closed.
+MAX_VIOLATIONS = 64
+VIOLATION_WINDOW_S = 10.0
 
 
 class ChannelClosed(BackendError):
-    code = "GUEST_DISCONNECTED"
+    # 503, not 500: the guest went away (or was cut off for misbehaving); nothing of ours
+    # broke, and another request may find it back after a restart or resume.
+    status, code = 503, "GUEST_DISCONNECTED"
 
 
 class GuestError(BackendError):
-    """An ``err`` reply from the harness; ``guest_code`` is one of protocol.ERR_*."""
+    """An ``err`` reply from the harness; ``guest_code`` is one of protocol.ERR_* (any other
+    code arrives as ERR_IO) and the message is cleaned (guest_input.text)."""
 
     def __init__(self, guest_code: str, message: str) -> None:
         super().__init__(message, code=guest_code)
         self.guest_code = guest_code
+
+
+class _Inbox:
+    """The replies of one request, at most ``max_bytes`` of them waiting (one message is
+    always accepted). ``put`` waits while full; ``close`` releases everyone; ``get`` after
+    close returns what is left, then ``_CLOSED``."""
+
+    def __init__(self, max_bytes: int = INBOX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._items: collections.deque[tuple[Any, int]] = collections.deque()
+        self._bytes = 0
+        self._closed = False
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def full(self, size: int) -> bool:
+        return bool(self._items) and self._bytes + size > self.max_bytes
+
+    async def put(self, item: Any, size: int) -> None:
+        while not self._closed and self.full(size):
+            self._writable.clear()
+            await self._writable.wait()
+        if self._closed:
+            return  # nobody will read it
+        self._items.append((item, size))
+        self._bytes += size
+        self._readable.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            if self._closed:
+                return _CLOSED
+            self._readable.clear()
+            await self._readable.wait()
+        item, size = self._items.popleft()
+        self._bytes -= size
+        self._writable.set()
+        return item
+
+    def close(self) -> None:
+        self._closed = True
+        self._readable.set()
+        self._writable.set()
+
+
+def _decode(line: bytes) -> Any:
+    """The JSON value of a line, or None for noise. Deep nesting (RecursionError) and bad
+    UTF-8 are noise too."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 class HarnessChannel:
@@ -45,10 +130,16 @@ class HarnessChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Queue[Any]] = {}
+        self._pending: dict[int, _Inbox] = {}
         self._write_lock = asyncio.Lock()
-        self.heartbeat: p.Message | None = None
+        # The latest heartbeat, cleaned (guest_input.heartbeat): only known fields, typed.
+        self.heartbeat: dict[str, Any] | None = None
         self.heartbeat_at = 0.0  # host monotonic time of the latest heartbeat
+        # Host monotonic time since when the reader waits for a full inbox to drain (the
+        # guest is talking, we are not listening), else None.
+        self.stalled_since: float | None = None
+        self.violations = 0  # malformed lines dropped, over the channel's life
+        self._recent: collections.deque[float] = collections.deque()
         self._hb_cond = asyncio.Condition()
         self.closed = asyncio.Event()
 
@@ -58,7 +149,7 @@ class HarnessChannel:
         while True:
             try:
                 self._reader, self._writer = await asyncio.open_unix_connection(
-                    str(self.socket_path), limit=p.MAX_LINE_BYTES
+                    str(self.socket_path), limit=gi.MAX_GUEST_LINE_BYTES
                 )
                 break
             except (FileNotFoundError, ConnectionRefusedError):
@@ -69,6 +160,25 @@ class HarnessChannel:
         self._writer.write(b"\n")
         self._task = asyncio.create_task(self._read_loop(), name=f"channel-{self.vm_id}")
 
+    def last_heard(self) -> float:
+        """Host monotonic time the guest was last heard from: its latest heartbeat, or now
+        while the reader is held back by a full inbox (the guest is talking; its heartbeats
+        wait behind the output we are not reading yet). 0.0: never."""
+        if self.stalled_since is not None and not self.closed.is_set():
+            return time.monotonic()
+        return self.heartbeat_at
+
+    def _violation(self, what: str) -> bool:
+        """Count a malformed line; True when the guest has sent too many (close)."""
+        self.violations += 1
+        now = time.monotonic()
+        self._recent.append(now)
+        while self._recent and now - self._recent[0] > VIOLATION_WINDOW_S:
+            self._recent.popleft()
+        if self.violations <= 3 or self.violations % 1000 == 0:
+            log.info("channel %s: dropped %s (%d so far)", self.vm_id, what, self.violations)
+        return len(self._recent) > MAX_VIOLATIONS
+
     async def _read_loop(self) -> None:
         assert self._reader is not None
         try:
@@ -76,52 +186,98 @@ class HarnessChannel:
                 try:
                     line = await self._reader.readline()
                 except (asyncio.LimitOverrunError, ValueError):
-                    continue  # an over-long line is noise; resync on the next one
+                    # Over-long: asyncio discarded what it held; the rest of that line
+                    # arrives as noise and is dropped below.
+                    if self._violation("an over-long line"):
+                        break
+                    continue
                 if not line:
                     break
-                msg = p.decode(line)
-                if msg is None:
+                msg = _decode(line)
+                key = gi.route(msg)
+                if key is None:
+                    # A blank line is a peer's resync after a reconnect, not a violation.
+                    if line.strip() and self._violation("a malformed line"):
+                        break
+                    await asyncio.sleep(0)
                     continue
-                rid = msg.get("id", 0)
-                if msg["k"] == p.K_HEARTBEAT:
-                    self.heartbeat = msg
+                rid, kind = key
+                if kind == p.K_HEARTBEAT:
+                    self.heartbeat = gi.heartbeat(msg, int(time.time() * 1000))
                     self.heartbeat_at = time.monotonic()
                     async with self._hb_cond:
                         self._hb_cond.notify_all()
-                    continue
-                q = self._pending.get(rid)
-                if q is not None:
-                    q.put_nowait(msg)
+                else:
+                    inbox = self._pending.get(rid)
+                    if inbox is not None:  # else: a late reply to a request that ended
+                        if inbox.full(len(line)):
+                            self.stalled_since = time.monotonic()
+                        try:
+                            await inbox.put(msg, len(line))
+                        finally:
+                            self.stalled_since = None
+                # Fairness: a guest that keeps its socket full must not hold the loop.
+                await asyncio.sleep(0)
+            if len(self._recent) > MAX_VIOLATIONS:
+                log.warning(
+                    "channel %s: closed after %d malformed lines from the guest", self.vm_id, self.violations
+                )
         except (ConnectionError, OSError) as exc:
             log.debug("channel %s: %s", self.vm_id, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # whatever a guest sends ends at most its own channel
+            log.warning("channel %s: ended on unexpected input: %s", self.vm_id, gi.text(repr(exc)))
         finally:
             self.closed.set()
-            for q in self._pending.values():
-                q.put_nowait(_CLOSED)
-            async with self._hb_cond:
-                self._hb_cond.notify_all()
+            for inbox in self._pending.values():
+                inbox.close()
+            self._pending.clear()
+            with contextlib.suppress(Exception):
+                async with self._hb_cond:
+                    self._hb_cond.notify_all()
 
     async def _send(self, msg: p.Message, data: bytes | None = None) -> None:
         if self._writer is None or self.closed.is_set():
             raise ChannelClosed(f"VM {self.vm_id}: guest channel is closed")
         async with self._write_lock:
+            if self.closed.is_set():
+                raise ChannelClosed(f"VM {self.vm_id}: guest channel is closed")
             self._writer.write(p.encode(msg, data))
             try:
-                await self._writer.drain()
+                await asyncio.wait_for(self._writer.drain(), SEND_TIMEOUT_S)
+            except TimeoutError:
+                log.warning(
+                    "channel %s: the guest took no input for %gs; closing", self.vm_id, SEND_TIMEOUT_S
+                )
+                await self.close()
+                raise ChannelClosed(f"VM {self.vm_id}: the guest stopped reading its channel") from None
             except (ConnectionError, OSError) as exc:
                 raise ChannelClosed(f"VM {self.vm_id}: guest channel broke: {exc}") from exc
+
+    def _open_inbox(self) -> tuple[int, _Inbox]:
+        if self.closed.is_set():
+            raise ChannelClosed(f"VM {self.vm_id}: guest channel is closed")
+        rid = next(self._ids)
+        inbox = _Inbox()
+        self._pending[rid] = inbox
+        return rid, inbox
+
+    def _close_inbox(self, rid: int) -> None:
+        inbox = self._pending.pop(rid, None)
+        if inbox is not None:
+            inbox.close()  # releases a reader waiting to put into it
 
     async def request(
         self, msg: p.Message, data: bytes | None = None, timeout: float = 30.0
     ) -> tuple[p.Message, bytes]:
-        """Send one request and wait for its single ``ok`` (or raise on ``err``)."""
-        rid = next(self._ids)
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._pending[rid] = q
+        """Send one request and wait for its single ``ok`` (or raise on ``err``).
+        Returns the reply and its payload (ChannelClosed when the payload is not valid)."""
+        rid, inbox = self._open_inbox()
         try:
             await self._send({**msg, "id": rid}, data)
             try:
-                reply = await asyncio.wait_for(q.get(), timeout)
+                reply = await asyncio.wait_for(inbox.get(), timeout)
             except TimeoutError:
                 raise GuestTimeout(
                     f"VM {self.vm_id}: guest did not answer {msg['k']} in {timeout:g}s"
@@ -129,24 +285,46 @@ class HarnessChannel:
             if reply is _CLOSED:
                 raise ChannelClosed(f"VM {self.vm_id}: guest channel closed during {msg['k']}")
             if reply["k"] == p.K_ERR:
-                raise GuestError(reply.get("code", p.ERR_IO), reply.get("msg", "guest error"))
-            return reply, p.payload(reply)
+                raise GuestError(*gi.error(reply))
+            if reply["k"] != p.K_OK:
+                raise GuestError(p.ERR_IO, f"guest answered {msg['k']} with {reply['k']!r}")
+            body = gi.payload(reply)
+            if body is None:
+                raise GuestError(p.ERR_IO, f"guest sent an invalid payload for {msg['k']}")
+            return reply, body
         finally:
-            self._pending.pop(rid, None)
+            self._close_inbox(rid)
 
     async def stream(self, msg: p.Message) -> AsyncIterator[p.Message]:
         """Send a streaming request (exec); yield every reply until ``exit``/``err``.
 
         If the consumer stops early (client went away), the guest process is cancelled.
+        When the channel ends, the stream ends with ChannelClosed (after what had arrived).
         """
-        rid = next(self._ids)
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        self._pending[rid] = q
-        finished = False
+        replies = await self.start_stream(msg)
+        try:
+            async for reply in replies:
+                yield reply
+        finally:
+            await replies.aclose()
+
+    async def start_stream(self, msg: p.Message) -> AsyncGenerator[p.Message, None]:
+        """:meth:`stream` in two steps: send the request now, and return the iterator of
+        its replies (which the caller must iterate or ``aclose``). The caller knows the
+        request is in the guest's channel when this returns (live pause orders by it)."""
+        rid, inbox = self._open_inbox()
         try:
             await self._send({**msg, "id": rid})
+        except BaseException:
+            self._close_inbox(rid)
+            raise
+        return self._replies(rid, inbox)
+
+    async def _replies(self, rid: int, inbox: _Inbox) -> AsyncGenerator[p.Message, None]:
+        finished = False
+        try:
             while True:
-                reply = await q.get()
+                reply = await inbox.get()
                 if reply is _CLOSED:
                     finished = True
                     raise ChannelClosed(f"VM {self.vm_id}: guest channel closed during exec")
@@ -156,12 +334,12 @@ class HarnessChannel:
                 if finished:
                     return
         finally:
-            self._pending.pop(rid, None)
+            self._close_inbox(rid)
             if not finished and not self.closed.is_set():
                 with contextlib.suppress(Exception):
                     await self._send({"id": next(self._ids), "k": p.K_CANCEL, "target": rid})
 
-    async def wait_heartbeat(self, incarnation: int, timeout: float) -> p.Message:
+    async def wait_heartbeat(self, incarnation: int, timeout: float) -> dict[str, Any]:
         """Wait until the harness heartbeats as ``incarnation`` (its identity is in place)."""
         deadline = time.monotonic() + timeout
         async with self._hb_cond:
@@ -169,7 +347,7 @@ class HarnessChannel:
                 hb = self.heartbeat
                 # vm_id too: a template's or fork source's guest may heartbeat with the same
                 # incarnation number before it has processed our identify.
-                if hb is not None and hb.get("incarnation") == incarnation and hb.get("vm_id") == self.vm_id:
+                if hb is not None and hb["incarnation"] == incarnation and hb["vm_id"] == self.vm_id:
                     return hb
                 if self.closed.is_set():
                     raise ChannelClosed(f"VM {self.vm_id}: guest channel closed before it was ready")
@@ -182,12 +360,14 @@ class HarnessChannel:
                     await asyncio.wait_for(self._hb_cond.wait(), left)
 
     async def close(self) -> None:
+        self.closed.set()
+        for inbox in list(self._pending.values()):
+            inbox.close()
         if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-        if self._task is not None:
+            # abort, not close: a guest that stopped reading must not hold us on the
+            # unsent bytes, and nothing left in the buffer is owed to it.
+            self._writer.transport.abort()
+        if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        self.closed.set()

@@ -15,30 +15,68 @@ import httpx
 
 from pal.errors import PalError, Unavailable, from_wire
 from pal.manager.models import (
+    BrokeredSet,
+    EgressEvents,
+    EgressSet,
+    EgressSetResult,
     ExecEvent,
+    FileDeleted,
     FileList,
     FileWritten,
+    ImageInfo,
+    LivePauseRequest,
+    LivePauseResult,
+    LiveResumeResult,
+    LiveState,
     NodeHeartbeat,
-    RetentionRequest,
+    NodeStats,
+    Notices,
+    SnapshotInfo,
+    SnapshotOwners,
     SnapshotRequest,
     SnapshotResult,
     SnapshotStatus,
     SpawnRequest,
     SpawnResult,
+    VmMetrics,
+    WarmRequest,
+    WarmResult,
 )
-from pal.scheduler.spec import ExecRequest
+from pal.manager.tunnel import MAX_FRAME, TunnelStream, open_tunnel
+from pal.spec import ExecRequest
+
+# The node could not be reached at all (nothing was done there): callers may try another.
+UNREACHABLE = "NODE_UNREACHABLE"
+
+TUNNEL_OPEN_TIMEOUT_S = 30.0  # the node's connect to the guest has its own 10 s bound
 
 # Spawns include a cold boot under TCG; snapshots include checksumming.
 LONG_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+# A heartbeat is a read of the node's books: a node that takes longer is as good as silent
+# (reconciliation must not hang on it).
+HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 
 
 class ManagerClient:
-    def __init__(self, socket_path: Path) -> None:
+    """``ManagerClient(socket)``: the embedded node's root-only unix socket.
+    ``ManagerClient(url=..., token=...)``: a remote node over HTTP, every request carrying
+    the node's token (``Authorization: Bearer``; pal/manager/auth.py)."""
+
+    def __init__(
+        self, socket_path: Path | None = None, *, url: str | None = None, token: str | None = None
+    ) -> None:
+        if (socket_path is None) == (url is None):
+            raise ValueError("ManagerClient needs exactly one of a unix socket path or a URL")
         self.socket_path = socket_path
+        self.url = url
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._auth_headers = dict(headers)
+        transport = httpx.AsyncHTTPTransport(uds=str(socket_path)) if socket_path is not None else None
         self._http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(socket_path)),
-            base_url="http://manager",
+            transport=transport,
+            base_url=url or "http://manager",
             timeout=LONG_TIMEOUT,
+            headers=headers,
         )
 
     async def aclose(self) -> None:
@@ -58,7 +96,7 @@ class ManagerClient:
         try:
             resp = await self._http.request(method, url, **kw)
         except httpx.TransportError as exc:
-            raise Unavailable(f"runtime manager unreachable: {exc}") from exc
+            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
         self._raise_for(resp)
         return resp
 
@@ -70,12 +108,35 @@ class ManagerClient:
         resp = await self._call("POST", "/vms", json=self._body(req))
         return SpawnResult.model_validate(resp.json())
 
-    async def stop(self, vm_id: str) -> None:
-        await self._call("DELETE", f"/vms/{vm_id}")
+    async def stop(self, vm_id: str, incarnation: int | None = None) -> None:
+        params = {"incarnation": incarnation} if incarnation is not None else None
+        await self._call("DELETE", f"/vms/{vm_id}", params=params)
 
     async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
         resp = await self._call("POST", f"/vms/{vm_id}/snapshot", json=self._body(req))
         return SnapshotResult.model_validate(resp.json())
+
+    async def live_pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
+        resp = await self._call("POST", f"/vms/{vm_id}/live-pause", json=self._body(req))
+        return LivePauseResult.model_validate(resp.json())
+
+    async def live_resume(self, vm_id: str) -> LiveResumeResult:
+        resp = await self._call("POST", f"/vms/{vm_id}/live-resume")
+        return LiveResumeResult.model_validate(resp.json())
+
+    async def live_status(self, vm_id: str) -> LiveState | None:
+        resp = await self._call("GET", f"/vms/{vm_id}/live", timeout=10.0)
+        raw = resp.json().get("live")
+        return None if raw is None else LiveState.model_validate(raw)
+
+    async def notices(self, after: int, epoch: str, wait_s: float) -> Notices:
+        resp = await self._call(
+            "GET",
+            "/notices",
+            params={"after": after, "epoch": epoch, "wait_s": wait_s},
+            timeout=httpx.Timeout(wait_s + 30.0, connect=5.0),
+        )
+        return Notices.model_validate(resp.json())
 
     async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         body = req.model_dump(by_alias=True, mode="json")
@@ -90,7 +151,33 @@ class ManagerClient:
                     if line.strip():
                         yield ExecEvent.model_validate(json.loads(line))
         except httpx.TransportError as exc:
-            raise Unavailable(f"runtime manager unreachable: {exc}") from exc
+            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
+
+    async def open_port(self, vm_id: str, port: int) -> TunnelStream:
+        from websockets.asyncio.client import connect, unix_connect
+
+        path = f"/vms/{vm_id}/ports/{port}"
+        opts: dict[str, Any] = {
+            "max_size": MAX_FRAME,
+            "compression": None,
+            "open_timeout": TUNNEL_OPEN_TIMEOUT_S,
+            "additional_headers": self._auth_headers,
+        }
+        try:
+            if self.socket_path is not None:
+                # A local socket: no dead peer to detect with pings.
+                ws = await unix_connect(
+                    str(self.socket_path), "ws://manager" + path, ping_interval=None, **opts
+                )
+            else:
+                assert self.url is not None
+                base = self.url.rstrip("/").replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+                ws = await connect(base + path, **opts)
+        except (OSError, TimeoutError) as exc:
+            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
+        except Exception as exc:  # a refused handshake (websockets.InvalidStatus...)
+            raise Unavailable(f"runtime manager refused the port stream: {exc}") from exc
+        return await open_tunnel(ws)
 
     async def list_files(self, vm_id: str, path: str) -> FileList:
         resp = await self._call("GET", f"/vms/{vm_id}/files", params={"path": path})
@@ -104,18 +191,67 @@ class ManagerClient:
         resp = await self._call("PUT", f"/vms/{vm_id}/files/content", params={"path": path}, content=data)
         return FileWritten.model_validate(resp.json())
 
+    async def set_egress(self, vm_id: str, req: EgressSet) -> EgressSetResult:
+        resp = await self._call("PUT", f"/vms/{vm_id}/egress", json=self._body(req))
+        return EgressSetResult.model_validate(resp.json())
+
+    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+        await self._call("PUT", f"/vms/{vm_id}/brokered", json=self._body(req))
+
+    async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
+        resp = await self._call("GET", f"/vms/{vm_id}/egress", timeout=5.0)
+        c = resp.json().get("counters")
+        return dict(c) if isinstance(c, dict) else None
+
+    async def egress_events(self, after: int, epoch: str) -> EgressEvents:
+        resp = await self._call("GET", "/egress/events", params={"after": after, "epoch": epoch})
+        return EgressEvents.model_validate(resp.json())
+
+    async def warm(self, req: WarmRequest) -> WarmResult:
+        # A template build is a cold boot (a minute or more under TCG on a busy host).
+        resp = await self._call("POST", "/templates", json=self._body(req), timeout=httpx.Timeout(900.0))
+        return WarmResult.model_validate(resp.json())
+
+    async def delete_file(self, vm_id: str, path: str) -> FileDeleted:
+        resp = await self._call("DELETE", f"/vms/{vm_id}/files/content", params={"path": path})
+        return FileDeleted.model_validate(resp.json())
+
     async def heartbeat(self) -> NodeHeartbeat:
-        resp = await self._call("GET", "/heartbeat")
+        resp = await self._call("GET", "/heartbeat", timeout=HEARTBEAT_TIMEOUT)
         return NodeHeartbeat.model_validate(resp.json())
+
+    async def images(self) -> list[ImageInfo]:
+        resp = await self._call("GET", "/images")
+        return [ImageInfo.model_validate(x) for x in resp.json()["images"]]
+
+    async def vm_metrics(self, vm_id: str) -> VmMetrics:
+        resp = await self._call("GET", f"/vms/{vm_id}/metrics")
+        return VmMetrics.model_validate(resp.json())
+
+    async def stats(self) -> NodeStats:
+        resp = await self._call("GET", "/stats")
+        return NodeStats.model_validate(resp.json())
+
+    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
+        resp = await self._call("GET", f"/snapshots/{agent_version_id}/{vm_id}")
+        return [SnapshotInfo.model_validate(x) for x in resp.json()["snapshots"]]
 
     async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> SnapshotStatus:
         resp = await self._call("GET", f"/snapshots/{agent_version_id}/{vm_id}/{snapshot_id}")
         return SnapshotStatus.model_validate(resp.json())
 
+    async def ensure_uploaded(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
+        await self._call("POST", f"/snapshots/{agent_version_id}/{vm_id}/{snapshot_id}/upload")
+
     async def delete_snapshot(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
         await self._call("DELETE", f"/snapshots/{agent_version_id}/{vm_id}/{snapshot_id}")
 
-    async def apply_retention(self, agent_version_id: str, vm_id: str, protected: list[str]) -> list[str]:
-        req = RetentionRequest(agent_version_id=agent_version_id, vm_id=vm_id, protected=protected)
-        resp = await self._call("POST", "/snapshots/retention", json=self._body(req))
+    async def delete_vm_snapshots(self, agent_version_id: str, vm_id: str, keep: list[str]) -> list[str]:
+        resp = await self._call(
+            "DELETE", f"/snapshots/{agent_version_id}/{vm_id}", params={"keep": ",".join(keep)}
+        )
         return list(resp.json()["deleted"])
+
+    async def snapshot_owners(self) -> SnapshotOwners:
+        resp = await self._call("GET", "/snapshots")
+        return SnapshotOwners.model_validate(resp.json())

@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pal.ids import SafeId, TenantId
+from pal.spec import Egress, WaitPause
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
@@ -20,27 +23,61 @@ MemMode = Literal["private", "shared"]
 
 
 class RestoreFrom(_Model):
-    snapshot_id: str
-    agent_version_id: str
-    source_vm_id: str  # the VM that took the snapshot (== vm_id on resume)
-    tenant_id: str
+    snapshot_id: SafeId
+    agent_version_id: SafeId
+    source_vm_id: SafeId  # the VM that took the snapshot (== vm_id on resume)
+    # The owner the control plane read from the VM's row; a snapshot of any other tenant
+    # is NotFound. Callers are root-only (rpc_socket.py), so this is never a user's word.
+    tenant_id: TenantId
     # private: map the snapshot's mem copy-on-write (fork children; pages shared through
     # the page cache). shared: reflink mem into the VM dir and map it shared (resume).
     mem_mode: MemMode = "shared"
 
 
+class BrokeredRule(_Model):
+    """One brokered secret as the node's egress gateway applies it (the real value: the
+    node keeps it in memory and in its root-only state file, never in the guest)."""
+
+    name: str
+    value: str
+    placeholder: str
+    hosts: list[str]
+    header: str | None = None
+    format: str = "{value}"
+
+
+class TenantCa(_Model):
+    cert: str  # PEM; installed in the guest's trust store
+    key: str  # PEM; the gateway signs leaf certificates with it
+
+
+class BrokeredSet(_Model):
+    """New values of a running VM's brokered secrets (PUT /vms/{id}/brokered)."""
+
+    brokered: list[BrokeredRule]
+
+
 class SpawnRequest(_Model):
-    vm_id: str
-    tenant_id: str
-    image: str = "default"
-    vcpus: int = 1
-    memory_mib: int = 256
-    disk_mib: int = 2048
+    """Sizes have no defaults here: the caller passes what the AgentSpec resolved."""
+
+    vm_id: SafeId
+    tenant_id: TenantId
+    image: SafeId
+    vcpus: int
+    memory_mib: int
+    disk_mib: int
     incarnation: int = 1
     token: str
     env: dict[str, str] = Field(default_factory=dict)
     boot: Literal["auto", "cold"] = "auto"
     restore: RestoreFrom | None = None
+    egress: Egress = "none"
+    egress_mbps: int | None = None
+    max_connections: int | None = None
+    # brokered secrets: ``env`` holds their placeholders, these their values (docs/secrets.md)
+    brokered: list[BrokeredRule] = Field(default_factory=list)
+    tenant_ca: TenantCa | None = None
+    wait_pause: WaitPause | None = None  # the node watches for wait pauses (None: off)
 
 
 class SpawnResult(_Model):
@@ -54,14 +91,14 @@ class SpawnResult(_Model):
 
 
 class SnapshotRequest(_Model):
-    snapshot_id: str
-    agent_version_id: str
-    tenant_id: str
+    snapshot_id: SafeId
+    agent_version_id: SafeId
+    tenant_id: TenantId
     keep_running: bool
-    parent_snapshot_id: str | None = None
+    parent_snapshot_id: SafeId | None = None
     # snapshot ids retention must keep for this VM (what paused VMs resume from, what
     # live forks map); the manager adds the ones its own live VMs map.
-    protected: list[str] = Field(default_factory=list)
+    protected: list[SafeId] = Field(default_factory=list)
 
 
 class SnapshotResult(_Model):
@@ -70,6 +107,103 @@ class SnapshotResult(_Model):
     sizes: dict[str, int]
     durations_ms: dict[str, float]
     memory_kind: Literal["file", "stream"]
+    # the gateway's final counters of the incarnation that ended (keep_running=False)
+    egress_counters: dict[str, int] | None = None
+
+
+class EgressSet(_Model):
+    """A live policy change (PUT /vms/{id}/egress)."""
+
+    egress: Egress
+    egress_mbps: int | None = None
+    max_connections: int | None = None
+
+
+class EgressSetResult(_Model):
+    closed: int  # open connections the new policy refused
+
+
+class EgressEvent(_Model):
+    seq: int
+    at: float  # unix seconds
+    vm_id: str
+    kind: str
+    name: str | None = None
+    address: str | None = None
+    port: int | None = None
+    rule: str = ""
+    suppressed: int | None = None
+
+
+class EgressEvents(_Model):
+    events: list[EgressEvent]
+    seq: int  # the newest sequence number (pass it back as ``after``)
+    epoch: str  # changes when the gateway's numbering restarts
+
+
+LiveBy = Literal["operator", "idle", "wait"]
+
+
+class LivePauseRequest(_Model):
+    """Stop a live VM's vCPUs in place (pause-offload-resume.txt: Pause, then Offload)."""
+
+    by: LiveBy
+    offload: bool = False  # right away (once the vCPUs are stopped)
+    offload_after_ms: int | None = None  # or later, unless woken first
+    # Wait pause: only if the gateway still holds a connection of the VM waiting on its
+    # upstream (request sent, no response byte delivered); otherwise nothing happens.
+    if_waiting: bool = False
+
+
+class LiveState(_Model):
+    """A live pause as the node knows it (None on a running VM)."""
+
+    by: LiveBy
+    since: float  # unix seconds
+    offloaded: bool = False
+    resident_mib: int | None = None  # guest RAM still resident (known after an offload)
+    freed_mib: int = 0
+    offload_ms: float | None = None
+    ready: bool = False  # data is waiting for the guest in the gateway (a wake is due)
+
+
+class LivePauseResult(_Model):
+    paused: bool  # False: an if_waiting pause found nothing waiting (nothing changed)
+    pause_ms: float = 0.0
+    state: LiveState | None = None
+
+
+class LiveResumeResult(_Model):
+    resumed: bool  # False: the VM was not live-paused (nothing changed)
+    resume_ms: float = 0.0
+    paused_ms: int = 0  # how long it was paused
+    offloaded: bool = False
+    freed_mib: int = 0
+    buffered_bytes: int = 0  # response bytes the gateway held for the guest meanwhile
+
+
+class Notice(_Model):
+    """Something the node saw that the scheduler acts on (GET /notices, long poll).
+
+    - ``wait-ready``: a VM with wait management is idle and waits on held I/O: pause it?
+    - ``wake``: a VM live-paused by idle or wait should run again (``reason``: data, timer)
+    - ``offloaded``: a live-paused VM's RAM was handed back (``ms``, ``freedMib``)
+    """
+
+    seq: int
+    at: float  # unix seconds
+    vm_id: str
+    kind: Literal["wait-ready", "wake", "offloaded"]
+    reason: str | None = None
+    ms: float | None = None
+    freed_mib: int | None = None
+    resident_mib: int | None = None
+
+
+class Notices(_Model):
+    notices: list[Notice]
+    seq: int  # the newest sequence number (pass it back as ``after``)
+    epoch: str  # changes when the node's numbering restarts
 
 
 class SnapshotStatus(_Model):
@@ -77,26 +211,65 @@ class SnapshotStatus(_Model):
     meta: dict[str, object] | None = None
 
 
-class RetentionRequest(_Model):
-    agent_version_id: str
-    vm_id: str
-    protected: list[str] = Field(default_factory=list)
-
-
 class VmActivity(_Model):
+    """One VM in the node heartbeat. ``has_active_exec`` and ``last_activity_unix_ms`` are
+    host-observed (requests through the manager); ``guest_*`` are the harness's claims,
+    validated but untrusted (the scheduler bounds what they may add: idle.py)."""
+
     vm_id: str
     alive: bool
     pid: int | None = None
     incarnation: int | None = None
     has_active_exec: bool = False
     last_activity_unix_ms: int = 0
+    guest_active: bool = False
+    guest_last_activity_unix_ms: int = 0
+    # when the guest was last heard from (a heartbeat, or output held back by backpressure)
     last_heartbeat_unix_ms: int = 0
+    live: LiveState | None = None  # set while live-paused
+
+
+class NodeCapacity(_Model):
+    """What a node offers VMs (placement's hard constraints)."""
+
+    memory_mib: int = 0  # guest RAM the node may hand out in total (PAL_NODE_MEMORY_MIB)
+    vcpus: int = 0
+    disk_free_mib: int = 0  # free space of the data dir's file system now
+
+
+class WarmTemplate(_Model):
+    """A warm template the node holds: schedules of this image build and size restore it."""
+
+    agent_version_id: str
+    memory_mib: int
+    vcpus: int
+    disk_mib: int
 
 
 class NodeHeartbeat(_Model):
+    """A node's report: pulled by the control plane (``GET /heartbeat``) and pushed by the
+    node to ``POST /v1/nodes/heartbeat`` every ``PAL_NODE_HEARTBEAT_INTERVAL`` seconds."""
+
     node_id: str
     accel: str
     vms: list[VmActivity]
+    epoch: str = ""  # a new value each time the node process starts
+    url: str = ""  # where the control plane reaches its RPC ("" for an embedded node)
+    region: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    capacity: NodeCapacity = Field(default_factory=NodeCapacity)
+    templates: list[WarmTemplate] = Field(default_factory=list)
+    images: list[ImageInfo] = Field(default_factory=list)
+    healthy: bool = True
+    health: str | None = None  # why not healthy
+
+
+class HeartbeatAck(_Model):
+    """The control plane's answer to a pushed heartbeat."""
+
+    node_id: str
+    state: str  # active | draining | lost (as the control plane sees the node)
+    stopping: list[str] = Field(default_factory=list)  # VMs it must not run (being stopped)
 
 
 class ExecEvent(_Model):
@@ -118,3 +291,91 @@ class FileList(_Model):
 class FileWritten(_Model):
     path: str
     bytes_written: int
+
+
+class FileDeleted(_Model):
+    path: str
+    deleted: bool
+
+
+class MetricSample(_Model):
+    """One per-VM sample; null where the figure is not known (see pal/manager/metrics.py)."""
+
+    t: int  # unix ms
+    cpu_pct: float | None = None
+    rss_bytes: int | None = None
+    pss_bytes: int | None = None
+    guest_mem_used_bytes: int | None = None
+    guest_mem_total_bytes: int | None = None
+    disk_used_bytes: int | None = None
+    disk_total_bytes: int | None = None
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    live_paused_ms: int | None = None
+
+
+class VmMetrics(_Model):
+    vm_id: str
+    interval_secs: float
+    window_secs: float
+    live: bool  # the VM runs on this node now (false: its last samples, or none)
+    cpu_source: str | None = None  # "cgroup" | "proc"
+    samples: list[MetricSample]
+
+
+class NodeStats(_Model):
+    """Operator figures of one node (for /metrics)."""
+
+    node_id: str
+    accel: str
+    vms_live: int
+    snapshot_bytes_local: int  # allocated bytes under the local snapshot tier
+    snapshot_bytes_s3: int | None  # object bytes under snapshots/ in S3; null without S3
+    s3_queue_depth: int  # S3 jobs waiting (uploads, deletes, retention), incl. retries
+    seal_queue_depth: int
+    stats_age_secs: float  # how old the snapshot byte counts are (they are cached)
+
+
+class SnapshotInfo(_Model):
+    snapshot_id: str
+    created_at: str | None = None
+    sizes: dict[str, int] = Field(default_factory=dict)
+    sealed: bool = False
+    memory_kind: str | None = None
+    parent_snapshot_id: str | None = None
+    stored_bytes: int = 0  # allocated on disk (what counts against a tenant's snapshot limit)
+
+
+class SnapshotOwners(_Model):
+    """Every (agentVersionId, vmId) with snapshots on a node's tiers (for the sweep)."""
+
+    vms: list[tuple[str, str]] = Field(default_factory=list)
+
+
+class ImageInfo(_Model):
+    """One image of this node, as the scheduler and `pal image ls` see it."""
+
+    name: str
+    agent_version_id: str  # the content digest: snapshots and templates are filed under it
+    kind: str = "debian"  # debian | import | dockerfile
+    source: str | None = None
+    source_digest: str | None = None  # image id (config digest) of an imported or built image
+    created_at: str | None = None
+    size_bytes: int = 0  # the unpacked tree
+    rootfs_bytes: int = 0
+    tenants: list[str] | None = None  # tenant ids that may use it; None: every tenant
+    config: dict[str, object] = Field(default_factory=dict)  # exec defaults (user, env, workdir...)
+    templates: list[str] = Field(default_factory=list)  # warm sizes, e.g. "256m-1c-2048d"
+    current: bool = True  # False: built from older guest files, re-assembled at the next start
+
+
+class WarmRequest(_Model):
+    image: str
+    memory_mib: int
+    vcpus: int
+    disk_mib: int
+
+
+class WarmResult(_Model):
+    key: str
+    ready: bool

@@ -1,10 +1,26 @@
-"""The idle sweeper: suspends RUNNING VMs that saw no activity for ``idle_timeout_secs``.
+"""The idle sweeper: suspends RUNNING VMs that saw no activity for ``idle_timeout_secs``,
+in two tiers when the VM asks for the first one (docs/live-pause.md):
+
+1. after ``idle_live_pause_secs``: a live pause with its RAM offloaded (the QEMU stays, with
+   its warm TCG translation cache, so a wake costs about a warm exec); the slot is kept;
+2. after ``idle_timeout_secs``: today's snapshot pause (from running, or from tier 1),
+   which frees the slot and the node's memory and CPU for good.
+
+A request wakes either tier transparently (scheduler._ensure_running).
 
 Each sweep polls the node heartbeat itself (the reference reads a 30 s-old node heartbeat
 and trails the timeout by up to ~40 s; polling here bounds the lag to one sweep interval
-plus the pause). A VM is idle when it is RUNNING, has ``idle_timeout_secs > 0``, no exec is
-active (guest-reported or in flight through this scheduler), and
-``now - max(guest last activity, host-side last request) > timeout``.
+plus the pause). A VM is idle when it is RUNNING, has ``idle_timeout_secs > 0``, no exec or
+file request is in flight (through this scheduler or the node), and it has been inactive
+for longer than its timeout (:func:`last_active_ms`).
+
+Activity is what the host observes: exec and file requests (stamped on the row by the
+scheduler and by the node's manager), later ports and network. The guest's own claims
+(``active``, ``last_activity_ms``) are untrusted (docs/security.md): a claim never counts
+beyond *now*, and counts at most ``idle_timeout_secs`` past the last host-observed
+activity. So a guest that says it is always busy (or reports a time in the future) is
+suspended at most one timeout late, never kept awake forever; a workload that keeps
+itself busy in the background after its exec ended gets that one extra timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +30,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from pal.manager.models import VmActivity
-from pal.scheduler.states import VmState
+from pal.scheduler.states import Marker, VmState
 from pal.store import VmRecord
 
 if TYPE_CHECKING:
@@ -23,51 +39,86 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def idle_for_ms(vm: VmRecord, activity: VmActivity | None, now_ms: int) -> int:
-    guest = activity.last_activity_unix_ms if activity else 0
-    return now_ms - max(guest, vm.last_activity_unix_ms)
+def last_active_ms(vm: VmRecord, activity: VmActivity | None, now_ms: int, bound_s: int | None = None) -> int:
+    """When the VM was last active: host-observed, extended by the guest's claims by at
+    most one idle timeout (``bound_s``, default the VM's idle timeout) and never into the
+    future. A live-paused guest claims nothing (it is stopped)."""
+    host = max(vm.last_activity_unix_ms, activity.last_activity_unix_ms if activity else 0)
+    if activity is None or activity.live is not None:
+        return host
+    bound = vm.idle_timeout_secs if bound_s is None else bound_s
+    claimed = now_ms if activity.guest_active else min(activity.guest_last_activity_unix_ms, now_ms)
+    return max(host, min(claimed, host + bound * 1000))
+
+
+def idle_for_ms(vm: VmRecord, activity: VmActivity | None, now_ms: int, bound_s: int | None = None) -> int:
+    return now_ms - last_active_ms(vm, activity, now_ms, bound_s)
 
 
 class IdleSweeper:
     def __init__(self, scheduler: Scheduler) -> None:
         self.sched = scheduler
 
-    def _is_idle(self, vm: VmRecord, activity: VmActivity | None) -> bool:
-        if vm.state != VmState.RUNNING or vm.idle_timeout_secs <= 0:
-            return False
+    def tier(self, vm: VmRecord, activity: VmActivity | None) -> str | None:
+        """What an idle VM is due for: ``snapshot`` (idle_timeout_secs passed), ``live``
+        (idle_live_pause_secs passed, still running), or None."""
+        running = vm.state == VmState.RUNNING
+        live_idle = vm.state == VmState.PAUSED and vm.marker == Marker.LIVE_IDLE
+        if not (running or live_idle):
+            return None
         if activity is None or not activity.alive:
-            return False  # not ours to judge: the reconciler handles VMs that are gone
+            return None  # not ours to judge: the reconciler handles VMs that are gone
         if activity.has_active_exec or self.sched.inflight.get(vm.vm_id, 0):
-            return False
-        return idle_for_ms(vm, activity, self.sched.now_ms()) > vm.idle_timeout_secs * 1000
+            return None
+        now = self.sched.now_ms()
+        if vm.idle_timeout_secs > 0 and idle_for_ms(vm, activity, now) > vm.idle_timeout_secs * 1000:
+            return "snapshot"
+        live_after = vm.idle_live_pause_secs
+        if running and live_after > 0 and idle_for_ms(vm, activity, now, live_after) > live_after * 1000:
+            return "live"
+        return None
 
-    def _recheck(self, activity: VmActivity | None, vm: VmRecord) -> bool:
-        return self._is_idle(vm, activity)
+    def _recheck(self, activity: VmActivity | None, want: str, vm: VmRecord) -> bool:
+        return self.tier(vm, activity) == want
 
     async def sweep(self) -> list[str]:
-        """One tick: suspend every idle VM; returns the ids suspended."""
+        """One tick: move every idle VM to the tier it is due for; returns the ids moved."""
         candidates = [
-            vm for vm in self.sched.store.list_vms(states=[VmState.RUNNING]) if vm.idle_timeout_secs > 0
+            vm
+            for vm in self.sched.store.list_vms(states=[VmState.RUNNING, VmState.PAUSED])
+            if (vm.idle_timeout_secs > 0 or vm.idle_live_pause_secs > 0)
+            and (vm.state == VmState.RUNNING or vm.marker == Marker.LIVE_IDLE)
         ]
         if not candidates:
             return []
-        hb = await self.sched.manager.heartbeat()
-        by_id = {a.vm_id: a for a in hb.vms}
+        by_id: dict[str, VmActivity] = {}
+        for node_id in sorted({vm.node_id or "" for vm in candidates}):
+            if self.sched.nodes.silent(node_id or None):
+                continue
+            try:  # each node's own report, fresh (not its last pushed heartbeat)
+                hb = await self.sched.nodes.client(node_id or None).heartbeat()
+            except Exception as exc:
+                log.warning("idle sweep: node %s did not answer: %s", node_id, exc)
+                continue
+            by_id.update({a.vm_id: a for a in hb.vms})
         suspended = []
         for vm in candidates:
             activity = by_id.get(vm.vm_id)
-            if not self._is_idle(vm, activity):
+            want = self.tier(vm, activity)
+            if want is None:
                 continue
+            # Re-checked under the VM's operation lock against the fresh row, so a request
+            # that arrived since the heartbeat keeps the VM running.
+            still = functools.partial(self._recheck, activity, want)
             try:
-                # Re-checked under the VM's operation lock against the fresh row, so a request
-                # that arrived since the heartbeat keeps the VM running.
-                done = await self.sched.idle_pause(
-                    vm.vm_id, still_idle=functools.partial(self._recheck, activity)
-                )
+                if want == "live":
+                    done = await self.sched.idle_live_pause(vm.vm_id, still_idle=still)
+                else:
+                    done = await self.sched.idle_pause(vm.vm_id, still_idle=still)
             except Exception as exc:
                 log.warning("idle suspend of %s failed: %s", vm.vm_id, exc)
                 continue
             if done is not None:
-                log.info("suspended idle VM %s", vm.vm_id)
+                log.info("suspended idle VM %s (%s tier)", vm.vm_id, want)
                 suspended.append(vm.vm_id)
         return suspended

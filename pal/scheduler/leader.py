@@ -1,27 +1,67 @@
-"""Leadership: only the leader runs background loops (idle sweeper, periodic reconcile).
+"""Leadership: only the leader mutates VM state and runs the background loops (idle
+sweeper, reconciliation, node-loss detection); followers serve reads and forward the rest.
 
-With SQLite there is one control-plane process, so it always leads. A PostgreSQL
-implementation would hold ``pg_try_advisory_lock`` on a dedicated connection and report
-``is_leader() == False`` on replicas that did not get it.
+Two implementations of one protocol:
+
+- :class:`SingleProcessLeader` (SQLite, `pal up`): the only replica, always the leader.
+- :class:`LeaseLeader` (PostgreSQL): a lease row (``leader_lease``) with a **fencing
+  token**. A replica takes the lease only once it has expired by the database's clock, and
+  each takeover increments the token. The leader renews every ``ttl/5``; it considers
+  itself leader only until ``ttl - margin`` after the start of its last successful renewal
+  (by its own monotonic clock), so it stops its loops before anyone else can take over.
+  Whatever it still does after that is refused by the store: every write transaction
+  checks the lease row's token against the leader's (:meth:`pal.store.Store.set_fence`).
+
+Why a lease row rather than an advisory lock: the token is what makes a deposed leader's
+late write fail, and a lease also deposes a leader that is alive but wedged. A kill -9
+costs at most one TTL (5 s by default) before a follower takes over.
+
+Prerequisites / effects (each call):
+- ``acquire()``: take or renew the lease. True if this replica leads now. Never raises on
+  database errors (logged; the replica is then not leader).
+- ``is_leader()``: whether this replica leads now (no I/O).
+- ``release()``: give the lease up (clean shutdown); the next replica need not wait.
+- ``leader_url()``: the advertised API URL of the current leader, or None if none holds an
+  unexpired lease.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
 from typing import Protocol
+
+from pal.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class Leadership(Protocol):
+    token: int | None
+
     async def acquire(self) -> bool:
-        """Try to become leader; True if this process now leads."""
+        """Try to become (or stay) leader; True if this process now leads."""
         ...
 
     async def is_leader(self) -> bool: ...
 
     async def release(self) -> None: ...
 
+    async def leader_url(self) -> str | None: ...
+
+    @property
+    def renew_interval_s(self) -> float: ...
+
 
 class SingleProcessLeader:
-    """The only replica (SQLite store): always the leader."""
+    """The only replica (SQLite store): always the leader, no fencing needed."""
+
+    token: int | None = 0
+    renew_interval_s = 1.0
 
     async def acquire(self) -> bool:
         return True
@@ -31,3 +71,70 @@ class SingleProcessLeader:
 
     async def release(self) -> None:
         return None
+
+    async def leader_url(self) -> str | None:
+        return None
+
+
+class LeaseLeader:
+    """A lease row in PostgreSQL with a fencing token (see the module docstring)."""
+
+    def __init__(self, store: Store, url: str, ttl_s: float = 5.0) -> None:
+        self.store = store
+        self.url = url
+        self.ttl_s = ttl_s
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.token: int | None = None
+        self._valid_until = 0.0  # monotonic
+        self._lock = asyncio.Lock()
+        store.set_fence(lambda: self.token)
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.ttl_s / 5
+
+    def _margin(self) -> float:
+        return min(1.0, self.ttl_s / 5)
+
+    async def acquire(self) -> bool:
+        async with self._lock:
+            started = time.monotonic()
+            ttl_ms = int(self.ttl_s * 1000)
+            try:
+                if self.token is not None:
+                    if await asyncio.to_thread(self.store.lease_renew, self.holder, self.token, ttl_ms):
+                        self._valid_until = started + self.ttl_s - self._margin()
+                        return True
+                    log.warning("leadership lost: the lease (token %s) was taken over", self.token)
+                    self.token = None
+                token = await asyncio.to_thread(self.store.lease_acquire, self.holder, self.url, ttl_ms)
+            except Exception as exc:
+                log.warning("leadership lease: database unreachable: %s", exc)
+                if self.token is not None and time.monotonic() >= self._valid_until:
+                    log.warning("leadership given up: could not renew the lease in time")
+                    self.token = None
+                return await self.is_leader()
+            if token is None:
+                return False
+            self.token = token
+            self._valid_until = started + self.ttl_s - self._margin()
+            log.warning("this replica is now the leader (fencing token %d)", token)
+            return True
+
+    async def is_leader(self) -> bool:
+        return self.token is not None and time.monotonic() < self._valid_until
+
+    async def release(self) -> None:
+        async with self._lock:
+            token, self.token = self.token, None
+            if token is not None:
+                try:
+                    await asyncio.to_thread(self.store.lease_release, self.holder, token)
+                except Exception as exc:
+                    log.warning("could not release the leadership lease: %s", exc)
+
+    async def leader_url(self) -> str | None:
+        info = await asyncio.to_thread(self.store.lease_info)
+        if info.expires_in_ms <= 0 or not info.url:
+            return None
+        return info.url

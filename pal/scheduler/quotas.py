@@ -3,18 +3,17 @@
 A slot is held by a VM row with ``holds_slot = True``; nothing else counts. Reserving is
 all-or-nothing inside one write transaction (SQLite ``BEGIN IMMEDIATE``), so concurrent
 reservations serialise and can never exceed ``max_vms``. Releasing flips the flag only if it
-is set, so the RPC path and reconciliation can both try and exactly one of them frees it.
+is set, so two paths can both try and exactly one of them frees it. Every function runs
+inside the caller's transaction: the transition function's (transition.py), the only caller.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from pal.errors import NotFound, QuotaExceeded
-from pal.store import Store, VmRecord, WriteTx
-
-log = logging.getLogger(__name__)
+from pal.scheduler.states import PAUSE_MARKERS
+from pal.store import VmRecord, WriteTx
 
 
 def reserve_in(
@@ -25,7 +24,8 @@ def reserve_in(
     Raises :class:`QuotaExceeded` (402) before changing anything if the tenant would go over.
     """
     tenant = tx.tenant(tenant_id)
-    if tenant is None:
+    # A tenant being removed gets no new VM (its own VMs may still move on their way out).
+    if tenant is None or (tenant.deleting_at is not None and new_vms):
         raise NotFound(f"tenant {tenant_id} not found")
     # An existing VM that already holds its slot (a retried resume) needs no new one.
     to_flip = []
@@ -51,25 +51,43 @@ def reserve_in(
         tx.set_holds_slot(vm_id, True)
 
 
-def reserve(
-    store: Store, tenant_id: str, *, new_vms: Sequence[VmRecord] = (), existing: Sequence[str] = ()
-) -> None:
-    with store.write() as tx:
-        reserve_in(tx, tenant_id, new_vms=new_vms, existing=existing)
+def check_pause_in(tx: WriteTx, vm: VmRecord) -> None:
+    """A pause makes one more paused VM: QuotaExceeded (402) past the tenant's
+    ``max_paused`` (VMs being paused count)."""
+    tenant = tx.tenant(vm.tenant_id)
+    if tenant is None:
+        raise NotFound(f"tenant {vm.tenant_id} not found")
+    if tenant.max_paused is None:
+        return
+    paused = tx.count_paused(vm.tenant_id, pausing_markers=PAUSE_MARKERS, besides=vm.vm_id)
+    if paused + 1 > tenant.max_paused:
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} is limited to max_paused={tenant.max_paused} paused VMs: "
+            f"{paused} paused already; delete or resume one first"
+        )
+
+
+def check_snapshot_bytes_in(tx: WriteTx, tenant_id: str, more: int) -> None:
+    """A new snapshot of about ``more`` bytes: QuotaExceeded (402) if the tenant's snapshots
+    would then take more than ``max_snapshot_bytes`` (what its VMs' rows say they take)."""
+    tenant = tx.tenant(tenant_id)
+    if tenant is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    if tenant.max_snapshot_bytes is None:
+        return
+    used = tx.snapshot_bytes(tenant_id)
+    if used + more > tenant.max_snapshot_bytes:
+        gib = 1 << 30
+        raise QuotaExceeded(
+            f"tenant {tenant.name!r} is limited to {tenant.max_snapshot_bytes / gib:.2f} GiB of snapshots: "
+            f"{used / gib:.2f} GiB kept, this one needs about {more / gib:.2f} GiB more; "
+            "delete VMs or snapshots first"
+        )
 
 
 def release_in(tx: WriteTx, vm_id: str) -> bool:
-    return tx.set_holds_slot(vm_id, False)
-
-
-def release(store: Store, vm_id: str) -> bool:
     """Free the VM's slot if it holds one; True only for the call that actually freed it."""
-    with store.write() as tx:
-        return release_in(tx, vm_id)
-
-
-def in_use(store: Store, tenant_id: str) -> int:
-    return store.count_slots(tenant_id)
+    return tx.set_holds_slot(vm_id, False)
 
 
 def force_in(tx: WriteTx, vm_id: str, should_hold: bool) -> bool:

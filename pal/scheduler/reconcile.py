@@ -1,28 +1,49 @@
-"""Reconciliation: bring every VM row to a true state after a crash, from what the node
-reports (``manager.heartbeat()``) and whether snapshots are complete
-(``manager.snapshot_status``). Every fix goes through the one transition function.
+"""Reconciliation: bring every VM row to a true state after a crash, from what each VM's
+node reports (``heartbeat()``) and whether snapshots are complete (``snapshot_status``).
+Every fix goes through the one transition function.
 
-``reconcile_all`` runs once at start (leader); ``reconcile_light`` runs every sweep and only
-fails RUNNING VMs whose QEMU is gone.
+- ``reconcile_all`` runs whenever a replica becomes leader (the previous one may have died
+  in the middle of anything). The VMs of a node that does not answer are settled when it
+  answers again (``reconcile_unanswered``, every tick) or by node-loss detection.
+- ``reconcile_light`` runs every sweep: it fails live VMs (running or live-paused) whose
+  QEMU is gone and settles live pauses the row and the node disagree on.
+- ``lose_silent_nodes`` (every tick): a node silent for ``PAL_NODE_LOST_AFTER`` (30 s) has
+  lost its VMs: the ones holding a slot there become FAILED ("node lost"), releasing their
+  slots exactly once (the transition function's books); its PAUSED VMs stay resumable
+  elsewhere (their snapshots are in S3).
+- ``stray_vms``: what a node that heartbeats runs but must not (a VM failed, deleted,
+  paused or moved meanwhile, or an older incarnation): stopped by (id, incarnation), so
+  a VM never runs twice.
+
+Live pauses have no in-between state: the node acts first and records each one in the
+VM's state.json, so its word is the truth (pal/scheduler/live.py). A RUNNING row whose
+QEMU the node reports live-paused records that pause (by whom the node says); a
+live-paused row whose QEMU runs records the resume. A live-paused VM uses its node like a
+running one (slot, node loss, strays: ``states.holds_slot``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from pal.errors import Unavailable
-from pal.manager.models import VmActivity
-from pal.scheduler import quotas
-from pal.scheduler.states import SLOT_HOLDING, Marker, VmState
-from pal.store import VmRecord
+from pal.manager.models import NodeHeartbeat, VmActivity
+from pal.scheduler import nodes as nodes_mod
+from pal.scheduler.states import FINAL, Action, Marker, VmState, holds_slot, is_live_paused
+from pal.store import VmRecord, utcnow
 
 if TYPE_CHECKING:
     from pal.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 S = VmState
-PAUSE_MARKERS = {Marker.PAUSING.value, Marker.IDLE_PAUSING.value}
+A = Action
+# The node's word for who live-paused a VM -> the action that records it.
+LIVE_ACTION = {"operator": A.LIVE_PAUSE, "idle": A.IDLE_LIVE_PAUSE, "wait": A.WAIT_PAUSE}
 
 
 async def _snapshot_complete(sched: Scheduler, vm: VmRecord, snapshot_id: str | None) -> bool | None:
@@ -30,7 +51,7 @@ async def _snapshot_complete(sched: Scheduler, vm: VmRecord, snapshot_id: str | 
     if not snapshot_id or not vm.agent_version_id:
         return False
     try:
-        st = await sched.manager.snapshot_status(vm.agent_version_id, vm.vm_id, snapshot_id)
+        st = await sched.node(vm).snapshot_status(vm.agent_version_id, vm.vm_id, snapshot_id)
     except Exception as exc:
         log.warning("snapshot status of %s/%s unknown: %s", vm.vm_id, snapshot_id, exc)
         return None
@@ -45,152 +66,401 @@ def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
     return a is not None and (a.incarnation is None or a.incarnation == vm.incarnation)
 
 
+async def _fix_live(sched: Scheduler, vm: VmRecord, a: VmActivity | None) -> str | None:
+    """A live VM's pause as its node reports it (``a``: fresh, alive, this incarnation)."""
+    t = sched.transitions
+    if a is None:
+        return None
+    if vm.state == S.RUNNING and a.live is not None:
+        action = LIVE_ACTION[a.live.by]
+        paused_at = datetime.fromtimestamp(a.live.since, UTC)
+        await t.transition(
+            vm.vm_id, action, reason="live pause found on the node", paused_by=a.live.by, paused_at=paused_at
+        )
+        return f"live-paused on the node (by {a.live.by}) -> paused"
+    if is_live_paused(vm.state, vm.marker) and a.live is None:
+        await t.transition(
+            vm.vm_id,
+            A.LIVE_RESUME,
+            reason="running on the node",
+            paused_by=None,
+            paused_at=None,
+            last_activity_unix_ms=sched.now_ms(),
+        )
+        return "live-paused but running on the node -> running"
+    return None
+
+
 async def _fix(sched: Scheduler, vm: VmRecord, alive: dict[str, VmActivity]) -> str | None:
     """Settle one VM (caller holds its operation lock). Returns a description of the fix."""
     t = sched.transitions
     state, vid = S(vm.state), vm.vm_id
     live = vid in alive
-    if state == S.DRAINING and vm.marker in PAUSE_MARKERS:
+    if (state == S.RUNNING or is_live_paused(state, vm.marker)) and _alive(alive, vm):
+        return await _fix_live(sched, vm, alive.get(vid))
+    if is_live_paused(state, vm.marker):
+        if live:  # a stale incarnation is running: it is not the VM we think it is
+            await sched.stop_quietly(vm)
+        await t.transition(vid, A.LOSE, reason="its QEMU is gone (it was live-paused)")
+        return "live-paused but gone -> failed"
+    if state == S.DRAINING and vm.marker == Marker.DELETING:
+        if not await sched.stop_quietly(vm):
+            return None
+        await t.transition(vid, A.FINISH_DELETE, reason="deleted")
+        return "interrupted delete -> terminated"
+    if state == S.DRAINING:  # a pause (operator or idle) was under way
         complete = await _snapshot_complete(sched, vm, vm.snapshot_id)
         if complete is None:
             return None
         if complete:
             if live:
-                await sched.stop_quietly(vid)
-            idle = vm.marker == Marker.IDLE_PAUSING
-            await t.transition(
-                vid, S.PAUSED, reason=vm.reason, expect=S.DRAINING, paused_by="idle" if idle else "operator"
-            )
+                await sched.stop_quietly(vm)
+            by = "idle" if vm.marker == Marker.IDLE_PAUSING else "operator"
+            await t.transition(vid, A.FINISH_PAUSE, reason=vm.reason, paused_by=by, paused_at=utcnow())
             return "interrupted pause completed -> paused"
         if live:
             await t.transition(
-                vid, S.RUNNING, reason="pause interrupted; still running", expect=S.DRAINING, snapshot_id=None
+                vid,
+                A.ROLL_BACK_PAUSE,
+                reason="pause interrupted; still running",
+                snapshot_id=None,
+                paused_by=None,
+                paused_at=None,
             )
             return "interrupted pause rolled back -> running"
-        await t.transition(
-            vid, S.FAILED, reason="pause interrupted and no complete snapshot", expect=S.DRAINING
-        )
+        await t.transition(vid, A.LOSE, reason="pause interrupted and no complete snapshot")
         return "interrupted pause, VM gone -> failed"
-    if state == S.DRAINING:
-        if vm.marker != Marker.DELETING and live:
-            await t.transition(vid, S.RUNNING, reason="drain interrupted", expect=S.DRAINING)
-            return "unknown drain -> running"
-        if not await sched.stop_quietly(vid):
-            return None
-        await t.transition(vid, S.TERMINATED, reason="deleted", expect=S.DRAINING)
-        return "interrupted delete -> terminated"
     if state == S.SPAWNING and vm.marker == Marker.RESUMING:
         if _alive(alive, vm):
-            await t.transition(vid, S.RUNNING, expect=S.SPAWNING, paused_by=None)
+            await t.transition(vid, A.COME_UP, paused_by=None, paused_at=None)
             return "interrupted resume came up -> running"
         if live:
-            await sched.stop_quietly(vid)
-        await t.transition(vid, S.PAUSED, reason="resume interrupted; resumable again", expect=S.SPAWNING)
+            await sched.stop_quietly(vm)
+        await t.transition(vid, A.ROLL_BACK_RESUME, reason="resume interrupted; resumable again")
         return "interrupted resume -> paused"
+    if state == S.SPAWNING and vm.marker == Marker.FORKING:
+        # A fork's children come up in one transaction (scheduler._spawn_children): one
+        # still spawning means that commit never happened, so none of them is kept.
+        if live:
+            await sched.stop_quietly(vm)
+        await t.transition(vid, A.FAIL_SPAWN, reason="fork interrupted (control plane restarted); not kept")
+        return "interrupted fork child -> failed"
     if state == S.SPAWNING:
         if _alive(alive, vm):
-            await t.transition(vid, S.RUNNING, expect=S.SPAWNING)
+            await t.transition(vid, A.COME_UP)
             return "interrupted spawn came up -> running"
         if live:
-            await sched.stop_quietly(vid)
-        await t.transition(vid, S.FAILED, reason="control plane restarted during spawn", expect=S.SPAWNING)
+            await sched.stop_quietly(vm)
+        await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted during spawn")
         return "interrupted spawn -> failed"
     if state == S.PENDING:
-        await t.transition(vid, S.FAILED, reason="control plane restarted before placement", expect=S.PENDING)
+        await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted before placement")
         return "pending -> failed"
     if state == S.RUNNING and not _alive(alive, vm):
         if live:  # a stale incarnation is running: it is not the VM we think it is
-            await sched.stop_quietly(vid)
-        await t.transition(vid, S.FAILED, reason="QEMU exited", expect=S.RUNNING)
+            await sched.stop_quietly(vm)
+        await t.transition(vid, A.LOSE, reason="QEMU exited")
         return "running but gone -> failed"
     if state == S.PAUSED:
         if live:
-            await sched.stop_quietly(vid)  # a paused VM has no process; this one is stray
+            await sched.stop_quietly(vm)  # a paused VM has no process; this one is stray
         complete = await _snapshot_complete(sched, vm, vm.snapshot_id)
         if complete is False:
-            await t.transition(vid, S.FAILED, reason="its snapshot is missing or incomplete", expect=S.PAUSED)
+            await t.transition(vid, A.LOSE, reason="its snapshot is missing or incomplete")
             return "paused without a complete snapshot -> failed"
         return None
     if state in (S.FAILED, S.TERMINATED) and live:
-        await sched.stop_quietly(vid)
+        await sched.stop_quietly(vm)
         return f"stray QEMU of a {state.value} VM stopped"
     return None
 
 
-async def reconcile_all(sched: Scheduler) -> list[str]:
-    """Settle every VM; returns a log of the fixes (also logged)."""
+async def _heartbeats(
+    sched: Scheduler, node_ids: Iterable[str | None], ask_silent: bool = False
+) -> dict[str | None, NodeHeartbeat]:
+    """The heartbeat of each node that answers. Lost nodes are not asked; silent ones only
+    with ``ask_silent`` (a new leader: heartbeats sent during the failover went nowhere, so
+    a node's silence says nothing yet)."""
+    out: dict[str | None, NodeHeartbeat] = {}
+    for node_id in sorted(set(node_ids), key=lambda n: n or ""):
+        if sched.nodes.state_of(node_id) == nodes_mod.LOST:
+            continue
+        if sched.nodes.silent(node_id) and not ask_silent:
+            continue
+        try:
+            out[node_id] = await sched.nodes.client(node_id).heartbeat()
+        except Exception as exc:
+            log.warning("node %s did not answer its heartbeat: %s", node_id, exc)
+    return out
+
+
+async def reconcile_all(sched: Scheduler, only: set[str | None] | None = None) -> list[str]:
+    """Settle every VM whose node answers (``only``: the VMs of these nodes); returns a log
+    of the fixes (also logged). The nodes that did not answer are left in
+    ``sched.unreconciled_nodes``: their VMs are settled when they answer again
+    (``reconcile_unanswered``), or by node-loss detection if they never do."""
     try:
-        hb = await sched.manager.heartbeat()
+        await sched.nodes.register_local()
     except Exception as exc:
         raise Unavailable(
             f"cannot reconcile: the runtime manager did not answer its heartbeat: {exc}"
         ) from exc
-    sched.node_id = hb.node_id
-    alive = {a.vm_id: a for a in hb.vms if a.alive}
-    fixes: list[str] = []
+    only_local = sched.nodes.local_ids()[0] if len(sched.nodes.local_ids()) == 1 else None
     rows = sched.store.list_vms()
     known = {vm.vm_id for vm in rows}
+    if only is not None:
+        # A row from before nodes existed belongs to the embedded node.
+        rows = [vm for vm in rows if (vm.node_id or only_local) in only]
+        node_ids: set[str | None] = set(only)
+    else:
+        node_ids = {vm.node_id for vm in rows if vm.node_id}
+        node_ids |= set(sched.nodes.local_ids())
+        node_ids |= {n.node_id for n in sched.nodes.nodes()}
+    beats = await _heartbeats(sched, node_ids, ask_silent=True)
+    if not beats and sched.nodes.local_ids() and only is None:
+        raise Unavailable("cannot reconcile: the runtime manager did not answer its heartbeat")
+    fixes: list[str] = []
+    unanswered: set[str | None] = set()
     for vm in rows:
+        hb = beats.get(vm.node_id or only_local)
+        if hb is None and vm.state != S.PENDING and holds_slot(vm.state, vm.marker):
+            unanswered.add(vm.node_id or only_local)
+            continue  # its node does not answer: settled when it does, or when it is lost
+        alive = {a.vm_id: a for a in hb.vms if a.alive} if hb is not None else {}
         async with sched.op_lock(vm.vm_id):
-            fresh = sched.store.get_vm(vm.vm_id)
-            if fresh is None:
-                continue
-            try:
-                fix = await _fix(sched, fresh, alive)
-            except Exception as exc:
-                log.error("reconcile of %s failed: %s", vm.vm_id, exc)
-                continue
-        if fix:
-            fixes.append(f"{vm.vm_id}: {fix}")
-    for vid in sorted(set(alive) - known):
-        await sched.stop_quietly(vid)
-        fixes.append(f"{vid}: unknown VM on the node stopped")
-    fixes.extend(fix_slots(sched))
+            # One fix may lead to another (an interrupted snapshot of a live-paused VM
+            # rolls back to running, and the node says it is live-paused).
+            for _ in range(3):
+                fresh = sched.store.get_vm(vm.vm_id)
+                if fresh is None:
+                    break
+                try:
+                    fix = await _fix(sched, fresh, alive)
+                except Exception as exc:
+                    log.error("reconcile of %s failed: %s", vm.vm_id, exc)
+                    break
+                if not fix:
+                    break
+                fixes.append(f"{vm.vm_id}: {fix}")
+    kept = sched.unreconciled_nodes - node_ids if only is not None else set()
+    sched.unreconciled_nodes = kept | unanswered
+    for node_id, hb in beats.items():
+        for a in hb.vms:
+            if a.alive and a.vm_id not in known:
+                await _stop_on(sched, node_id, a.vm_id, None)
+                fixes.append(f"{a.vm_id}: unknown VM on node {node_id} stopped")
+    fixes.extend(await fix_slots(sched))
     for f in fixes:
         log.warning("reconcile: %s", f)
     return fixes
 
 
-def fix_slots(sched: Scheduler) -> list[str]:
-    """Make ``holds_slot`` agree with SLOT_HOLDING for every row."""
+async def reconcile_unanswered(sched: Scheduler) -> list[str]:
+    """Every tick: settle the VMs of nodes that did not answer the last ``reconcile_all``
+    once they heartbeat again (a VM mid-fork on a node that was silent during a failover
+    would otherwise stay spawning forever). Lost nodes drop out: node loss settles them."""
+    pending = sched.unreconciled_nodes
+    lost = {n for n in pending if sched.nodes.state_of(n) == nodes_mod.LOST}
+    sched.unreconciled_nodes = pending - lost
+    ready = {n for n in sched.unreconciled_nodes if not sched.nodes.silent(n)}
+    return await reconcile_all(sched, only=ready) if ready else []
+
+
+async def _stop_on(sched: Scheduler, node_id: str | None, vm_id: str, incarnation: int | None) -> bool:
+    try:
+        await sched.nodes.client(node_id).stop(vm_id, incarnation)
+        return True
+    except Exception as exc:
+        log.warning("stop of %s on %s failed: %s", vm_id, node_id, exc)
+        return False
+
+
+async def fix_slots(sched: Scheduler) -> list[str]:
+    """Make ``holds_slot`` agree with the state (states.holds_slot) for every row."""
     fixes = []
     for vm in sched.store.list_vms():
-        should = S(vm.state) in SLOT_HOLDING
-        if vm.holds_slot == should:
-            continue
-        with sched.store.write() as tx:
-            changed = quotas.force_in(tx, vm.vm_id, should)
-        if changed:
+        should = holds_slot(vm.state, vm.marker)
+        if vm.holds_slot != should and await sched.transitions.repair_slot(vm.vm_id):
             fixes.append(f"{vm.vm_id}: slot {'reserved' if should else 'released'} ({vm.state})")
     return fixes
 
 
 async def reconcile_light(sched: Scheduler) -> list[str]:
-    """A RUNNING VM whose QEMU died, or whose harness went silent (no heartbeat for
-    STALE_HEARTBEATS periods: spec's "stale after 30 s"), -> FAILED, its QEMU stopped.
-    Rows are read before the heartbeat, and each is re-checked under its lock, so a VM
-    that came up meanwhile is never failed."""
-    rows = sched.store.list_vms(states=[S.RUNNING])
+    """A live VM (running or live-paused) whose QEMU died, or a RUNNING one whose harness
+    went silent (no heartbeat for STALE_HEARTBEATS periods: spec's "stale after 30 s"),
+    -> FAILED, its QEMU stopped; a live pause the row and the node disagree on is settled
+    by the node's word. Rows are read before the heartbeat, and each is re-checked under
+    its lock (with a fresh look at the node), so a VM that changed meanwhile is left alone."""
+    rows = [
+        vm
+        for vm in sched.store.list_vms(states=[S.RUNNING, S.PAUSED])
+        if vm.state == S.RUNNING or is_live_paused(vm.state, vm.marker)
+    ]
     if not rows:
         return []
-    hb = await sched.manager.heartbeat()
-    alive = {a.vm_id: a for a in hb.vms if a.alive}
+    beats = await _heartbeats(sched, {vm.node_id for vm in rows})
     stale_ms = int(sched.settings.heartbeat_interval_s * STALE_HEARTBEATS * 1000)
     now = sched.now_ms()
     fixes = []
     for vm in rows:
+        hb = beats.get(vm.node_id)
+        if hb is None:
+            continue  # its node did not answer: node-loss detection decides
+        alive = {a.vm_id: a for a in hb.vms if a.alive}
         a = alive.get(vm.vm_id)
-        silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
-        if _alive(alive, vm) and silent_ms <= stale_ms:
+        if _alive(alive, vm) and a is not None and (vm.state == S.RUNNING) != (a.live is None):
+            async with sched.op_lock(vm.vm_id):
+                fresh = sched.store.get_vm(vm.vm_id)
+                if fresh is None or (fresh.state, fresh.incarnation, fresh.node_id) != (
+                    vm.state,
+                    vm.incarnation,
+                    vm.node_id,
+                ):
+                    continue
+                now_hb = await sched.node(fresh).heartbeat()
+                fix = await _fix_live(
+                    sched, fresh, next((x for x in now_hb.vms if x.vm_id == vm.vm_id), None)
+                )
+            if fix:
+                fixes.append(f"{vm.vm_id}: {fix}")
+                log.warning("reconcile: %s %s", vm.vm_id, fix)
             continue
-        reason = f"harness silent for {silent_ms // 1000} s" if silent_ms > stale_ms else "QEMU exited"
+        silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
+        stale = vm.state == S.RUNNING and silent_ms > stale_ms
+        if _alive(alive, vm) and not stale:
+            continue
+        reason = f"harness silent for {silent_ms // 1000} s" if stale else "QEMU exited"
         async with sched.op_lock(vm.vm_id):
             fresh = sched.store.get_vm(vm.vm_id)
-            if fresh is None or fresh.state != S.RUNNING or fresh.incarnation != vm.incarnation:
+            if (
+                fresh is None
+                or (fresh.state, fresh.marker) != (vm.state, vm.marker)
+                or fresh.incarnation != vm.incarnation
+                or fresh.node_id != vm.node_id
+            ):
                 continue
             if vm.vm_id in alive:
-                await sched.stop_quietly(vm.vm_id)
-            await sched.transitions.transition(vm.vm_id, S.FAILED, reason=reason, expect=S.RUNNING)
-        fixes.append(f"{vm.vm_id}: running but {reason} -> failed")
-        log.warning("reconcile: %s running but %s -> failed", vm.vm_id, reason)
+                await sched.stop_quietly(vm)
+            await sched.transitions.transition(vm.vm_id, A.LOSE, reason=reason)
+        what = "running" if vm.state == S.RUNNING else "live-paused"
+        fixes.append(f"{vm.vm_id}: {what} but {reason} -> failed")
+        log.warning("reconcile: %s %s but %s -> failed", vm.vm_id, what, reason)
+    return fixes
+
+
+# -- nodes ---------------------------------------------------------------------------------
+
+NODE_LOST_REASON = "node lost"
+LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
+
+
+async def lose_silent_nodes(sched: Scheduler) -> list[str]:
+    """Mark nodes silent for ``node_lost_after_s`` lost, and fail the VMs that hold a slot
+    on a lost node. Idempotent: a VM busy in another operation is retried next tick.
+
+    Silence is counted from the later of the node's last heartbeat and the moment this
+    replica became leader (heartbeats sent during a failover went nowhere)."""
+    limit = sched.settings.node_lost_after_s
+    since_lead = sched.clock() - sched.leader_since
+    fixes: list[str] = []
+    now = utcnow()
+    for node in sched.nodes.nodes():
+        if node.state == nodes_mod.LOST or sched.nodes.is_local(node.node_id):
+            continue
+        silent = min((now - node.last_seen_at).total_seconds(), since_lead)
+        if silent > limit and sched.store.set_node_state(node.node_id, nodes_mod.LOST, expect=node.state):
+            log.error("node %s silent for %.0f s: lost; its running VMs fail", node.node_id, silent)
+            fixes.append(f"node {node.node_id}: lost")
+    lost = {n.node_id for n in sched.nodes.nodes() if n.state == nodes_mod.LOST}
+    if not lost:
+        return fixes
+    victims = [vm for vm in sched.occupying() if vm.node_id in lost]
+    results = await asyncio.gather(*(_lose(sched, vm) for vm in victims))
+    fixes.extend(f for f in results if f)
+    return fixes
+
+
+async def _lose(sched: Scheduler, vm: VmRecord) -> str | None:
+    lock = sched.op_lock(vm.vm_id)
+    try:
+        await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
+    except TimeoutError:
+        return None
+    try:
+        fresh = sched.store.get_vm(vm.vm_id)
+        if fresh is None or fresh.node_id != vm.node_id or not holds_slot(fresh.state, fresh.marker):
+            return None
+        state, t = S(fresh.state), sched.transitions
+        if state == S.DRAINING and fresh.marker == Marker.DELETING:
+            await t.transition(vm.vm_id, A.FINISH_DELETE, reason="deleted (its node was lost)")
+        elif state == S.PENDING:
+            await t.transition(vm.vm_id, A.FAIL_SPAWN, reason=NODE_LOST_REASON)
+        else:
+            await t.transition(vm.vm_id, A.LOSE, reason=NODE_LOST_REASON)
+        log.error("VM %s on lost node %s: %s -> failed", vm.vm_id, vm.node_id, state.value)
+        return f"{vm.vm_id}: {state.value} on lost node {vm.node_id} -> failed"
+    except Exception as exc:
+        log.error("failing VM %s of a lost node failed: %s", vm.vm_id, exc)
+        return None
+    finally:
+        lock.release()
+
+
+def stray_vms(sched: Scheduler, node_id: str, hb: NodeHeartbeat) -> list[tuple[str, int | None]]:
+    """(vm id, incarnation) of the QEMUs ``node_id`` runs that the store does not place
+    there as a live VM of that incarnation: to be stopped."""
+    out = []
+    for a in hb.vms:
+        if not a.alive:
+            continue
+        vm = sched.store.get_vm(a.vm_id)
+        legit = (
+            vm is not None
+            and vm.node_id == node_id
+            and holds_slot(vm.state, vm.marker)  # a live-paused VM's QEMU belongs there too
+            and (a.incarnation is None or a.incarnation == vm.incarnation)
+        )
+        if not legit:
+            out.append((a.vm_id, a.incarnation))
+    return out
+
+
+async def stop_strays(sched: Scheduler, node_id: str, strays: list[tuple[str, int | None]]) -> None:
+    for vm_id, incarnation in strays:
+        if await _stop_on(sched, node_id, vm_id, incarnation):
+            log.warning("stopped stray VM %s (incarnation %s) on node %s", vm_id, incarnation, node_id)
+
+
+async def sweep_snapshots(sched: Scheduler) -> list[str]:
+    """Delete snapshots no VM owns any more: those of terminated VMs (a delete cut short by
+    a crash or an unreachable node) and of VMs whose row is gone (a removed tenant), on
+    every node that answers and in S3. Snapshots a live VM maps (a fork child's) stay.
+
+    Each node's list is read *before* the VM rows, so a VM made meanwhile (its row exists
+    before its first snapshot) is never taken for an orphan."""
+    owners: dict[str, list[tuple[str, str]]] = {}
+    for node_id in sched.nodes.reachable_ids():
+        try:
+            owners[node_id] = list((await sched.nodes.client(node_id).snapshot_owners()).vms)
+        except Exception as exc:
+            log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
+    rows = {vm.vm_id: vm for vm in sched.store.list_vms()}
+    mapped = sorted({v.mem_snapshot_id for v in rows.values() if v.state not in FINAL and v.mem_snapshot_id})
+    fixes = []
+    for node_id, vms in owners.items():
+        for agent_version_id, vm_id in vms:
+            vm = rows.get(vm_id)
+            if vm is not None and vm.state not in FINAL:
+                continue
+            try:
+                gone = await sched.nodes.client(node_id).delete_vm_snapshots(agent_version_id, vm_id, mapped)
+            except Exception as exc:
+                log.warning("snapshot sweep: could not delete those of %s on %s: %s", vm_id, node_id, exc)
+                continue
+            if vm is not None:
+                sched.store.update_vm(vm_id, snapshot_bytes=0)
+            if gone:
+                fixes.append(f"{vm_id}: {len(gone)} snapshot(s) of a {'terminated' if vm else 'removed'} VM")
+    for f in fixes:
+        log.warning("sweep: %s", f)
     return fixes

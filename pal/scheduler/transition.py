@@ -1,39 +1,41 @@
-"""The ONE way a VM's lifecycle state changes (and the one way a VM row is created).
+"""The ONE way a VM's lifecycle columns change (and the one way a VM row is created).
 
-Takes the per-VM lock, checks the table in states.py, persists state + marker + reason (and
-any columns that must change atomically with it), appends a status event and, when the VM
-enters a state that holds no quota slot, releases the slot through quotas.py — all in one
+Takes the per-VM lock, checks the named action against the table in states.py, persists
+state + marker + reason (and any columns that must change atomically with it), appends a
+status event and keeps the quota books through quotas.py: a VM entering a slot-holding
+state reserves its slot (402 changes nothing), one leaving them releases it. All in one
 write transaction, so a crash can never leave a state without its event or its slot books.
+
+The store refuses lifecycle columns (``store.LIFECYCLE_COLUMNS``) from any other writer;
+tests/unit/test_lifecycle_writes.py proves nothing else writes them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import contextlib
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-from pal.errors import Conflict, NotFound
+from pal.errors import NotFound, public_message
 from pal.scheduler import quotas, states
-from pal.scheduler.states import SLOT_HOLDING, START, Marker, VmState
-from pal.store import Store, VmRecord
+from pal.scheduler.states import START, Action, IllegalTransition, VmState, holds_slot
+from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
+log = logging.getLogger(__name__)
 
 
-class IllegalTransitionError(Conflict):
-    """states.IllegalTransition surfaced as a 409 (states.py's class is not a PalError)."""
-
-    def __init__(self, exc: states.IllegalTransition) -> None:
-        super().__init__(str(exc), code="ILLEGAL_TRANSITION")
-        self.frm = exc.frm
-        self.to = exc.to
-
-
-def _check(vm_id: str, frm: VmState | None, to: VmState) -> None:
-    try:
-        states.check(vm_id, frm, to)
-    except states.IllegalTransition as exc:
-        raise IllegalTransitionError(exc) from None
+def _public_reason(vm_id: str, reason: str | None) -> str | None:
+    """A reason is shown to the tenant (GET vm, events): no host paths or QEMU output in
+    it (errors.public_message); the full text goes to the log."""
+    if reason is None:
+        return None
+    shown = public_message(reason)
+    if shown != reason:
+        log.info("VM %s: %s", vm_id, reason)
+    return shown
 
 
 class Transitioner:
@@ -44,58 +46,124 @@ class Transitioner:
     def lock(self, vm_id: str) -> asyncio.Lock:
         return self._locks.setdefault(vm_id, asyncio.Lock())
 
-    async def create(self, tenant_id: str, rows: Sequence[VmRecord], *, reason: str | None = None) -> None:
-        """Insert new VM rows (START -> their state), reserving one slot each, all or nothing."""
-        for row in rows:
-            _check(row.vm_id, START, VmState(row.state))
+    async def create(
+        self,
+        tenant_id: str,
+        rows: Sequence[VmRecord],
+        action: Action,
+        *,
+        reason: str | None = None,
+        reasons: Sequence[str] | None = None,
+        new_snapshot_bytes: int = 0,
+    ) -> None:
+        """Insert new VM rows (START -> the action's state), reserving one slot each, all or
+        nothing (402 inserts nothing). ``reasons``: one per row instead of ``reason``.
+        ``new_snapshot_bytes``: a snapshot about that big is about to be taken for them
+        (a fork of a running VM): checked against the tenant's snapshot limit too."""
+        for i, row in enumerate(rows):
+            rule = states.rule(START, action)
+            if rule is None:
+                raise IllegalTransition(row.vm_id, START, action)
+            row.state, row.marker = rule.to.value, rule.marker.value
+            row.reason = _public_reason(row.vm_id, reasons[i] if reasons is not None else reason)
         with self._store.write() as tx:
+            if new_snapshot_bytes:
+                quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
             quotas.reserve_in(tx, tenant_id, new_vms=rows)
             for row in rows:
                 tx.add_event(
-                    row.vm_id, tenant_id, STATUS_EVENT, to_state=row.state, marker=row.marker, reason=reason
+                    row.vm_id,
+                    tenant_id,
+                    STATUS_EVENT,
+                    to_state=row.state,
+                    marker=row.marker,
+                    reason=row.reason,
                 )
 
     async def transition(
         self,
         vm_id: str,
-        to: VmState,
+        action: Action,
         *,
-        marker: Marker = Marker.NONE,
         reason: str | None = None,
-        expect: VmState | Iterable[VmState] | None = None,
+        new_snapshot_bytes: int = 0,
+        tenant_limits: bool = True,
         **fields: Any,
     ) -> VmRecord:
-        """Move ``vm_id`` to ``to``; ``expect`` guards against a concurrent change (409)."""
-        expected = {expect} if isinstance(expect, VmState) else (set(expect) if expect else None)
+        """Apply ``action`` to ``vm_id``: 409 (:class:`IllegalTransition`) unless the table
+        allows it in the VM's current state and marker; 402 if it needs a slot the tenant
+        does not have, or (a pause) goes past the tenant's paused-VM or snapshot limits
+        (``new_snapshot_bytes``: about how big the snapshot it takes will be).
+        ``tenant_limits=False`` skips the latter two: a server shutdown suspends every VM,
+        whatever the limits, rather than lose one. ``fields`` are other columns that
+        change with the state."""
+        async with self.lock(vm_id):
+            with self._store.write() as tx:
+                if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
+                    vm = tx.get_vm(vm_id)
+                    if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
+                        quotas.check_pause_in(tx, vm)
+                        quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
+                return self._apply(tx, vm_id, action, reason, fields)
+
+    async def transition_all(
+        self, changes: Sequence[tuple[str, dict[str, Any]]], action: Action, *, reason: str | None = None
+    ) -> list[VmRecord]:
+        """Apply ``action`` to several VMs in ONE transaction: all of them change or none
+        (a fork's children come up together, so a crash never leaves half a fork)."""
+        ids = sorted({vm_id for vm_id, _ in changes})
+        async with contextlib.AsyncExitStack() as stack:
+            for vm_id in ids:  # always in the same order: no deadlock between two callers
+                await stack.enter_async_context(self.lock(vm_id))
+            with self._store.write() as tx:
+                return [self._apply(tx, vm_id, action, reason, fields) for vm_id, fields in changes]
+
+    @staticmethod
+    def _apply(
+        tx: WriteTx, vm_id: str, action: Action, reason: str | None, fields: dict[str, Any]
+    ) -> VmRecord:
+        vm = tx.get_vm(vm_id)
+        if vm is None:
+            raise NotFound(f"VM {vm_id} not found")
+        reason = _public_reason(vm_id, reason)
+        frm = VmState(vm.state)
+        rule = states.rule(frm, action, vm.marker)
+        if rule is None:
+            raise IllegalTransition(vm_id, frm, action, vm.marker)
+        holds = holds_slot(rule.to, rule.marker)  # a live pause keeps its slot (states.py)
+        if holds and not holds_slot(frm, vm.marker):
+            quotas.reserve_in(tx, vm.tenant_id, existing=[vm_id])
+        if not tx.write_lifecycle(
+            vm_id,
+            expect_state=frm.value,
+            state=rule.to.value,
+            marker=rule.marker.value,
+            reason=reason,
+            **fields,
+        ):  # cannot happen under the row lock; refuse rather than log a false event
+            raise IllegalTransition(vm_id, frm, action, vm.marker, "VM changed state meanwhile")
+        tx.add_event(
+            vm_id,
+            vm.tenant_id,
+            STATUS_EVENT,
+            from_state=frm.value,
+            to_state=rule.to.value,
+            marker=rule.marker.value,
+            reason=reason,
+        )
+        if not holds:
+            quotas.release_in(tx, vm_id)
+        after = tx.get_vm(vm_id)
+        assert after is not None
+        return after
+
+    async def repair_slot(self, vm_id: str) -> bool:
+        """Reconciliation only: make the slot flag agree with the VM's state, quota or not
+        (a VM found in a slot-holding state after a crash really uses a node). True if the
+        flag changed."""
         async with self.lock(vm_id):
             with self._store.write() as tx:
                 vm = tx.get_vm(vm_id)
                 if vm is None:
-                    raise NotFound(f"VM {vm_id} not found")
-                frm = VmState(vm.state)
-                if expected is not None and frm not in expected:
-                    want = " or ".join(sorted(s.value for s in expected))
-                    raise Conflict(f"VM {vm_id} is {frm.value}, expected {want}")
-                _check(vm_id, frm, to)
-                tx.update_vm(
-                    vm_id,
-                    expect_state=frm.value,
-                    state=to.value,
-                    marker=marker.value,
-                    reason=reason,
-                    **fields,
-                )
-                tx.add_event(
-                    vm_id,
-                    vm.tenant_id,
-                    STATUS_EVENT,
-                    from_state=frm.value,
-                    to_state=to.value,
-                    marker=marker.value,
-                    reason=reason,
-                )
-                if to not in SLOT_HOLDING:
-                    quotas.release_in(tx, vm_id)
-                after = tx.get_vm(vm_id)
-        assert after is not None
-        return after
+                    return False
+                return quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))

@@ -1,50 +1,35 @@
-"""What the scheduler hands the API: plain dataclasses built from store records."""
+"""What the scheduler hands the API besides store records (VMs and events are the store's
+``VmRecord``/``EventRecord``; the API shows their public fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 
-from pal.scheduler.spec import Limits
+from pal.manager.models import NodeStats
 from pal.scheduler.states import VmState
-from pal.store import EventRecord, VmRecord
+
+COUNTERS = ("bytesIn", "bytesOut", "connections", "refused", "dnsQueries")
 
 
-@dataclass
-class VmView:
-    vm_id: str
-    tenant_id: str
-    state: VmState
-    image: str
-    limits: Limits
-    created_at: datetime
-    snapshot_id: str | None
-    parent_vm_id: str | None
-    reason: str | None
-    idle_timeout_secs: int
-    marker: str
-    paused_by: str | None  # "operator" | "idle" | None
-    # How the manager started it ("cold" | "template" | "restore"); only on the view that
-    # schedule()/resume() return, it is not stored.
-    boot_method: str | None = None
+def add_counters(base: dict[str, int] | None, live: dict[str, int] | None) -> dict[str, int]:
+    """A VM's network counters over its life: past incarnations' plus the current one's."""
+    out = {k: int((base or {}).get(k, 0)) + int((live or {}).get(k, 0)) for k in COUNTERS}
+    if live is not None and "active" in live:
+        out["active"] = int(live["active"])
+    return out
 
-    @classmethod
-    def of(cls, vm: VmRecord, boot_method: str | None = None) -> VmView:
-        return cls(
-            vm_id=vm.vm_id,
-            tenant_id=vm.tenant_id,
-            state=VmState(vm.state),
-            image=vm.image,
-            limits=Limits.model_validate(vm.limits),
-            created_at=vm.created_at,
-            snapshot_id=vm.snapshot_id,
-            parent_vm_id=vm.parent_vm_id,
-            reason=vm.reason,
-            idle_timeout_secs=vm.idle_timeout_secs,
-            marker=vm.marker,
-            paused_by=vm.paused_by,
-            boot_method=boot_method,
-        )
+
+LIVE_STATS = ("livePauses", "waitPauses", "livePausedMs", "offloads", "freedMib", "bytesWhilePaused")
+
+
+def add_live_stats(base: dict[str, int] | None, **add: int) -> dict[str, int]:
+    """A VM's live-pause counters over its life plus ``add`` (names of LIVE_STATS)."""
+    out = {k: int((base or {}).get(k, 0)) for k in LIVE_STATS}
+    for k, v in add.items():
+        if k not in out:
+            raise KeyError(f"unknown live-pause counter {k}")
+        out[k] += int(v)
+    return out
 
 
 @dataclass
@@ -62,13 +47,7 @@ class ForkResult:
 
 
 @dataclass
-class EventView:
-    at: datetime
-    kind: str
-    from_state: str | None
-    to_state: str | None
-    reason: str | None
-
-    @classmethod
-    def of(cls, ev: EventRecord) -> EventView:
-        return cls(at=ev.at, kind=ev.kind, from_state=ev.from_state, to_state=ev.to_state, reason=ev.reason)
+class OperatorStats:
+    vms_by_state: dict[str, int]
+    tenants: list[tuple[str, int, int]]  # (tenant id, slots used, max VMs)
+    node: NodeStats | None  # None: the node did not answer

@@ -15,7 +15,7 @@ from .errors import (
     QuotaExceededError,
     ServerError,
 )
-from .models import ExecEvent, ExecResult, FileText
+from .models import ExecEvent, ExecResult, FileBytes, FileText
 
 __all__ = [
     "AsyncClient",
@@ -25,6 +25,7 @@ __all__ = [
     "ConflictError",
     "ExecEvent",
     "ExecResult",
+    "FileBytes",
     "FileText",
     "NotFoundError",
     "PalApiError",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterable
@@ -10,7 +11,7 @@ from typing import Any
 import httpx
 
 from .errors import PalApiError, error_for
-from .models import ExecEvent, FileText
+from .models import ExecEvent, FileBytes, FileText
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TIMEOUT = 60.0
@@ -54,7 +55,13 @@ def exec_body(
 def error_from(status: int, body: bytes) -> PalApiError:
     try:
         err = json.loads(body)["error"]
-        return error_for(status, str(err.get("code", "ERROR")), str(err.get("message", "")))
+        rid = err.get("requestId")
+        return error_for(
+            status,
+            str(err.get("code", "ERROR")),
+            str(err.get("message", "")),
+            str(rid) if rid is not None else None,
+        )
     except (ValueError, KeyError, TypeError):
         text = body.decode("utf-8", "replace").strip()[:500]
         return error_for(status, "HTTP_ERROR", text or f"HTTP {status}")
@@ -67,10 +74,22 @@ def check(resp: httpx.Response) -> httpx.Response:
     return resp
 
 
-def file_text(resp: httpx.Response) -> FileText:
-    truncated = resp.headers.get(TRUNCATED_HEADER, "").lower() == "true"
-    # A cut at 1 MiB may split a UTF-8 sequence; replace rather than fail.
-    return FileText(resp.content.decode("utf-8", "replace"), truncated)
+def file_bytes(resp: httpx.Response) -> FileBytes:
+    return FileBytes(resp.content, resp.headers.get(TRUNCATED_HEADER, "").lower() == "true")
+
+
+def file_text(resp: httpx.Response, path: str) -> FileText:
+    """The content as text; a file that is not UTF-8 raises ``UnicodeDecodeError`` (never
+    silently replaced: read it with ``read_file_bytes``)."""
+    data = file_bytes(resp)
+    # A cut at 1 MiB may split the last character: drop that partial one only.
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        text = decoder.decode(data, final=not data.truncated)
+    except UnicodeDecodeError as exc:
+        exc.add_note(f"{path} is not UTF-8 text; read it with read_file_bytes()")
+        raise
+    return FileText(text, data.truncated)
 
 
 def to_event(name: str, data: str) -> ExecEvent:

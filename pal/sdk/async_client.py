@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from . import _wire
-from .models import ExecEvent, ExecResult, FileText
+from .models import ExecEvent, ExecResult, FileBytes, FileText
 
 
 class AsyncClient:
@@ -39,6 +39,10 @@ class AsyncClient:
 
     async def health(self) -> dict[str, Any]:
         return dict((await self.request("GET", "/healthz")).json())
+
+    async def images(self) -> list[dict[str, Any]]:
+        """The images this tenant may schedule (name, digest, user, workdir, env, warmSizes...)."""
+        return list((await self.request("GET", "/v1/images")).json()["images"])
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -73,8 +77,12 @@ class AsyncRuntime:
     async def delete(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", f"/vms/{vm_id}"))
 
-    async def pause(self, vm_id: str) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/pause"))
+    async def pause(self, vm_id: str, mode: str = "snapshot", *, offload: bool = False) -> dict[str, Any]:
+        """``mode="snapshot"`` (default: snapshot and stop, frees the slot) or ``"live"``
+        (vCPUs stopped in place, connections kept; ``offload`` also hands the RAM back).
+        Resume continues either kind."""
+        body = None if mode == "snapshot" and not offload else {"mode": mode, "offload": offload}
+        return dict(await self._json("POST", f"/vms/{vm_id}/pause", json=body))
 
     async def resume(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("POST", f"/vms/{vm_id}/resume"))
@@ -134,10 +142,18 @@ class AsyncRuntime:
         return dict(await self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))
 
     async def read_file(self, vm_id: str, path: str) -> FileText:
+        """The file as text (UTF-8); ``UnicodeDecodeError`` if it is not text."""
         resp = await self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
-        return _wire.file_text(resp)
+        return _wire.file_text(resp, path)
+
+    async def read_file_bytes(self, vm_id: str, path: str) -> FileBytes:
+        """The file's bytes, exactly as stored (any content)."""
+        resp = await self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        return _wire.file_bytes(resp)
 
     async def write_file(self, vm_id: str, path: str, content: str | bytes) -> dict[str, Any]:
+        """Create or replace a file (parents made as needed): ``str`` is written as UTF-8,
+        ``bytes`` as they are. At most 1 MiB."""
         data = content.encode("utf-8") if isinstance(content, str) else content
         return dict(
             await self._json(
@@ -149,5 +165,32 @@ class AsyncRuntime:
             )
         )
 
+    async def delete_file(self, vm_id: str, path: str) -> dict[str, Any]:
+        """Remove a file or symlink (not a directory)."""
+        return dict(await self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
+
     async def events(self, vm_id: str) -> builtins.list[dict[str, Any]]:
         return list((await self._json("GET", f"/vms/{vm_id}/events"))["events"])
+
+    async def metrics(self, vm_id: str) -> dict[str, Any]:
+        """See :meth:`pal.sdk.client.Runtime.metrics`."""
+        return dict(await self._json("GET", f"/vms/{vm_id}/metrics"))
+
+    async def snapshots(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+        return list((await self._json("GET", f"/vms/{vm_id}/snapshots"))["snapshots"])
+
+    async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
+        """A signed link to the server on ``port`` in the VM (``{url, expiresAt}``) that opens
+        it without the API key until it expires; bound to this VM and port."""
+        body = {"expiresInSecs": expires_in_secs}
+        return dict(await self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+
+    async def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
+        """A brokered secret's new value; the VM's next request carries it (the guest, which
+        holds only the placeholder, is not touched). ``{name, applied}``."""
+        return dict(await self._json("PUT", f"/vms/{vm_id}/secrets/{name}", json={"value": value}))
+
+    async def set_egress(self, vm_id: str, egress: str | dict[str, builtins.list[str]]) -> dict[str, Any]:
+        """Change the egress policy (`"none"`, `"open"`, `{"allow": [...]}` or `{"deny": [...]}`);
+        a running VM applies it to its next connection. Returns the VM."""
+        return dict(await self._json("PUT", f"/vms/{vm_id}/egress", json={"egress": egress}))

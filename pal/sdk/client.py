@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from . import _wire
-from .models import ExecEvent, ExecResult, FileText
+from .models import ExecEvent, ExecResult, FileBytes, FileText
 
 
 class Client:
@@ -39,6 +39,10 @@ class Client:
 
     def health(self) -> dict[str, Any]:
         return dict(self.request("GET", "/healthz").json())
+
+    def images(self) -> list[dict[str, Any]]:
+        """The images this tenant may schedule (name, digest, user, workdir, env, warmSizes...)."""
+        return list(self.request("GET", "/v1/images").json()["images"])
 
     def close(self) -> None:
         self._http.close()
@@ -73,8 +77,12 @@ class Runtime:
     def delete(self, vm_id: str) -> dict[str, Any]:
         return dict(self._json("DELETE", f"/vms/{vm_id}"))
 
-    def pause(self, vm_id: str) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{vm_id}/pause"))
+    def pause(self, vm_id: str, mode: str = "snapshot", *, offload: bool = False) -> dict[str, Any]:
+        """``mode="snapshot"`` (default: snapshot and stop, frees the slot) or ``"live"``
+        (vCPUs stopped in place, connections kept; ``offload`` also hands the RAM back).
+        Resume continues either kind."""
+        body = None if mode == "snapshot" and not offload else {"mode": mode, "offload": offload}
+        return dict(self._json("POST", f"/vms/{vm_id}/pause", json=body))
 
     def resume(self, vm_id: str) -> dict[str, Any]:
         return dict(self._json("POST", f"/vms/{vm_id}/resume"))
@@ -133,10 +141,18 @@ class Runtime:
         return dict(self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))
 
     def read_file(self, vm_id: str, path: str) -> FileText:
+        """The file as text (UTF-8); ``UnicodeDecodeError`` if it is not text."""
         resp = self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
-        return _wire.file_text(resp)
+        return _wire.file_text(resp, path)
+
+    def read_file_bytes(self, vm_id: str, path: str) -> FileBytes:
+        """The file's bytes, exactly as stored (any content)."""
+        resp = self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        return _wire.file_bytes(resp)
 
     def write_file(self, vm_id: str, path: str, content: str | bytes) -> dict[str, Any]:
+        """Create or replace a file (parents made as needed): ``str`` is written as UTF-8,
+        ``bytes`` as they are. At most 1 MiB."""
         data = content.encode("utf-8") if isinstance(content, str) else content
         return dict(
             self._json(
@@ -148,5 +164,34 @@ class Runtime:
             )
         )
 
+    def delete_file(self, vm_id: str, path: str) -> dict[str, Any]:
+        """Remove a file or symlink (not a directory)."""
+        return dict(self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
+
     def events(self, vm_id: str) -> builtins.list[dict[str, Any]]:
         return list(self._json("GET", f"/vms/{vm_id}/events")["events"])
+
+    def metrics(self, vm_id: str) -> dict[str, Any]:
+        """CPU %, host RSS/PSS, guest memory, disk and network samples of the last 15
+        minutes (one every 5 s): ``{vmId, intervalSecs, live, samples: [{t, cpuPct, ...}]}``."""
+        return dict(self._json("GET", f"/vms/{vm_id}/metrics"))
+
+    def snapshots(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+        """The VM's snapshots kept on its node, with artifact sizes."""
+        return list(self._json("GET", f"/vms/{vm_id}/snapshots")["snapshots"])
+
+    def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
+        """A signed link to the server on ``port`` in the VM (``{url, expiresAt}``) that opens
+        it without the API key until it expires; bound to this VM and port."""
+        body = {"expiresInSecs": expires_in_secs}
+        return dict(self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+
+    def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
+        """A brokered secret's new value; the VM's next request carries it (the guest, which
+        holds only the placeholder, is not touched). ``{name, applied}``."""
+        return dict(self._json("PUT", f"/vms/{vm_id}/secrets/{name}", json={"value": value}))
+
+    def set_egress(self, vm_id: str, egress: str | dict[str, builtins.list[str]]) -> dict[str, Any]:
+        """Change the egress policy (`"none"`, `"open"`, `{"allow": [...]}` or `{"deny": [...]}`);
+        a running VM applies it to its next connection. Returns the VM."""
+        return dict(self._json("PUT", f"/vms/{vm_id}/egress", json={"egress": egress}))

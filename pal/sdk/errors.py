@@ -4,13 +4,15 @@ from __future__ import annotations
 
 
 class PalApiError(Exception):
-    """The server answered `{"error": {"code", "message"}}` (or could not be reached: status 0)."""
+    """The server answered `{"error": {"code", "message", "requestId"}}` (or could not be
+    reached: status 0). ``request_id`` finds the request in the server's log."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{status} {code}: {message}")
+    def __init__(self, status: int, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {message}" + (f" (request {request_id})" if request_id else ""))
         self.status = status
         self.code = code
         self.message = message
+        self.request_id = request_id
 
 
 class PalConnectionError(PalApiError):
@@ -60,6 +62,6 @@ _BY_STATUS: dict[int, type[PalApiError]] = {
 }
 
 
-def error_for(status: int, code: str, message: str) -> PalApiError:
+def error_for(status: int, code: str, message: str, request_id: str | None = None) -> PalApiError:
     cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else PalApiError)
-    return cls(status, code, message)
+    return cls(status, code, message, request_id)

@@ -36,3 +36,14 @@ class FileText(str):
         obj = super().__new__(cls, text)
         obj.truncated = truncated
         return obj
+
+
+class FileBytes(bytes):
+    """File content as bytes, exactly as stored; ``truncated`` as for :class:`FileText`."""
+
+    truncated: bool
+
+    def __new__(cls, data: bytes, truncated: bool = False) -> FileBytes:
+        obj = super().__new__(cls, data)
+        obj.truncated = truncated
+        return obj

@@ -28,11 +28,11 @@ incompatible format gets a new name and magic; readers refuse names they do not 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from pal.errors import InvalidRequest
+from pal.ids import validate_id
 
 # Artifacts of a snapshot. ``snapshot`` (device state) is always there; ``mem`` is absent
 # when the RAM was streamed into ``snapshot`` (a fork child's private RAM); ``rootfs`` is
@@ -42,7 +42,10 @@ MEM_ARTIFACT = "mem"
 ROOTFS_ARTIFACT = "rootfs"
 # What the VMM needs to rebuild the same machine on restore (memory kind, RAM size, devices).
 VMM_ARTIFACT = "vmm.json"
-ARTIFACTS: tuple[str, ...] = (SNAPSHOT_ARTIFACT, MEM_ARTIFACT, ROOTFS_ARTIFACT, VMM_ARTIFACT)
+# The guest's synthetic DNS table (names it may have cached the addresses of); see
+# pal/network/names.py. Absent in snapshots taken before VMs had a network.
+NET_ARTIFACT = "net.json"
+ARTIFACTS: tuple[str, ...] = (SNAPSHOT_ARTIFACT, MEM_ARTIFACT, ROOTFS_ARTIFACT, VMM_ARTIFACT, NET_ARTIFACT)
 REQUIRED_ARTIFACTS: frozenset[str] = frozenset({SNAPSHOT_ARTIFACT})
 META_FILE = "meta.json"
 
@@ -52,6 +55,8 @@ S3_PREFIX = "snapshots"
 STAGING_DIRNAME = ".staging"
 S3_QUEUE_DIRNAME = ".s3-queue"
 SEAL_QUEUE_DIRNAME = ".seal-queue"
+# Reflinked copies of snapshot RAM files that live fork children map (store.fork_mem).
+FORK_MEM_DIRNAME = ".fork-mem"
 
 # Artifacts bigger than this are checksummed and fsynced by the background seal, not by
 # commit (the pause waits for commit). Device state with x-ignore-shared and vmm.json are
@@ -64,17 +69,6 @@ SPARSE_BLOCK = 1 << 20
 SPARSE_END_OFFSET = (1 << 64) - 1
 # S3 user metadata key (sent as x-amz-meta-pal-encoding) naming an object's encoding.
 S3_ENCODING_METADATA_KEY = "pal-encoding"
-
-# One path component: letters, digits, '.', '_', '-'; no leading dot (so no '.', '..'
-# and no clash with the dot-dirs), no '/', no NUL, bounded length.
-_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
-
-
-def validate_id(value: str, what: str) -> str:
-    """Return ``value`` if it is a safe single path component, else raise InvalidRequest."""
-    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
-        raise InvalidRequest(f"invalid {what} {value!r}: use 1-128 of [A-Za-z0-9._-], not starting with '.'")
-    return value
 
 
 @dataclass(frozen=True)

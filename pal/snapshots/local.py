@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pal.snapshots.layout import ARTIFACTS, META_FILE, STAGING_DIRNAME, SnapshotRef, vm_dir
+from pal.snapshots.layout import META_FILE, STAGING_DIRNAME, SnapshotRef, vm_dir
 
 
 def fsync_path(path: Path) -> None:
@@ -123,6 +123,26 @@ class LocalTier:
                 out.append(meta)
         return out
 
+    def vm_dirs(self) -> list[tuple[str, str]]:
+        """(agent_version_id, vm_id) of every VM dir under the root (dot-dirs skipped)."""
+        out: list[tuple[str, str]] = []
+        for av in sorted(os.scandir(self.root), key=lambda e: e.name):
+            if av.name.startswith(".") or not av.is_dir(follow_symlinks=False):
+                continue
+            for vm in sorted(os.scandir(av.path), key=lambda e: e.name):
+                if not vm.name.startswith(".") and vm.is_dir(follow_symlinks=False):
+                    out.append((av.name, vm.name))
+        return out
+
+    def remove_empty_vm_dir(self, agent_version_id: str, vm_id: str) -> None:
+        """Drop a VM's dir (and its agent version's) once no snapshot is left in it."""
+        base = vm_dir(self.root, agent_version_id, vm_id)
+        for d in (base, base.parent):
+            try:
+                d.rmdir()
+            except OSError:
+                return
+
     def cleanup_staging(self, older_than_s: float = 0.0) -> list[str]:
         """Remove leftovers of interrupted commits, deletes and downloads."""
         removed: list[str] = []
@@ -139,7 +159,3 @@ class LocalTier:
                 Path(entry.path).unlink(missing_ok=True)
             removed.append(entry.name)
         return removed
-
-    @staticmethod
-    def artifacts_in(snap_dir: Path) -> dict[str, Path]:
-        return {name: snap_dir / name for name in ARTIFACTS if (snap_dir / name).is_file()}

@@ -31,12 +31,14 @@ from botocore.exceptions import ClientError
 from pal.errors import BackendError
 from pal.snapshots import retention
 from pal.snapshots.hashing import sparse_sha256
-from pal.snapshots.integrity import is_sealed
+from pal.snapshots.integrity import is_sealed, is_signed
 from pal.snapshots.jobqueue import DropJob, JobQueue
 from pal.snapshots.layout import (
+    ARTIFACTS,
     INLINE_SEAL_MAX_BYTES,
     META_FILE,
     S3_ENCODING_METADATA_KEY,
+    S3_PREFIX,
     SPARSE_ENCODING,
     SnapshotRef,
     vm_s3_prefix,
@@ -44,6 +46,7 @@ from pal.snapshots.layout import (
 from pal.snapshots.local import LocalTier, read_meta_file
 from pal.snapshots.sparse_object import SparseEncoder, decode_to_file
 
+Signer = Callable[[dict[str, Any]], dict[str, Any]]
 _CHUNK = 1 << 20
 _ZERO_CHUNK = bytes(_CHUNK)
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
@@ -104,12 +107,20 @@ class S3Mirror:
         self._bucket_ready = False
         self._queue: JobQueue | None = None
         self._local: LocalTier | None = None
+        self._sign: Signer | None = None
 
     # -- background queue -------------------------------------------------------------
 
-    def start(self, queue_dir: Path, local: LocalTier) -> None:
-        """Start the background worker; jobs pending in ``queue_dir`` are retried."""
+    def start(
+        self,
+        queue_dir: Path,
+        local: LocalTier,
+        sign: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
+        """Start the background worker; jobs pending in ``queue_dir`` are retried. ``sign``
+        adds the HMAC to a meta written before metas were signed, before it is uploaded."""
         self._local = local
+        self._sign = sign
         self._queue = JobQueue(
             queue_dir,
             self._run_job,
@@ -136,6 +147,12 @@ class S3Mirror:
 
     def schedule_delete(self, ref: SnapshotRef) -> None:
         self._submit({"op": "delete", "ref": ref.to_json()})
+
+    def schedule_vm_delete(self, agent_version_id: str, vm_id: str, keep: set[str]) -> None:
+        """Delete every S3 snapshot of a VM except ``keep`` (in the background, retried)."""
+        self._submit(
+            {"op": "delete_vm", "agentVersionId": agent_version_id, "vmId": vm_id, "keep": sorted(keep)}
+        )
 
     def schedule_retention(self, agent_version_id: str, vm_id: str, protected: set[str]) -> None:
         self._submit(
@@ -181,6 +198,8 @@ class S3Mirror:
                 raise DropJob(str(exc)) from exc
         elif op == "delete":
             self.delete(SnapshotRef.from_json(job["ref"]))
+        elif op == "delete_vm":
+            self.delete_vm(job["agentVersionId"], job["vmId"], set(job.get("keep", [])))
         elif op == "retention":
             self.apply_retention(job["agentVersionId"], job["vmId"], set(job.get("protected", [])))
         else:
@@ -242,6 +261,8 @@ class S3Mirror:
                 # The object is there but meta.json is not, so S3 has no snapshot; the
                 # delete queued with the local copy's removal tidies the objects.
                 raise CorruptLocalCopy(f"{name} of {ref.snapshot_id} does not match its sha256 in meta.json")
+        if not is_signed(meta) and self._sign is not None:
+            meta = self._sign(meta)  # sealed before metas were signed: other nodes need the mac
         body = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
         self._client.put_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE), Body=body)
         took = time.monotonic() - started
@@ -269,31 +290,28 @@ class S3Mirror:
             raise BackendError(f"S3 meta.json of {ref.snapshot_id} is not an object")
         return data
 
-    def download(
-        self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Download the artifacts named in meta (fetched if not given) into ``dest_dir``,
-        then meta.json. Sparse objects are decoded with their holes and checked against
-        meta's sha256 (BackendError if not); raw ones skip zero blocks so they stay sparse."""
-        if meta is None:
-            meta = self.read_meta(ref)
-            if meta is None:
-                raise FileNotFoundError(f"no complete S3 copy of {ref.snapshot_id}")
+    def download(self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        """Download the artifacts named in ``meta`` (already authenticated by the store:
+        integrity.check_meta) into ``dest_dir``, then meta.json. Only known artifact names
+        are ever written, each at most its recorded size. Sparse objects are decoded with
+        their holes and checked against meta's sha256 (BackendError if not); raw ones skip
+        zero blocks so they stay sparse (the store checks them after the download)."""
         sizes = meta.get("sizes")
-        if not isinstance(sizes, dict):
-            raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no sizes")
-
         digests = meta.get("sha256")
-        if not isinstance(digests, dict):
-            raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no checksums")
+        if not isinstance(sizes, dict) or not isinstance(digests, dict):
+            raise BackendError(f"S3 meta.json of {ref.snapshot_id} has no sizes or checksums")
+        unknown = set(sizes) - set(ARTIFACTS)
+        if unknown:
+            raise BackendError(f"S3 meta.json of {ref.snapshot_id} lists unknown artifacts")
 
         def fetch(name: str) -> None:
+            expected = int(sizes[name])
             obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(name))
             body = obj["Body"]
             encoding = obj.get("Metadata", {}).get(S3_ENCODING_METADATA_KEY)
             if encoding == SPARSE_ENCODING:
-                got = decode_to_file(body.read, dest_dir / name)
-                if got != (sizes[name], digests.get(name)):
+                got = decode_to_file(body.read, dest_dir / name, expected_size=expected)
+                if got != (expected, digests.get(name)):
                     raise BackendError(f"S3 copy of {name} of {ref.snapshot_id} fails its sha256")
                 return
             if encoding is not None:
@@ -303,11 +321,13 @@ class S3Mirror:
             written = 0
             with open(dest_dir / name, "wb") as f:
                 while chunk := body.read(_CHUNK):
+                    written += len(chunk)
+                    if written > expected:
+                        raise BackendError(f"S3 object {name} of {ref.snapshot_id} is larger than recorded")
                     if len(chunk) == _CHUNK and chunk == _ZERO_CHUNK:
                         f.seek(len(chunk), os.SEEK_CUR)
                     else:
                         f.write(chunk)
-                    written += len(chunk)
                 f.truncate(written)
                 f.flush()
                 os.fsync(f.fileno())
@@ -332,6 +352,39 @@ class S3Mirror:
                 Bucket=self.bucket,
                 Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True},
             )
+
+    def delete_vm(self, agent_version_id: str, vm_id: str, keep: set[str]) -> list[str]:
+        """Delete every snapshot under the VM's prefix (complete or not) except ``keep``."""
+        self.ensure_bucket()
+        prefix = vm_s3_prefix(agent_version_id, vm_id)
+        doomed: set[str] = set()
+        for key in self._list_keys(prefix):
+            sid = key[len(prefix) :].split("/", 1)[0]
+            if sid and sid not in keep:
+                doomed.add(sid)
+        for sid in sorted(doomed):
+            try:
+                ref = SnapshotRef(agent_version_id, vm_id, sid)
+            except Exception:
+                continue  # a key we did not write
+            self.delete(ref)
+        if doomed:
+            self.log.info("deleted the S3 snapshots of VM %s: %s", vm_id, sorted(doomed))
+        return sorted(doomed)
+
+    def list_vms(self) -> list[tuple[str, str]]:
+        """(agent_version_id, vm_id) of every VM with objects under ``snapshots/``."""
+        self.ensure_bucket()
+        out: list[tuple[str, str]] = []
+        pager = self._client.get_paginator("list_objects_v2")
+        for page in pager.paginate(Bucket=self.bucket, Prefix=f"{S3_PREFIX}/", Delimiter="/"):
+            for av in page.get("CommonPrefixes", []):
+                for sub in pager.paginate(Bucket=self.bucket, Prefix=av["Prefix"], Delimiter="/"):
+                    for vm in sub.get("CommonPrefixes", []):
+                        parts = vm["Prefix"].rstrip("/").split("/")
+                        if len(parts) == 3:
+                            out.append((parts[1], parts[2]))
+        return out
 
     def list_vm(self, agent_version_id: str, vm_id: str) -> list[dict[str, Any]]:
         """Metas of the complete S3 snapshots of one VM."""
@@ -361,6 +414,16 @@ class S3Mirror:
         if doomed:
             self.log.info("S3 retention for %s/%s deleted %s", agent_version_id, vm_id, doomed)
         return doomed
+
+    def total_bytes(self) -> int:
+        """Bytes of every object under the snapshot prefix (a listing: for periodic stats)."""
+        self.ensure_bucket()
+        total = 0
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{S3_PREFIX}/"
+        ):
+            total += sum(int(obj.get("Size", 0)) for obj in page.get("Contents", []))
+        return total
 
     def _list_keys(self, prefix: str) -> list[str]:
         keys: list[str] = []

@@ -101,14 +101,19 @@ def _read_exact(read: Callable[[int], bytes], n: int, what: str) -> bytes:
     return b"".join(parts)
 
 
-def decode_to_file(read: Callable[[int], bytes], dest: Path) -> tuple[int, str]:
+def decode_to_file(
+    read: Callable[[int], bytes], dest: Path, expected_size: int | None = None
+) -> tuple[int, str]:
     """Rebuild a file from a ``pal-sparse-v1`` stream (``read(n)`` returns up to n bytes,
     b"" at the end). Holes stay holes. Returns (size, sha256-sparse-v1 digest) of what was
-    written; the file is fsynced. Raises BackendError on a malformed stream."""
+    written; the file is fsynced. Raises BackendError on a malformed stream, or before
+    anything is written when the header's size is not ``expected_size``."""
     head = _read_exact(read, len(SPARSE_MAGIC) + _U64.size, "header")
     if head[: len(SPARSE_MAGIC)] != SPARSE_MAGIC:
         raise BackendError("not a pal-sparse-v1 object (bad magic)")
     (size,) = _U64.unpack_from(head, len(SPARSE_MAGIC))
+    if expected_size is not None and size != expected_size:
+        raise BackendError(f"sparse object is {size} bytes, not the {expected_size} recorded")
     digest = SparseDigest()
     with open(dest, "wb", buffering=0) as f:
         fd = f.fileno()

@@ -40,11 +40,13 @@ small artifacts' checksums) without sealing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -52,24 +54,41 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from pal import keyfile
 from pal.config import Settings
 from pal.errors import BackendError, Conflict, InvalidRequest, NotFound, Unavailable
+from pal.ids import validate_id
 from pal.snapshots import retention
 from pal.snapshots.hashing import HASH_ALGO, hash_files
-from pal.snapshots.integrity import is_sealed, unsealed_artifacts, verify_dir
+from pal.snapshots.integrity import (
+    check_meta,
+    is_sealed,
+    is_signed,
+    meta_authentic,
+    sign_meta,
+    unsealed_artifacts,
+    verify_dir,
+)
 from pal.snapshots.jobqueue import DropJob, JobQueue
 from pal.snapshots.layout import (
     ARTIFACTS,
+    FORK_MEM_DIRNAME,
     INLINE_SEAL_MAX_BYTES,
+    MEM_ARTIFACT,
     META_FILE,
     REQUIRED_ARTIFACTS,
     S3_QUEUE_DIRNAME,
     SEAL_QUEUE_DIRNAME,
     SnapshotRef,
-    validate_id,
 )
 from pal.snapshots.local import LocalTier, fsync_path, read_meta_file, write_json_durably
 from pal.snapshots.s3 import S3Mirror
+from pal.vmm import disks
+
+
+class MetaNotAuthentic(BackendError):
+    """A meta.json that is signed but not by our key, or that describes another snapshot."""
+
 
 # (agent_version_id, vm_id) -> snapshot ids of that VM retention must keep.
 ProtectedProvider = Callable[[str, str], Iterable[str]]
@@ -82,12 +101,16 @@ class SnapshotStore:
         mirror: S3Mirror | None = None,
         log: logging.Logger | None = None,
         *,
+        key: bytes,
         protected_provider: ProtectedProvider | None = None,
         clock: Callable[[], float] = time.time,
         seal_retry_base_s: float = 1.0,
     ) -> None:
+        """``key``: the snapshot HMAC key (``Settings.snapshot_key_path``) every meta.json
+        is signed with and checked against; nodes sharing an S3 bucket share it."""
         self.root = root
         self.mirror = mirror
+        self._key = key
         self.log = log or logging.getLogger("pal.snapshots")
         # Commit runs retention only when it can ask what is protected: deleting the
         # snapshot a paused VM resumes from would lose the VM, keeping one more is cheap.
@@ -96,6 +119,7 @@ class SnapshotStore:
         self._local = LocalTier(root)
         self._lock = threading.Lock()  # serialises publish / delete / retention
         self._download_lock = threading.Lock()  # one S3 download at a time, outside _lock
+        self._fork_mem_lock = threading.Lock()
         # One seal at a time (worker or seal_now): two hashing the same files would only
         # waste I/O, and the worker's seal of the next snapshot can wait ~0.2 s.
         self._seal_mutex = threading.Lock()
@@ -104,7 +128,7 @@ class SnapshotStore:
         # when a later upload lands (see _run_seal_job).
         self._last_protected: dict[tuple[str, str], set[str]] = {}
         if mirror is not None:
-            mirror.start(root / S3_QUEUE_DIRNAME, self._local)
+            mirror.start(root / S3_QUEUE_DIRNAME, self._local, sign=self._sign)
         # Started after the mirror: a seal ends by queueing the upload.
         self._seal_queue = JobQueue(
             root / SEAL_QUEUE_DIRNAME,
@@ -128,7 +152,13 @@ class SnapshotStore:
         if settings.s3_enabled:
             assert settings.s3_bucket is not None
             mirror = S3Mirror(settings.s3_endpoint, settings.s3_bucket, settings.s3_region, log)
-        return cls(settings.snapshots_root, mirror, log, protected_provider=protected_provider)
+        return cls(
+            settings.snapshots_root,
+            mirror,
+            log,
+            key=keyfile.load_or_create(settings.snapshot_key_path),
+            protected_provider=protected_provider,
+        )
 
     def close(self, timeout: float = 10.0, *, drain_seals: bool = True) -> None:
         """Seal what is pending (up to ``timeout``), then stop the workers. Seals and
@@ -212,7 +242,7 @@ class SnapshotStore:
                 "sealed": sealed,
             }
         )
-        write_json_durably(staging / META_FILE, full_meta)
+        write_json_durably(staging / META_FILE, self._sign(full_meta))
         fsync_path(staging)
         # The seal job is on disk before the snapshot is visible (a crash right after the
         # rename still seals it), and held so the worker cannot look before the rename.
@@ -268,13 +298,29 @@ class SnapshotStore:
         artifacts, rewrite meta.json) and return its sealed meta. Idempotent. NotFound if
         there is no such local snapshot (or it is another tenant's); BackendError if its
         artifacts no longer have the sizes recorded at commit (damaged)."""
-        meta = read_meta_file(self._local.path(ref))
+        meta = self._local_meta(self._local.path(ref), ref)
         if meta is None or not self._owned(meta, ref):
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
         sealed = self._seal(ref)
         if sealed is None:
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
         return sealed
+
+    def ensure_uploaded(self, ref: SnapshotRef) -> None:
+        """Make sure S3 holds a complete copy of this local snapshot now (sealing it first
+        if needed), so another node can restore it: a resume elsewhere, a fork that
+        spills to another node, a drain. Idempotent; the queued upload may run too.
+        Unavailable without an S3 mirror or when S3 fails; NotFound without a local copy
+        (then an S3 copy, if any, is all there is)."""
+        if self.mirror is None:
+            raise Unavailable(
+                "no S3 mirror configured (S3_ENDPOINT, S3_BUCKET): snapshots cannot move between nodes"
+            )
+        anon = SnapshotRef(ref.agent_version_id, ref.vm_id, ref.snapshot_id)
+        if self._s3_call(lambda m: m.read_meta(anon)) is not None:
+            return
+        meta = self.seal_now(anon)
+        self._s3_call(lambda m: m.upload(anon, self._local.path(anon), meta))
 
     def wait_sealed(self, ref: SnapshotRef, timeout: float) -> bool:
         """Wait for the background seal. True once sealed, False on timeout; NotFound if
@@ -329,7 +375,7 @@ class SnapshotStore:
         snap_dir = self._local.path(ref)
         try:
             with self._seal_mutex:
-                meta = read_meta_file(snap_dir)
+                meta = self._local_meta(snap_dir, ref)  # never re-sign what we did not write
                 if meta is None:
                     return None
                 if is_sealed(meta):
@@ -351,6 +397,7 @@ class SnapshotStore:
                 sealed = dict(meta)
                 sealed["sha256"] = {**meta.get("sha256", {}), **{n: d for n, (_, d) in hashed.items()}}
                 sealed["sealed"] = True
+                sealed = self._sign(sealed)
                 # Under the store lock: retention/delete cannot move the dir between our
                 # check and the rename, so we never write into a deleted snapshot.
                 with self._lock:
@@ -375,14 +422,18 @@ class SnapshotStore:
 
     def exists(self, ref: SnapshotRef) -> bool:
         """A complete local copy exists (and, if ref names a tenant, belongs to it)."""
-        meta = read_meta_file(self._local.path(ref))
+        try:
+            meta = self._local_meta(self._local.path(ref), ref)
+        except MetaNotAuthentic:
+            return False
         return meta is not None and self._owned(meta, ref)
 
     def read_meta(self, ref: SnapshotRef) -> dict[str, Any]:
-        """meta of the local copy, else of the S3 copy. NotFound if neither/not owned."""
-        meta = read_meta_file(self._local.path(ref))
+        """meta of the local copy, else of the S3 copy (authenticated). NotFound if
+        neither/not owned; BackendError if the meta is not authentic."""
+        meta = self._local_meta(self._local.path(ref), ref)
         if meta is None and self.mirror is not None:
-            meta = self._s3_call(lambda m: m.read_meta(ref))
+            meta = self._remote_meta(ref)
         if meta is None or not self._owned(meta, ref):
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
         return meta
@@ -394,10 +445,6 @@ class SnapshotStore:
         if not isinstance(tenant, str):
             raise BackendError(f"snapshot {ref.snapshot_id} has no tenant in its meta")
         return tenant
-
-    def check_owner(self, ref: SnapshotRef) -> None:
-        """Raise NotFound unless the snapshot exists and belongs to ``ref.tenant_id``."""
-        self.read_meta(ref)
 
     def verify(self, ref_or_path: SnapshotRef | Path, *, allow_unsealed: bool = False) -> bool:
         """The local copy is complete and intact: meta present, every artifact with its
@@ -413,7 +460,11 @@ class SnapshotStore:
         else:
             snap_dir = ref_or_path
             ref = self._ref_for(snap_dir)
-        meta = read_meta_file(snap_dir)
+        try:
+            meta = self._local_meta(snap_dir, ref)
+        except MetaNotAuthentic as exc:
+            self.log.error("%s", exc)
+            return False
         if meta is None or (ref is not None and not self._owned(meta, ref)):
             return False
         if not allow_unsealed and not is_sealed(meta) and ref is not None:
@@ -442,7 +493,7 @@ class SnapshotStore:
     def locate(self, ref: SnapshotRef) -> Path:
         """Path of a complete local copy; downloads it from S3 first if only S3 has it."""
         local = self._local.path(ref)
-        meta = read_meta_file(local)
+        meta = self._local_meta(local, ref)
         if meta is not None:
             if not self._owned(meta, ref):
                 raise NotFound(f"snapshot {ref.snapshot_id} not found")
@@ -450,7 +501,7 @@ class SnapshotStore:
         if self.mirror is None:
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
         with self._download_lock:  # one download per snapshot even when N forks ask at once
-            meta = read_meta_file(local)
+            meta = self._local_meta(local, ref)
             if meta is not None:
                 if not self._owned(meta, ref):
                     raise NotFound(f"snapshot {ref.snapshot_id} not found")
@@ -458,8 +509,11 @@ class SnapshotStore:
             return self._download(ref)
 
     def _download(self, ref: SnapshotRef) -> Path:
+        """Fetch a snapshot only S3 has. Nothing is written before its meta.json is known
+        authentic and names only known artifacts; nothing is published before every
+        artifact matches its checksum."""
         assert self.mirror is not None
-        meta = self._s3_call(lambda m: m.read_meta(ref))
+        meta = self._remote_meta(ref)
         if meta is None or not self._owned(meta, ref):
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
         if not is_sealed(meta):
@@ -479,6 +533,91 @@ class SnapshotStore:
         self.log.info("restored snapshot %s from S3 in %.2fs", ref.snapshot_id, time.monotonic() - started)
         return target
 
+    def _remote_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
+        """meta.json of the S3 copy if there is one: None if absent, BackendError unless it
+        is authentic and describes exactly this snapshot (integrity.check_meta)."""
+        meta = self._s3_call(lambda m: m.read_meta(ref))
+        if meta is None:
+            return None
+        problem = check_meta(meta, ref)
+        if problem is None and not meta_authentic(meta, self._key):
+            problem = "its meta.json is not authentic (wrong or missing HMAC)"
+        if problem is not None:
+            self.log.error("refusing the S3 copy of snapshot %s: %s", ref.snapshot_id, problem)
+            raise BackendError(f"S3 copy of snapshot {ref.snapshot_id} refused: {problem}")
+        return meta
+
+    def open_for_restore(self, ref: SnapshotRef) -> Path:
+        """The local dir of a snapshot about to be restored, checked (docs/security.md,
+        "Snapshots"): a copy from S3 has had every artifact checked against its
+        authenticated meta on download; a local one has an authentic meta, and its small
+        artifacts (device state QEMU parses, vmm.json and net.json the manager reads) are
+        checked against their checksums now, which costs well under a millisecond. Its
+        big artifacts (RAM, disk) are not re-hashed: they never left root's 0700 dir and
+        no QEMU ever gets them writable (fork children map a reflinked copy, fork_mem)."""
+        path = self.locate(ref)
+        meta = self._local_meta(path, ref)
+        if meta is None:
+            raise NotFound(f"snapshot {ref.snapshot_id} not found")
+        sizes, digests = meta.get("sizes"), meta.get("sha256")
+        if isinstance(sizes, dict) and isinstance(digests, dict):
+            small = {
+                name: path / name
+                for name, size in sizes.items()
+                if name in digests and isinstance(size, int) and size <= INLINE_SEAL_MAX_BYTES
+            }
+            try:
+                got = hash_files(small)
+            except OSError as exc:
+                raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {exc}") from exc
+            bad = sorted(n for n, (size, digest) in got.items() if (size, digest) != (sizes[n], digests[n]))
+            if bad:
+                self.log.error("snapshot %s: %s do not match their checksums", ref.snapshot_id, bad)
+                raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {bad} fail their checksums")
+        return path
+
+    # -- memory files of fork children ------------------------------------------------
+
+    def fork_mem(self, ref: SnapshotRef) -> Path:
+        """A reflinked copy of the snapshot's ``mem`` for fork children to map privately.
+        The children's QEMUs get this file (their jail makes it writable to them), never
+        the artifact itself, so a child that escaped into its QEMU can reach its siblings'
+        unwritten pages at worst, never the snapshot. One copy per snapshot, shared by all
+        its live children; the caller drops it when the last of them stops."""
+        src = self._local.path(ref) / MEM_ARTIFACT
+        dst = self._fork_mem_path(ref.snapshot_id)
+        with self._fork_mem_lock:
+            if dst.exists():
+                return dst
+            dst.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:8]}")
+            try:
+                disks.clone(src, tmp, qcow2_ok=False)
+                os.replace(tmp, dst)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        return dst
+
+    def drop_fork_mem(self, snapshot_id: str) -> None:
+        with self._fork_mem_lock:
+            self._fork_mem_path(snapshot_id).unlink(missing_ok=True)
+
+    def prune_fork_mem(self, keep: Iterable[str]) -> list[str]:
+        """Remove the fork memory files of snapshots no live VM maps (at start-up)."""
+        keep_names = {f"{validate_id(k, 'snapshot_id')}.mem" for k in keep}
+        removed = []
+        with self._fork_mem_lock:
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(self.root / FORK_MEM_DIRNAME):
+                    if entry.name not in keep_names:
+                        Path(entry.path).unlink(missing_ok=True)
+                        removed.append(entry.name)
+        return removed
+
+    def _fork_mem_path(self, snapshot_id: str) -> Path:
+        return self.root / FORK_MEM_DIRNAME / f"{validate_id(snapshot_id, 'snapshot_id')}.mem"
+
     def list_vm(
         self, agent_version_id: str, vm_id: str, tenant_id: str | None = None
     ) -> list[dict[str, Any]]:
@@ -487,6 +626,65 @@ class SnapshotStore:
         if tenant_id is not None:
             metas = [m for m in metas if m.get("tenantId") == tenant_id]
         return sorted(metas, key=lambda m: (retention.created_unix(m) or 0.0, str(m.get("snapshotId"))))
+
+    def stored_bytes(self, ref: SnapshotRef) -> int:
+        """Bytes a local snapshot's artifacts take on disk (reflinked extents counted as if
+        its own: what it would cost alone, or on S3)."""
+        total, snap_dir = 0, self._local.path(ref)
+        for name in ARTIFACTS:
+            with contextlib.suppress(OSError):
+                total += os.stat(snap_dir / name).st_blocks * 512
+        return total
+
+    def vms(self) -> set[tuple[str, str]]:
+        """(agent_version_id, vm_id) of every VM that has a snapshot on either tier (S3
+        skipped when unreachable): what the control plane's sweep checks against its VMs."""
+        found = set(self._local.vm_dirs())
+        if self.mirror is not None:
+            try:
+                found |= set(self._s3_call(lambda m: m.list_vms()))
+            except Unavailable as exc:
+                self.log.warning("cannot list the S3 tier for the sweep: %s", exc)
+        return found
+
+    def delete_vm(self, agent_version_id: str, vm_id: str, keep: Iterable[str] = ()) -> list[str]:
+        """Delete every snapshot of a VM on both tiers (S3 in the background, retried)
+        except ``keep`` (what live forks still map). Returns the local ids deleted."""
+        keep = set(keep)
+        removed = []
+        with self._lock:
+            for meta in self._local.list_vm(agent_version_id, vm_id):
+                sid = str(meta.get("snapshotId"))
+                if sid not in keep and self._local.remove(SnapshotRef(agent_version_id, vm_id, sid)):
+                    removed.append(sid)
+            self._local.remove_empty_vm_dir(agent_version_id, vm_id)
+        if removed:
+            self.log.info("deleted the snapshots of VM %s: %s (kept %s)", vm_id, removed, sorted(keep))
+        if self.mirror is not None:
+            self.mirror.schedule_vm_delete(agent_version_id, vm_id, keep)
+        return removed
+
+    def local_bytes(self) -> int:
+        """Bytes allocated on disk by complete local snapshots (staging and queues left
+        out). Reflinked extents are counted once per file that references them."""
+        total = 0
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    continue  # deleted meanwhile
+        return total
+
+    def s3_bytes(self) -> int | None:
+        """Bytes of the S3 tier (None without a mirror); raises Unavailable when S3 is down."""
+        if self.mirror is None:
+            return None
+        return int(self._s3_call(lambda m: m.total_bytes()))
+
+    def s3_queue_depth(self) -> int:
+        return self.mirror.pending() if self.mirror is not None else 0
 
     # -- deleting ---------------------------------------------------------------------
 
@@ -527,6 +725,23 @@ class SnapshotStore:
         return doomed
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _sign(self, meta: dict[str, Any]) -> dict[str, Any]:
+        return sign_meta(meta, self._key)
+
+    def _local_meta(self, snap_dir: Path, ref: SnapshotRef | None) -> dict[str, Any] | None:
+        """meta.json of a local snapshot dir; None when absent. MetaNotAuthentic when it is
+        signed but the HMAC or its identity is wrong. A meta without a ``mac`` was written
+        by a Pal from before metas were signed, into this root-only dir: accepted."""
+        meta = read_meta_file(snap_dir)
+        if meta is None or not is_signed(meta):
+            return meta
+        problem = None if meta_authentic(meta, self._key) else "its meta.json is not authentic"
+        if problem is None and ref is not None:
+            problem = check_meta(meta, ref)
+        if problem is not None:
+            raise MetaNotAuthentic(f"local snapshot {snap_dir.name} refused: {problem}")
+        return meta
 
     @staticmethod
     def _owned(meta: dict[str, Any], ref: SnapshotRef) -> bool:

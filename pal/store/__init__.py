@@ -1,6 +1,19 @@
 """Durable state: tenants, VMs and their events, behind one repository interface."""
 
-from pal.store.records import EventRecord, Tenant, VmRecord
-from pal.store.store import Store, WriteTx, hash_api_key, utcnow
+from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
+from pal.store.store import LIFECYCLE_COLUMNS, Store, WriteTx, database_url, hash_api_key, redacted, utcnow
 
-__all__ = ["EventRecord", "Store", "Tenant", "VmRecord", "WriteTx", "hash_api_key", "utcnow"]
+__all__ = [
+    "LIFECYCLE_COLUMNS",
+    "EventRecord",
+    "LeaseInfo",
+    "NodeRecord",
+    "Store",
+    "Tenant",
+    "VmRecord",
+    "WriteTx",
+    "database_url",
+    "hash_api_key",
+    "redacted",
+    "utcnow",
+]

@@ -13,22 +13,28 @@ class Tenant:
     name: str
     max_vms: int
     created_at: datetime
+    max_paused: int | None = None  # paused VMs at once; None: no limit
+    max_snapshot_bytes: int | None = None  # bytes of snapshots kept; None: no limit
+    api_key_expires_at: datetime | None = None  # None: the key never expires
+    prev_api_key_expires_at: datetime | None = None  # the rotated-out key works until then
+    deleting_at: datetime | None = None  # `pal tenants rm` is under way
 
 
 @dataclass
 class VmRecord:
     vm_id: str
     tenant_id: str
-    state: str
     image: str
     limits: dict[str, Any]
     created_at: datetime
     updated_at: datetime
+    state: str = ""  # set by the transition function that inserts the row
     marker: str = ""
     reason: str | None = None
     agent_version_id: str | None = None
     idle_timeout_secs: int = 0
-    secrets: dict[str, str] = field(default_factory=dict)
+    # name -> value, or a brokered secret's {placeholder, sealed, hosts, header, format}
+    secrets: dict[str, Any] = field(default_factory=dict)
     boot: str = "auto"
     snapshot_id: str | None = None
     parent_vm_id: str | None = None
@@ -39,6 +45,16 @@ class VmRecord:
     paused_by: str | None = None  # "operator" | "idle" | None
     node_id: str | None = None
     last_activity_unix_ms: int = 0  # host-side: last exec/file request or (re)start
+    egress: Any = "none"  # pal.spec.Egress as JSON ("none" | "open" | {"allow"|"deny": [...]})
+    egress_stats: dict[str, int] = field(default_factory=dict)  # past incarnations' counters
+    placement: dict[str, Any] | None = None  # AgentSpec.placement (region, labels)
+    wait_pause: dict[str, Any] | None = None  # pal.spec.WaitPause as JSON; None: off
+    idle_live_pause_secs: int = 0
+    paused_at: datetime | None = None  # when the current pause began (live or snapshot)
+    # live pauses over the VM's life: livePauses, waitPauses, livePausedMs, offloads,
+    # freedMib, bytesWhilePaused (pal/scheduler/views.py add_live_stats)
+    live_stats: dict[str, int] = field(default_factory=dict)
+    snapshot_bytes: int = 0  # allocated bytes of its snapshots on its node
 
 
 @dataclass(frozen=True)
@@ -52,3 +68,32 @@ class EventRecord:
     to_state: str | None
     marker: str
     reason: str | None
+    details: dict[str, Any] | None = None
+
+
+@dataclass
+class NodeRecord:
+    """A node as its last heartbeat described it (``state``: active | draining | lost)."""
+
+    node_id: str
+    url: str
+    region: str
+    labels: dict[str, str]
+    capacity: dict[str, Any]  # memoryMib, vcpus, diskFreeMib
+    templates: list[dict[str, Any]]  # WarmTemplate dicts
+    images: list[dict[str, str]]
+    healthy: bool
+    health: str | None
+    vm_count: int
+    state: str
+    epoch: str
+    registered_at: datetime
+    last_seen_at: datetime
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    holder: str
+    url: str
+    token: int
+    expires_in_ms: int  # by the database's clock; <= 0: expired

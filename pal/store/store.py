@@ -2,9 +2,21 @@
 
 Callers get dataclasses (records.py), never rows. Transactions are short and synchronous;
 a write that must be atomic with a check (quota reservation, a state change guarded by the
-current state) goes through :meth:`Store.write` which yields a :class:`WriteTx`. On SQLite
-that transaction starts with ``BEGIN IMMEDIATE`` so two writers serialise at BEGIN instead of
-failing at COMMIT; a PostgreSQL implementation would lock the tenant row instead.
+current state) goes through :meth:`Store.write` which yields a :class:`WriteTx`.
+
+Two databases behind the same code:
+- SQLite (`pal up`'s embedded default): the write transaction starts with ``BEGIN
+  IMMEDIATE``, so two writers serialise at BEGIN instead of failing at COMMIT.
+- PostgreSQL (``PAL_DATABASE_URL``, several control-plane replicas): READ COMMITTED with row
+  locks: quota checks lock the tenant row (``FOR UPDATE``), so reservations of one tenant
+  serialise and each sees the others' committed slots; a transition locks its VM row, so two
+  writers of one VM serialise and the second sees the first's state.
+
+Fencing: a replica that leads installs a fence (:meth:`Store.set_fence`); every write
+transaction then first reads the lease row ``FOR SHARE`` and refuses to go on
+(:class:`NotLeader`) unless the lease still carries this replica's fencing token. A deposed
+leader's late write therefore fails, and a takeover (which updates that row) waits for the
+in-flight writes of the old token to commit or roll back.
 """
 
 from __future__ import annotations
@@ -12,24 +24,57 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
-from datetime import UTC, datetime
-from typing import Any
+from dataclasses import asdict, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    create_engine,
+    event,
+    func,
+    insert,
+    literal_column,
+    select,
+    update,
+)
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from pal.config import Settings
-from pal.errors import Conflict, InvalidRequest
+from pal.errors import Conflict, InvalidRequest, NotFound, NotLeader
 from pal.store import migrate
-from pal.store.records import EventRecord, Tenant, VmRecord
-from pal.store.tables import events, tenants, vms
+from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
+from pal.store.tables import events, leader_lease, nodes, tenants, vms
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _WRITE = "pal_write_tx"
 _VM_COLUMNS = [c.name for c in vms.columns]
+R = TypeVar("R")
+# A VM's lifecycle: written only by the scheduler's transition function
+# (pal/scheduler/transition.py, through write_lifecycle/insert_vm/set_holds_slot);
+# update_vm refuses them.
+LIFECYCLE_COLUMNS = frozenset(
+    {
+        "state",
+        "marker",
+        "reason",
+        "holds_slot",
+        "paused_by",
+        "incarnation",
+        "token",
+        "snapshot_id",
+        "mem_snapshot_id",
+        "paused_at",
+    }
+)
+
+
+_KEEP: Any = object()  # "leave this limit as it is" in set_tenant_limits
 
 
 def utcnow() -> datetime:
@@ -38,6 +83,19 @@ def utcnow() -> datetime:
 
 def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    return "pal_" + secrets.token_urlsafe(32)
+
+
+def _check_limits(max_vms: int, max_paused: int | None, max_snapshot_bytes: int | None) -> None:
+    if max_vms < 0:
+        raise InvalidRequest("max_vms must be 0 or more")
+    if max_paused is not None and max_paused < 0:
+        raise InvalidRequest("max_paused must be 0 or more (or no limit)")
+    if max_snapshot_bytes is not None and max_snapshot_bytes < 0:
+        raise InvalidRequest("max_snapshot_bytes must be 0 or more (or no limit)")
 
 
 def _sqlite_setup(engine: Engine) -> None:
@@ -58,52 +116,46 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def _vm_from_row(row: Any) -> VmRecord:
+def _record(cls: type[R], row: Any) -> R:
+    """A row as a record: the record's fields are columns of its table, read by name
+    (tests/unit/test_store.py checks that records and tables agree)."""
     m = row._mapping
-    return VmRecord(
-        vm_id=m["vm_id"],
-        tenant_id=m["tenant_id"],
-        state=m["state"],
-        image=m["image"],
-        limits=dict(m["limits"] or {}),
-        created_at=m["created_at"],
-        updated_at=m["updated_at"],
-        marker=m["marker"] or "",
-        reason=m["reason"],
-        agent_version_id=m["agent_version_id"],
-        idle_timeout_secs=m["idle_timeout_secs"],
-        secrets=dict(m["secrets"] or {}),
-        boot=m["boot"],
-        snapshot_id=m["snapshot_id"],
-        parent_vm_id=m["parent_vm_id"],
-        mem_snapshot_id=m["mem_snapshot_id"],
-        incarnation=m["incarnation"],
-        token=m["token"],
-        holds_slot=bool(m["holds_slot"]),
-        paused_by=m["paused_by"],
-        node_id=m["node_id"],
-        last_activity_unix_ms=m["last_activity_unix_ms"],
-    )
+    return cls(**{f.name: m[f.name] for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def _vm_from_row(row: Any) -> VmRecord:
+    return _record(VmRecord, row)
 
 
 def _tenant_from_row(row: Any) -> Tenant:
-    m = row._mapping
-    return Tenant(id=m["id"], name=m["name"], max_vms=m["max_vms"], created_at=m["created_at"])
+    return _record(Tenant, row)
 
 
 def _event_from_row(row: Any) -> EventRecord:
-    m = row._mapping
-    return EventRecord(
-        id=m["id"],
-        vm_id=m["vm_id"],
-        tenant_id=m["tenant_id"],
-        at=m["at"],
-        kind=m["kind"],
-        from_state=m["from_state"],
-        to_state=m["to_state"],
-        marker=m["marker"] or "",
-        reason=m["reason"],
-    )
+    return _record(EventRecord, row)
+
+
+def database_url(url: str) -> str:
+    """A SQLAlchemy URL: ``postgresql://`` and ``postgres://`` mean psycopg 3."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and `pal doctor`."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparsable database URL>"
+
+
+def _db_now_ms(dialect: str) -> ColumnElement[Any]:
+    """The database's clock in ms since the epoch (lease expiry is judged by one clock)."""
+    if dialect == "postgresql":
+        return literal_column("(extract(epoch from clock_timestamp()) * 1000)::bigint")
+    return literal_column("CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)")
 
 
 class WriteTx:
@@ -124,15 +176,51 @@ class WriteTx:
         q = select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.holds_slot.is_(True))
         return int(self._conn.execute(q).scalar_one())
 
+    def count_paused(
+        self, tenant_id: str, *, pausing_markers: Collection[str], besides: str | None = None
+    ) -> int:
+        """The tenant's VMs that are paused or being paused (draining with one of
+        ``pausing_markers``: the scheduler's states.py names them, the store does not)."""
+        q = select(func.count()).where(
+            vms.c.tenant_id == tenant_id,
+            (vms.c.state == "paused")
+            | ((vms.c.state == "draining") & vms.c.marker.in_(sorted(pausing_markers))),
+        )
+        if besides is not None:
+            q = q.where(vms.c.vm_id != besides)
+        return int(self._conn.execute(q).scalar_one())
+
+    def snapshot_bytes(self, tenant_id: str) -> int:
+        """Bytes the tenant's snapshots take (what its VMs' rows say)."""
+        q = select(func.coalesce(func.sum(vms.c.snapshot_bytes), 0)).where(vms.c.tenant_id == tenant_id)
+        return int(self._conn.execute(q).scalar_one())
+
     def get_vm(self, vm_id: str) -> VmRecord | None:
-        row = self._conn.execute(select(vms).where(vms.c.vm_id == vm_id)).first()
+        """Read the VM row, locking it where the database can (PostgreSQL: FOR UPDATE), so
+        a decision taken on its state holds until this transaction ends."""
+        row = self._conn.execute(select(vms).where(vms.c.vm_id == vm_id).with_for_update()).first()
         return _vm_from_row(row) if row else None
 
     def insert_vm(self, vm: VmRecord) -> None:
+        """A new VM row (the transition function's create, through quotas.reserve_in)."""
         self._conn.execute(insert(vms).values(**asdict(vm)))
 
-    def update_vm(self, vm_id: str, *, expect_state: str | None = None, **fields: Any) -> bool:
-        """Update columns; with ``expect_state`` only if the row is still in that state."""
+    def update_vm(self, vm_id: str, **fields: Any) -> bool:
+        """Update columns that are not lifecycle state (activity stamps...)."""
+        lifecycle = set(fields) & LIFECYCLE_COLUMNS
+        if lifecycle:
+            raise ValueError(
+                f"{sorted(lifecycle)} are lifecycle columns: only the transition function "
+                "(pal/scheduler/transition.py) writes them"
+            )
+        return self._update(vm_id, None, fields)
+
+    def write_lifecycle(self, vm_id: str, *, expect_state: str, **fields: Any) -> bool:
+        """The transition function's write: any columns, only if the row is still in
+        ``expect_state``."""
+        return self._update(vm_id, expect_state, fields)
+
+    def _update(self, vm_id: str, expect_state: str | None, fields: dict[str, Any]) -> bool:
         unknown = set(fields) - set(_VM_COLUMNS)
         if unknown:
             raise ValueError(f"unknown vm columns: {sorted(unknown)}")
@@ -161,44 +249,78 @@ class WriteTx:
         to_state: str | None = None,
         marker: str = "",
         reason: str | None = None,
+        details: dict[str, Any] | None = None,
+        at: datetime | None = None,
     ) -> None:
         self._conn.execute(
             insert(events).values(
                 vm_id=vm_id,
                 tenant_id=tenant_id,
-                at=utcnow(),
+                at=at or utcnow(),
                 kind=kind,
                 from_state=from_state,
                 to_state=to_state,
                 marker=marker,
                 reason=reason,
+                details=details,
             )
         )
 
 
 class Store:
     def __init__(self, url: str, *, run_migrations: bool = True) -> None:
-        self.url = url
-        self.engine = create_engine(url)
-        if self.engine.dialect.name == "sqlite":
+        self.url = database_url(url)
+        if self.url.startswith("postgresql"):
+            # pre_ping: a replica outlives database restarts and failovers.
+            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        else:
+            self.engine = create_engine(self.url)
+        self.dialect = self.engine.dialect.name
+        if self.dialect == "sqlite":
             _sqlite_setup(self.engine)
+        self._fence: Callable[[], int | None] | None = None
         if run_migrations:
             migrate.upgrade(self.engine)
 
     @classmethod
     def open(cls, settings: Settings) -> Store:
+        """PostgreSQL when ``PAL_DATABASE_URL`` / ``--database`` is set, else the embedded
+        SQLite file in the data dir."""
+        if settings.database_url:
+            return cls(settings.database_url)
         settings.db_path.parent.mkdir(parents=True, exist_ok=True)
         return cls(f"sqlite:///{settings.db_path}")
 
     def close(self) -> None:
         self.engine.dispose()
 
+    def set_fence(self, token: Callable[[], int | None] | None) -> None:
+        """From now on every write transaction checks that the lease row carries
+        ``token()`` (None: this replica does not lead, so it may not write)."""
+        self._fence = token
+
     # -- transactions -------------------------------------------------------------------
 
     @contextmanager
     def write(self) -> Iterator[WriteTx]:
         with self.engine.connect().execution_options(**{_WRITE: True}) as conn, conn.begin():
+            if self._fence is not None:
+                self._check_fence(conn, self._fence())
             yield WriteTx(conn)
+
+    @staticmethod
+    def _check_fence(conn: Connection, token: int | None) -> None:
+        q = select(leader_lease.c.token).where(leader_lease.c.id == 1).with_for_update(read=True)
+        current = conn.execute(q).scalar_one_or_none()
+        if token is None or current != token:
+            raise NotLeader(
+                "this control-plane replica is not the leader"
+                + (
+                    f" (fencing token {token} is stale; the lease is at {current})"
+                    if token is not None
+                    else ""
+                )
+            )
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -207,37 +329,79 @@ class Store:
 
     # -- tenants --------------------------------------------------------------------------
 
-    def create_tenant(self, name: str, max_vms: int) -> tuple[Tenant, str]:
-        """Create a tenant; returns it and its API key (shown once: only a sha256 is kept)."""
+    def create_tenant(
+        self,
+        name: str,
+        max_vms: int,
+        *,
+        max_paused: int | None = None,
+        max_snapshot_bytes: int | None = None,
+        key_ttl: timedelta | None = None,
+    ) -> tuple[Tenant, str]:
+        """Create a tenant; returns it and its API key (shown once: only a sha256 is kept).
+        ``key_ttl``: the key expires that long from now (None: never)."""
         if not name.strip():
             raise InvalidRequest("tenant name must not be empty")
-        if max_vms < 0:
-            raise InvalidRequest("max_vms must be 0 or more")
-        key = "pal_" + secrets.token_urlsafe(32)
-        tenant = Tenant(id="t-" + uuid.uuid4().hex[:16], name=name, max_vms=max_vms, created_at=utcnow())
+        _check_limits(max_vms, max_paused, max_snapshot_bytes)
+        key = new_api_key()
+        now = utcnow()
+        values = {
+            "id": "t-" + uuid.uuid4().hex[:16],
+            "name": name,
+            "api_key_sha256": hash_api_key(key),
+            "max_vms": max_vms,
+            "created_at": now,
+            "max_paused": max_paused,
+            "max_snapshot_bytes": max_snapshot_bytes,
+            "api_key_expires_at": now + key_ttl if key_ttl is not None else None,
+        }
         try:
             with self.write() as tx:
-                tx._conn.execute(
-                    insert(tenants).values(
-                        id=tenant.id,
-                        name=name,
-                        api_key_sha256=hash_api_key(key),
-                        max_vms=max_vms,
-                        created_at=tenant.created_at,
-                    )
-                )
+                tx._conn.execute(insert(tenants).values(**values))
+                row = tx._conn.execute(select(tenants).where(tenants.c.id == values["id"])).one()
         except IntegrityError as exc:
             raise Conflict(f"a tenant named {name!r} already exists") from exc
-        return tenant, key
+        return _tenant_from_row(row), key
 
     def tenant_by_api_key(self, key: str) -> Tenant | None:
+        """The tenant this key authenticates now: its current key (unless expired) or its
+        previous one within the grace after a rotation; never a tenant being deleted."""
+        h, now = hash_api_key(key), utcnow()
         with self._read() as conn:
-            row = conn.execute(select(tenants).where(tenants.c.api_key_sha256 == hash_api_key(key))).first()
-        return _tenant_from_row(row) if row else None
+            row = conn.execute(
+                select(tenants).where((tenants.c.api_key_sha256 == h) | (tenants.c.prev_api_key_sha256 == h))
+            ).first()
+        if row is None or row.deleting_at is not None:
+            return None
+        if row.api_key_sha256 == h:
+            ok = row.api_key_expires_at is None or now < row.api_key_expires_at
+        else:
+            ok = row.prev_api_key_expires_at is not None and now < row.prev_api_key_expires_at
+        return _tenant_from_row(row) if ok else None
+
+    def why_key_refused(self, key: str) -> str:
+        """Why ``tenant_by_api_key`` refused ``key`` (for the 401's message)."""
+        h = hash_api_key(key)
+        with self._read() as conn:
+            row = conn.execute(
+                select(tenants).where((tenants.c.api_key_sha256 == h) | (tenants.c.prev_api_key_sha256 == h))
+            ).first()
+        if row is None:
+            return "invalid API key"
+        if row.deleting_at is not None:
+            return "this tenant is being deleted"
+        if row.api_key_sha256 == h:
+            return f"API key expired at {row.api_key_expires_at:%Y-%m-%d %H:%M} UTC"
+        return "API key was rotated and its grace period is over"
 
     def get_tenant(self, tenant_id: str) -> Tenant | None:
         with self._read() as conn:
             row = conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
+        return _tenant_from_row(row) if row else None
+
+    def tenant_by_name(self, name: str) -> Tenant | None:
+        with self._read() as conn:
+            row = conn.execute(select(tenants).where(tenants.c.name == name)).first()
         return _tenant_from_row(row) if row else None
 
     def list_tenants(self) -> list[Tenant]:
@@ -245,9 +409,90 @@ class Store:
             rows = conn.execute(select(tenants).order_by(tenants.c.created_at, tenants.c.name)).all()
         return [_tenant_from_row(r) for r in rows]
 
-    def set_tenant_max_vms(self, tenant_id: str, max_vms: int) -> None:
+    def set_tenant_limits(
+        self,
+        tenant_id: str,
+        *,
+        max_vms: int = _KEEP,
+        max_paused: int | None = _KEEP,
+        max_snapshot_bytes: int | None = _KEEP,
+    ) -> Tenant:
+        """Change some limits (None: no limit; an argument not given keeps its value).
+        A lower limit applies to what comes next: nothing running is stopped."""
+        changes = {
+            k: v
+            for k, v in (
+                ("max_vms", max_vms),
+                ("max_paused", max_paused),
+                ("max_snapshot_bytes", max_snapshot_bytes),
+            )
+            if v is not _KEEP
+        }
+        _check_limits(
+            int(changes.get("max_vms") or 0), changes.get("max_paused"), changes.get("max_snapshot_bytes")
+        )
         with self.write() as tx:
-            tx._conn.execute(update(tenants).where(tenants.c.id == tenant_id).values(max_vms=max_vms))
+            if changes:
+                tx._conn.execute(update(tenants).where(tenants.c.id == tenant_id).values(**changes))
+            row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
+        if row is None:
+            raise NotFound(f"tenant {tenant_id} not found")
+        return _tenant_from_row(row)
+
+    def rotate_api_key(
+        self, tenant_id: str, *, grace: timedelta = timedelta(0), key_ttl: timedelta | None = None
+    ) -> str:
+        """A new API key for the tenant (shown once). The old one keeps working for
+        ``grace`` (0: refused at once); the new one expires after ``key_ttl`` (None: never)."""
+        key, now = new_api_key(), utcnow()
+        with self.write() as tx:
+            row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id).with_for_update()).first()
+            if row is None or row.deleting_at is not None:
+                raise NotFound(f"tenant {tenant_id} not found")
+            tx._conn.execute(
+                update(tenants)
+                .where(tenants.c.id == tenant_id)
+                .values(
+                    api_key_sha256=hash_api_key(key),
+                    api_key_expires_at=now + key_ttl if key_ttl is not None else None,
+                    prev_api_key_sha256=row.api_key_sha256 if grace > timedelta(0) else None,
+                    prev_api_key_expires_at=now + grace if grace > timedelta(0) else None,
+                )
+            )
+        return key
+
+    def mark_tenant_deleting(self, tenant_id: str) -> Tenant:
+        """`pal tenants rm`: the tenant's keys stop working now; the leader then deletes its
+        VMs and snapshots and finally the tenant (scheduler: purge_deleted_tenants)."""
+        with self.write() as tx:
+            tx._conn.execute(
+                update(tenants)
+                .where(tenants.c.id == tenant_id, tenants.c.deleting_at.is_(None))
+                .values(deleting_at=utcnow())
+            )
+            row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
+        if row is None:
+            raise NotFound(f"tenant {tenant_id} not found")
+        return _tenant_from_row(row)
+
+    def delete_tenant(self, tenant_id: str) -> bool:
+        """Remove a tenant marked for deletion and its VM rows and events; refuses (False)
+        while any of its VMs is not terminated."""
+        with self.write() as tx:
+            row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id).with_for_update()).first()
+            if row is None:
+                return True
+            if row.deleting_at is None:
+                raise Conflict(f"tenant {tenant_id} is not being deleted")
+            live = tx._conn.execute(
+                select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.state != "terminated")
+            ).scalar_one()
+            if live:
+                return False
+            tx._conn.execute(events.delete().where(events.c.tenant_id == tenant_id))
+            tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
+            tx._conn.execute(tenants.delete().where(tenants.c.id == tenant_id))
+        return True
 
     # -- vms --------------------------------------------------------------------------------
 
@@ -263,8 +508,11 @@ class Store:
         states: Iterable[str] | None = None,
         parent_vm_id: str | None = None,
         mem_snapshot_id: str | None = None,
+        node_id: str | None = None,
     ) -> list[VmRecord]:
         q = select(vms)
+        if node_id is not None:
+            q = q.where(vms.c.node_id == node_id)
         if tenant_id is not None:
             q = q.where(vms.c.tenant_id == tenant_id)
         if states is not None:
@@ -278,13 +526,26 @@ class Store:
         return [_vm_from_row(r) for r in rows]
 
     def update_vm(self, vm_id: str, **fields: Any) -> bool:
-        """Columns that are not lifecycle state (activity stamps, node id...)."""
+        """Columns that are not lifecycle state (activity stamps...); see WriteTx.update_vm."""
         with self.write() as tx:
             return tx.update_vm(vm_id, **fields)
 
     def count_slots(self, tenant_id: str) -> int:
         with self._read() as conn:
             return WriteTx(conn).count_slots(tenant_id)
+
+    def count_vms_by_state(self) -> dict[str, int]:
+        """Every VM row counted by state (operator metrics)."""
+        with self._read() as conn:
+            rows = conn.execute(select(vms.c.state, func.count()).group_by(vms.c.state)).all()
+        return {str(state): int(n) for state, n in rows}
+
+    def slots_by_tenant(self) -> dict[str, int]:
+        """Quota slots held, per tenant id (tenants holding none are absent)."""
+        q = select(vms.c.tenant_id, func.count()).where(vms.c.holds_slot.is_(True)).group_by(vms.c.tenant_id)
+        with self._read() as conn:
+            rows = conn.execute(q).all()
+        return {str(t): int(n) for t, n in rows}
 
     # -- events -----------------------------------------------------------------------------
 
@@ -296,3 +557,92 @@ class Store:
         with self._read() as conn:
             rows = conn.execute(select(events).where(events.c.vm_id == vm_id).order_by(events.c.id)).all()
         return [_event_from_row(r) for r in rows]
+
+    # -- nodes ------------------------------------------------------------------------------
+
+    def record_node(self, rec: NodeRecord) -> NodeRecord:
+        """Upsert a node from its heartbeat. Keeps ``registered_at`` and an operator's
+        ``draining``; a node marked lost that heartbeats again is active again (the caller
+        has stopped what it must not run)."""
+        with self.write() as tx:
+            row = tx._conn.execute(
+                select(nodes).where(nodes.c.node_id == rec.node_id).with_for_update()
+            ).first()
+            values = asdict(rec)
+            if row is None:
+                tx._conn.execute(insert(nodes).values(**values))
+            else:
+                old = _record(NodeRecord, row)
+                values["registered_at"] = old.registered_at
+                if old.state == "draining":
+                    values["state"] = "draining"
+                tx._conn.execute(update(nodes).where(nodes.c.node_id == rec.node_id).values(**values))
+            got = tx._conn.execute(select(nodes).where(nodes.c.node_id == rec.node_id)).first()
+        return _record(NodeRecord, got)
+
+    def list_nodes(self) -> list[NodeRecord]:
+        with self._read() as conn:
+            rows = conn.execute(select(nodes).order_by(nodes.c.node_id)).all()
+        return [_record(NodeRecord, r) for r in rows]
+
+    def get_node(self, node_id: str) -> NodeRecord | None:
+        with self._read() as conn:
+            row = conn.execute(select(nodes).where(nodes.c.node_id == node_id)).first()
+        return _record(NodeRecord, row) if row else None
+
+    def set_node_state(self, node_id: str, state: str, *, expect: str | None = None) -> bool:
+        """Set a node's state (only if it is ``expect``, when given); True if it changed."""
+        with self.write() as tx:
+            q = update(nodes).where(nodes.c.node_id == node_id, nodes.c.state != state)
+            if expect is not None:
+                q = q.where(nodes.c.state == expect)
+            return tx._conn.execute(q.values(state=state)).rowcount == 1
+
+    # -- leadership lease (pal/scheduler/leader.py) -------------------------------------------
+    # Not fenced: these statements are what decides who may write.
+
+    def lease_acquire(self, holder: str, url: str, ttl_ms: int) -> int | None:
+        """Take the lease if it has expired: the new fencing token, else None."""
+        now = _db_now_ms(self.dialect)
+        q = (
+            update(leader_lease)
+            .where(leader_lease.c.id == 1, leader_lease.c.expires_at_ms < now)
+            .values(holder=holder, url=url, token=leader_lease.c.token + 1, expires_at_ms=now + ttl_ms)
+            .returning(leader_lease.c.token)
+        )
+        with self.engine.begin() as conn:
+            token = conn.execute(q).scalar_one_or_none()
+        return int(token) if token is not None else None
+
+    def lease_renew(self, holder: str, token: int, ttl_ms: int) -> bool:
+        """Extend the lease if ``holder`` still holds it with ``token``."""
+        now = _db_now_ms(self.dialect)
+        q = (
+            update(leader_lease)
+            .where(leader_lease.c.id == 1, leader_lease.c.holder == holder, leader_lease.c.token == token)
+            .values(expires_at_ms=now + ttl_ms)
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(q).rowcount == 1
+
+    def lease_release(self, holder: str, token: int) -> None:
+        """Give the lease up at once (a clean shutdown: the next replica need not wait)."""
+        q = (
+            update(leader_lease)
+            .where(leader_lease.c.id == 1, leader_lease.c.holder == holder, leader_lease.c.token == token)
+            .values(expires_at_ms=0)
+        )
+        with self.engine.begin() as conn:
+            conn.execute(q)
+
+    def lease_info(self) -> LeaseInfo:
+        now = _db_now_ms(self.dialect)
+        q = select(
+            leader_lease.c.holder,
+            leader_lease.c.url,
+            leader_lease.c.token,
+            (leader_lease.c.expires_at_ms - now).label("left"),
+        ).where(leader_lease.c.id == 1)
+        with self._read() as conn:
+            row = conn.execute(q).one()
+        return LeaseInfo(holder=row.holder, url=row.url, token=int(row.token), expires_in_ms=int(row.left))

@@ -1,4 +1,4 @@
-"""Table definitions (SQLAlchemy Core). Portable SQL only: SQLite today, PostgreSQL later.
+"""Table definitions (SQLAlchemy Core). Portable SQL only: SQLite (`pal up`) and PostgreSQL.
 
 The migrations in ``migrations/versions`` create these; keep both in step.
 """
@@ -52,6 +52,13 @@ tenants = Table(
     Column("api_key_sha256", String(64), nullable=False, unique=True),
     Column("max_vms", Integer, nullable=False),
     Column("created_at", UtcDateTime, nullable=False),
+    Column("max_paused", Integer),  # None: no limit
+    Column("max_snapshot_bytes", BigInteger),  # None: no limit
+    Column("api_key_expires_at", UtcDateTime),  # None: never
+    Column("prev_api_key_sha256", String(64)),  # the key before a rotation, during its grace
+    Column("prev_api_key_expires_at", UtcDateTime),
+    Column("deleting_at", UtcDateTime),  # `pal tenants rm` in progress: keys refused
+    Index("ix_tenants_prev_key", "prev_api_key_sha256"),
 )
 
 vms = Table(
@@ -79,9 +86,19 @@ vms = Table(
     Column("paused_by", String(16)),
     Column("node_id", String(128)),
     Column("last_activity_unix_ms", BigInteger, nullable=False, default=0),
+    Column("egress", JSON, nullable=False, default="none"),  # pal.spec.Egress as JSON
+    Column("egress_stats", JSON, nullable=False, default=dict),  # counters of past incarnations
+    Column("placement", JSON),  # AgentSpec.placement: {region, labels} (null: anywhere)
+    Column("wait_pause", JSON),  # pal.spec.WaitPause as JSON, resolved at schedule; null: off
+    Column("idle_live_pause_secs", Integer, nullable=False, default=0),
+    Column("paused_at", UtcDateTime),  # when the current pause (either kind) began
+    Column("live_stats", JSON, nullable=False, default=dict),  # live-pause counters over its life
+    # Bytes its snapshots take on its node (allocated), for the tenant's snapshot limit.
+    Column("snapshot_bytes", BigInteger, nullable=False, default=0),
     Index("ix_vms_tenant_slot", "tenant_id", "holds_slot"),
     Index("ix_vms_state", "state"),
     Index("ix_vms_parent", "parent_vm_id"),
+    Index("ix_vms_node", "node_id", "state"),
 )
 
 events = Table(
@@ -96,5 +113,38 @@ events = Table(
     Column("to_state", String(16)),
     Column("marker", String(64), nullable=False, default=""),
     Column("reason", Text),
+    Column("details", JSON),  # structured data of audit events (egress_denied: name, port, rule)
     Index("ix_events_vm", "vm_id", "id"),
+)
+
+# The nodes of the cluster, as their heartbeats describe them (pal/scheduler/nodes.py).
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("node_id", String(128), primary_key=True),
+    Column("url", String(512), nullable=False),  # its runtime manager RPC ("local" = embedded)
+    Column("region", String(64), nullable=False, default=""),
+    Column("labels", JSON, nullable=False),
+    Column("capacity", JSON, nullable=False),  # memoryMib, vcpus, diskFreeMib
+    Column("templates", JSON, nullable=False),  # warm template keys
+    Column("images", JSON, nullable=False),  # [{name, agentVersionId}]
+    Column("healthy", Boolean, nullable=False, default=True),
+    Column("health", Text),  # why not healthy
+    Column("vm_count", Integer, nullable=False, default=0),
+    Column("state", String(16), nullable=False),  # active | draining | lost
+    Column("epoch", String(64), nullable=False),  # changes each time the node process starts
+    Column("registered_at", UtcDateTime, nullable=False),
+    Column("last_seen_at", UtcDateTime, nullable=False),
+)
+
+# Leadership of the control-plane replicas: one row, a lease with a fencing token
+# (pal/scheduler/leader.py). Times are the database's clock, in ms since the epoch.
+leader_lease = Table(
+    "leader_lease",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("holder", String(128), nullable=False),
+    Column("url", String(512), nullable=False),
+    Column("token", BigInteger, nullable=False),
+    Column("expires_at_ms", BigInteger, nullable=False),
 )

@@ -5,6 +5,6 @@ states, quotas or HTTP.
 - ``cmdline``: :class:`~pal.vmm.cmdline.VmSpec` and the QEMU argv built from it
 - ``disks``: reflink / qcow2 overlay / sparse copy of disks and RAM files
 - ``datadir``: loop-mounted reflink XFS for a data dir on a non-reflink file system
-- ``accel``: KVM-or-TCG probe, cached in ``<data_dir>/accel.json``
+- ``accel``: KVM-or-TCG probe, cached in ``<data dir>/images/accel.json``
 - ``versions``: QEMU and kernel versions for ``pal doctor`` and snapshot meta
 """

@@ -4,13 +4,14 @@ A present and openable /dev/kvm is not enough: on nested hosts (kvm_pvm) a stock
 is instruction-emulated for minutes and then dies with "KVM internal error". So we boot
 the guest kernel with no root fs under KVM and a short timeout; reaching the
 "Unable to mount root fs" panic on its serial console proves KVM runs a real kernel.
-The answer is cached in ``<images dir>/accel.json`` per host kernel + QEMU version (next to
-the guest kernel it was probed with, so data dirs sharing an image dir share the answer).
+The answer is cached in ``<data dir>/images/accel.json`` per host kernel + QEMU version (so
+data dirs sharing an images dir share the answer).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import tempfile
@@ -22,6 +23,7 @@ from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.vmm.versions import QEMU_BINARY, host_kernel_version, qemu_version
 
+log = logging.getLogger(__name__)
 KVM_DEVICE = Path("/dev/kvm")
 PROBE_TIMEOUT_S = 8.0
 # Serial console lines that only a kernel which ran its whole init can print.
@@ -100,7 +102,9 @@ def boot_probe(kernel: Path, timeout_s: float = PROBE_TIMEOUT_S, binary: str = Q
 
 def _find_kernel(settings: Settings) -> Path | None:
     images = settings.images_dir
-    for cand in [images / "default" / "vmlinux", *sorted(images.glob("*/vmlinux"))]:
+    # Kernels live in shared boot sets (images/.boot/<id>/); older images had their own.
+    boot_sets = sorted(images.glob(".boot/*/vmlinux"))
+    for cand in [*boot_sets, images / "default" / "vmlinux", *sorted(images.glob("*/vmlinux"))]:
         if cand.is_file():
             return cand
     return None
@@ -127,6 +131,13 @@ def probe(settings: Settings, force: str | None = None, kernel: Path | None = No
     if kernel is None:
         # Not cached: the next call, once an image exists, probes for real.
         return AccelInfo("tcg", "no guest kernel yet to probe KVM with; using TCG for now")
+    # Only the first start on a host pays this; say why it waits.
+    log.info(
+        "probing KVM: booting a tiny VM under KVM (up to %.0f s, once per host kernel and QEMU; "
+        "the answer is cached in %s)",
+        PROBE_TIMEOUT_S,
+        cache_path,
+    )
     failure = boot_probe(kernel)
     info = (
         AccelInfo("kvm", "a probe VM booted under KVM")

@@ -2,7 +2,8 @@
 
 Boot and restore use the same function so the device set always matches (a migration
 stream only loads into an identical machine); restore adds ``-incoming defer`` and maps a
-different memory file.
+different memory file. Files and sockets are named through a :class:`Handoff` (descriptors
+QEMU inherits), never by their paths in the data dir: QEMU runs jailed (jail.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import Protocol
 
 from pal.vmm.accel import accel_args
+from pal.vmm.handoff import Handoff
 from pal.vmm.versions import QEMU_BINARY, qemu_supports_sandbox
 
-# Kernel args measured in notes/qemu-on-these-hosts.md. Under TCG, tsc_early_khz and lpj
-# are required (without them boots hang in timer calibration); they are harmless on KVM.
+# Kernel args measured on the TCG hosts Pal runs on. Under TCG, tsc_early_khz and lpj are
+# required (without them boots hang in timer calibration); they are harmless on KVM.
 BASE_KERNEL_ARGS = (
     "quiet loglevel=0 panic=-1 nokaslr mitigations=off tsc=reliable no_timer_check "
     "random.trust_cpu=on cryptomgr.notests i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=0 "
@@ -66,7 +68,14 @@ class VmSpec:
     accel: str = "tcg"  # "kvm" | "tcg"
     extra_kernel_args: str = ""
     binary: str = QEMU_BINARY
-    run_as: tuple[int, int] | None = None  # (uid, gid) QEMU drops to; see jail.py
+    run_as: tuple[int, int] | None = None  # (uid, gid) QEMU is exec'd as; see jail.py
+    groups: tuple[int, ...] = ()  # supplementary groups (a shared RAM file's; see jail.py)
+    cgroup_limits: bool = True  # host limits required (PAL_CGROUPS); see cgroups.py
+    # The NIC's backend: an open tap descriptor QEMU inherits (the manager made it in the
+    # VM's network namespace), or None for a NIC wired to nothing (VMM-level tools). The
+    # NIC itself is always there: a snapshot only loads into an identical machine.
+    net_fd: int | None = None
+    nic: bool = True  # False only to restore a snapshot taken before VMs had a NIC
 
     @property
     def qmp_socket(self) -> Path:
@@ -82,6 +91,7 @@ class VmSpec:
 
     @property
     def pid_path(self) -> Path:
+        """Written by the manager right after the exec (QEMU itself writes no pid file)."""
         return self.vm_dir / "qemu.pid"
 
     @property
@@ -112,10 +122,15 @@ def kernel_args(extra: str = "") -> str:
     return f"{args} {extra}".strip()
 
 
-def build_argv(spec: VmSpec, *, mem_path: Path, mem_share: bool, incoming: bool = False) -> list[str]:
-    """argv for QEMU. ``mem_share=False`` maps ``mem_path`` MAP_PRIVATE (copy-on-write)."""
+def build_argv(
+    spec: VmSpec, h: Handoff, *, mem_path: Path, mem_share: bool, incoming: bool = False
+) -> list[str]:
+    """argv for QEMU, opening what it needs through ``h``. ``mem_share=False`` maps
+    ``mem_path`` MAP_PRIVATE (copy-on-write)."""
     mem = f"{spec.memory_mib}M"
     share = "on" if mem_share else "off"
+    # Opaque labels and the -name keep the VM's paths and id visible in `ps` (and let a
+    # restarted manager recognise its QEMUs), though QEMU opens none of them.
     argv = [
         spec.binary,
         # -no-reboot: a guest that panics (harness died, panic=-1) makes QEMU exit, which
@@ -125,44 +140,53 @@ def build_argv(spec: VmSpec, *, mem_path: Path, mem_share: bool, incoming: bool 
         "-name",
         f"pal-{spec.vm_id},process=pal-{spec.vm_id}",
         "-object",
-        f"memory-backend-file,id=mem,size={mem},mem-path={mem_path},share={share}",
+        f"memory-backend-file,id=mem,size={mem},mem-path={h.file(mem_path)},share={share}",
         "-M",
         "microvm,x-option-roms=off,isa-serial=off,pit=on,rtc=on,memory-backend=mem",
         *("-m", mem, "-smp", str(spec.vcpus)),
         *accel_args(spec.accel),
-        *("-kernel", str(spec.image.kernel), "-initrd", str(spec.image.initrd)),
+        *("-kernel", h.file(spec.image.kernel), "-initrd", h.file(spec.image.initrd)),
         *("-append", kernel_args(spec.extra_kernel_args)),
         *("-device", "virtio-serial-device,max_ports=2"),
-        *("-chardev", f"socket,id=agent,path={spec.agent_socket},server=on,wait=off"),
+        *("-chardev", f"socket,id=agent,fd={h.listener(spec.agent_socket)},server=on,wait=off"),
         *("-device", "virtserialport,chardev=agent,name=agent"),
+    ]
+    root = h.block_device(spec.disk_path, readonly=False)
+    cfg = h.block_device(spec.config_drive, readonly=True) if spec.config_drive is not None else None
+    argv += h.add_fd_args
+    argv += [
         # cache=unsafe only skips fsync to the host disk: every guest write still reaches
         # the host file (page cache), and QMP `stop` drains and flushes all block devices
         # (qcow2 metadata included) before we reflink the disk, so a snapshot is consistent.
         # Durability across a host crash is not promised for a live VM's disk.
+        # file.locking=off: the fd set's two descriptors are separate open files (see
+        # handoff.py); the disk is this VM's alone.
         "-drive",
-        f"id=root,if=none,file={spec.disk_path},format={spec.disk_format},cache=unsafe,aio=threads",
+        f"id=root,if=none,file={root},format={spec.disk_format},cache=unsafe,aio=threads,file.locking=off",
         *("-device", "virtio-blk-device,drive=root"),
     ]
-    if spec.config_drive is not None:
+    if spec.nic:
+        # vhost=off: the in-kernel vhost worker would need /dev/vhost-net and run outside
+        # QEMU's jail; under TCG the guest, not the backend, bounds throughput anyway.
+        backend = "hubport,id=n0,hubid=0"  # wired to nothing
+        if spec.net_fd is not None:
+            backend = f"tap,id=n0,fd={h.fd(spec.net_fd)},vhost=off"
+        argv += ["-netdev", backend, "-device", "virtio-net-device,netdev=n0"]
+    if cfg is not None:
         argv += [
             "-drive",
-            f"id=cfg,if=none,file={spec.config_drive},format=raw,readonly=on",
+            f"id=cfg,if=none,file={cfg},format=raw,readonly=on,file.locking=off",
             *("-device", "virtio-blk-device,drive=cfg"),
         ]
     # No -device vmgenid: the Debian cloud kernel is built without CONFIG_VMGENID, so the
     # guest would never see a new generation id; the harness reseeds its RNG from the
     # `identify` seed after every restore/fork instead.
-    argv += ["-qmp", f"unix:{spec.qmp_socket},server=on,wait=off", "-pidfile", str(spec.pid_path)]
+    qmp = h.listener(spec.qmp_socket)
+    argv += ["-chardev", f"socket,id=qmp,fd={qmp},server=on,wait=off", "-mon", "chardev=qmp,mode=control"]
     if qemu_supports_sandbox(spec.binary):
-        # Migration goes through descriptors we pass in, so QEMU never needs to spawn.
-        # -runas needs setuid/setgid once (seccomp is installed before the drop); after
-        # the drop QEMU holds no capabilities, so it cannot elevate anyway.
-        elevate = "allow" if spec.run_as is not None else "deny"
-        argv += ["-sandbox", f"on,obsolete=deny,elevateprivileges={elevate},spawn=deny,resourcecontrol=deny"]
-    if spec.run_as is not None:
-        # Every file QEMU needs is opened at start-up (or passed as a descriptor later);
-        # then it drops to the VM's own unprivileged uid before running the guest.
-        argv += ["-runas", f"{spec.run_as[0]}:{spec.run_as[1]}"]
+        # QEMU is exec'd already as its own uid (no -runas), so set*id can be denied too;
+        # migration goes through descriptors we pass, so it never needs to spawn.
+        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
     if incoming:
         argv += ["-incoming", "defer"]
     return argv

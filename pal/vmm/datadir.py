@@ -4,6 +4,10 @@ Snapshot capture is a few ms with reflinks and seconds without, so when the host
 system cannot reflink (ext4) the data dir becomes a loop-mounted XFS image
 (``<parent>/<name>.xfs.img``, sparse, ``mkfs.xfs -m reflink=1``). Idempotent: run at every
 start; an existing image is mounted again, a mounted one is left alone.
+
+Pal does not unmount it when `pal up` stops: the store and images live there, and other
+commands (`pal tenants`, `pal image build`) use them between runs. `pal data-dir umount`
+takes it down explicitly.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def ensure_reflink_datadir(settings: Settings, log: Log = print) -> str:
     data_dir = settings.data_dir.resolve() if settings.data_dir.exists() else settings.data_dir
     image = xfs_image_path(data_dir)
     if os.path.ismount(data_dir) and _mount_source(data_dir) == str(image):
+        os.chmod(image, 0o600)  # an image an older Pal left readable to all
         log(f"data dir {data_dir}: XFS image {image} already mounted")
         return ALREADY_MOUNTED
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,9 @@ def ensure_reflink_datadir(settings: Settings, log: Log = print) -> str:
     if not image.exists():
         size = settings.xfs_image_size_gib * 1024**3
         log(f"data dir {data_dir}: creating {settings.xfs_image_size_gib} GiB sparse XFS image {image}")
-        with open(image, "wb") as f:
+        # Root's alone, whatever the umask: the image holds every snapshot (guest memory).
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.truncate(size)
         try:
             _run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)])
@@ -87,8 +94,34 @@ def ensure_reflink_datadir(settings: Settings, log: Log = print) -> str:
             image.unlink(missing_ok=True)
             raise
         action = CREATED
+    os.chmod(image, 0o600)  # also an image an older Pal left readable to all
     _run(["mount", "-o", "loop", str(image), str(data_dir)])
     if not reflink_supported(data_dir):
         raise VmmError(f"{image} mounted at {data_dir} but reflink still fails")
     log(f"data dir {data_dir}: loop-mounted reflink XFS image {image}")
     return action
+
+
+NOT_MOUNTED = "not-mounted"  # nothing of ours is mounted there
+UNMOUNTED = "unmounted"
+
+
+def umount_reflink_datadir(settings: Settings, log: Log = print) -> str:
+    """Unmount the loop XFS image that :func:`ensure_reflink_datadir` mounted on the data
+    dir (the image file stays; the next start mounts it again). Refuses a mount Pal did not
+    make, and a busy one (a server still running on it)."""
+    data_dir = settings.data_dir.resolve() if settings.data_dir.exists() else settings.data_dir
+    if not os.path.ismount(data_dir):
+        log(f"data dir {data_dir}: nothing mounted")
+        return NOT_MOUNTED
+    image = xfs_image_path(data_dir)
+    source = _mount_source(data_dir)
+    if source != str(image):
+        raise Unavailable(f"{data_dir} is a mount of {source}, not Pal's XFS image {image}; leaving it alone")
+    res = subprocess.run(["umount", str(data_dir)], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise Unavailable(
+            f"cannot unmount {data_dir}: {(res.stderr or res.stdout).strip()} (stop `pal up` on it first)"
+        )
+    log(f"data dir {data_dir}: unmounted {image} (kept; `pal up` mounts it again)")
+    return UNMOUNTED

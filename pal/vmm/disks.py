@@ -50,6 +50,17 @@ def reflink_supported(directory: Path | str) -> bool:
             p.unlink(missing_ok=True)
 
 
+def _copy_range(src_fd: int, dst_fd: int, count: int, offset: int) -> int:
+    """copy_file_range, or read+write where the kernel refuses it (across file systems)."""
+    try:
+        return os.copy_file_range(src_fd, dst_fd, count, offset, offset)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    data = os.pread(src_fd, min(count, 1 << 20), offset)
+    return os.pwrite(dst_fd, data, offset) if data else 0
+
+
 def _sparse_copy(src: Path, dst: Path) -> None:
     """Byte copy that keeps holes: guest RAM files are mostly holes and must stay so."""
     with open(src, "rb") as s, open(dst, "wb") as d:
@@ -65,7 +76,7 @@ def _sparse_copy(src: Path, dst: Path) -> None:
             hole = os.lseek(s.fileno(), data, os.SEEK_HOLE)
             off = data
             while off < hole:
-                n = os.copy_file_range(s.fileno(), d.fileno(), hole - off, off, off)
+                n = _copy_range(s.fileno(), d.fileno(), hole - off, off)
                 if n == 0:
                     break
                 off += n

@@ -11,3 +11,9 @@ class VmmError(BackendError):
 
 class VmExited(VmmError):
     """The QEMU process exited while we were waiting on it (boot, restore, snapshot)."""
+
+
+class RunstateError(VmmError):
+    """A QemuVm operation was asked for in a runstate it is not valid in (qemu.py)."""
+
+    status, code = 409, "FAILED_PRECONDITION"

@@ -1,6 +1,6 @@
 """One QEMU microvm process, driven over QMP: cold boot, snapshot, restore, pause, kill.
 
-Memory model (see DESIGN.md): guest RAM is a ``memory-backend-file``.
+Memory model (docs/lifecycle.md, "Pause and resume"): guest RAM is a ``memory-backend-file``.
 - A booted VM, or one restored with mem_mode "shared", maps its own ``vm_dir/mem``
   ``share=on``; a snapshot then migrates only device state (``x-ignore-shared``) and
   reflinks the RAM file: memory_kind "file".
@@ -10,6 +10,11 @@ Memory model (see DESIGN.md): guest RAM is a ``memory-backend-file``.
   migration stream: memory_kind "stream", no ``mem`` artifact. Restoring a "stream"
   snapshot gives the VM a fresh sparse shared ``vm_dir/mem`` again.
 
+Runstate (:class:`Runstate`): every QemuVm is in exactly one, changed only through
+``_set_state`` against one table, and every operation states the runstates it is valid in
+(:func:`require`), raising :class:`RunstateError` otherwise, in the style of qemu.qmp's
+protocol.py. An exit observed at any moment wins: EXITED is terminal.
+
 No QEMU process outlives its QemuVm: every failed boot/restore kills and reaps it.
 """
 
@@ -18,26 +23,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
+import functools
 import json
 import os
 import shlex
+import shutil
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from qemu.qmp import QMPClient, QMPError
 
 from pal.errors import InvalidRequest
 from pal.guest.protocol import encode_config
-from pal.vmm import disks
+from pal.vmm import cgroups, disks, jail
 from pal.vmm.cgroups import VmCgroup
 from pal.vmm.cmdline import VmSpec, build_argv
-from pal.vmm.errors import VmExited, VmmError
+from pal.vmm.errors import RunstateError, VmExited, VmmError
+from pal.vmm.handoff import Handoff
 from pal.vmm.versions import qemu_version
 
 QMP_TIMEOUT_S = 5.0
+# QEMU's start up to its QMP greeting: seconds on a 2-core host under load with TCG (a
+# cluster test saw more than 5 s while three nodes booted VMs). A QEMU that exits ends the
+# wait at once, so a long bound costs nothing when the start fails.
+QMP_GREETING_TIMEOUT_S = 30.0
 MIGRATE_TIMEOUT_S = 120.0  # a "stream" snapshot moves all guest RAM through a pipe
 KILL_GRACE_S = 1.0
 MEM_MODES = ("private", "shared")
@@ -77,31 +91,104 @@ def read_vmm_meta(snapshot_dir: Path) -> dict[str, Any]:
     return {"memoryKind": kind}
 
 
+class Runstate(enum.Enum):
+    IDLE = "idle"  # constructed; no process yet
+    STARTING = "starting"  # QEMU exec'd, QMP not answering yet
+    INCOMING = "incoming"  # waiting in -incoming defer for load()
+    LOADING = "loading"  # the incoming migration is running
+    RUNNING = "running"  # guest CPUs run
+    PAUSED = "paused"  # guest CPUs stopped (a live pause, after a capture, or before cont on load)
+    CAPTURING = "capturing"  # outgoing migration and file capture of a stopped guest
+    EXITED = "exited"  # the process is gone (terminal)
+
+
+S = Runstate
+# THE table: which runstate may follow which. EXITED may follow any (QEMU can die anytime).
+_NEXT: dict[Runstate, frozenset[Runstate]] = {
+    S.IDLE: frozenset({S.STARTING}),
+    S.STARTING: frozenset({S.RUNNING, S.INCOMING, S.PAUSED}),  # PAUSED: an adopted live pause
+    S.INCOMING: frozenset({S.LOADING}),
+    S.LOADING: frozenset({S.PAUSED}),
+    S.RUNNING: frozenset({S.PAUSED}),
+    S.PAUSED: frozenset({S.RUNNING, S.CAPTURING}),
+    S.CAPTURING: frozenset({S.PAUSED}),
+    S.EXITED: frozenset(),
+}
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def require(
+    *states: Runstate,
+) -> Callable[
+    [Callable[Concatenate[QemuVm, _P], Awaitable[_R]]], Callable[Concatenate[QemuVm, _P], Awaitable[_R]]
+]:
+    """Decorator: the call is valid only in ``states`` (checked before any work)."""
+
+    def deco(
+        fn: Callable[Concatenate[QemuVm, _P], Awaitable[_R]],
+    ) -> Callable[Concatenate[QemuVm, _P], Awaitable[_R]]:
+        @functools.wraps(fn)
+        async def wrapper(self: QemuVm, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+            self._check(fn.__name__, states)
+            return await fn(self, *args, **kwargs)
+
+        return wrapper
+
+    return deco
+
+
 class QemuVm:
-    """A QEMU process. Build it with :meth:`boot`, :meth:`restore` or :meth:`spawn_incoming`."""
+    """A QEMU process. Build it with :meth:`boot`, :meth:`restore`, :meth:`spawn_incoming`
+    or :meth:`adopt`; :attr:`runstate` says where it is."""
 
     def __init__(self, spec: VmSpec) -> None:
         self.spec = spec
-        self.exited = asyncio.Event()
+        self.runstate = S.IDLE
+        self.exited = asyncio.Event()  # set together with runstate EXITED
         self.mem_path: Path = spec.mem_path  # the file backing guest RAM
         self.mem_share = True
         self.ignore_shared = True  # x-ignore-shared for the next incoming migration
         self._proc: asyncio.subprocess.Process | None = None
+        self._pid: int | None = None  # ours or adopted
         self._watcher: asyncio.Task[None] | None = None
         self._qmp: QMPClient | None = None
         self._log_fd: int | None = None
         self.timings_ms: dict[str, float] = {}
-        self.disk_clone_method: str | None = None  # set when QemuVm cloned the disk itself
-        self.mem_clone_method: str | None = None  # set by a "shared" restore
         self._snapshot_dir: Path | None = None  # set by spawn_incoming
-        self._adopted_pid: int | None = None  # set by adopt(): a QEMU we did not start
-        self.cgroup: VmCgroup | None = None  # host CPU/memory limits (best effort)
+        self.cgroup: VmCgroup | None = None  # host limits (cgroups.py)
+
+    # ---------------------------------------------------------------- runstate
+
+    def _set_state(self, new: Runstate) -> None:
+        """The one place runstate changes. An exit, once seen, is never overwritten."""
+        old = self.runstate
+        if old is S.EXITED or new is old:
+            return
+        if new is S.EXITED:
+            self.runstate = new
+            self.exited.set()
+            return
+        if new not in _NEXT[old]:
+            raise RunstateError(
+                f"QEMU of {self.spec.vm_id}: {old.value} -> {new.value} is not a valid change"
+            )
+        self.runstate = new
+
+    def _check(self, op: str, states: tuple[Runstate, ...]) -> None:
+        if self.runstate in states:
+            return
+        if self.runstate is S.EXITED:
+            raise VmExited(f"QEMU of {self.spec.vm_id} has exited; cannot {op}:\n{self.log_tail()}")
+        allowed = ", ".join(s.value for s in states)
+        raise RunstateError(f"QEMU of {self.spec.vm_id} is {self.runstate.value}; {op} needs {allowed}")
 
     # ---------------------------------------------------------------- properties
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else self._adopted_pid
+        return self._pid
 
     @property
     def returncode(self) -> int | None:
@@ -117,7 +204,8 @@ class QemuVm:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and not self.exited.is_set()
+        """A process exists and has not exited (spawned by us or adopted alike)."""
+        return self.runstate not in (S.IDLE, S.EXITED)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -136,6 +224,7 @@ class QemuVm:
             spec.vm_dir.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(vm._ensure_disk, None)
             disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
+            jail.give_to(spec.mem_path, spec.run_as)
             vm.mem_path, vm.mem_share = spec.mem_path, True
             await vm._spawn(incoming=False)
         except BaseException:
@@ -144,11 +233,17 @@ class QemuVm:
         return vm
 
     @classmethod
-    async def spawn_incoming(cls, spec: VmSpec, snapshot_dir: Path, mem_mode: str) -> QemuVm:
+    async def spawn_incoming(
+        cls, spec: VmSpec, snapshot_dir: Path, mem_mode: str, mem_file: Path | None = None
+    ) -> QemuVm:
         """Start QEMU waiting in ``-incoming defer`` for ``snapshot_dir``; finish with :meth:`load`.
+        ``mem_file``: what a private restore maps (default the snapshot's own ``mem``; the
+        manager passes a reflinked copy so no QEMU ever maps a snapshot artifact).
 
         Everything that fixes the command line (memory file, device set) is decided here,
         so a warm pool can run this ahead of time and only pay for :meth:`load` on demand.
+        With mem_mode "private" the snapshot's ``mem`` is mapped copy-on-write: the caller
+        must have made it openable by ``spec``'s identity (jail.Jail.share).
         """
         if mem_mode not in MEM_MODES:
             raise InvalidRequest(f"mem_mode must be one of {MEM_MODES}, got {mem_mode!r}")
@@ -169,6 +264,8 @@ class QemuVm:
             spec = dataclasses.replace(spec, config_drive=cfg)
         elif had_cfg is False and spec.config_drive is not None:
             spec = dataclasses.replace(spec, config_drive=None)
+        if meta.get("nic") is None and spec.nic:
+            spec = dataclasses.replace(spec, nic=False)  # a snapshot from before VMs had a NIC
         vm = cls(spec)
         vm._snapshot_dir = snapshot_dir
         try:
@@ -181,13 +278,13 @@ class QemuVm:
                 # RAM comes from the stream into a fresh shared file: later snapshots of
                 # this VM are cheap again.
                 disks.new_sparse_file(spec.mem_path, size)
+                jail.give_to(spec.mem_path, spec.run_as)
                 vm.mem_path, vm.mem_share, vm.ignore_shared = spec.mem_path, True, False
             elif mem_mode == "private":
-                vm.mem_path, vm.mem_share, vm.ignore_shared = snapshot_dir / "mem", False, True
+                vm.mem_path, vm.mem_share, vm.ignore_shared = mem_file or snapshot_dir / "mem", False, True
             else:
-                vm.mem_clone_method = await asyncio.to_thread(
-                    disks.clone, snapshot_dir / "mem", spec.mem_path, qcow2_ok=False
-                )
+                await asyncio.to_thread(disks.clone, snapshot_dir / "mem", spec.mem_path, qcow2_ok=False)
+                jail.give_to(spec.mem_path, spec.run_as)
                 vm.mem_path, vm.mem_share, vm.ignore_shared = spec.mem_path, True, True
             vm.timings_ms["mem"] = _ms(t0)
             t0 = time.perf_counter()
@@ -198,8 +295,12 @@ class QemuVm:
             raise
         return vm
 
+    @require(S.INCOMING)
     async def load(self) -> None:
-        """Load the snapshot given to :meth:`spawn_incoming` and start the guest CPUs."""
+        """Load the snapshot given to :meth:`spawn_incoming` and start the guest CPUs.
+
+        Prerequisites: INCOMING. Success: RUNNING. Failure: the QEMU is killed (EXITED).
+        """
         if self._snapshot_dir is None:
             raise VmmError("load() needs a QemuVm made by spawn_incoming()")
         snapshot = self._snapshot_dir / "snapshot"
@@ -211,61 +312,79 @@ class QemuVm:
             fd = os.open(snapshot, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 await self._pass_fd("pal-migrate", fd)
+                self._set_state(S.LOADING)
                 await self._qmp_call("migrate-incoming", {"uri": "fd:pal-migrate"})
                 await self._wait_migration()
             finally:
                 os.close(fd)
+            self._set_state(S.PAUSED)
             self.timings_ms["load"] = _ms(t0)
             t0 = time.perf_counter()
-            await self._qmp_call("cont")  # required: an incoming VM does not start by itself
+            await self.cont()  # required: an incoming VM does not start by itself
             self.timings_ms["cont"] = _ms(t0)
         except BaseException:
             await self.kill()
             raise
 
     @classmethod
-    async def restore(cls, spec: VmSpec, snapshot_dir: Path, mem_mode: str) -> QemuVm:
+    async def restore(
+        cls, spec: VmSpec, snapshot_dir: Path, mem_mode: str, mem_file: Path | None = None
+    ) -> QemuVm:
         """Start a VM from a snapshot; returns with its CPUs running.
 
-        private: map the snapshot's mem MAP_PRIVATE (fork children; the snapshot must
-        outlive the VM). shared: reflink it into vm_dir/mem, map share=on (resume).
+        private: map ``mem_file`` (default the snapshot's mem) MAP_PRIVATE (fork children;
+        the file must outlive the VM). shared: reflink it into vm_dir/mem, map share=on
+        (resume).
         """
         t0 = time.perf_counter()
-        vm = await cls.spawn_incoming(spec, snapshot_dir, mem_mode)
+        vm = await cls.spawn_incoming(spec, snapshot_dir, mem_mode, mem_file)
         await vm.load()
         vm.timings_ms["total"] = _ms(t0)
         return vm
 
     @classmethod
-    async def adopt(cls, spec: VmSpec, pid: int, *, mem_path: Path, mem_share: bool) -> QemuVm:
+    async def adopt(
+        cls, spec: VmSpec, pid: int, *, mem_path: Path, mem_share: bool, keep_paused: bool = False
+    ) -> QemuVm:
         """Take over a QEMU a previous manager process started (it crashed or restarted).
 
         The guest CPUs are left running: a capture that was in flight died with the old
         manager, so any outgoing migration is cancelled and a stopped guest continued.
+        With ``keep_paused`` (the VM was live-paused) a stopped guest stays stopped.
+        Success: RUNNING (PAUSED with ``keep_paused``). Failure: the QEMU is killed.
         """
         vm = cls(spec)
         vm.mem_path, vm.mem_share = mem_path, mem_share
-        vm._adopted_pid = pid
-        vm.cgroup = VmCgroup.existing(spec.vm_id)
         try:
             pidfd = os.pidfd_open(pid)
         except OSError as exc:
             raise VmExited(f"QEMU {pid} of {spec.vm_id} is gone: {exc}") from exc
+        vm._pid = pid
+        vm._set_state(S.STARTING)
         loop = asyncio.get_running_loop()
 
         def gone() -> None:
             loop.remove_reader(pidfd)
             os.close(pidfd)
-            vm.exited.set()
+            vm._set_state(S.EXITED)
 
         loop.add_reader(pidfd, gone)  # a pidfd turns readable when the process exits
         try:
+            if spec.cgroup_limits:  # limits hold for adopted QEMUs too (fail closed)
+                vm.cgroup = cgroups.existing_for(spec.vm_id) or cgroups.create_for(
+                    spec.vm_id, spec.vcpus, spec.memory_mib
+                )
+                vm.cgroup.add(pid)
             await vm._connect_qmp()
             status = (await vm._qmp_call("query-status")).get("status")
             if status != "running":
                 with contextlib.suppress(VmmError):
                     await vm._qmp_call("migrate_cancel")
-                await vm._qmp_call("cont")
+                if not keep_paused:
+                    await vm._qmp_call("cont")
+            elif keep_paused:
+                await vm._qmp_call("stop")  # died between its cont and its bookkeeping
+            vm._set_state(S.PAUSED if keep_paused else S.RUNNING)
         except BaseException:
             await vm.kill()
             raise
@@ -280,65 +399,88 @@ class QemuVm:
             return
         src = source if source is not None else spec.image.rootfs
         method = disks.clone(src, spec.disk_path)
-        self.spec = spec = dataclasses.replace(spec, disk_format=disks.disk_format_for(method))
-        self.disk_clone_method = method
+        self.spec = dataclasses.replace(spec, disk_format=disks.disk_format_for(method))
 
+    @require(S.IDLE)
     async def _spawn(self, *, incoming: bool) -> None:
+        """Exec QEMU jailed (jail.py) with what it needs (handoff.py) in its cgroup.
+
+        Prerequisites: IDLE. Success: INCOMING or RUNNING, QMP connected. Failure: raises;
+        the caller kills (a process may exist).
+        """
         spec = self.spec
+        binary = shutil.which(spec.binary) or spec.binary  # resolved here: QEMU gets no PATH search
         if spec.run_as is not None:
-            # QEMU re-opens its disk when an incoming VM starts, by then as its own uid:
-            # the VM's private disk must be its own. (Snapshots and images stay root's.)
-            os.chown(spec.disk_path, *spec.run_as)
-        for p in (spec.qmp_socket, spec.agent_socket, spec.pid_path):
-            p.unlink(missing_ok=True)
-        argv = build_argv(spec, mem_path=self.mem_path, mem_share=self.mem_share, incoming=incoming)
-        self._log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        os.write(self._log_fd, f"--- {time.strftime('%FT%T')} {shlex.join(argv)}\n".encode())
+            for f in (spec.image.kernel, spec.image.initrd):
+                if os.stat(f).st_mode & 0o004 == 0:  # QEMU opens them itself, as its own uid
+                    raise VmmError(f"{f} must be readable by every uid (0644) for a jailed QEMU")
+        # Fail closed: the limits exist before QEMU does (503 when they cannot).
+        self.cgroup = (
+            await asyncio.to_thread(cgroups.create_for, spec.vm_id, spec.vcpus, spec.memory_mib)
+            if spec.cgroup_limits
+            else None
+        )
+        self._log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         t0 = time.perf_counter()
-        try:
-            # Own session: kill() signals the whole group, including `migrate exec:` helpers.
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=self._log_fd,
-                stderr=self._log_fd,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise VmmError(f"cannot start {argv[0]}: {exc}") from exc
+        with Handoff() as h:
+            argv = build_argv(spec, h, mem_path=self.mem_path, mem_share=self.mem_share, incoming=incoming)
+            argv[0] = binary
+            os.write(self._log_fd, f"--- {time.strftime('%FT%T')} {shlex.join(argv)}\n".encode())
+            try:
+                # Own session: kill() signals the whole group.
+                self._proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=self._log_fd,
+                    stderr=self._log_fd,
+                    start_new_session=True,
+                    pass_fds=h.pass_fds,
+                    **jail.exec_kwargs(spec.run_as, spec.groups, spec.accel),
+                )
+            except OSError as exc:
+                raise VmmError(f"cannot start {binary}: {exc}") from exc
+        self._pid = self._proc.pid
+        spec.pid_path.write_text(f"{self._pid}\n")  # for a restarted manager (no -pidfile)
+        self._set_state(S.STARTING)
         self._watcher = asyncio.create_task(self._watch(), name=f"qemu-watch-{spec.vm_id}")
-        self.cgroup = VmCgroup.create(spec.vm_id, spec.vcpus, spec.memory_mib)
+        # QEMU is still starting: no guest code has run. Into its cgroup now, or not at all.
         if self.cgroup is not None:
-            self.cgroup.add(self._proc.pid)
+            self.cgroup.add(self._pid)
         await self._connect_qmp()
         self.timings_ms["qmp"] = _ms(t0)
+        self._set_state(S.INCOMING if incoming else S.RUNNING)
 
     async def _watch(self) -> None:
         assert self._proc is not None
         await self._proc.wait()
-        self.exited.set()
+        self._set_state(S.EXITED)
 
     async def _connect_qmp(self) -> None:
-        deadline = time.monotonic() + QMP_TIMEOUT_S
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if self.exited.is_set():
-                raise VmExited(
-                    f"QEMU for {self.spec.vm_id} exited with code {self.returncode} before QMP came up:\n"
-                    f"{self.log_tail()}"
-                )
-            if self.spec.qmp_socket.exists():
-                client = QMPClient(f"pal-{self.spec.vm_id}")
-                try:
-                    await asyncio.wait_for(client.connect(str(self.spec.qmp_socket)), timeout=1.0)
-                    self._qmp = client
-                    return
-                except (QMPError, OSError, TimeoutError) as exc:
-                    last = exc
-                    with contextlib.suppress(Exception):
-                        await client.disconnect()
-            await asyncio.sleep(0.005)
-        raise VmmError(f"QMP socket of {self.spec.vm_id} not ready after {QMP_TIMEOUT_S:.0f} s ({last})")
+        """Connect to the QMP socket (listening since before the exec) and wait for the
+        greeting, or for the process to exit, whichever comes first."""
+        client = QMPClient(f"pal-{self.spec.vm_id}")
+        connect = asyncio.create_task(client.connect(str(self.spec.qmp_socket)))
+        died = asyncio.create_task(self.exited.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {connect, died}, timeout=QMP_GREETING_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if connect in done and connect.exception() is None:
+                self._qmp = client
+                return
+            why = f"{connect.exception()}" if connect in done else "no greeting"
+        finally:
+            for t in (connect, died):
+                t.cancel()
+            await asyncio.gather(connect, died, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await client.disconnect()
+        if self.exited.is_set():
+            raise VmExited(
+                f"QEMU for {self.spec.vm_id} exited with code {self.returncode} before QMP came up:\n"
+                f"{self.log_tail()}"
+            )
+        raise VmmError(f"QMP of {self.spec.vm_id} not ready after {QMP_GREETING_TIMEOUT_S:.0f} s ({why})")
 
     async def _qmp_call(self, cmd: str, args: dict[str, Any] | None = None) -> Any:
         if self._qmp is None or self.exited.is_set():
@@ -382,14 +524,18 @@ class QemuVm:
         self._qmp.send_fd_scm(fd)
         await self._qmp_call("getfd", {"fdname": name})
 
+    @require(S.RUNNING)
     async def pause(self) -> None:
-        """Stop the guest CPUs (QMP stop: also drains and flushes the block devices)."""
+        """Stop the guest CPUs in place (a live pause: QMP ``stop`` also drains and flushes
+        the block devices). Prerequisites: RUNNING. Success: PAUSED."""
         await self._qmp_call("stop")
+        self._set_state(S.PAUSED)
 
-    stop_cpus = pause
-
+    @require(S.PAUSED)
     async def cont(self) -> None:
+        """Run the stopped guest CPUs. Prerequisites: PAUSED. Success: RUNNING."""
         await self._qmp_call("cont")
+        self._set_state(S.RUNNING)
 
     async def snapshot(self, dest_dir: Path, keep_running: bool) -> SnapshotArtifacts:
         """Capture device state, RAM and disk at one instant into ``dest_dir``.
@@ -401,7 +547,7 @@ class QemuVm:
         t0 = time.perf_counter()
         if keep_running:
             try:
-                await self._qmp_call("cont")
+                await self.cont()
             except BaseException:
                 await self.kill()
                 raise
@@ -412,11 +558,13 @@ class QemuVm:
         art.durations_ms["total"] = round(sum(art.durations_ms.values()), 2)
         return art
 
+    @require(S.RUNNING, S.PAUSED)
     async def capture(self, dest_dir: Path) -> SnapshotArtifacts:
-        """Stop the guest and capture it into ``dest_dir``; the guest stays stopped.
+        """Stop the guest (unless live-paused already) and capture it into ``dest_dir``.
 
-        The caller decides what follows (``cont``, or ``kill`` once the capture is safely
-        committed). On failure the artifacts are removed and the guest runs again.
+        Prerequisites: RUNNING or PAUSED. Success: PAUSED (the caller decides what follows: ``cont``,
+        or ``kill`` once the capture is safely committed). Failure: the artifacts are
+        removed and the guest runs again (RUNNING), or the QEMU is gone (EXITED).
         """
         dest = Path(dest_dir)
         os.makedirs(dest, exist_ok=True)
@@ -429,8 +577,10 @@ class QemuVm:
         try:
             t0 = time.perf_counter()
             await self._qmp_call("stop")
+            self._set_state(S.PAUSED)
             dur["stop"] = _ms(t0)
             t0 = time.perf_counter()
+            self._set_state(S.CAPTURING)
             # x-ignore-shared skips share=on file-backed RAM; for private RAM it must be
             # off anyway so restore knows to expect RAM in the stream.
             await self._set_ignore_shared(kind == MEMORY_FILE)
@@ -444,8 +594,10 @@ class QemuVm:
             dur["device_state"] = _ms(t0)
             if kind == MEMORY_FILE:
                 t0 = time.perf_counter()
-                mem_dst = paths["mem"]
-                methods["mem"] = await asyncio.to_thread(disks.clone, self.mem_path, mem_dst, qcow2_ok=False)
+                methods["mem"] = await asyncio.to_thread(
+                    disks.clone, self.mem_path, paths["mem"], qcow2_ok=False
+                )
+                os.chmod(paths["mem"], 0o600)  # the clone of the VM's own file: root's again
                 dur["mem_clone"] = _ms(t0)
             t0 = time.perf_counter()
             methods["rootfs"] = await asyncio.to_thread(
@@ -457,32 +609,37 @@ class QemuVm:
                 "memoryMib": self.spec.memory_mib,
                 "vcpus": self.spec.vcpus,
                 "configDrive": self.spec.config_drive is not None,
+                "nic": self.spec.nic,
                 "accel": self.spec.accel,
                 "qemuVersion": qemu_version(self.spec.binary),
                 "kernel": str(self.spec.image.kernel),
             }
             paths["vmm"].write_text(json.dumps(meta, indent=2))
+            self._set_state(S.PAUSED)
         except BaseException:
             for p in paths.values():
                 p.unlink(missing_ok=True)
-            await self._recover_after_failed_snapshot()
+            await self._recover_after_failed_capture()
             raise
         sizes = {name: p.stat().st_size for name, p in paths.items()}
         return SnapshotArtifacts(dest, paths, sizes, kind, methods, dur, meta)
 
-    async def _recover_after_failed_snapshot(self) -> None:
-        if not self.alive:
-            return
+    async def _recover_after_failed_capture(self) -> None:
+        """Rollback in one place: the guest runs again, or the QEMU is killed."""
+        if self.runstate not in (S.PAUSED, S.CAPTURING):
+            return  # RUNNING: `stop` itself failed; EXITED: nothing to recover
         try:
             with contextlib.suppress(VmmError):
                 await self._qmp_call("migrate_cancel")
-            await self._qmp_call("cont")
+            self._set_state(S.PAUSED)
+            await self.cont()
         except BaseException:
             await self.kill()
 
     async def kill(self) -> None:
         """QMP quit, then SIGKILL to the process group; always reaps. Idempotent.
 
+        Valid in every runstate; afterwards EXITED (IDLE stays IDLE: there is no process).
         Works the same for an adopted QEMU (not our child: its exit is seen via a pidfd).
         """
         pid = self.pid
@@ -506,6 +663,6 @@ class QemuVm:
         if self._log_fd is not None:
             os.close(self._log_fd)
             self._log_fd = None
-        if self.cgroup is not None and self.exited.is_set():
+        if self.cgroup is not None and (self.exited.is_set() or pid is None):
             cgroup, self.cgroup = self.cgroup, None
             await asyncio.to_thread(cgroup.remove)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import functools
-import json
 import platform
 import re
 import subprocess
-from pathlib import Path
 
 QEMU_BINARY = "qemu-system-x86_64"
 
@@ -38,13 +36,3 @@ def qemu_supports_sandbox(binary: str = QEMU_BINARY) -> bool:
 
 def host_kernel_version() -> str:
     return platform.release()
-
-
-def image_kernel_version(image_dir: Path) -> str | None:
-    """The guest kernel version recorded in an image's meta.json (``kernelVersion``)."""
-    try:
-        meta = json.loads((Path(image_dir) / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
-    v = meta.get("kernelVersion") if isinstance(meta, dict) else None
-    return str(v) if v else None

@@ -62,7 +62,10 @@ def test_client_reads_pal_url_and_key_from_the_environment(
     monkeypatch.setenv("PAL_URL", pal_server.url)
     monkeypatch.setenv("PAL_API_KEY", sdk_key)
     with Client() as c:
-        assert isinstance(c.runtime.list(), list)
+        assert c.base_url == pal_server.url and c.health()["ok"] is True  # this server
+        with pytest.raises(NotFoundError) as missing:  # authenticated (not 401) by that key
+            c.runtime.get("vm-none")
+        assert missing.value.status == 404
     monkeypatch.setenv("PAL_API_KEY", "pal_wrong")
     with Client() as c, pytest.raises(AuthenticationError) as exc:
         c.runtime.list()
@@ -100,6 +103,16 @@ def test_sync_lifecycle(client: Client, vms: list[str]) -> None:
         ("raw.bin", 3),
     ]
     assert rt.exec(vm_id, "wc", ["-c", "data/raw.bin"]).stdout == "3 data/raw.bin\n"
+    # bytes come back exactly; a file that is not text is never decoded by mistake
+    rt.write_file(vm_id, "data/bin", bytes(range(256)))
+    assert rt.read_file_bytes(vm_id, "data/bin") == bytes(range(256))
+    with pytest.raises(UnicodeDecodeError):
+        rt.read_file(vm_id, "data/bin")
+    assert rt.delete_file(vm_id, "data/bin") == {"path": "data/bin", "deleted": True}
+    with pytest.raises(NotFoundError):
+        rt.delete_file(vm_id, "data/bin")
+    with pytest.raises(BadRequestError):
+        rt.delete_file(vm_id, "data")  # a directory
     rt.exec(vm_id, "/bin/sh", ["-c", "head -c 1100000 /dev/zero | tr '\\0' b > big.txt"])
     big = rt.read_file(vm_id, "big.txt")
     assert big.truncated is True and len(big) == 1024 * 1024 and set(big) == {"b"}
@@ -133,15 +146,18 @@ def test_sync_lifecycle(client: Client, vms: list[str]) -> None:
 def test_exec_stream_yields_output_as_it_happens(client: Client, vms: list[str]) -> None:
     vm_id = client.runtime.schedule()["vmId"]
     vms.append(vm_id)
-    seen: list[tuple[ExecEvent, float]] = []
-    for ev in client.runtime.exec_stream(vm_id, "/bin/sh", ["-c", "echo first; sleep 3; echo second"]):
-        seen.append((ev, time.monotonic()))
-    assert [ev for ev, _ in seen] == [
+    # The command cannot end before the test, having got "first", creates the gate.
+    line = "echo first; while [ ! -e gate ]; do sleep 0.1; done; echo second"
+    seen: list[ExecEvent] = []
+    for ev in client.runtime.exec_stream(vm_id, "/bin/sh", ["-c", line]):
+        seen.append(ev)
+        if ev.data == "first\n":
+            client.runtime.write_file(vm_id, "gate", b"")
+    assert seen == [
         ExecEvent("stdout", data="first\n"),
         ExecEvent("stdout", data="second\n"),
         ExecEvent("exit", exit_code=0),
     ]
-    assert seen[1][1] - seen[0][1] > 2.0, "the first line came before the command finished"
 
 
 async def test_async_client_concurrent_execs_and_stream(pal_server: PalServer, sdk_key: str) -> None:
@@ -151,15 +167,26 @@ async def test_async_client_concurrent_execs_and_stream(pal_server: PalServer, s
         ids = [v["vmId"] for v in made]
         try:
             assert len(set(ids)) == 2 and all(v["state"] == "running" for v in made)
-            # three commands in each VM at once: they overlap instead of queueing
-            t0 = time.monotonic()
-            results = await asyncio.gather(
-                *(rt.exec(vm, "/bin/sh", ["-c", f"sleep 2; echo {vm}-{i}"]) for vm in ids for i in range(3))
+
+            # three commands in each VM at once: they overlap instead of queueing. Each
+            # says it started, then waits for /tmp/go: queued ones would never all start.
+            def line(vm: str, i: int) -> str:
+                return f"touch /tmp/started-{i}; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo {vm}-{i}"
+
+            running = asyncio.gather(
+                *(rt.exec(vm, "/bin/sh", ["-c", line(vm, i)]) for vm in ids for i in range(3))
             )
-            elapsed = time.monotonic() - t0
+            deadline = time.monotonic() + 300  # a hang guard, not a speed bound
+            for vm in ids:
+                count = ["-c", "ls /tmp | grep -c '^started-' || true"]
+                while (await rt.exec(vm, "/bin/sh", count)).stdout.strip() != "3":
+                    assert time.monotonic() < deadline and not running.done(), "the execs did not all start"
+                    await asyncio.sleep(0.1)
+            for vm in ids:
+                await rt.exec(vm, "/bin/touch", ["/tmp/go"])
+            results = await running
             assert [r.stdout for r in results] == [f"{vm}-{i}\n" for vm in ids for i in range(3)]
             assert all(r.exit_code == 0 for r in results)
-            assert elapsed < 5.0, f"6 execs of 2 s took {elapsed:.1f} s: not concurrent"
 
             await rt.write_file(ids[0], "a.txt", "async\n")
             assert await rt.read_file(ids[0], "a.txt") == "async\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -24,6 +25,7 @@ from tests.s3server import TEST_ENV, S3Server, free_port
 pytestmark = pytest.mark.s3
 
 AV = "default-0123456789ab"
+KEY = b"k" * 32  # the snapshot HMAC key (a cluster shares one)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +54,7 @@ def bucket(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def store(tmp_path: Path, s3_server: S3Server, bucket: str) -> Iterator[SnapshotStore]:
-    s = SnapshotStore(tmp_path / "snapshots", mirror_for(s3_server.endpoint, bucket))
+    s = SnapshotStore(tmp_path / "snapshots", mirror_for(s3_server.endpoint, bucket), key=KEY)
     yield s
     s.close()
 
@@ -82,15 +84,12 @@ def test_locate_restores_from_s3_after_the_local_copy_is_lost(store: SnapshotSto
     shutil.rmtree(path)  # the node lost its disk
     assert not store.exists(ref)
 
-    started = time.monotonic()
     located = store.locate(ref)
-    elapsed = time.monotonic() - started
     assert located == path and store.verify(ref)
     for name, data in contents.items():
         assert (located / name).read_bytes() == data
     # holes survive the round trip: the 64 MiB disk holds 1 MiB of data
     assert os.stat(located / "rootfs").st_blocks * 512 < 8 << 20
-    assert elapsed < 30
     # and another tenant still cannot have it
     shutil.rmtree(path)
     with pytest.raises(NotFound):
@@ -122,17 +121,32 @@ def test_delete_removes_both_tiers(store: SnapshotStore) -> None:
         store.locate(ref)
 
 
+def test_delete_vm_removes_its_snapshots_from_both_tiers_but_the_kept(store: SnapshotStore) -> None:
+    assert store.mirror is not None
+    refs = [SnapshotRef(AV, "vm-d", sid, "t") for sid in ("a", "b")]
+    for ref in refs:
+        take(store, ref)
+    assert store.flush(60) and (AV, "vm-d") in store.mirror.list_vms()
+    store.delete_vm(AV, "vm-d", keep={"b"})
+    assert store.flush(60)
+    assert store.mirror._list_keys(refs[0].s3_prefix) == [] and store.mirror.read_meta(refs[1]) is not None
+    store.delete_vm(AV, "vm-d")
+    assert store.flush(60) and (AV, "vm-d") not in store.vms()
+
+
 def test_retention_applies_to_the_s3_tier(tmp_path: Path, s3_server: S3Server, bucket: str) -> None:
+    ticks = itertools.count()
     store = SnapshotStore(
         tmp_path / "snapshots",
         mirror_for(s3_server.endpoint, bucket),
+        key=KEY,
         protected_provider=lambda av, vm: {"s0"},
+        clock=lambda: time.time() + next(ticks),  # a second apart: distinct createdAt, no sleep
     )
     try:
         assert store.mirror is not None
         for i in range(5):
             take(store, SnapshotRef(AV, "vm-1", f"s{i}", "t"))
-            time.sleep(0.01)  # distinct createdAt
         assert store.flush(60)
         on_s3 = sorted(m["snapshotId"] for m in store.mirror.list_vm(AV, "vm-1"))
         # newest 3 plus the protected s0; s1 never reached S3 or was deleted there
@@ -146,13 +160,11 @@ def test_upload_failure_does_not_fail_commit_and_is_retried_when_the_server_is_b
     tmp_path: Path, bucket: str
 ) -> None:
     port = free_port()  # nothing listens here yet
-    store = SnapshotStore(tmp_path / "snapshots", mirror_for(f"http://127.0.0.1:{port}", bucket))
+    store = SnapshotStore(tmp_path / "snapshots", mirror_for(f"http://127.0.0.1:{port}", bucket), key=KEY)
     try:
         assert store.mirror is not None
         ref = SnapshotRef(AV, "vm-1", "snap-1", "t")
-        started = time.monotonic()
-        path, contents = take(store, ref)
-        assert time.monotonic() - started < 5  # commit never waits for S3
+        path, contents = take(store, ref)  # succeeds although S3 refuses connections
         assert store.verify(ref) and store.flush_seals(30)
         assert not store.mirror.flush(2)  # still failing, still queued
         assert store.mirror.pending() == 1
@@ -166,30 +178,32 @@ def test_upload_failure_does_not_fail_commit_and_is_retried_when_the_server_is_b
 
 
 def test_commit_does_not_wait_for_a_server_that_hangs(tmp_path: Path, bucket: str) -> None:
-    # accepts connections (kernel backlog) but never answers: a synchronous upload
-    # would block the commit for the read timeout and its retries
+    # Accepts connections (kernel backlog) but never answers, and the client waits an hour
+    # for an answer: a commit that uploaded synchronously could not return while it hangs.
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(16)
         endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
-        mirror = S3Mirror(endpoint, bucket, "us-east-1", connect_timeout_s=1.0, read_timeout_s=1.0)
-        store = SnapshotStore(tmp_path / "snapshots", mirror)
+        mirror = S3Mirror(endpoint, bucket, "us-east-1", connect_timeout_s=3600, read_timeout_s=3600)
+        store = SnapshotStore(tmp_path / "snapshots", mirror, key=KEY)
         try:
             assert store.mirror is not None
             ref = SnapshotRef(AV, "vm-1", "snap-1", "t")
-            started = time.monotonic()
-            take(store, ref)
-            assert time.monotonic() - started < 2
+            committing = threading.Thread(target=take, args=(store, ref))
+            committing.start()
+            committing.join(300)  # a hang guard, far below the client's hour
+            assert not committing.is_alive(), "the commit waited for the hung S3 server"
             assert store.verify(ref) and store.flush_seals(30)
             assert store.mirror.pending() == 1
         finally:
+            hung.close()  # resets the queued connections: the uploader stops waiting
             store.close()
 
 
 def test_pending_uploads_survive_a_restart(tmp_path: Path, bucket: str) -> None:
     port = free_port()
     root = tmp_path / "snapshots"
-    first = SnapshotStore(root, mirror_for(f"http://127.0.0.1:{port}", bucket))
+    first = SnapshotStore(root, mirror_for(f"http://127.0.0.1:{port}", bucket), key=KEY)
     ref = SnapshotRef(AV, "vm-1", "snap-1", "t")
     try:
         take(first, ref)
@@ -197,7 +211,7 @@ def test_pending_uploads_survive_a_restart(tmp_path: Path, bucket: str) -> None:
         first.close()  # the manager stops before the upload ever succeeded
 
     with S3Server(port):
-        second = SnapshotStore(root, mirror_for(f"http://127.0.0.1:{port}", bucket))
+        second = SnapshotStore(root, mirror_for(f"http://127.0.0.1:{port}", bucket), key=KEY)
         try:
             assert second.mirror is not None
             assert second.mirror.pending() == 1

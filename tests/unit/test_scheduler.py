@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from pal.errors import BackendError, Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
-from pal.scheduler import quotas
-from pal.scheduler.spec import AgentSpec, ExecRequest
+from pal.images.paths import ImageNotFound
+from pal.manager.models import ImageInfo
 from pal.scheduler.states import Marker, VmState
+from pal.spec import AgentSpec, ExecRequest
 from tests.fakes import AGENT_VERSION, SchedEnv, make_env
 
 S = VmState
@@ -22,13 +23,13 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _running(env: SchedEnv, **spec: object) -> str:
-    view = await env.sched.schedule(env.tenant_id, AgentSpec(**spec))  # type: ignore[arg-type]
+    view, _ = await env.sched.schedule(env.tenant_id, AgentSpec(**spec))  # type: ignore[arg-type]
     assert view.state == S.RUNNING
     return view.vm_id
 
 
 def _slots(env: SchedEnv) -> int:
-    return quotas.in_use(env.store, env.tenant_id)
+    return env.store.count_slots(env.tenant_id)
 
 
 def _states(env: SchedEnv, vm_id: str) -> list[str | None]:
@@ -39,8 +40,9 @@ def _states(env: SchedEnv, vm_id: str) -> list[str | None]:
 
 
 async def test_schedule_runs_the_vm_and_records_each_state(env: SchedEnv) -> None:
-    view = await env.sched.schedule(env.tenant_id, AgentSpec(secrets={"K": "v"}, limits={"memory_mib": 512}))
-    assert view.state == S.RUNNING and view.boot_method == "cold" and view.limits.memory_mib == 512
+    spec = AgentSpec(secrets={"K": "v"}, limits={"memory_mib": 512})  # type: ignore[arg-type]
+    view, boot_method = await env.sched.schedule(env.tenant_id, spec)
+    assert view.state == S.RUNNING and boot_method == "cold" and view.limits["memory_mib"] == 512
     vm_id = view.vm_id
     assert _states(env, vm_id) == ["pending", "spawning", "running"]
     req = env.manager.spawn_requests[0]
@@ -58,16 +60,43 @@ async def test_schedule_over_quota_is_402_and_leaves_no_row(env: SchedEnv) -> No
     assert len(env.store.list_vms()) == 3
 
 
-async def test_spawn_failure_fails_the_vm_with_the_reason_and_frees_the_slot(env: SchedEnv) -> None:
-    env.manager.fail("spawn", Unavailable("image 'nope' is not built"))
-    with pytest.raises(Unavailable):
+async def test_unknown_image_is_refused_before_any_row_or_slot(env: SchedEnv) -> None:
+    for _ in range(3):
+        await _running(env)  # quota full: the image is checked first all the same
+    with pytest.raises(InvalidRequest) as ei:
         await env.sched.schedule(env.tenant_id, AgentSpec(image="nope"))
+    assert ei.value.code == "IMAGE_NOT_FOUND" and ei.value.status == 400
+    assert len(env.store.list_vms()) == 3
+
+
+async def test_spawn_failure_fails_the_vm_with_the_reason_and_frees_the_slot(env: SchedEnv) -> None:
+    env.manager.fail("spawn", Unavailable("no accelerator"))
+    with pytest.raises(Unavailable):
+        await env.sched.schedule(env.tenant_id, AgentSpec())
     [vm] = env.store.list_vms()
-    assert vm.state == S.FAILED and "image 'nope' is not built" in (vm.reason or "")
+    assert vm.state == S.FAILED and "no accelerator" in (vm.reason or "")
     assert _slots(env) == 0
     env.manager.fail("spawn", RuntimeError("qemu crashed"))
     with pytest.raises(BackendError):  # a non-Pal error is a 500
         await env.sched.schedule(env.tenant_id, AgentSpec())
+
+
+async def test_unknown_or_hidden_image_is_400_before_any_row_or_reservation(env: SchedEnv) -> None:
+    other, _ = env.store.create_tenant("other", 0)  # no quota at all: still 400, never 402
+    env.manager.image_infos.append(
+        ImageInfo(
+            name="private", agent_version_id="sha256-" + "e" * 64, kind="import", tenants=[env.tenant_id]
+        )
+    )
+    for tenant, image in ((env.tenant_id, "nope"), (other.id, "nope"), (other.id, "private")):
+        with pytest.raises(ImageNotFound) as err:
+            await env.sched.schedule(tenant, AgentSpec(image=image))
+        assert (err.value.status, err.value.code) == (400, "IMAGE_NOT_FOUND")
+    assert env.store.list_vms() == [] and env.manager.spawn_requests == []
+    assert [i.name for i in await env.sched.list_images(other.id)] == ["default"]
+    assert [i.name for i in await env.sched.list_images(env.tenant_id)] == ["default", "private"]
+    vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec(image="private"))
+    assert vm.image == "private" and env.manager.spawn_requests[-1].image == "private"
 
 
 async def test_get_list_and_events_are_tenant_scoped(env: SchedEnv) -> None:
@@ -296,7 +325,7 @@ async def test_shutdown_suspends_running_vms_and_stops_what_it_cannot(env: Sched
     assert vb is not None and vb.state == S.PAUSED and vb.paused_by == "operator"
     assert vc is not None and vc.state == S.TERMINATED
     assert env.manager.alive == {}
-    assert quotas.in_use(env.store, env.tenant_id) == 0
+    assert env.store.count_slots(env.tenant_id) == 0
     # after the restart, the suspended VM wakes on its next request
     assert await _exec(env, a) == ["stdout", "exit"]
     assert (await env.sched.get(env.tenant_id, a)).state == S.RUNNING
@@ -390,3 +419,10 @@ async def test_list_hides_vms_terminated_over_an_hour_ago(env: SchedEnv) -> None
         )
     assert [v.vm_id for v in await env.sched.list(env.tenant_id)] == [recent]
     assert (await env.sched.get(env.tenant_id, old)).state == S.TERMINATED
+
+
+async def test_an_image_added_after_the_nodes_last_heartbeat_is_schedulable_at_once(env: SchedEnv) -> None:
+    await _running(env)  # the node has heartbeated: its record lists `default` only
+    env.manager.image_infos.append(ImageInfo(name="fresh", agent_version_id="sha256-" + "f" * 64))
+    vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec(image="fresh"))
+    assert vm.state == S.RUNNING and env.manager.spawn_requests[-1].image == "fresh"

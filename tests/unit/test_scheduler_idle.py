@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pal.errors import BackendError
+from pal.errors import BackendError, NotFound
 from pal.scheduler.idle import IdleSweeper
 from pal.scheduler.scheduler import IDLE_REASON
-from pal.scheduler.spec import AgentSpec
 from pal.scheduler.states import Marker, VmState
+from pal.spec import AgentSpec, ExecRequest
 from tests.fakes import SchedEnv, make_env
 
 S = VmState
@@ -24,7 +25,7 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _vm(env: SchedEnv, idle_secs: int) -> str:
-    return (await env.sched.schedule(env.tenant_id, AgentSpec(idle_timeout_secs=idle_secs))).vm_id
+    return (await env.sched.schedule(env.tenant_id, AgentSpec(idle_timeout_secs=idle_secs)))[0].vm_id
 
 
 async def test_idle_vm_is_suspended_after_its_timeout_not_before(env: SchedEnv) -> None:
@@ -93,18 +94,68 @@ async def test_failed_idle_pause_leaves_vm_running_and_sweeper_alive(env: SchedE
     assert env.store.get_vm(vm_id).state == S.RUNNING  # type: ignore[union-attr]
 
 
-async def test_background_loop_suspends_within_timeout_plus_interval(tmp_path: Path) -> None:
-    """The started scheduler polls on its own; real time here, so keep numbers tiny."""
-
-    env = make_env(tmp_path, idle_sweep_interval_s=0.05)
-    env.sched.clock = time.time
+async def test_the_started_scheduler_sweeps_on_its_own(tmp_path: Path) -> None:
+    """The background loop ticks by itself (a real 20 ms interval); time is the fake clock."""
+    env = make_env(tmp_path, idle_sweep_interval_s=0.02)
     await env.sched.start()
     try:
-        vm_id = (await env.sched.schedule(env.tenant_id, AgentSpec(idle_timeout_secs=1))).vm_id
-        t0 = time.monotonic()
-        while env.store.get_vm(vm_id).state != S.PAUSED:  # type: ignore[union-attr]
-            assert time.monotonic() - t0 < 3, "not suspended within timeout + interval"
-            await asyncio.sleep(0.02)
-        assert time.monotonic() - t0 >= 0.9
+        vm_id = await _vm(env, 60)
+
+        def sweeps() -> int:
+            return sum(1 for call, _ in env.manager.calls if call == "heartbeat")
+
+        async def until(cond: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 60  # a hang guard, not a speed bound
+            while not cond():
+                assert time.monotonic() < deadline, "the background loop did not get there"
+                await asyncio.sleep(0.01)
+
+        seen = sweeps()
+        await until(lambda: sweeps() >= seen + 3)
+        assert env.store.get_vm(vm_id).state == S.RUNNING  # type: ignore[union-attr]
+        env.clock.advance(61)
+        await until(lambda: env.store.get_vm(vm_id).state == S.PAUSED)  # type: ignore[union-attr]
     finally:
         await env.sched.close()
+
+
+async def test_a_guest_claiming_constant_activity_is_suspended_one_timeout_late_at_most(
+    env: SchedEnv,
+) -> None:
+    """A hostile guest says it is always busy and its last activity is in the future: the
+    claim counts at most one idle timeout past the host-observed activity (idle.py)."""
+    vm_id = await _vm(env, 60)
+    liar = env.manager.alive[vm_id]
+    liar.guest_active = True
+    liar.guest_last_activity_unix_ms = int((env.clock.now + 10**6) * 1000)
+    sweeper = IdleSweeper(env.sched)
+    env.clock.advance(100)  # past the timeout, within the guest's one-timeout extension
+    assert await sweeper.sweep() == []
+    env.clock.advance(21)  # > 2 x 60 s after the last host-observed activity
+    assert await sweeper.sweep() == [vm_id]
+
+
+async def test_a_guest_claim_extends_idleness_only_up_to_now(env: SchedEnv) -> None:
+    vm_id = await _vm(env, 60)
+    env.clock.advance(50)
+    env.manager.alive[vm_id].guest_last_activity_unix_ms = int(env.clock.now * 1000)  # honest: a job ended
+    env.clock.advance(50)  # 100 s since the last request, 50 s since the guest's activity
+    assert await IdleSweeper(env.sched).sweep() == []
+    env.clock.advance(11)
+    assert await IdleSweeper(env.sched).sweep() == [vm_id]
+
+
+async def test_another_tenants_request_does_not_stamp_the_vm(env: SchedEnv) -> None:
+    vm_id = await _vm(env, 60)
+    other, _ = env.store.create_tenant("mallory", 5)
+    sweeper = IdleSweeper(env.sched)
+    for _ in range(3):
+        env.clock.advance(30)
+        with pytest.raises(NotFound):
+            await env.sched.write_file(other.id, vm_id, "a", b"x")
+        with pytest.raises(NotFound):
+            async for _ev in env.sched.exec_stream(other.id, vm_id, ExecRequest(command="true")):
+                pass
+        assert vm_id not in env.sched.inflight
+    # 90 s after the only request of its owner (schedule): idle, whatever mallory did.
+    assert await sweeper.sweep() == [vm_id]

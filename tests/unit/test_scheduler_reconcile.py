@@ -1,21 +1,25 @@
 """Reconciliation after a crash at each point of each operation.
 
-Each test builds the row a crash would leave (by running the real operation up to the
-crash point through the store and the fake node), starts a fresh Scheduler on the same
-store and node, and checks the VM's settled state and slot.
+Each test runs the real operation until the control plane "dies" at a crash point (a
+:class:`tests.fakes.Crash` raised at a failpoint or by the fake node: no rollback runs),
+scripts what the node did meanwhile, starts a fresh Scheduler on the same store and node,
+and checks the VM's settled state and slot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pal.scheduler import quotas, reconcile
-from pal.scheduler.scheduler import Scheduler, new_snapshot_id
-from pal.scheduler.spec import AgentSpec
-from pal.scheduler.states import Marker, VmState
-from tests.fakes import AGENT_VERSION, SchedEnv, make_env
+from pal.scheduler.scheduler import Scheduler
+from pal.scheduler.states import Action, Marker, VmState
+from pal.spec import AgentSpec
+from pal.store import VmRecord
+from tests.fakes import AGENT_VERSION, Crash, FakeVm, SchedEnv, crash_at, make_env
 
 S = VmState
 
@@ -26,7 +30,7 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _running(env: SchedEnv) -> str:
-    return (await env.sched.schedule(env.tenant_id, AgentSpec())).vm_id
+    return (await env.sched.schedule(env.tenant_id, AgentSpec()))[0].vm_id
 
 
 async def _restart(env: SchedEnv) -> tuple[Scheduler, list[str]]:
@@ -36,127 +40,186 @@ async def _restart(env: SchedEnv) -> tuple[Scheduler, list[str]]:
     return sched, fixes
 
 
-def _crash_mid_pause(env: SchedEnv, vm_id: str, *, snapshot_done: bool, vm_alive: bool) -> str:
-    """Leave vm_id DRAINING+pausing as pause() persists it before the manager call."""
-    snap = new_snapshot_id()
-    with env.store.write() as tx:
-        tx.update_vm(vm_id, state="draining", marker=Marker.PAUSING.value, snapshot_id=snap)
-    if snapshot_done:
-        env.manager.snapshots[(AGENT_VERSION, vm_id, snap)] = True
-    if not vm_alive:
-        env.manager.kill(vm_id)
-    return snap
+async def _crashes(op: Awaitable[Any]) -> None:
+    with pytest.raises(Crash):
+        await op
 
 
-def _vm(env: SchedEnv, vm_id: str):  # type: ignore[no-untyped-def]
+def _vm(env: SchedEnv, vm_id: str) -> VmRecord:
     vm = env.store.get_vm(vm_id)
     assert vm is not None
     return vm
 
 
-async def test_pause_crash_after_complete_snapshot_ends_paused(env: SchedEnv) -> None:
+async def _crash_mid_pause(
+    env: SchedEnv,
+    mp: pytest.MonkeyPatch,
+    vm_id: str,
+    *,
+    snapshot_done: bool,
+    vm_alive: bool,
+    idle: bool = False,
+) -> None:
+    """Die right after pause persisted DRAINING + its snapshot id; the node then had (or
+    had not) committed the snapshot and stopped (or not) the QEMU."""
+    crash_at(mp, "pause:draining")
+    if idle:
+        await _crashes(env.sched.idle_pause(vm_id, still_idle=lambda _vm: True))
+    else:
+        await _crashes(env.sched.pause(env.tenant_id, vm_id))
+    vm = _vm(env, vm_id)
+    assert vm.state == S.DRAINING and vm.snapshot_id
+    if snapshot_done:
+        env.manager.snapshots[(AGENT_VERSION, vm_id, vm.snapshot_id)] = True
+    if not vm_alive:
+        env.manager.kill(vm_id)
+
+
+async def test_pause_crash_after_complete_snapshot_ends_paused(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
     vm_id = await _running(env)
-    _crash_mid_pause(env, vm_id, snapshot_done=True, vm_alive=True)  # stop not reached yet
+    await _crash_mid_pause(env, monkeypatch, vm_id, snapshot_done=True, vm_alive=True)  # stop not reached
     await _restart(env)
     vm = _vm(env, vm_id)
     assert vm.state == S.PAUSED and not vm.holds_slot and vm.paused_by == "operator"
     assert vm_id not in env.manager.alive  # the still-running QEMU was stopped
 
 
-async def test_pause_crash_before_snapshot_with_vm_alive_ends_running(env: SchedEnv) -> None:
+async def test_pause_crash_after_the_snapshot_step_ends_paused(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
     vm_id = await _running(env)
-    _crash_mid_pause(env, vm_id, snapshot_done=False, vm_alive=True)
-    await _restart(env)
-    vm = _vm(env, vm_id)
-    assert vm.state == S.RUNNING and vm.holds_slot
-
-
-async def test_pause_crash_with_vm_gone_and_no_snapshot_ends_failed(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    _crash_mid_pause(env, vm_id, snapshot_done=False, vm_alive=False)
-    await _restart(env)
-    vm = _vm(env, vm_id)
-    assert vm.state == S.FAILED and not vm.holds_slot
-
-
-async def test_idle_pause_crash_keeps_idle_attribution(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    _crash_mid_pause(env, vm_id, snapshot_done=True, vm_alive=False)
-    with env.store.write() as tx:
-        tx.update_vm(vm_id, marker=Marker.IDLE_PAUSING.value)
-    await _restart(env)
-    assert _vm(env, vm_id).paused_by == "idle"
-
-
-async def test_pause_crash_after_paused_but_before_release_frees_slot_once(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
-    with env.store.write() as tx:  # as if the release had not been committed
-        tx.set_holds_slot(vm_id, True)
-    _, fixes = await _restart(env)
-    assert not _vm(env, vm_id).holds_slot and any("slot released" in f for f in fixes)
-    assert quotas.release(env.store, vm_id) is False  # a late RPC-path release is a no-op
-
-
-async def test_delete_crash_ends_terminated(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    with env.store.write() as tx:
-        tx.update_vm(vm_id, state="draining", marker=Marker.DELETING.value)
-    await _restart(env)
-    assert _vm(env, vm_id).state == S.TERMINATED and vm_id not in env.manager.alive
-
-
-async def test_resume_crash_with_new_incarnation_alive_ends_running(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
-    await env.sched.resume(env.tenant_id, vm_id)
-    with env.store.write() as tx:  # crash after spawn returned, before RUNNING was written
-        tx.update_vm(vm_id, state="spawning", marker=Marker.RESUMING.value)
-    await _restart(env)
-    vm = _vm(env, vm_id)
-    assert vm.state == S.RUNNING and vm.holds_slot
-
-
-async def test_resume_crash_before_spawn_ends_paused(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
-    quotas.reserve(env.store, env.tenant_id, existing=[vm_id])
-    with env.store.write() as tx:
-        tx.update_vm(vm_id, state="spawning", marker=Marker.RESUMING.value, incarnation=2)
+    crash_at(monkeypatch, "pause:snapshotted")
+    await _crashes(env.sched.pause(env.tenant_id, vm_id))
     await _restart(env)
     vm = _vm(env, vm_id)
     assert vm.state == S.PAUSED and not vm.holds_slot
 
 
-async def test_resume_crash_with_stale_incarnation_stops_it_and_ends_paused(env: SchedEnv) -> None:
+async def test_pause_crash_before_snapshot_with_vm_alive_ends_running(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vm_id = await _running(env)
+    await _crash_mid_pause(env, monkeypatch, vm_id, snapshot_done=False, vm_alive=True)
+    await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.RUNNING and vm.holds_slot
+
+
+async def test_pause_crash_with_vm_gone_and_no_snapshot_ends_failed(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vm_id = await _running(env)
+    await _crash_mid_pause(env, monkeypatch, vm_id, snapshot_done=False, vm_alive=False)
+    await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.FAILED and not vm.holds_slot
+
+
+async def test_idle_pause_crash_keeps_idle_attribution(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vm_id = await _running(env)
+    await _crash_mid_pause(env, monkeypatch, vm_id, snapshot_done=True, vm_alive=False, idle=True)
+    assert _vm(env, vm_id).marker == Marker.IDLE_PAUSING
+    await _restart(env)
+    assert _vm(env, vm_id).paused_by == "idle"
+
+
+async def test_slot_flag_out_of_step_with_the_state_is_repaired_once(env: SchedEnv) -> None:
     vm_id = await _running(env)
     await env.sched.pause(env.tenant_id, vm_id)
-    await env.sched.resume(env.tenant_id, vm_id)  # node runs incarnation 2
-    with env.store.write() as tx:  # the row already expects incarnation 3
-        tx.update_vm(vm_id, state="spawning", marker=Marker.RESUMING.value, incarnation=3)
+    with env.store.write() as tx:  # books corrupted behind the transition function's back
+        tx.set_holds_slot(vm_id, True)
+    _, fixes = await _restart(env)
+    assert not _vm(env, vm_id).holds_slot and any("slot released" in f for f in fixes)
+    with env.store.write() as tx:
+        assert quotas.release_in(tx, vm_id) is False  # a late release is a no-op
+
+
+async def test_delete_crash_ends_terminated(env: SchedEnv) -> None:
+    vm_id = await _running(env)
+    env.manager.fail("stop", Crash("stop"))
+    await _crashes(env.sched.delete(env.tenant_id, vm_id))
+    assert _vm(env, vm_id).marker == Marker.DELETING
+    await _restart(env)
+    assert _vm(env, vm_id).state == S.TERMINATED and vm_id not in env.manager.alive
+
+
+async def test_resume_crash_with_new_incarnation_alive_ends_running(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vm_id = await _running(env)
+    await env.sched.pause(env.tenant_id, vm_id)
+    crash_at(monkeypatch, "resume:spawned")  # spawn returned, RUNNING not written
+    await _crashes(env.sched.resume(env.tenant_id, vm_id))
+    await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.RUNNING and vm.holds_slot and vm.incarnation == 2
+
+
+async def test_resume_crash_before_spawn_ends_paused(env: SchedEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    vm_id = await _running(env)
+    await env.sched.pause(env.tenant_id, vm_id)
+    crash_at(monkeypatch, "resume:spawning")
+    await _crashes(env.sched.resume(env.tenant_id, vm_id))
+    assert _vm(env, vm_id).holds_slot
+    await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.PAUSED and not vm.holds_slot
+
+
+async def test_resume_crash_with_stale_incarnation_stops_it_and_ends_paused(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vm_id = await _running(env)
+    await env.sched.pause(env.tenant_id, vm_id)
+    env.manager.alive[vm_id] = FakeVm(vm_id, 1, "old")  # a stray QEMU of incarnation 1 survived
+    crash_at(monkeypatch, "resume:spawning")  # the row already expects incarnation 2
+    await _crashes(env.sched.resume(env.tenant_id, vm_id))
     await _restart(env)
     assert _vm(env, vm_id).state == S.PAUSED and vm_id not in env.manager.alive
 
 
-async def test_spawn_crash_ends_running_if_alive_else_failed(env: SchedEnv) -> None:
-    up = await _running(env)
-    down = await _running(env)
+def _spawn_then_crash(env: SchedEnv) -> Callable[..., Awaitable[Any]]:
+    real = env.manager.spawn
+
+    async def spawn(req: Any) -> Any:
+        await real(req)
+        raise Crash("spawned")
+
+    return spawn
+
+
+async def test_spawn_crash_ends_running_if_alive_else_failed(
+    env: SchedEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = await _running(env)
+    monkeypatch.setattr(env.manager, "spawn", _spawn_then_crash(env))
+    await _crashes(env.sched.schedule(env.tenant_id, AgentSpec()))
+    await _crashes(env.sched.fork(env.tenant_id, src, 1))
+    up, down = (v.vm_id for v in env.store.list_vms(states=[S.SPAWNING]))
     env.manager.kill(down)
-    with env.store.write() as tx:
-        for vid in (up, down):
-            tx.update_vm(vid, state="spawning", marker=Marker.FORKING.value)
     await _restart(env)
     assert _vm(env, up).state == S.RUNNING
     assert _vm(env, down).state == S.FAILED and not _vm(env, down).holds_slot
 
 
-async def test_pending_ends_failed(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    env.manager.kill(vm_id)
-    with env.store.write() as tx:
-        tx.update_vm(vm_id, state="pending", marker="")
+async def test_pending_ends_failed(env: SchedEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = env.sched.transitions.transition
+
+    async def transition(vm_id: str, action: Action, **kw: Any) -> VmRecord:
+        if action == Action.PLACE:
+            raise Crash("before placement")
+        return await real(vm_id, action, **kw)
+
+    monkeypatch.setattr(env.sched.transitions, "transition", transition)
+    await _crashes(env.sched.schedule(env.tenant_id, AgentSpec()))
+    (vm,) = env.store.list_vms()
+    assert vm.state == S.PENDING
     await _restart(env)
-    assert _vm(env, vm_id).state == S.FAILED and not _vm(env, vm_id).holds_slot
+    assert _vm(env, vm.vm_id).state == S.FAILED and not _vm(env, vm.vm_id).holds_slot
 
 
 async def test_running_whose_qemu_died_ends_failed(env: SchedEnv) -> None:
@@ -181,8 +244,6 @@ async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:
 async def test_unknown_qemu_on_the_node_is_stopped(env: SchedEnv) -> None:
     vm_id = await _running(env)
     await env.sched.delete(env.tenant_id, vm_id)
-    from tests.fakes import FakeVm
-
     env.manager.alive["vm-stray"] = FakeVm("vm-stray", 1, "t")
     env.manager.alive[vm_id] = FakeVm(vm_id, 1, "t")
     await _restart(env)
@@ -191,7 +252,8 @@ async def test_unknown_qemu_on_the_node_is_stopped(env: SchedEnv) -> None:
 
 async def test_slot_flag_set_for_a_live_vm_that_lost_it(env: SchedEnv) -> None:
     vm_id = await _running(env)
-    quotas.release(env.store, vm_id)
+    with env.store.write() as tx:  # books corrupted behind the transition function's back
+        quotas.release_in(tx, vm_id)
     await _restart(env)
     assert _vm(env, vm_id).holds_slot
 
@@ -216,7 +278,7 @@ async def test_light_reconcile_fails_a_vm_whose_harness_went_silent(env: SchedEn
     assert _vm(env, silent).state == S.FAILED and "silent" in (_vm(env, silent).reason or "")
     assert silent not in env.manager.alive, "its QEMU was stopped"
     assert _vm(env, fine).state == S.RUNNING
-    assert quotas.in_use(env.store, env.tenant_id) == 1
+    assert env.store.count_slots(env.tenant_id) == 1
 
 
 async def test_reconcile_changes_nothing_on_a_consistent_store(env: SchedEnv) -> None:

@@ -21,17 +21,17 @@ from pal.sdk import (
     PayloadTooLargeError,
     QuotaExceededError,
 )
-from tests.unit.test_api_helpers import Env, make_env, serve
+from tests.apienv import ApiEnv, make_api, serve
 
 
 @pytest.fixture
-def live(tmp_path: Path) -> Iterator[tuple[Env, str]]:
-    env = make_env(tmp_path)
+def live(tmp_path: Path) -> Iterator[tuple[ApiEnv, str]]:
+    env = make_api(tmp_path)
     with serve(env.app) as url:
         yield env, url
 
 
-def test_sync_client_round_trip(live: tuple[Env, str]) -> None:
+def test_sync_client_round_trip(live: tuple[ApiEnv, str]) -> None:
     env, url = live
     with Client(url, env.key_a, timeout=10) as c:
         vm = c.runtime.schedule(limits={"memoryMib": 512}, idleTimeoutSecs=30)
@@ -39,7 +39,9 @@ def test_sync_client_round_trip(live: tuple[Env, str]) -> None:
         assert vm["limits"]["memoryMib"] == 512 and vm["idleTimeoutSecs"] == 30
         assert [v["vmId"] for v in c.runtime.list()] == [vm_id]
         res = c.runtime.exec(vm_id, "echo", ["hello"])
-        assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (0, "hello\n", "warn\n", False)
+        assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (0, "hello\n", "", False)
+        res = c.runtime.exec(vm_id, "fail", ["3"])
+        assert (res.exit_code, res.stdout, res.stderr, res.timed_out) == (3, "", "warn\n", False)
         assert c.runtime.exec(vm_id, "sleepy", timeout_secs=1).timed_out is True
         assert c.runtime.write_file(vm_id, "a.txt", "héllo") == {"path": "a.txt", "bytesWritten": 6}
         text = c.runtime.read_file(vm_id, "a.txt")
@@ -49,29 +51,33 @@ def test_sync_client_round_trip(live: tuple[Env, str]) -> None:
         with pytest.raises(ConflictError) as exc:
             c.runtime.exec(vm_id, "echo")
         assert exc.value.status == 409 and exc.value.code == "FAILED_PRECONDITION"
-        assert c.runtime.resume(vm_id)["state"] == "running"
-        forks = c.runtime.fork(vm_id, count=2)["forks"]
-        assert [f.get("error") for f in forks] == [None, "restore failed"]
-        assert "auto_resume" in [e["kind"] for e in c.runtime.events(vm_id)]
+        resumed = c.runtime.resume(vm_id)
+        assert resumed["state"] == "running" and resumed["snapshotId"].startswith("snap-")
+        (child,) = c.runtime.fork(vm_id, count=1)["forks"]
+        assert child["state"] == "running" and "error" not in child
+        assert ["paused", "running"] == [
+            e["toState"] for e in c.runtime.events(vm_id) if e["toState"] in ("paused", "running")
+        ][1:]
         assert c.runtime.delete(vm_id)["state"] == "terminated"
 
 
-def test_sync_exec_stream(live: tuple[Env, str]) -> None:
+def test_sync_exec_stream(live: tuple[ApiEnv, str]) -> None:
     env, url = live
     with Client(url, env.key_a, timeout=10) as c:
         vm_id = c.runtime.schedule()["vmId"]
         events = list(c.runtime.exec_stream(vm_id, "echo", ["x"]))
+        assert [(e.type, e.data, e.exit_code) for e in events] == [("stdout", "x\n", None), ("exit", None, 0)]
+        events = list(c.runtime.exec_stream(vm_id, "fail", ["2"]))
         assert [(e.type, e.data, e.exit_code) for e in events] == [
-            ("stdout", "x\n", None),
             ("stderr", "warn\n", None),
-            ("exit", None, 0),
+            ("exit", None, 2),
         ]
         # A guest-side failure is the stream's last event, not an HTTP error.
         (err,) = list(c.runtime.exec_stream(vm_id, "missing"))
         assert err.type == "error" and err.code == "EXECUTABLE_NOT_FOUND" and err.message
 
 
-def test_typed_errors(live: tuple[Env, str]) -> None:
+def test_typed_errors(live: tuple[ApiEnv, str]) -> None:
     env, url = live
     with pytest.raises(AuthenticationError):
         Client(url, "pal_bogus").runtime.list()
@@ -93,7 +99,7 @@ def test_typed_errors(live: tuple[Env, str]) -> None:
         Client("http://127.0.0.1:9", "k", timeout=2).runtime.list()
 
 
-def test_defaults_come_from_env(monkeypatch: pytest.MonkeyPatch, live: tuple[Env, str]) -> None:
+def test_defaults_come_from_env(monkeypatch: pytest.MonkeyPatch, live: tuple[ApiEnv, str]) -> None:
     env, url = live
     monkeypatch.setenv("PAL_URL", url)
     monkeypatch.setenv("PAL_API_KEY", env.key_b)
@@ -101,14 +107,14 @@ def test_defaults_come_from_env(monkeypatch: pytest.MonkeyPatch, live: tuple[Env
     assert c.base_url == url and c.runtime.list() == []
 
 
-async def test_async_client(live: tuple[Env, str]) -> None:
+async def test_async_client(live: tuple[ApiEnv, str]) -> None:
     env, url = live
     async with AsyncClient(url, env.key_a, timeout=10) as c:
         vm_id = (await c.runtime.schedule())["vmId"]
         assert (await c.runtime.get(vm_id))["state"] == "running"
         assert (await c.runtime.exec(vm_id, "echo", ["hi"])).stdout == "hi\n"
-        got = [ev.type async for ev in c.runtime.exec_stream(vm_id, "echo")]
-        assert got == ["stdout", "stderr", "exit"]
+        got = [ev.type async for ev in c.runtime.exec_stream(vm_id, "fail")]
+        assert got == ["stderr", "exit"]
         await c.runtime.write_file(vm_id, "f.txt", b"abc")
         assert await c.runtime.read_file(vm_id, "f.txt") == "abc"
         assert len(await c.runtime.list()) == 1
@@ -117,7 +123,7 @@ async def test_async_client(live: tuple[Env, str]) -> None:
 
 
 async def test_async_client_over_asgi_transport(tmp_path: Path) -> None:
-    env = make_env(tmp_path)
+    env = make_api(tmp_path)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal")
     async with AsyncClient("http://pal", env.key_a, http_client=http) as c:
         assert (await c.runtime.schedule())["state"] == "running"
@@ -131,3 +137,57 @@ def test_sdk_imports_nothing_else_from_pal() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_egress_in_schedule_and_set_egress(live: tuple[ApiEnv, str]) -> None:
+    env, url = live
+    with Client(url, env.key_a, timeout=10) as c:
+        vm = c.runtime.schedule(egress={"allow": ["api.test:8080"]}, limits={"maxConnections": 8})
+        assert vm["egress"] == {"allow": ["api.test:8080"]} and vm["limits"]["maxConnections"] == 8
+        assert c.runtime.set_egress(vm["vmId"], "none")["egress"] == "none"
+        assert c.runtime.get(vm["vmId"])["network"]["connections"] == 0
+        with pytest.raises(BadRequestError, match="bad entry"):
+            c.runtime.set_egress(vm["vmId"], {"allow": ["bad entry!"]})
+
+
+async def test_async_set_egress(live: tuple[ApiEnv, str]) -> None:
+    env, url = live
+    async with AsyncClient(url, env.key_a, timeout=10) as c:
+        vm_id = (await c.runtime.schedule(egress="open"))["vmId"]
+        assert (await c.runtime.set_egress(vm_id, {"deny": ["x.test"]}))["egress"] == {"deny": ["x.test"]}
+
+
+async def test_images_lists_what_the_tenant_may_schedule(live: tuple[ApiEnv, str]) -> None:
+    env, url = live
+    with Client(url, env.key_a) as c:
+        assert [i["name"] for i in c.images()] == ["default"]
+    async with AsyncClient(url, env.key_a) as ac:
+        [img] = await ac.images()
+    assert img["digest"].startswith("sha256-")
+
+
+def test_files_are_binary_safe(live: tuple[ApiEnv, str]) -> None:
+    env, url = live
+    with Client(url, env.key_a, timeout=10) as c:
+        vm_id = c.runtime.schedule()["vmId"]
+        blob = bytes(range(256))
+        assert c.runtime.write_file(vm_id, "blob.bin", blob)["bytesWritten"] == 256
+        got = c.runtime.read_file_bytes(vm_id, "blob.bin")
+        assert got == blob and isinstance(got, bytes) and got.truncated is False
+        with pytest.raises(UnicodeDecodeError) as exc:
+            c.runtime.read_file(vm_id, "blob.bin")  # never silently replaced
+        assert "read_file_bytes" in str(exc.value.__notes__)
+        c.runtime.write_file(vm_id, "t.txt", "é" * 10)
+        assert c.runtime.read_file(vm_id, "t.txt") == "é" * 10
+        assert c.runtime.delete_file(vm_id, "blob.bin") == {"path": "blob.bin", "deleted": True}
+        with pytest.raises(NotFoundError):
+            c.runtime.read_file_bytes(vm_id, "blob.bin")
+
+
+async def test_async_files_are_binary_safe(live: tuple[ApiEnv, str]) -> None:
+    env, url = live
+    async with AsyncClient(url, env.key_a, timeout=10) as c:
+        vm_id = (await c.runtime.schedule())["vmId"]
+        await c.runtime.write_file(vm_id, "b", b"\xff\x00")
+        assert await c.runtime.read_file_bytes(vm_id, "b") == b"\xff\x00"
+        assert (await c.runtime.delete_file(vm_id, "b"))["deleted"] is True

@@ -10,7 +10,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest
-from pal.store import Store, VmRecord, hash_api_key
+from pal.store import LIFECYCLE_COLUMNS, Store, VmRecord, hash_api_key
 
 
 def _vm(vm_id: str, tenant_id: str, **kw: object) -> VmRecord:
@@ -30,12 +30,25 @@ def _vm(vm_id: str, tenant_id: str, **kw: object) -> VmRecord:
     return VmRecord(**base)  # type: ignore[arg-type]
 
 
+def _head() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from pal.store.migrate import MIGRATIONS_DIR
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None
+    return head
+
+
 def test_open_runs_migrations_and_enables_wal(tmp_path: Path) -> None:
     store = Store.open(Settings(data_dir=tmp_path / "dd"))
     store.close()
     db = sqlite3.connect(tmp_path / "dd" / "pal.db")
     try:
-        assert db.execute("select version_num from alembic_version").fetchall() == [("0001",)]
+        assert db.execute("select version_num from alembic_version").fetchall() == [(_head(),)]
         tables = {r[0] for r in db.execute("select name from sqlite_master where type='table'")}
         assert {"tenants", "vms", "events"} <= tables
         assert db.execute("pragma journal_mode").fetchone()[0] == "wal"
@@ -58,8 +71,8 @@ def test_tenant_api_key_is_shown_once_and_stored_hashed(tmp_path: Path) -> None:
     assert tenant.created_at.tzinfo is not None
 
 
-def test_tenant_names_are_unique_and_validated(tmp_path: Path) -> None:
-    store = Store.open(Settings(data_dir=tmp_path))
+def test_tenant_names_are_unique_and_validated(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
     store.create_tenant("acme", 5)
     with pytest.raises(Conflict):
         store.create_tenant("acme", 3)
@@ -69,8 +82,8 @@ def test_tenant_names_are_unique_and_validated(tmp_path: Path) -> None:
         store.create_tenant("b", -1)
 
 
-def test_vm_rows_round_trip_as_dataclasses(tmp_path: Path) -> None:
-    store = Store.open(Settings(data_dir=tmp_path))
+def test_vm_rows_round_trip_as_dataclasses(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
     tenant, _ = store.create_tenant("acme", 5)
     with store.write() as tx:
         tx.insert_vm(_vm("vm-a", tenant.id, parent_vm_id="vm-p", mem_snapshot_id="snap-1"))
@@ -83,21 +96,36 @@ def test_vm_rows_round_trip_as_dataclasses(tmp_path: Path) -> None:
     assert store.list_vms(tenant_id="other") == []
 
 
-def test_guarded_update_only_applies_in_the_expected_state(tmp_path: Path) -> None:
-    store = Store.open(Settings(data_dir=tmp_path))
+def test_guarded_update_only_applies_in_the_expected_state(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
     tenant, _ = store.create_tenant("acme", 5)
     with store.write() as tx:
         tx.insert_vm(_vm("vm-a", tenant.id))
     with store.write() as tx:
-        assert not tx.update_vm("vm-a", expect_state="paused", state="spawning")
-        assert tx.update_vm("vm-a", expect_state="running", state="draining")
+        assert not tx.write_lifecycle("vm-a", expect_state="paused", state="spawning")
+        assert tx.write_lifecycle("vm-a", expect_state="running", state="draining")
     assert store.get_vm("vm-a").state == "draining"  # type: ignore[union-attr]
     with pytest.raises(ValueError):
         store.update_vm("vm-a", no_such_column=1)
 
 
-def test_failed_write_transaction_leaves_nothing(tmp_path: Path) -> None:
-    store = Store.open(Settings(data_dir=tmp_path))
+@pytest.mark.parametrize("column", sorted(LIFECYCLE_COLUMNS))
+def test_plain_updates_refuse_lifecycle_columns(tmp_path: Path, column: str, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
+    tenant, _ = store.create_tenant("acme", 5)
+    with store.write() as tx:
+        tx.insert_vm(_vm("vm-a", tenant.id, snapshot_id="snap-1", paused_by="idle", reason="r"))
+    before = store.get_vm("vm-a")
+    with pytest.raises(ValueError, match="transition function"):
+        store.update_vm("vm-a", **{column: None}, last_activity_unix_ms=5)
+    with pytest.raises(ValueError, match="transition function"), store.write() as tx:
+        tx.update_vm("vm-a", **{column: None})
+    assert store.get_vm("vm-a") == before  # nothing written, not even the allowed column
+    assert store.update_vm("vm-a", last_activity_unix_ms=7)
+
+
+def test_failed_write_transaction_leaves_nothing(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
     tenant, _ = store.create_tenant("acme", 5)
     with pytest.raises(RuntimeError), store.write() as tx:
         tx.insert_vm(_vm("vm-a", tenant.id))
@@ -107,8 +135,8 @@ def test_failed_write_transaction_leaves_nothing(tmp_path: Path) -> None:
     assert store.list_events("vm-a") == []
 
 
-def test_events_are_listed_in_order(tmp_path: Path) -> None:
-    store = Store.open(Settings(data_dir=tmp_path))
+def test_events_are_listed_in_order(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
     tenant, _ = store.create_tenant("acme", 5)
     store.add_event("vm-a", tenant.id, "status", to_state="pending")
     store.add_event("vm-a", tenant.id, "status", from_state="pending", to_state="spawning")
@@ -118,3 +146,32 @@ def test_events_are_listed_in_order(tmp_path: Path) -> None:
         ("status", "spawning"),
         ("auto_resume", None),
     ]
+
+
+def test_records_are_their_tables_columns() -> None:
+    """A VM field is declared in records.py and tables.py (+ a migration); rows are read
+    into records by these names."""
+    from dataclasses import fields
+
+    from pal.store.records import EventRecord, Tenant
+    from pal.store.tables import events, tenants, vms
+
+    def names(cls: type) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    assert names(VmRecord) == {c.name for c in vms.columns}
+    assert names(EventRecord) == {c.name for c in events.columns}
+    never_read_back = {"api_key_sha256", "prev_api_key_sha256"}
+    assert names(Tenant) == {c.name for c in tenants.columns} - never_read_back
+
+
+def test_migrations_build_the_schema_the_code_declares(tmp_path: Path, db_url: str) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from pal.store.tables import metadata
+
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), metadata)
+    assert diff == []

@@ -39,7 +39,26 @@ def test_versions() -> None:
     assert versions.host_kernel_version()
 
 
-def test_image_kernel_version_from_meta(tmp_path: Path) -> None:
-    (tmp_path / "meta.json").write_text('{"kernelVersion": "6.1.0-57-cloud-amd64"}')
-    assert versions.image_kernel_version(tmp_path) == "6.1.0-57-cloud-amd64"
-    assert versions.image_kernel_version(tmp_path / "missing") is None
+def test_the_xfs_image_is_created_root_only_and_said(tmp_path: Path) -> None:
+    """The image holds every snapshot (guest memory): never readable by other users, even
+    with a permissive umask or when an older Pal left it so; and its creation is said."""
+    if disks.reflink_supported(tmp_path) or os.geteuid() != 0:
+        pytest.skip("needs a non-reflink tmp dir and root (loop mount)")
+    data = tmp_path / "data"
+    settings = Settings(data_dir=data, xfs_image_size_gib=1)
+    said: list[str] = []
+    old = os.umask(0o022)
+    try:
+        assert datadir.ensure_reflink_datadir(settings, log=said.append) == datadir.CREATED
+    finally:
+        os.umask(old)
+    image = datadir.xfs_image_path(data)
+    try:
+        assert image.stat().st_mode & 0o777 == 0o600
+        assert any(f"creating 1 GiB sparse XFS image {image}" in m for m in said), said
+        assert datadir.umount_reflink_datadir(settings, log=said.append) == datadir.UNMOUNTED
+        image.chmod(0o644)  # as an older Pal created it
+        assert datadir.ensure_reflink_datadir(settings, log=said.append) == datadir.MOUNTED
+        assert image.stat().st_mode & 0o777 == 0o600
+    finally:
+        datadir.umount_reflink_datadir(settings, log=said.append)

@@ -1,4 +1,7 @@
-"""Warm templates: a snapshot of a freshly booted VM per (image build, RAM, vCPUs).
+"""Warm templates: a snapshot of a freshly booted VM per (image build, RAM, vCPUs, disk).
+
+A manager concern: the runtime builds them with its own spawn and capture and restores
+from them in ``NodeRuntime.spawn``.
 
 Booting is the slow part (seconds under TCG), so ``schedule`` restores from a template
 instead: the restored guest then takes its own identity (token, clock, RNG seed) and gets
@@ -17,17 +20,19 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
+from pal.manager.models import SpawnRequest
+from pal.sizes import size_name
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # runtime.py imports this module
     from pal.manager.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "template.json"
-DEFAULT_DISK_MIB = 2048  # AgentSpec's default (pal/scheduler/spec.py)
 
 
 class TemplateCache:
@@ -36,13 +41,10 @@ class TemplateCache:
         self._building: dict[str, asyncio.Task[Path | None]] = {}
 
     @staticmethod
-    def key(image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int = DEFAULT_DISK_MIB) -> str:
-        # The disk size is part of the key: the guest grows its file system at boot.
-        return f"{image.agent_version_id}-{memory_mib}m-{vcpus}c-{disk_mib}d"
+    def key(image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> str:
+        return f"{image.agent_version_id}-{size_name(memory_mib, vcpus, disk_mib)}"
 
-    def lookup(
-        self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int = DEFAULT_DISK_MIB
-    ) -> Path | None:
+    def lookup(self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> Path | None:
         path = self.root / self.key(image, memory_mib, vcpus, disk_mib)
         return path if (path / COMPLETE).exists() else None
 
@@ -52,7 +54,7 @@ class TemplateCache:
         image: ImagePaths,
         memory_mib: int,
         vcpus: int,
-        disk_mib: int = DEFAULT_DISK_MIB,
+        disk_mib: int,
     ) -> asyncio.Task[Path | None]:
         key = self.key(image, memory_mib, vcpus, disk_mib)
         task = self._building.get(key)
@@ -69,10 +71,9 @@ class TemplateCache:
         image: ImagePaths,
         memory_mib: int,
         vcpus: int,
-        disk_mib: int = DEFAULT_DISK_MIB,
+        disk_mib: int,
     ) -> Path | None:
         """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template."""
-        from pal.manager.models import SpawnRequest  # manager imports images, not vice versa
 
         key = self.key(image, memory_mib, vcpus, disk_mib)
         final = self.root / key
@@ -96,13 +97,14 @@ class TemplateCache:
             )
             lv = runtime.vms[vm_id]
             # Let the freshly booted guest settle (page cache, late init) before capture.
-            await lv.channel.request({"k": "ping"})
+            await lv.channel.request({"k": p.K_PING})
             staging.mkdir(parents=True, exist_ok=True)
             art = await lv.qemu.capture(staging)
             meta = {
                 "key": key,
                 "image": image.name,
                 "agentVersionId": image.agent_version_id,
+                "boot": image.boot_id,
                 "memoryMib": memory_mib,
                 "vcpus": vcpus,
                 "diskMib": disk_mib,
@@ -122,6 +124,36 @@ class TemplateCache:
         finally:
             await runtime.stop(vm_id)
             shutil.rmtree(staging, ignore_errors=True)
+
+    def sizes(self, agent_version_id: str) -> list[str]:
+        """The sizes (``<mem>m-<vcpus>c-<disk>d``) with a complete template of an image build."""
+        prefix = agent_version_id + "-"
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            d.name[len(prefix) :]
+            for d in self.root.iterdir()
+            if d.name.startswith(prefix) and (d / COMPLETE).exists()
+        )
+
+    def drop(self, agent_version_id: str) -> None:
+        """Remove the complete templates of one image build (it was replaced or removed).
+        Builds in progress (``.staging-*``) are left to their builder."""
+        if not self.root.is_dir():
+            return
+        for d in self.root.iterdir():
+            if d.name.startswith(agent_version_id + "-"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def warm(self) -> list[dict[str, Any]]:
+        """The complete templates held here (their template.json), for the node heartbeat."""
+        out: list[dict[str, Any]] = []
+        if not self.root.is_dir():
+            return out
+        for d in sorted(self.root.iterdir()):
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads((d / COMPLETE).read_text()))
+        return out
 
     def prune(self, keep_versions: set[str]) -> None:
         """Drop templates of image builds that no longer exist."""

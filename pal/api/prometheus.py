@@ -1,0 +1,120 @@
+"""`GET /metrics`: the operator's Prometheus endpoint (prometheus_client text format).
+
+Who may read it: it is an operator endpoint, never a tenant's. It names every tenant id
+and the node's totals, so a tenant API key does not open it. With ``PAL_METRICS_TOKEN``
+set, a request must carry ``Authorization: Bearer <that token>`` (from anywhere); without
+it only clients on the loopback interface are answered (``pal up`` listens on 127.0.0.1,
+where a local Prometheus or node agent scrapes it). Behind a reverse proxy on the same
+host every request comes from loopback: set the token there.
+
+Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemetry``):
+
+- ``pal_vms{state}``: VM rows by lifecycle state (terminated ones included).
+- ``pal_tenant_slots_used{tenant}``, ``pal_tenant_slots_limit{tenant}``: quota use per tenant id.
+- ``pal_snapshot_bytes{tier="local"|"s3"}``: snapshot bytes per tier (cached up to 30 s).
+- ``pal_s3_queue_depth``, ``pal_seal_queue_depth``: pending S3 jobs (incl. retries), pending seals.
+- ``pal_node_up{node}``, ``pal_node_vms_live{node}``, ``pal_node_info{node,accel}``: node health.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pal.config import Settings
+from pal.errors import Forbidden, Unauthorized
+from pal.scheduler.views import OperatorStats
+
+
+class _StatsCollector(Collector):
+    """The figures read at this scrape, as gauges."""
+
+    def __init__(self, stats: OperatorStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats
+        vms = GaugeMetricFamily("pal_vms", "VMs by lifecycle state", labels=["state"])
+        for state, n in sorted(st.vms_by_state.items()):
+            vms.add_metric([state], n)
+        yield vms
+        used = GaugeMetricFamily("pal_tenant_slots_used", "Quota slots held per tenant", labels=["tenant"])
+        limit = GaugeMetricFamily("pal_tenant_slots_limit", "Quota (max VMs) per tenant", labels=["tenant"])
+        for tenant_id, n_used, n_max in st.tenants:
+            used.add_metric([tenant_id], n_used)
+            limit.add_metric([tenant_id], n_max)
+        yield used
+        yield limit
+        node = st.node
+        up = GaugeMetricFamily("pal_node_up", "1 when the node's runtime manager answers", labels=["node"])
+        up.add_metric([node.node_id if node else "local"], 1 if node else 0)
+        yield up
+        if node is None:
+            return
+        info = GaugeMetricFamily("pal_node_info", "The node and its accelerator", labels=["node", "accel"])
+        info.add_metric([node.node_id, node.accel], 1)
+        yield info
+        live = GaugeMetricFamily("pal_node_vms_live", "QEMU processes running on the node", labels=["node"])
+        live.add_metric([node.node_id], node.vms_live)
+        yield live
+        snap = GaugeMetricFamily("pal_snapshot_bytes", "Snapshot bytes per storage tier", labels=["tier"])
+        snap.add_metric(["local"], node.snapshot_bytes_local)
+        if node.snapshot_bytes_s3 is not None:
+            snap.add_metric(["s3"], node.snapshot_bytes_s3)
+        yield snap
+        yield GaugeMetricFamily(
+            "pal_s3_queue_depth",
+            "S3 jobs waiting (uploads, deletes, retention), retries included",
+            value=node.s3_queue_depth,
+        )
+        yield GaugeMetricFamily(
+            "pal_seal_queue_depth",
+            "Snapshots waiting for their background checksum",
+            value=node.seal_queue_depth,
+        )
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_operator(request: Request, settings: Settings) -> None:
+    """401/403 unless the caller is the operator (token, or loopback without a token)."""
+    token = settings.metrics_token
+    if token:
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise Unauthorized("send 'Authorization: Bearer <PAL_METRICS_TOKEN>' for /metrics")
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise Forbidden("/metrics is the operator's endpoint; this token does not open it")
+        return
+    if not _is_loopback(request.client.host if request.client else None):
+        raise Forbidden("/metrics answers loopback clients only; set PAL_METRICS_TOKEN to scrape remotely")
+
+
+def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        check_operator(request, settings)
+        stats = await scheduler.operator_stats()
+        scrape = CollectorRegistry(auto_describe=False)
+        scrape.register(_StatsCollector(stats))
+        body = generate_latest(scheduler.telemetry.registry) + generate_latest(scrape)
+        return Response(body, media_type=CONTENT_TYPE_LATEST, headers={"Cache-Control": "no-store"})
+
+    return r

@@ -1,0 +1,1 @@
+"""The web dashboard under /runtime (server-rendered, htmx; see routes.py)."""

@@ -1,0 +1,28 @@
+"""Mount the dashboard on the control plane's FastAPI app: pages, fragments, static files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from pal.config import Settings
+
+from .routes import Refused, SignInRequired, dashboard_router, refused, sign_in_required
+
+STATIC = Path(__file__).parent / "static"
+
+
+def install_dashboard(app: FastAPI, scheduler: Any, store: Any, settings: Settings) -> None:
+    app.mount("/runtime/static", StaticFiles(directory=STATIC), name="dashboard-static")
+    app.include_router(dashboard_router(scheduler, store, settings))
+    app.add_exception_handler(SignInRequired, sign_in_required)
+    app.add_exception_handler(Refused, refused)
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> Any:
+        from fastapi.responses import RedirectResponse
+
+        return RedirectResponse("/runtime", status_code=307)

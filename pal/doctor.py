@@ -1,0 +1,153 @@
+"""`pal doctor`: what this host gives Pal and whether each part of a running Pal answers.
+
+Host checks (QEMU, accelerator, reflinks, cgroups, image) run here; the store is opened
+read-only (never migrated); the server is asked for /healthz, whose report includes the
+runtime manager's heartbeat. A check is ok, failed, or only informative (``ok=None``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pal.config import Settings
+
+log = logging.getLogger("pal.doctor")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: information, not a pass/fail
+    detail: str
+
+
+def _run(name: str, fn: object) -> Check:
+    try:
+        return fn()  # type: ignore[operator, no-any-return]
+    except Exception as exc:
+        return Check(name, False, f"{type(exc).__name__}: {exc}")
+
+
+def _existing(data_dir: Path) -> Path:
+    return data_dir if data_dir.exists() else Path("/tmp")
+
+
+def host_checks(settings: Settings) -> list[Check]:
+    from pal.server import jail_summary
+    from pal.vmm import cgroups, disks
+    from pal.vmm.accel import probe
+    from pal.vmm.versions import qemu_version
+
+    def accel() -> Check:
+        info = probe(settings)
+        return Check("accelerator", True, f"{info.name} ({info.reason})")
+
+    def reflink() -> Check:
+        ok = disks.reflink_supported(_existing(settings.data_dir))
+        return Check(
+            "reflink", None, "yes (reflink clones)" if ok else "no (qcow2 overlays, slower snapshots)"
+        )
+
+    def image() -> Check:
+        from pal.images.paths import load_image
+
+        img = load_image(settings, "default")
+        return Check(
+            "image", True, f"default: {img.agent_version_id} (kernel {img.meta.get('kernelVersion')})"
+        )
+
+    def network() -> Check:
+        """Whether VMs can get their network: /dev/net/tun, libnftables, the egress defaults."""
+        from pal.network import nft
+        from pal.spec import egress_to_json
+
+        problems = []
+        if not Path("/dev/net/tun").exists():
+            problems.append("/dev/net/tun missing")
+        try:
+            nft.available()
+        except Exception as exc:
+            problems.append(str(exc))
+        if problems:
+            return Check("network", False, "unavailable: " + "; ".join(problems))
+        internal = ",".join(settings.egress_allow_internal) or "none"
+        default = egress_to_json(settings.egress_default)
+        return Check(
+            "network", True, f"tap + nftables per VM; default egress {default}; internal open: {internal}"
+        )
+
+    s3 = f"{settings.s3_endpoint} bucket {settings.s3_bucket}" if settings.s3_enabled else "off"
+    return [
+        Check("data dir", settings.data_dir.is_dir(), str(settings.data_dir)),
+        _run("qemu", lambda: Check("qemu", True, qemu_version())),
+        _run("accelerator", accel),
+        _run("reflink", reflink),
+        _run(
+            "cgroups",
+            lambda: Check("cgroups", None, cgroups.describe(settings.cgroups, _existing(settings.data_dir))),
+        ),
+        _run("jail", lambda: Check("jail", None, jail_summary())),
+        _run("image", image),
+        _run("network", network),
+        Check("snapshots", None, f"{settings.snapshots_root}; S3 mirror {s3}"),
+    ]
+
+
+def store_check(settings: Settings) -> Check:
+    from pal.store import Store, migrate, redacted
+
+    if settings.database_url:
+        url, where = settings.database_url, redacted(settings.database_url)
+    elif settings.db_path.is_file():
+        url, where = f"sqlite:///{settings.db_path}", str(settings.db_path)
+    else:
+        return Check("store", False, f"{settings.db_path} does not exist yet (`pal up` creates it)")
+    store = Store(url, run_migrations=False)
+    try:
+        at, want = migrate.current(store.engine), migrate.head()
+        if at != want:
+            return Check("store", False, f"{where} is at schema {at}, this Pal needs {want}")
+        return Check("store", True, f"{where} (schema {at}, {len(store.list_tenants())} tenants)")
+    finally:
+        store.close()
+
+
+def server_checks(url: str, token: str | None = None) -> list[Check]:
+    """The server at ``url`` and, through its /healthz report, the runtime manager. The
+    report's details (accelerator, what failed) come only with the operator's ``token``
+    (PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN); without it doctor says where they are."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.get(f"{url.rstrip('/')}/healthz", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        down = f"not reachable at {url} ({exc}); start it with `pal up`"
+        return [Check("server", False, down), Check("manager", False, "unknown (the server is down)")]
+    report: dict[str, object] = {}
+    with contextlib.suppress(ValueError):
+        report = dict(resp.json())
+    server = Check("server", True, f"up at {url}")
+    detailed = "accel" in report or "error" in report
+    if resp.status_code == 200 and report.get("ok"):
+        detail = (
+            f"answers (accel {report.get('accel')}, {report.get('vms')} VMs live)"
+            if detailed
+            else "answers (set PAL_ADMIN_TOKEN for its details)"
+        )
+        return [server, Check("manager", True, detail)]
+    why = report.get("error") or report.get("image") or f"/healthz answered {resp.status_code}"
+    if not detailed:
+        why = f"{why} (set PAL_ADMIN_TOKEN to see why, or read the server log)"
+    return [server, Check("manager", False, f"not healthy: {why}")]
+
+
+def run(settings: Settings, url: str) -> list[Check]:
+    return [
+        *host_checks(settings),
+        _run("store", lambda: store_check(settings)),
+        *server_checks(url, settings.admin_token or settings.metrics_token),
+    ]

@@ -1,0 +1,188 @@
+"""A throwaway PostgreSQL server: Debian's ``initdb``/``pg_ctl`` in a directory of our own,
+listening on 127.0.0.1 only, with a random password. No system service is touched.
+
+PostgreSQL refuses to run as root, so when we are root the cluster is created and run as
+the ``postgres`` user (Debian's package creates it) through ``runuser``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin")
+RUN_AS = "postgres"
+OWNER_FILE = "owner.pid"
+PREFIX = "pal-pg-"
+
+
+def _bin(name: str) -> str:
+    for d in BIN_DIRS:
+        p = Path(d) / name
+        if p.exists():
+            return str(p)
+    found = shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} not found: install Debian's postgresql package (scripts/install.sh)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphans() -> list[Path]:
+    """Stop and remove the throwaway servers whose owning process is gone (only those that
+    recorded an owner: a server of a live run, or of someone else, is never touched)."""
+    reaped = []
+    for base in Path(tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            owner = int((base / OWNER_FILE).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if _alive(owner):
+            continue
+        cmd = [_bin("pg_ctl"), "-D", str(base / "data"), "-m", "immediate", "-w", "stop"]
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", RUN_AS, "--", *cmd]
+        subprocess.run(cmd, capture_output=True, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+        reaped.append(base)
+    return reaped
+
+
+class LocalPostgres:
+    """``with LocalPostgres() as pg: pg.url`` -> a SQLAlchemy URL of an empty database."""
+
+    def __init__(self, base_dir: Path | None = None, port: int | None = None, database: str = "pal") -> None:
+        self.port = port or _free_port()
+        self.database = database
+        self.password = secrets.token_urlsafe(18)
+        self._own_base = base_dir is None
+        self.base = Path(base_dir or tempfile.mkdtemp(prefix=PREFIX))
+        self.data = self.base / "data"
+        self.log = self.base / "postgres.log"
+        self._started = False
+
+    @property
+    def url(self) -> str:
+        return self.url_of(self.database)
+
+    def _as_owner(self, argv: list[str]) -> list[str]:
+        if os.geteuid() != 0:
+            return argv
+        return ["runuser", "-u", RUN_AS, "--", *argv]
+
+    def _chown(self, path: Path) -> None:
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam(RUN_AS)
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+
+    def start(self, timeout: float = 60.0) -> LocalPostgres:
+        reap_orphans()
+        self.base.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.base, 0o700)
+        self._chown(self.base)
+        pwfile = self.base / "pwfile"
+        pwfile.write_text(self.password + "\n")
+        os.chmod(pwfile, 0o600)
+        self._chown(pwfile)
+        subprocess.run(
+            self._as_owner(
+                [_bin("initdb"), "-D", str(self.data), "-U", "postgres", "-A", "scram-sha-256",
+                 f"--pwfile={pwfile}", "-E", "UTF8", "--no-instructions"]
+            ),
+            check=True, capture_output=True, timeout=timeout,
+        )  # fmt: skip
+        pwfile.unlink()
+        opts = (
+            f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 "
+            # A throwaway server for tests and demos: durability is not what it is for.
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        )
+        self.log.touch()
+        self._chown(self.log)
+        subprocess.run(
+            self._as_owner([_bin("pg_ctl"), "-D", str(self.data), "-o", opts, "-l", str(self.log), "-w",
+                            "-t", str(int(timeout)), "start"]),
+            check=True, capture_output=True, timeout=timeout + 10,
+        )  # fmt: skip
+        self._started = True
+        # Who owns this server: a later LocalPostgres stops it if this process died
+        # without stopping it (a test run killed by a timeout).
+        (self.base / OWNER_FILE).write_text(f"{os.getpid()}\n")
+        self._create_database(timeout)
+        return self
+
+    def url_of(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
+
+    def new_database(self, prefix: str = "t") -> str:
+        """A fresh empty database on this server; returns its URL."""
+        name = f"{prefix}_{secrets.token_hex(6)}"
+        self._admin(f'CREATE DATABASE "{name}"')
+        return self.url_of(name)
+
+    def _admin(self, sql: str, timeout: float = 30.0) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(
+                    host="127.0.0.1", port=self.port, user="postgres", password=self.password,
+                    dbname="postgres", autocommit=True, connect_timeout=5,
+                ) as conn:  # fmt: skip
+                    conn.execute(sql.encode())
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _create_database(self, timeout: float) -> None:
+        self._admin(f'CREATE DATABASE "{self.database}"', timeout)
+
+    def stop(self) -> None:
+        if self._started:
+            self._started = False
+            subprocess.run(
+                self._as_owner([_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"]),
+                capture_output=True, timeout=60,
+            )  # fmt: skip
+        if self._own_base:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LocalPostgres:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,276 @@
+"""The runtime manager's side of each VM's network: its namespace, its tap for QEMU, its
+registration with the node's egress gateway, and what a snapshot keeps of it (net.json).
+
+Order on spawn: namespace (tap + rules + gateway sockets, ~2-5 ms, made in a thread while
+the disk is cloned) -> register with the gateway (policy, limits, the DNS table the guest
+may have cached) -> QEMU starts with the tap descriptor -> the guest takes a new MAC on
+`identify`. Each incarnation gets a fresh namespace and gateway state; the DNS table is the
+only thing carried over (from the snapshot the guest memory comes from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pal import keyfile
+from pal.config import Settings
+from pal.errors import Unavailable
+from pal.network import netns
+from pal.network.control import GatewayProcess
+from pal.secretbox import SecretBox
+from pal.snapshots.layout import NET_ARTIFACT
+from pal.spec import Egress, WaitPause, egress_to_json
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Brokered:
+    """A VM's brokered secrets as the gateway takes them, and its tenant's CA."""
+
+    rules: list[dict[str, Any]] = field(default_factory=list)
+    ca: dict[str, str] | None = None  # {"cert", "key"} PEM
+
+
+def control_plane_addresses(urls: list[str]) -> list[str]:
+    """The addresses of the control plane's hosts (``PAL_SERVERS``): the Pal API is an
+    internal destination for guests wherever it runs (a name that does not resolve now
+    is skipped; the private ranges and this host's addresses are internal anyway)."""
+    out: set[str] = set()
+    for url in urls:
+        host = urllib.parse.urlsplit(url).hostname
+        if not host:
+            continue
+        with contextlib.suppress(OSError, UnicodeError):
+            for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP):
+                out.add(str(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])))
+    return sorted(out)
+
+
+def limits_json(egress_mbps: int | None, max_connections: int | None) -> dict[str, Any]:
+    return {"egressMbps": egress_mbps, "maxConnections": max_connections}
+
+
+def wait_rule(wait: WaitPause | None) -> dict[str, Any] | None:
+    """The gateway's part of a VM's wait management (None: the gateway does not watch it)."""
+    if wait is None:
+        return None
+    return {"deliver": wait.deliver, "maxBufferBytes": wait.max_buffer_bytes}
+
+
+def read_names(snapshot_dir: Path | None) -> list[Any]:
+    """The DNS table saved with a snapshot (empty for templates and old snapshots)."""
+    if snapshot_dir is None:
+        return []
+    try:
+        raw = json.loads((snapshot_dir / NET_ARTIFACT).read_text())
+    except (OSError, ValueError):
+        return []
+    names = raw.get("names") if isinstance(raw, dict) else None
+    return names if isinstance(names, list) else []
+
+
+def _read_bundle(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise Unavailable(f"PAL_EGRESS_CA_BUNDLE {path} cannot be read: {exc}") from exc
+
+
+class VmNetworking:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.tag = netns.node_tag(settings.data_dir)
+        self._bytes: dict[str, tuple[int, int]] = {}
+        self._box: SecretBox | None = None
+        self.gateway = GatewayProcess(
+            settings.data_dir,
+            resolve=settings.egress_resolve,
+            allow_internal=settings.egress_allow_internal,
+            ca_bundle=_read_bundle(settings.egress_ca_bundle),
+            api_addresses=control_plane_addresses(settings.servers),
+        )
+
+    def ns_name(self, vm_id: str) -> str:
+        return netns.ns_name(self.tag, vm_id)
+
+    # -- a VM's brokered secrets at rest (its state.json, for adoption after a restart) ---------
+
+    @property
+    def box(self) -> SecretBox:
+        if self._box is None:  # made on first use: nodes without brokered secrets need no key
+            self._box = SecretBox(keyfile.load_or_create(self.settings.secrets_key_path))
+        return self._box
+
+    def seal_brokered(self, vm_id: str, b: Brokered) -> str | None:
+        """The real values and the tenant CA's key, sealed under the host's secrets key and
+        bound to the VM (never in clear on disk)."""
+        if not b.rules and b.ca is None:
+            return None
+        return self.box.seal(json.dumps({"rules": b.rules, "ca": b.ca}), vm_id)
+
+    def open_brokered(self, vm_id: str, sealed: object, clear_ca: object = None) -> Brokered:
+        """What :meth:`seal_brokered` wrote (or, from an older Pal, the rules and CA in clear)."""
+        if sealed is None:
+            return Brokered()
+        if isinstance(sealed, list):
+            return Brokered(list(sealed), clear_ca if isinstance(clear_ca, dict) else None)
+        got = json.loads(self.box.open(str(sealed), vm_id))
+        return Brokered(list(got.get("rules") or []), got.get("ca"))
+
+    @staticmethod
+    def new_mac() -> str:
+        return netns.guest_mac(secrets.token_bytes(16))
+
+    async def create(self, vm_id: str) -> netns.VmNetns:
+        name = self.ns_name(vm_id)
+        if netns.exists(name):  # left by a VM of this id that died with a previous node
+            await asyncio.to_thread(netns.delete, name)
+        return await asyncio.to_thread(netns.create, name)
+
+    async def register(
+        self,
+        vm_id: str,
+        sockets: tuple[int, int],
+        egress: Egress,
+        limits: dict[str, Any],
+        names: list[Any],
+        brokered: Brokered | None = None,
+        wait: dict[str, Any] | None = None,
+    ) -> None:
+        msg: dict[str, Any] = {
+            "op": "register",
+            "vmId": vm_id,
+            "egress": egress_to_json(egress),
+            "limits": limits,
+            "names": names,
+            "wait": wait,
+        }
+        if brokered is not None and brokered.rules:
+            msg["brokered"] = brokered.rules
+            msg["ca"] = brokered.ca
+        await self.gateway.call(msg, list(sockets))
+
+    async def reregister(
+        self,
+        vm_id: str,
+        egress: Egress,
+        limits: dict[str, Any],
+        brokered: Brokered | None = None,
+        wait: dict[str, Any] | None = None,
+    ) -> None:
+        """A VM whose gateway state was lost (the gateway restarted): new sockets in its
+        existing namespace. Its DNS table is lost with the old gateway."""
+        listener, dns = await asyncio.to_thread(netns.gateway_sockets, self.ns_name(vm_id))
+        try:
+            await self.register(vm_id, (listener.fileno(), dns.fileno()), egress, limits, [], brokered, wait)
+        finally:
+            listener.close()
+            dns.close()
+
+    # -- waiting I/O (live pause, docs/live-pause.md) ---------------------------------------
+
+    async def hold(self, vm_id: str, *, if_waiting: bool = False) -> dict[str, Any]:
+        """Stop delivering to the VM's guest (its upstream is still read into a bounded
+        buffer). With ``if_waiting``: only if one of its connections waits on an upstream;
+        ``{"held": bool, "waiting": n}``."""
+        return await self.gateway.call({"op": "hold", "vmId": vm_id, "ifWaiting": if_waiting})
+
+    async def deliver(self, vm_id: str) -> int:
+        """Deliver what the gateway held for the VM; the bytes that were buffered."""
+        reply = await self.gateway.call({"op": "release", "vmId": vm_id})
+        return int(reply.get("buffered") or 0)
+
+    async def wait_state(self, vm_id: str | None = None) -> dict[str, Any]:
+        """``{held, ready, waiting, buffered}`` of one VM, or ``{vm id: that}`` of all."""
+        msg: dict[str, Any] = {"op": "waitState"}
+        if vm_id is not None:
+            msg["vmId"] = vm_id
+            return dict((await self.gateway.call(msg)).get("state") or {})
+        return dict((await self.gateway.call(msg)).get("states") or {})
+
+    async def release(self, vm_id: str) -> dict[str, Any] | None:
+        """Unregister from the gateway and remove the namespace; the final counters."""
+        counters = None
+        try:
+            reply = await self.gateway.call({"op": "unregister", "vmId": vm_id})
+            counters = reply.get("counters")
+        except Exception as exc:
+            log.warning("gateway unregister of %s failed: %s", vm_id, exc)
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(netns.delete, self.ns_name(vm_id))
+        return counters
+
+    async def set_brokered(self, vm_id: str, rules: list[dict[str, Any]]) -> None:
+        """New values for a running VM's brokered secrets (rotation): its next request."""
+        await self.gateway.call({"op": "brokered", "vmId": vm_id, "brokered": rules})
+
+    async def save_names(self, vm_id: str, dest_dir: Path) -> None:
+        """Write the guest's DNS table next to a snapshot's other artifacts."""
+        reply = await self.gateway.call({"op": "names", "vmId": vm_id})
+        (dest_dir / NET_ARTIFACT).write_text(json.dumps({"names": reply.get("names") or []}))
+
+    async def set_policy(self, vm_id: str, egress: Egress, limits: dict[str, Any]) -> int:
+        reply = await self.gateway.call(
+            {"op": "policy", "vmId": vm_id, "egress": egress_to_json(egress), "limits": limits}
+        )
+        return int(reply.get("closed") or 0)
+
+    async def counters(self, vm_id: str) -> dict[str, Any] | None:
+        try:
+            reply = await self.gateway.call({"op": "stats", "vmId": vm_id})
+        except Exception:
+            return None
+        c = reply.get("counters")
+        return dict(c) if isinstance(c, dict) else None
+
+    async def refresh_counters(self) -> None:
+        """Fetch every VM's byte counters at once, for :meth:`cached_bytes`."""
+        try:
+            reply = await self.gateway.call({"op": "stats"})
+        except Exception:
+            return
+        counters = reply.get("counters") or {}
+        self._bytes = {
+            vm: (int(c.get("bytesIn", 0)), int(c.get("bytesOut", 0)))
+            for vm, c in counters.items()
+            if isinstance(c, dict)
+        }
+
+    def cached_bytes(self, vm_id: str) -> tuple[int, int] | None:
+        """(received, sent) by the guest as of the last refresh; None if unknown."""
+        return self._bytes.get(vm_id)
+
+    async def events(self, after: int, epoch: str) -> dict[str, Any]:
+        """Events newer than ``after`` of numbering ``epoch`` (all, if the epoch changed)."""
+        reply = await self.gateway.call({"op": "events", "after": after, "epoch": epoch})
+        return {k: reply.get(k) for k in ("events", "seq", "epoch")}
+
+    async def registered(self) -> set[str]:
+        reply = await self.gateway.call({"op": "ping"})
+        return set(reply.get("vms") or [])
+
+    async def sync(self, vm_ids: set[str]) -> None:
+        """Drop gateway state of VMs this node no longer has; remove their namespaces, and
+        those of data dirs that were deleted (their nodes will never sweep them)."""
+        await self.gateway.call({"op": "sync", "vmIds": sorted(vm_ids)})
+        keep = {self.ns_name(v) for v in vm_ids}
+        gone = await asyncio.to_thread(netns.sweep, self.tag, keep)
+        if gone:
+            log.warning("removed %d network namespace(s) of VMs that are gone: %s", len(gone), gone)
+        await asyncio.to_thread(netns.claim, self.tag, self.settings.data_dir)
+        orphans = await asyncio.to_thread(netns.sweep_orphans)
+        if orphans:
+            log.warning("removed %d network namespace(s) of deleted data dirs: %s", len(orphans), orphans)

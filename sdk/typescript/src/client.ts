@@ -1,0 +1,348 @@
+/**
+ * `new Pal({ url, apiKey })` (or PAL_URL / PAL_API_KEY) and `client.runtime.*`: the REST API
+ * of a Pal server over `fetch`. Works in Node >= 18 and in browsers; no runtime dependencies.
+ */
+
+import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
+import { SseParser } from "./sse.js";
+import type {
+  AgentSpec,
+  Egress,
+  ExecRequest,
+  ExecResult,
+  ExecStreamEvent,
+  FileBytes,
+  FileList,
+  FileText,
+  FileWritten,
+  ForkOptions,
+  ForkResult,
+  Image,
+  JsonOf,
+  Method,
+  PathWith,
+  Snapshot,
+  SnapshotState,
+  Vm,
+  VmEvent,
+  VmMetrics,
+} from "./types.js";
+
+export const DEFAULT_URL = "http://127.0.0.1:8080";
+const TRUNCATED_HEADER = "x-pal-truncated";
+
+export interface PalOptions {
+  /** Server URL; default PAL_URL, else http://127.0.0.1:8080. */
+  url?: string;
+  /** Tenant API key; default PAL_API_KEY. */
+  apiKey?: string;
+  /** Per-request timeout in ms for calls other than exec (default 120000; 0 = none). */
+  timeoutMs?: number;
+  /** A fetch implementation (default: the global one). */
+  fetch?: typeof fetch;
+}
+
+export interface RequestOptions {
+  /** Abort the call (for execStream: stops the command in the guest). */
+  signal?: AbortSignal;
+}
+
+function env(name: string): string | undefined {
+  // Node has process.env; a browser has neither (pass url/apiKey there).
+  const proc = (globalThis as { process?: { env?: Record<string, string | undefined> } }).process;
+  const value = proc?.env?.[name];
+  return value === undefined || value === "" ? undefined : value;
+}
+
+type Query = Record<string, string | undefined>;
+type Body = string | Uint8Array | ArrayBuffer | Blob;
+
+interface Call {
+  params?: Record<string, string>;
+  query?: Query;
+  json?: unknown;
+  body?: Body;
+  headers?: Record<string, string>;
+  signal?: AbortSignal;
+  timeout?: boolean;
+}
+
+export class Pal {
+  readonly url: string;
+  readonly runtime: Runtime;
+  private readonly apiKey: string | undefined;
+  private readonly timeoutMs: number;
+  private readonly fetchImpl: typeof fetch;
+
+  constructor(options: PalOptions = {}) {
+    this.url = (options.url ?? env("PAL_URL") ?? DEFAULT_URL).replace(/\/+$/, "");
+    this.apiKey = options.apiKey ?? env("PAL_API_KEY");
+    this.timeoutMs = options.timeoutMs ?? 120_000;
+    const f = options.fetch ?? globalThis.fetch;
+    if (typeof f !== "function") throw new Error("no fetch available: pass options.fetch (Node >= 18 has one)");
+    this.fetchImpl = f.bind(globalThis);
+    this.runtime = new Runtime(this);
+  }
+
+  /** GET /healthz: `{ok, ...}` (ok is false when the server cannot schedule VMs). */
+  async health(): Promise<{ ok: boolean; [k: string]: unknown }> {
+    const resp = await this.send("/healthz", "GET", {}, true);
+    return (await resp.json()) as { ok: boolean };
+  }
+
+  /** GET /v1/images: the images this tenant may schedule (`image` in a schedule request). */
+  async images(): Promise<Image[]> {
+    return (await this.json("get", "/v1/images")).images;
+  }
+
+  /** @internal A typed JSON call: the path must exist in the API with this method. */
+  async json<M extends Method, P extends PathWith<M>>(method: M, path: P, call: Call = {}): Promise<JsonOf<M, P>> {
+    const resp = await this.request(method, path, call);
+    return (await resp.json()) as JsonOf<M, P>;
+  }
+
+  /** @internal The raw response of a typed call (errors thrown as PalError subclasses). */
+  async request<M extends Method, P extends PathWith<M>>(method: M, path: P, call: Call = {}): Promise<Response> {
+    let url = String(path).replace(/\{(\w+)\}/g, (_, name: string) => {
+      const value = call.params?.[name];
+      if (value === undefined || value === "") throw new PalError(400, "INVALID_ARGUMENT", `${name} is required`);
+      return encodeURIComponent(value);
+    });
+    const q = Object.entries(call.query ?? {}).filter((kv): kv is [string, string] => kv[1] !== undefined);
+    if (q.length) url += "?" + new URLSearchParams(q).toString();
+    return this.send(url, method.toUpperCase(), call, call.timeout !== false);
+  }
+
+  private async send(path: string, method: string, call: Call, useTimeout: boolean): Promise<Response> {
+    const headers: Record<string, string> = { ...(call.headers ?? {}) };
+    if (this.apiKey) headers["Authorization"] = `Bearer ${this.apiKey}`;
+    let body: BodyInit | undefined;
+    if (call.json !== undefined) {
+      headers["Content-Type"] = "application/json";
+      body = JSON.stringify(call.json);
+    } else if (call.body !== undefined) {
+      headers["Content-Type"] = headers["Content-Type"] ?? "application/octet-stream";
+      body = call.body as BodyInit;
+    }
+    // Without a timeout (exec, streams) the caller's signal goes to fetch as it is, so it can
+    // abort the body too. With one, an inner controller aborts on either until the answer.
+    const timed = useTimeout && this.timeoutMs > 0;
+    const controller = timed ? new AbortController() : undefined;
+    const onAbort = () => controller?.abort(call.signal?.reason);
+    if (controller && call.signal) {
+      if (call.signal.aborted) controller.abort(call.signal.reason);
+      else call.signal.addEventListener("abort", onAbort, { once: true });
+    }
+    const timer = controller
+      ? setTimeout(() => controller.abort(new PalError(0, "TIMEOUT", `no answer in ${this.timeoutMs} ms`)), this.timeoutMs)
+      : undefined;
+    let resp: Response;
+    try {
+      const signal = controller ? controller.signal : call.signal;
+      resp = await this.fetchImpl(this.url + path, { method, headers, body, signal });
+    } catch (exc) {
+      if (call.signal?.aborted) throw exc;
+      const reason = controller?.signal.reason;
+      if (reason instanceof PalError) throw reason;
+      throw new PalConnectionError(0, "CONNECTION_ERROR", `cannot reach Pal at ${this.url}: ${String(exc)}`);
+    } finally {
+      if (timer !== undefined) clearTimeout(timer);
+      call.signal?.removeEventListener("abort", onAbort);
+    }
+    if (!resp.ok) throw await errorFromResponse(resp);
+    return resp;
+  }
+}
+
+/** The /v1/runtime calls, as the spec's examples use them. */
+export class Runtime {
+  constructor(private readonly client: Pal) {}
+
+  /** Schedule a sandbox microVM (402 QuotaExceededError when the tenant is full). */
+  schedule(spec: AgentSpec = {}): Promise<Vm> {
+    return this.client.json("post", "/v1/runtime/schedule", { json: spec });
+  }
+
+  get(vmId: string): Promise<Vm> {
+    return this.client.json("get", "/v1/runtime/vms/{vm_id}", { params: { vm_id: vmId } });
+  }
+
+  async list(): Promise<Vm[]> {
+    return (await this.client.json("get", "/v1/runtime/vms")).vms;
+  }
+
+  /** Stop the VM (terminated); its snapshots are released. */
+  delete(vmId: string): Promise<Vm> {
+    return this.client.json("delete", "/v1/runtime/vms/{vm_id}", { params: { vm_id: vmId } });
+  }
+
+  /** Snapshot memory and disk, stop the VM, free its quota slot (default); or, with
+   * `{ mode: "live" }`, stop its vCPUs in place (same QEMU, connections kept, slot kept),
+   * `offload: true` also handing its RAM back to the host. */
+  pause(vmId: string, options?: { mode?: "snapshot" | "live"; offload?: boolean }): Promise<SnapshotState> {
+    const params = { params: { vm_id: vmId } };
+    if (!options) return this.client.json("post", "/v1/runtime/vms/{vm_id}/pause", params);
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/pause", { ...params, json: options });
+  }
+
+  /** Continue a paused VM under the same vmId: a live-paused one in place, a snapshot-paused
+   * one restored (402 over quota, 409 not paused). */
+  resume(vmId: string): Promise<SnapshotState> {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/resume", { params: { vm_id: vmId } });
+  }
+
+  /** Change the egress policy: `"none"`, `"open"`, `{ allow: [...] }` or `{ deny: [...] }`.
+   * A running VM's next connection follows it at once and its open connections the new
+   * policy refuses are reset; a paused VM takes it when it runs again. Answers the VM. */
+  setEgress(vmId: string, egress: Egress): Promise<Vm> {
+    return this.client.json("put", "/v1/runtime/vms/{vm_id}/egress", { params: { vm_id: vmId }, json: { egress } });
+  }
+
+  /** N copy-on-write copies; each child is running or carries an `error`. */
+  fork(vmId: string, options: ForkOptions = { count: 1 }): Promise<ForkResult> {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/fork", { params: { vm_id: vmId }, json: options });
+  }
+
+  /** Run a command and wait for it: `{exitCode, stdout, stderr, timedOut?, truncated?}`. */
+  exec(vmId: string, request: ExecRequest, options: RequestOptions = {}): Promise<ExecResult> {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/exec", {
+      params: { vm_id: vmId },
+      json: request,
+      signal: options.signal,
+      timeout: false, // the server bounds it (timeoutSecs)
+    });
+  }
+
+  /**
+   * Run a command and iterate its events as they happen: `stdout` / `stderr` chunks, then
+   * one `exit` (or `error`). Errors before the command starts (404, 409, 402...) are thrown
+   * by the first step of the iteration. Leaving the loop early (or aborting `signal`)
+   * closes the stream, which stops the command in the guest.
+   */
+  async *execStream(vmId: string, request: ExecRequest, options: RequestOptions = {}): AsyncGenerator<ExecStreamEvent> {
+    // Our own controller: leaving the loop early aborts the request, which closes the
+    // connection (cancelling the body alone may leave it open), so the server stops the command.
+    const abort = new AbortController();
+    const user = options.signal;
+    const relay = () => abort.abort(user?.reason);
+    if (user?.aborted) abort.abort(user.reason);
+    else user?.addEventListener("abort", relay, { once: true });
+    let finished = false;
+    let resp: Response;
+    try {
+      resp = await this.client.request("post", "/v1/runtime/vms/{vm_id}/exec", {
+        params: { vm_id: vmId },
+        json: request,
+        headers: { Accept: "text/event-stream" },
+        signal: abort.signal,
+        timeout: false,
+      });
+    } catch (exc) {
+      user?.removeEventListener("abort", relay);
+      throw exc;
+    }
+    if (!resp.body) throw new PalError(resp.status, "NO_BODY", "the exec stream has no body");
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    const parser = new SseParser();
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        const messages = done ? parser.feed(decoder.decode()).concat(parser.end()) : parser.feed(decoder.decode(value, { stream: true }));
+        for (const m of messages) {
+          const ev = toEvent(m.event, m.data);
+          if (ev === null) continue;
+          yield ev;
+          if (ev.type === "exit" || ev.type === "error") {
+            finished = true;
+            return;
+          }
+        }
+        if (done) return;
+      }
+    } finally {
+      user?.removeEventListener("abort", relay);
+      if (!finished) {
+        abort.abort();
+        await reader.cancel().catch(() => undefined);
+      }
+      reader.releaseLock();
+    }
+  }
+
+  /** Entries of a directory under /workspace (default: /workspace itself). */
+  listFiles(vmId: string, path = ""): Promise<FileList> {
+    return this.client.json("get", "/v1/runtime/vms/{vm_id}/files", { params: { vm_id: vmId }, query: { path } });
+  }
+
+  /** A file under /workspace as UTF-8 text; `truncated` when the server cut it at 1 MiB. */
+  async readFile(vmId: string, path: string): Promise<FileText> {
+    const resp = await this.client.request("get", "/v1/runtime/vms/{vm_id}/files/content", {
+      params: { vm_id: vmId },
+      query: { path },
+    });
+    const bytes = new Uint8Array(await resp.arrayBuffer());
+    return { content: new TextDecoder().decode(bytes), truncated: isTruncated(resp) };
+  }
+
+  /** A file under /workspace as raw bytes (any content); `truncated` past 1 MiB. */
+  async readFileBytes(vmId: string, path: string): Promise<FileBytes> {
+    const resp = await this.client.request("get", "/v1/runtime/vms/{vm_id}/files/content", {
+      params: { vm_id: vmId },
+      query: { path },
+    });
+    return { content: new Uint8Array(await resp.arrayBuffer()), truncated: isTruncated(resp) };
+  }
+
+  /** Write a file under /workspace: text (UTF-8) or bytes, at most 1 MiB (413 above). */
+  writeFile(vmId: string, path: string, content: string | Uint8Array | ArrayBuffer | Blob): Promise<FileWritten> {
+    const body = typeof content === "string" ? new TextEncoder().encode(content) : content;
+    return this.client.json("put", "/v1/runtime/vms/{vm_id}/files/content", {
+      params: { vm_id: vmId },
+      query: { path },
+      body,
+    });
+  }
+
+  /** Status events and audits (auto_resume...), oldest first. */
+  async events(vmId: string): Promise<VmEvent[]> {
+    return (await this.client.json("get", "/v1/runtime/vms/{vm_id}/events", { params: { vm_id: vmId } })).events;
+  }
+
+  /** CPU, memory, disk and network samples of the last 15 minutes (one every 5 s). */
+  metrics(vmId: string): Promise<VmMetrics> {
+    return this.client.json("get", "/v1/runtime/vms/{vm_id}/metrics", { params: { vm_id: vmId } });
+  }
+
+  /** The VM's snapshots kept on its node, with the size of each artifact. */
+  async snapshots(vmId: string): Promise<Snapshot[]> {
+    return (await this.client.json("get", "/v1/runtime/vms/{vm_id}/snapshots", { params: { vm_id: vmId } })).snapshots;
+  }
+}
+
+function isTruncated(resp: Response): boolean {
+  return (resp.headers.get(TRUNCATED_HEADER) ?? "").toLowerCase() === "true";
+}
+
+function toEvent(name: string, data: string): ExecStreamEvent | null {
+  let payload: Record<string, unknown> = {};
+  try {
+    payload = data ? (JSON.parse(data) as Record<string, unknown>) : {};
+  } catch {
+    payload = { data };
+  }
+  switch (name) {
+    case "stdout":
+    case "stderr":
+      return { type: name, data: String(payload.data ?? "") };
+    case "exit": {
+      const ev: ExecStreamEvent = { type: "exit", exitCode: Number(payload.exitCode ?? -1) };
+      if (payload.timedOut) ev.timedOut = true;
+      return ev;
+    }
+    case "error":
+      return { type: "error", code: String(payload.code ?? "ERROR"), message: String(payload.message ?? "") };
+    default:
+      return null; // an event kind this SDK does not know: skipped
+  }
+}

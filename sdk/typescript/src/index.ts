@@ -1,0 +1,39 @@
+export { DEFAULT_URL, Pal, Runtime } from "./client.js";
+export type { PalOptions, RequestOptions } from "./client.js";
+export {
+  AuthenticationError,
+  BadRequestError,
+  ConflictError,
+  NotFoundError,
+  PalConnectionError,
+  PalError,
+  PayloadTooLargeError,
+  PermissionDeniedError,
+  QuotaExceededError,
+  ServerError,
+} from "./errors.js";
+export { SseParser } from "./sse.js";
+export type { SseMessage } from "./sse.js";
+export type {
+  AgentSpec,
+  Egress,
+  ExecRequest,
+  ExecResult,
+  ExecStreamEvent,
+  FileBytes,
+  FileEntry,
+  FileList,
+  FileText,
+  FileWritten,
+  ForkChild,
+  ForkOptions,
+  ForkResult,
+  Image,
+  Limits,
+  MetricSample,
+  Snapshot,
+  SnapshotState,
+  Vm,
+  VmEvent,
+  VmMetrics,
+} from "./types.js";

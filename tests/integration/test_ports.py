@@ -1,0 +1,267 @@
+"""Issue 11, ports: reach a server inside the sandbox through the API.
+
+Real VMs; the guest servers are stdlib Python (tests/guestservers.py): an HTTP server on
+0.0.0.0:8000 (headers, echo, SSE, cookies) and a WebSocket echo server on 127.0.0.1:8001
+(loopback only: reached through the harness's relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from tests.conftest import PalServer, free_port
+from tests.guestservers import APP
+
+pytestmark = pytest.mark.vm
+
+DEADLINE_S = 120
+
+
+def start_servers(api: httpx.Client, vm: str) -> None:
+    body = {
+        "command": "/bin/sh",
+        "argv": ["-c", 'setsid python3 -c "$APP" >/tmp/servers.log 2>&1 </dev/null & echo started'],
+        "env": {"APP": APP},
+    }
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json=body)
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    wait_listening(api, vm, 8000)
+
+
+def wait_listening(api: httpx.Client, vm: str, port: int, path: str = "/") -> httpx.Response:
+    """Poll until the server in the guest answers (starting Python under TCG takes seconds)."""
+    deadline = time.time() + DEADLINE_S
+    while True:
+        r = api.get(f"/v1/runtime/vms/{vm}/ports/{port}{path}")
+        if r.status_code != 502 or time.time() > deadline:
+            return r
+        time.sleep(0.3)
+
+
+def ws_url(server: PalServer, vm: str, port: int, path: str, query: str = "") -> str:
+    return server.url.replace("http://", "ws://") + f"/v1/runtime/vms/{vm}/ports/{port}{path}{query}"
+
+
+@pytest.fixture
+def served_vm(api: httpx.Client) -> Iterator[str]:
+    r = api.post("/v1/runtime/schedule", json={})
+    assert r.status_code == 200, r.text
+    vm = r.json()["vmId"]
+    try:
+        start_servers(api, vm)
+        yield vm
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_http_websocket_sse_links_and_errors(
+    pal_server: PalServer, api: httpx.Client, tenant_key: str, served_vm: str
+) -> None:
+    vm = served_vm
+    base = f"/v1/runtime/vms/{vm}/ports/8000"
+
+    # The key authorises; the guest sees the client's Host and a reverse proxy's
+    # X-Forwarded-*, never the API key.
+    r = api.get(f"{base}/headers?x=1&y=2")
+    assert r.status_code == 200, r.text
+    seen = {k.lower(): v for k, v in r.json()["headers"].items()}
+    assert r.json()["path"] == "/headers?x=1&y=2"
+    host = pal_server.url.removeprefix("http://")
+    assert seen["host"] == host
+    assert seen["x-forwarded-host"] == host
+    assert seen["x-forwarded-proto"] == "http"
+    assert seen["x-forwarded-for"] == "127.0.0.1"
+    assert seen["x-forwarded-prefix"] == base
+    assert "authorization" not in seen
+    assert tenant_key not in json.dumps(r.json())
+
+    # A body streams in and the answer out (1 MiB, chunked upload).
+    payload = os.urandom(1024 * 1024)
+    r = api.post(f"{base}/echo", content=iter([payload[:300_000], payload[300_000:]]))
+    assert r.status_code == 200 and r.content == payload
+
+    # The guest's cookies stay under this port's path.
+    r = api.get(f"{base}/cookie")
+    assert r.headers["set-cookie"] == f"app=1; Path={base}/"
+
+    # SSE: each event arrives before the guest even produces the next one.
+    with api.stream("GET", f"{base}/sse") as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = resp.iter_lines()
+        for n in (1, 2, 3):
+            got = next(line for line in lines if line.startswith("data:"))
+            assert got == f"data: event-{n}"
+            if n < 3:
+                w = api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": f"go-{n}"}, content=b"")
+                assert w.status_code == 200, w.text
+
+    # A loopback-only WebSocket server, through the relay, with the key.
+    async def ws_roundtrip(url: str, headers: dict[str, str]) -> tuple[str, bytes, str | None]:
+        async with connect(url, additional_headers=headers, subprotocols=["chat"]) as ws:  # type: ignore[list-item]
+            await ws.send("hi")
+            text = await ws.recv()
+            await ws.send(b"\x00\x01" * 40_000)
+            data = await ws.recv()
+            return str(text), bytes(data), ws.subprotocol
+
+    auth = {"Authorization": f"Bearer {tenant_key}"}
+    text, data, proto = asyncio.run(ws_roundtrip(ws_url(pal_server, vm, 8001, "/ws"), auth))
+    assert (text, data, proto) == ("echo:hi", b"\x00\x01" * 40_000, "chat")
+
+    # A signed link opens the port without the key (and sets a cookie for later requests).
+    link = api.post(f"{base}/url", json={"expiresInSecs": 600}).json()
+    assert link["expiresAt"] > time.time() + 500
+    with httpx.Client(timeout=60) as anon:
+        r = anon.get(link["url"].replace("/8000/?", "/8000/headers?"))
+        assert r.status_code == 200, r.text
+        assert "palToken" not in r.json()["path"]
+        assert r.cookies.get("pal_link")
+        r = anon.get(pal_server.url + f"{base}/headers")  # the cookie alone
+        assert r.status_code == 200, r.text
+        assert "pal_link" not in r.json()["headers"].get("Cookie", "")
+        token = link["url"].split("palToken=", 1)[1]
+        # Bound to this VM and port: another port is 401, and no key at all is 401.
+        other = anon.get(pal_server.url + f"/v1/runtime/vms/{vm}/ports/8001/?palToken={token}")
+        assert other.status_code == 401, other.text
+        anon.cookies.clear()
+        assert anon.get(pal_server.url + f"{base}/").status_code == 401
+        # The link opens WebSockets too.
+        link_ws = api.post(f"/v1/runtime/vms/{vm}/ports/8001/url", json={"expiresInSecs": 600}).json()
+        tok = link_ws["url"].split("palToken=", 1)[1]
+        text, _, _ = asyncio.run(ws_roundtrip(ws_url(pal_server, vm, 8001, "/", f"?palToken={tok}"), {}))
+        assert text == "echo:hi"
+        # An expired link is 401.
+        short = api.post(f"{base}/url", json={"expiresInSecs": 1}).json()
+        deadline = time.time() + DEADLINE_S
+        while (r := anon.get(short["url"])).status_code == 200 and time.time() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+
+    # Errors: nothing listening is 502 saying so; a port outside 1-65535 is 400.
+    r = api.get(f"/v1/runtime/vms/{vm}/ports/8009/")
+    assert r.status_code == 502 and "nothing is listening on port 8009" in r.json()["error"]["message"]
+    for bad in (0, 65536):
+        assert api.get(f"/v1/runtime/vms/{vm}/ports/{bad}/").status_code == 400
+    assert api.post(f"{base}/url", json={"expiresInSecs": 0}).status_code == 400
+
+    # pal vm port-forward: curl from the host, and a WebSocket through the same forward.
+    local = free_port()
+    env = {**os.environ, "PAL_URL": pal_server.url, "PAL_API_KEY": tenant_key}
+    fwd = subprocess.Popen(
+        [sys.executable, "-m", "pal.cli.main", "vm", "port-forward", vm, "8000", "--local", str(local)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert fwd.stdout is not None
+        assert "Forwarding" in fwd.stdout.readline()
+        out = subprocess.run(
+            ["curl", "-sS", "--max-time", "60", f"http://127.0.0.1:{local}/headers"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert json.loads(out.stdout)["headers"]["Host"] == f"127.0.0.1:{local}"
+        ws_local = free_port()
+        fwd_ws = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pal.cli.main",
+                "vm",
+                "port-forward",
+                vm,
+                "8001",
+                "--local",
+                str(ws_local),
+            ],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        try:
+            assert fwd_ws.stdout is not None and "Forwarding" in fwd_ws.stdout.readline()
+            text, _, _ = asyncio.run(ws_roundtrip(f"ws://127.0.0.1:{ws_local}/", {}))
+            assert text == "echo:hi"
+        finally:
+            fwd_ws.terminate()
+            fwd_ws.wait(30)
+    finally:
+        fwd.terminate()
+        fwd.wait(30)
+
+
+def wait_paused(api: httpx.Client, vm: str) -> None:
+    deadline = time.time() + DEADLINE_S
+    while api.get(f"/v1/runtime/vms/{vm}").json()["state"] != "paused":
+        assert time.time() < deadline, f"{vm} was not idle-suspended"
+        time.sleep(0.3)
+
+
+def test_port_traffic_keeps_a_vm_awake_then_an_idle_suspended_vm_wakes_for_a_port_request(
+    pal_server: PalServer, api: httpx.Client, tenant_key: str
+) -> None:
+    r = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 2})
+    assert r.status_code == 200, r.text
+    vm = r.json()["vmId"]
+    controls: list[str] = []
+    stop = threading.Event()
+    echoed: list[int] = []
+
+    async def chatter() -> None:
+        """WebSocket messages through the port until told to stop: the only activity."""
+        auth = {"Authorization": f"Bearer {tenant_key}"}
+        async with connect(ws_url(pal_server, vm, 8001, "/ws"), additional_headers=auth) as ws:
+            while not stop.is_set():
+                await ws.send("tick")
+                assert await ws.recv() == "echo:tick"
+                echoed.append(1)
+                await asyncio.sleep(0.3)
+
+    talker = threading.Thread(target=lambda: asyncio.run(chatter()))
+    try:
+        start_servers(api, vm)
+        talker.start()
+        # Two VMs with the same timeout, each scheduled after the one before was suspended:
+        # once the second is suspended, more than two timeouts have passed since the busy
+        # VM's last exec or file request (the guest's own claims count for at most one), so
+        # only the port traffic can have kept it running.
+        for _ in range(2):
+            c = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 2})
+            assert c.status_code == 200, c.text
+            controls.append(c.json()["vmId"])
+            wait_paused(api, controls[-1])
+        assert talker.is_alive() and echoed, "the WebSocket traffic went on"
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+        stop.set()
+        talker.join(DEADLINE_S)
+        wait_paused(api, vm)
+        r = api.get(f"/v1/runtime/vms/{vm}/ports/8000/headers")  # waits for the resume
+        assert r.status_code == 200, r.text
+        assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
+        kinds = [e["kind"] for e in api.get(f"/v1/runtime/vms/{vm}/events").json()["events"]]
+        assert "auto_resume" in kinds
+        # A VM an operator paused is not woken: 409, for HTTP and for WebSockets.
+        assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+        r = api.get(f"/v1/runtime/vms/{vm}/ports/8000/")
+        assert r.status_code == 409 and "resume it first" in r.json()["error"]["message"]
+    finally:
+        stop.set()
+        if talker.is_alive():
+            talker.join(DEADLINE_S)
+        for v in [vm, *controls]:
+            api.delete(f"/v1/runtime/vms/{v}")

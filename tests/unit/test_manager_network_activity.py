@@ -1,0 +1,50 @@
+"""Issue 9 item 3: idleness is decided from what the host observes, and that includes the
+guest's network traffic through the egress gateway (not only execs, files and ports)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+from pal.manager.channel import HarnessChannel
+from pal.manager.runtime import LiveVm, NodeRuntime
+
+
+def _vm(tmp_path: Path, vm_id: str, last_ms: int) -> LiveVm:
+    return LiveVm(
+        vm_id=vm_id,
+        tenant_id="t",
+        qemu=SimpleNamespace(exited=asyncio.Event(), pid=1),  # type: ignore[arg-type]
+        channel=HarnessChannel(tmp_path / "x", vm_id),
+        image=None,  # type: ignore[arg-type]
+        incarnation=1,
+        token="t",
+        env={},
+        memory_mib=128,
+        vcpus=1,
+        disk_mib=512,
+        last_activity_ms=last_ms,
+    )
+
+
+def test_bytes_through_the_gateway_count_as_host_observed_activity(tmp_path: Path) -> None:
+    rt = NodeRuntime.__new__(NodeRuntime)
+    counters: dict[str, tuple[int, int]] = {"vm-net": (10, 20), "vm-quiet": (5, 5), "vm-live": (1, 1)}
+    rt.net_counters = counters.get
+    vms = [_vm(tmp_path, v, last_ms=1000) for v in counters]
+    vms.append(_vm(tmp_path, "vm-unknown", last_ms=1000))  # the gateway does not know it
+    vms[2].live = SimpleNamespace()  # type: ignore[assignment]  # live-paused
+    rt.stamp_network_activity(vms)  # the first sample only records the counters
+    assert [v.last_activity_ms for v in vms] == [1000] * 4
+
+    counters["vm-net"] = (10, 4096)  # the guest sent something
+    counters["vm-live"] = (9, 1)  # bytes held for a live-paused guest: not its activity
+    rt.stamp_network_activity(vms)
+    net, quiet, live, unknown = vms
+    assert net.last_activity_ms > 1000
+    assert quiet.last_activity_ms == live.last_activity_ms == unknown.last_activity_ms == 1000
+
+    before = net.last_activity_ms
+    rt.stamp_network_activity(vms)  # nothing moved since: no new stamp
+    assert net.last_activity_ms == before
