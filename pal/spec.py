@@ -159,7 +159,7 @@ Entries = Annotated[list[str], BeforeValidator(_entries)]
 
 
 class _Plain(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class EgressAllow(_Plain):
@@ -222,7 +222,10 @@ def parse_egress_default(raw: str | None) -> Egress:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    # strict: a JSON body means what it says ("256" is not 256, 0 is not false).
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True
+    )
 
 
 class Limits(_Model):
@@ -426,6 +429,14 @@ class AgentSpec(_Model):
     @classmethod
     def _egress(cls, v: object) -> object:
         return coerce_egress(v)
+
+    @field_validator("wait_pause", mode="before")
+    @classmethod
+    def _wait_pause_false_is_false(cls, v: object) -> object:
+        # Literal[False] alone would take 0 (0 == False), which the schema does not allow.
+        if isinstance(v, int) and not isinstance(v, bool):
+            raise ValueError("waitPause must be an object, false or null")
+        return v
 
     @field_validator("boot")
     @classmethod

@@ -24,9 +24,10 @@ import pal
 from pal.config import Settings
 
 from .auth import make_tenant_dependency
-from .errors import install_error_handlers
+from .errors import document_errors, install_error_handlers
 from .forward import ForwardToLeader
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
+from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
 from .ports import Links, ports_router
 from .prometheus import metrics_router
@@ -110,6 +111,7 @@ def create_app(
         "/healthz",
         tags=["health"],
         summary="200 when this server can schedule VMs, else 503; details for the operator only",
+        responses={200: {"model": HealthOut}, 503: {"model": HealthOut, "description": "not healthy"}},
     )
     async def healthz(request: Request) -> JSONResponse:
         """``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
@@ -133,6 +135,7 @@ def create_app(
         "/readyz",
         tags=["health"],
         summary="200 when this server schedules at full speed (default template warm), else 503",
+        responses={200: {"model": ReadyOut}, 503: {"model": ReadyOut, "description": "not ready yet"}},
     )
     async def readyz(request: Request) -> JSONResponse:
         """``{"ready": bool}`` for anyone; with the operator's token also ``waitingFor``
@@ -145,6 +148,7 @@ def create_app(
             shown, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"}
         )
 
+    document_errors(app)
     return app
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pal.errors import PalError, public_message
 
 from .middleware import current_request_id
+from .models import ErrorOut
 
 log = logging.getLogger("pal.api")
 
@@ -32,6 +33,52 @@ _HTTP_CODES = {
     413: "PAYLOAD_TOO_LARGE",
     415: "UNSUPPORTED_MEDIA_TYPE",
 }
+
+
+_DESCRIPTIONS = {
+    400: "invalid request",
+    401: "missing or invalid API key",
+    402: "tenant quota exhausted",
+    403: "this key or client may not do this",
+    404: "unknown VM (or another tenant's)",
+    409: "wrong lifecycle state",
+    413: "body too large",
+    415: "body not sent as `Content-Type: application/json`",
+    502: "the sandbox's own server is not there or broke",
+    503: "backend cannot do it",
+    504: "the sandbox did not answer in time",
+    507: "the node has no room for it (disk or memory)",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, all with the one error shape."""
+    return {c: {"model": ErrorOut, "description": _DESCRIPTIONS[c]} for c in codes}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make ``/openapi.json`` say what the handlers below answer: a request that fails
+    validation is a 400 with the error shape, never FastAPI's 422 ``HTTPValidationError``."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = build()
+        ref = {"$ref": "#/components/schemas/ErrorOut"}
+        for item in doc.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None and "400" not in responses:
+                    responses["400"] = {
+                        "description": _DESCRIPTIONS[400],
+                        "content": {"application/json": {"schema": ref}},
+                    }
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def public_error(status: int, code: str, message: str) -> dict[str, str]:

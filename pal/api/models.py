@@ -289,3 +289,18 @@ class ImageOut(_Out):
 
 class ImageListOut(_Out):
     images: list[ImageOut]
+
+
+class HealthOut(_Out):
+    """/healthz: ``ok`` for anyone; the operator's token also shows what was checked."""
+
+    model_config = ConfigDict(extra="allow")
+    ok: bool
+
+
+class ReadyOut(_Out):
+    """/readyz: ``ready`` for anyone; the operator's token also shows ``waitingFor``."""
+
+    model_config = ConfigDict(extra="allow")
+    ready: bool
+    waiting_for: str | None = Field(default=None, description="what readiness still waits for")

@@ -13,13 +13,16 @@ import hmac
 import ipaddress
 from typing import Any
 
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse
 
 from pal.config import Settings
-from pal.errors import Forbidden, Unauthorized, Unavailable
+from pal.errors import Forbidden, Unauthorized
 from pal.manager.auth import bearer_matches, node_token
 from pal.manager.models import NodeHeartbeat
+
+from .body import require_json
+from .errors import error_responses
 
 
 def _loopback(request: Request) -> bool:
@@ -48,12 +51,17 @@ def check_admin(request: Request, settings: Settings) -> None:
 
 
 def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
-    r = APIRouter(prefix="/v1/nodes", tags=["nodes"])
+    r = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=error_responses(400, 401, 403, 413))
 
-    @r.post("/heartbeat", summary="A node registers and reports (node token)")
+    @r.post(
+        "/heartbeat",
+        summary="A node registers and reports (node token)",
+        dependencies=[Depends(require_json)],
+        responses=error_responses(415),
+    )
     async def heartbeat(hb: NodeHeartbeat, request: Request) -> JSONResponse:
         if not settings.cluster_secret:
-            raise Unavailable("this control plane takes no remote nodes: PAL_CLUSTER_SECRET is not set")
+            raise Forbidden("this control plane takes no remote nodes: PAL_CLUSTER_SECRET is not set")
         if not bearer_matches(
             request.headers.get("authorization"), node_token(settings.cluster_secret, hb.node_id)
         ):
@@ -66,13 +74,22 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
         check_admin(request, settings)
         return JSONResponse({"nodes": scheduler.node_views()})
 
-    @r.post("/{node_id}/drain", summary="Pause a node's VMs so they resume elsewhere (operator)")
+    @r.post(
+        "/{node_id}/drain",
+        summary="Pause a node's VMs so they resume elsewhere (operator)",
+        dependencies=[Depends(require_json)],
+        responses=error_responses(404, 415, 503),
+    )
     async def drain(node_id: str, request: Request, body: dict[str, Any] | None = Body(None)) -> JSONResponse:
         check_admin(request, settings)
         migrate = bool((body or {}).get("migrate", False))
         return JSONResponse(await scheduler.drain_node(node_id, migrate=migrate))
 
-    @r.post("/{node_id}/activate", summary="Let a drained node take new VMs again (operator)")
+    @r.post(
+        "/{node_id}/activate",
+        summary="Let a drained node take new VMs again (operator)",
+        responses=error_responses(404, 503),
+    )
     async def activate(node_id: str, request: Request) -> JSONResponse:
         check_admin(request, settings)
         return JSONResponse(await scheduler.set_node_active(node_id))

@@ -25,7 +25,7 @@ from http.cookies import SimpleCookie
 from typing import Any
 
 import httpcore
-from fastapi import APIRouter, Request, WebSocket
+from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from itsdangerous import BadSignature, URLSafeSerializer
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +36,8 @@ from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
 
 from .auth import tenant_for_key
+from .body import require_json
+from .errors import error_responses
 
 log = logging.getLogger("pal.api.ports")
 
@@ -43,7 +45,12 @@ TOKEN_PARAM = "palToken"
 LINK_COOKIE = "pal_link"
 MAX_LINK_SECS = 7 * 24 * 3600
 PREFIX = "/v1/runtime/vms/{vm_id}/ports/{port}"
-METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+# Any method a guest's server may speak: HTTP's own (RFC 9110) and WebDAV's (RFC 4918,
+# 3253, 5323); Starlette routes need them listed.
+METHODS = [
+    *("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "QUERY"),
+    *("PROPFIND", "PROPPATCH", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "REPORT", "SEARCH"),
+]
 # RFC 9110 7.6.1 hop-by-hop fields, never forwarded either way.
 HOP_BY_HOP = {
     "connection",
@@ -303,6 +310,8 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         "/vms/{vm_id}/ports/{port}/url",
         response_model=PortUrlOut,
         summary="A signed link that opens the port without the API key, until it expires",
+        dependencies=[Depends(require_json)],
+        responses=error_responses(400, 401, 404, 413, 415),
     )
     async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request) -> PortUrlOut:
         headers = _header_items(request.scope)

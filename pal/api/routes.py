@@ -13,9 +13,9 @@ from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from pal.spec import AgentSpec, EgressUpdate, ExecRequest, ForkRequest, PauseRequest, SecretUpdate
 
 from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
+from .errors import error_responses
 from .exec_stream import buffered_exec, sse_exec
 from .models import (
-    ErrorOut,
     EventListOut,
     EventOut,
     ExecOut,
@@ -37,18 +37,7 @@ from .models import (
 )
 from .paths import check_workspace_path
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorOut, "description": desc}
-    for code, desc in {
-        400: "invalid request",
-        401: "missing or invalid API key",
-        402: "tenant quota exhausted",
-        404: "unknown VM (or another tenant's)",
-        409: "wrong lifecycle state",
-        413: "body too large",
-        503: "backend cannot do it",
-    }.items()
-}
+_ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
 
 def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
@@ -56,9 +45,7 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     Tenant = Annotated[str, Depends(require_tenant)]
 
     json_body = [Depends(require_json)]
-    json_errors: dict[int | str, dict[str, Any]] = {
-        415: {"model": ErrorOut, "description": "body not sent as `Content-Type: application/json`"}
-    }
+    json_errors = error_responses(415)
 
     @r.post(
         "/schedule",
@@ -88,6 +75,8 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
         "/vms/{vm_id}/egress",
         response_model=VmOut,
         summary="Change the egress policy (running VMs: new connections at once, refused open ones reset)",
+        dependencies=json_body,
+        responses=json_errors,
     )
     async def set_egress(tenant: Tenant, vm_id: str, update: EgressUpdate) -> VmOut:
         vm = await scheduler.set_egress(tenant, vm_id, update)
@@ -97,6 +86,8 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
         "/vms/{vm_id}/secrets/{name}",
         response_model=SecretRotatedOut,
         summary="Rotate a brokered secret's value (the guest holds only its placeholder: untouched)",
+        dependencies=json_body,
+        responses=json_errors,
     )
     async def rotate_secret(tenant: Tenant, vm_id: str, name: str, update: SecretUpdate) -> SecretRotatedOut:
         live = await scheduler.rotate_secret(tenant, vm_id, name, update)
@@ -106,6 +97,8 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
         "/vms/{vm_id}/pause",
         response_model=SnapshotStateOut,
         summary='Pause: a snapshot (default; frees the slot) or live (`{"mode": "live", "offload": true}`)',
+        dependencies=json_body,
+        responses=json_errors,
     )
     async def pause(
         tenant: Tenant, vm_id: str, req: Annotated[PauseRequest | None, Body()] = None
@@ -214,7 +207,7 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
 
 
 def images_router(scheduler: Any, require_tenant: Any) -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["images"], responses={401: _ERRORS[401]})
+    r = APIRouter(prefix="/v1", tags=["images"], responses=error_responses(401))
     Tenant = Annotated[str, Depends(require_tenant)]
 
     @r.get("/images", response_model=ImageListOut, summary="Images this tenant may schedule")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from pal.errors import Unavailable
+from pal.errors import InvalidRequest, Unavailable
 from pal.store import NodeRecord, VmRecord
 
 ACTIVE = "active"
@@ -93,6 +93,29 @@ def has_warm_template(node: NodeRecord, need: Need) -> bool:
     )
 
 
+def _where_not(node: NodeRecord, region: str | None, labels: dict[str, str]) -> str | None:
+    """The region or label ``node`` lacks, or None."""
+    if region and node.region != region:
+        return f"region {node.region or '(none)'} != {region}"
+    for k, v in labels.items():
+        if node.labels.get(k) != v:
+            return f"label {k}={node.labels.get(k, '(unset)')} != {v}"
+    return None
+
+
+def check_satisfiable(nodes: Iterable[NodeRecord], region: str | None, labels: dict[str, str]) -> None:
+    """400 when no known node, in any state, has the requested region and labels: the
+    request can never be placed as written (a full or down node that matches is a 503 at
+    placement instead, which waiting can cure)."""
+    if not region and not labels:
+        return
+    nodes = list(nodes)
+    misses = {n.node_id: _where_not(n, region, labels) for n in nodes}
+    if nodes and all(misses.values()):
+        detail = "; ".join(f"{k}: {v}" for k, v in sorted(misses.items()))
+        raise InvalidRequest(f"no node has this placement's region and labels ({detail})")
+
+
 def why_not(
     node: NodeRecord, load: NodeLoad | None, need: Need, silent_after_s: float | None = None
 ) -> str | None:
@@ -109,11 +132,9 @@ def why_not(
     # and boot set, so a VM still resumes after its image was replaced or removed.
     if not need.restore and _avid(node, need.image) is None:
         return f"no image {need.image!r}"
-    if need.region and node.region != need.region:
-        return f"region {node.region or '(none)'} != {need.region}"
-    for k, v in need.labels.items():
-        if node.labels.get(k) != v:
-            return f"label {k}={node.labels.get(k, '(unset)')} != {v}"
+    where = _where_not(node, need.region, need.labels)
+    if where:
+        return where
     free = free_memory_mib(node, load)
     if free < need.memory_mib:
         return f"{free} MiB of guest RAM free < {need.memory_mib}"

@@ -524,6 +524,8 @@ class Scheduler:
         """The running VM and how it started (`cold`, `template`). Everything that can be
         checked is checked before any row or slot exists (400 before 402)."""
         await self._require_image(tenant_id, spec.image)
+        await self.nodes.register_local()
+        placement.check_satisfiable(self.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))
         t0 = time.perf_counter()
         now = utcnow()
         vm_id = new_vm_id()

@@ -68,4 +68,4 @@ async def test_a_control_plane_without_a_cluster_secret_takes_no_nodes(tmp_path:
     body = (await node.heartbeat()).model_dump(by_alias=True, mode="json")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cp") as c:
         r = await c.post("/v1/nodes/heartbeat", json=body, headers={"Authorization": "Bearer x"})
-    assert r.status_code == 503
+    assert r.status_code == 403 and "PAL_CLUSTER_SECRET" in r.json()["error"]["message"]

@@ -88,10 +88,18 @@ async def test_placement_constraints_and_no_fitting_node(tmp_path: Path) -> None
     for _ in range(3):
         vm, _ = await c.sched.schedule(c.tenant_id, spec)
         assert vm.node_id == "n2"
-    from pal.errors import Unavailable
+    from pal.errors import InvalidRequest, Unavailable
 
-    with pytest.raises(Unavailable, match="no node can run this VM") as ei:
+    rows = len(c.store.list_vms(tenant_id=c.tenant_id))
+    # No node, in any state, is in region us: it can never be placed, so a 400 before any row.
+    with pytest.raises(InvalidRequest, match="no node has this placement's region and labels") as bad:
         await c.sched.schedule(c.tenant_id, AgentSpec.model_validate({"placement": {"region": "us"}}))
+    assert bad.value.status == 400
+    assert len(c.store.list_vms(tenant_id=c.tenant_id)) == rows
+    # The one node of region eu is draining: placement may succeed later, so a 503.
+    c.store.set_node_state("n2", "draining")
+    with pytest.raises(Unavailable, match="no node can run this VM") as ei:
+        await c.sched.schedule(c.tenant_id, spec)
     assert ei.value.status == 503
     assert c.store.count_slots(c.tenant_id) == 3  # the refused one holds nothing
 

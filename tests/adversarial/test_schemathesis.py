@@ -1,0 +1,83 @@
+"""Every route of ``/openapi.json``, fuzzed by schemathesis: whatever a client sends, the
+API never answers 5xx, and every answer conforms to the schema it documents (status code,
+content type, body).
+
+The app is the real API on the real Scheduler and store; the runtime manager is the fake
+of tests/fakes.py (fast, so hypothesis can send hundreds of requests). Each generated case
+is sent twice: as generated (mostly unknown ids: 404 paths), and with the path's VM id
+replaced by a live VM of the caller's, so the bodies reach the scheduler's real checks.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+import pytest
+import schemathesis
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi import checks
+from hypothesis import HealthCheck, settings
+
+from tests.apienv import make_api
+
+
+# Built at import: schemathesis makes one test per operation at collection time (its
+# ``from_fixture`` does not work with this pytest).
+_tmp = tempfile.TemporaryDirectory(prefix="pal-fuzz-")
+# Room for the VMs the fuzzer schedules and forks: a full quota is a 402, which conforms
+# too, but it would keep the schedule and fork bodies away from the scheduler's checks.
+API = make_api(Path(_tmp.name), max_vms=1000)
+schema = schemathesis.openapi.from_asgi("/openapi.json", API.app)
+
+
+# Checks that do not apply: a schema-valid body may still be refused with a 400 that names
+# the rule (rules across fields, e.g. ``offload`` only with ``mode: live``, are not JSON
+# Schema); and 405 answers carry Starlette's Allow header of the one route that matched.
+NOT_APPLICABLE = [checks.positive_data_acceptance, checks.allow_header_conformance, checks.unsupported_method]
+# Probes whose 503 is their documented answer (not healthy, not ready yet); their bodies
+# are still checked against the schema.
+PROBES = {"/healthz", "/readyz"}
+
+
+@pytest.fixture(scope="module")
+def live_vm() -> str:
+    from starlette.testclient import TestClient
+
+    with TestClient(API.app) as c:
+        r = c.post("/v1/runtime/schedule", json={}, headers={"Authorization": f"Bearer {API.key_a}"})
+        assert r.status_code == 200, r.text
+        return str(r.json()["vmId"])
+
+
+@schema.parametrize()
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
+def test_no_route_answers_5xx_or_off_its_schema(case: schemathesis.Case, live_vm: str) -> None:
+    headers = {"Authorization": f"Bearer {API.key_a}"}
+    excluded = NOT_APPLICABLE
+    if case.operation.path in PROBES:
+        excluded = [*excluded, not_a_server_error]
+    case.call_and_validate(headers=headers, excluded_checks=excluded)
+    if "vm_id" in (case.path_parameters or {}):
+        case.path_parameters = {**case.path_parameters, "vm_id": live_vm}
+        case.call_and_validate(headers=headers, excluded_checks=excluded)
+
+
+def test_the_fuzzed_schema_covers_every_route() -> None:
+    """A route left out of ``/openapi.json`` would be left out of the fuzzing too."""
+    from starlette.routing import Route
+
+    documented = set(API.app.openapi()["paths"])
+    served = {
+        r.path
+        for r in API.app.routes
+        if isinstance(r, Route) and r.include_in_schema and r.path.startswith(("/v1/", "/healthz", "/readyz"))
+    }
+    assert served <= documented, served - documented
+    assert "/v1/runtime/schedule" in documented
