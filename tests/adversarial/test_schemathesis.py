@@ -13,15 +13,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-
 import pytest
 import schemathesis
+from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi import checks
-from hypothesis import HealthCheck, settings
 
 from tests.apienv import make_api
-
 
 # Built at import: schemathesis makes one test per operation at collection time (its
 # ``from_fixture`` does not work with this pytest).
