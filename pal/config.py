@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pal import sizes
 from pal.spec import Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
@@ -64,6 +65,24 @@ def parse_labels(raw: str | list[str]) -> dict[str, str]:
     return out
 
 
+def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
+    """PAL_TEMPLATE_SIZES: ``256m-1c-2048d,512m-1c-2048d`` (None = any size: ``*``);
+    unset or empty: the defaults of pal/sizes.py."""
+    text = (raw or "").strip()
+    if not text:
+        return sizes.DEFAULT_TEMPLATE_SIZES
+    if text == "*":
+        return None
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if item:
+            try:
+                out.append(sizes.size_name(*sizes.parse_size_name(item)))
+            except ValueError as exc:
+                raise ValueError(f"PAL_TEMPLATE_SIZES: {exc}") from exc
+    return tuple(out)
+
+
 def _path_env(name: str) -> Path | None:
     raw = os.environ.get(name)
     return Path(raw) if raw and raw.strip() else None
@@ -93,6 +112,10 @@ class Settings:
     s3_region: str = "us-east-1"  # AWS_DEFAULT_REGION
     xfs_image_size_gib: int = 64  # PAL_XFS_IMAGE_GIB: loop XFS for a non-reflink data dir
     templates: bool = True  # PAL_TEMPLATES=0 disables warm templates (always cold boot)
+    # PAL_TEMPLATE_SIZES: sizes (256m-1c-2048d,...) that get a template on first use; * = any
+    template_sizes: tuple[str, ...] | None = sizes.DEFAULT_TEMPLATE_SIZES
+    template_builds: int = 1  # PAL_TEMPLATE_BUILDS: template builds at once (each boots a VM)
+    templates_keep: int = 8  # PAL_TEMPLATES_KEEP: templates kept; the least recently used go
     metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
     # PAL_METRICS_TOKEN: bearer token for GET /metrics; unset = loopback clients only
     metrics_token: str | None = None
@@ -189,6 +212,9 @@ class Settings:
             s3_region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
             xfs_image_size_gib=_int_env("PAL_XFS_IMAGE_GIB", 64),
             templates=os.environ.get("PAL_TEMPLATES", "1") not in ("0", "false", "no"),
+            template_sizes=parse_template_sizes(os.environ.get("PAL_TEMPLATE_SIZES")),
+            template_builds=max(1, _int_env("PAL_TEMPLATE_BUILDS", 1)),
+            templates_keep=max(1, _int_env("PAL_TEMPLATES_KEEP", 8)),
             metrics_interval_s=max(0.5, _float_env("PAL_METRICS_INTERVAL", 5.0)),
             metrics_token=os.environ.get("PAL_METRICS_TOKEN") or None,
             dashboard_secret=os.environ.get("PAL_DASHBOARD_SECRET") or None,

@@ -63,9 +63,7 @@ class Node:
             log.info("snapshot mirror: S3 %s bucket %s", settings.s3_endpoint, settings.s3_bucket)
         self.store.cleanup_staging()
         self.runtime = NodeRuntime(settings, self.store, self.accel)
-        self.runtime.templates = (
-            TemplateCache(settings.data_dir / "templates") if settings.templates else None
-        )
+        self.runtime.templates = TemplateCache.from_settings(settings) if settings.templates else None
         self._log_limits()
 
     def _log_limits(self) -> None:

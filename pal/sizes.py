@@ -4,15 +4,40 @@ definition of each; plain values, so the CLI shows them without importing the AP
 
 from __future__ import annotations
 
+import re
+
 DEFAULT_VCPUS = 1
 DEFAULT_MEMORY_MIB = 256
 DEFAULT_DISK_MIB = 2048
 VCPUS_RANGE = (1, 16)
 MEMORY_MIB_RANGE = (128, 16384)
 DISK_MIB_RANGE = (512, 65536)
+# Sizes that get a warm template when first scheduled (PAL_TEMPLATE_SIZES): the default and
+# a few common ones. Any other size boots cold, so tenants cannot make a node build (and
+# keep) a template per size they invent.
+DEFAULT_TEMPLATE_SIZES = ("256m-1c-2048d", "512m-1c-2048d", "1024m-1c-4096d", "2048m-2c-8192d")
 
 
 def size_name(memory_mib: int, vcpus: int = DEFAULT_VCPUS, disk_mib: int = DEFAULT_DISK_MIB) -> str:
     """``<mem>m-<vcpus>c-<disk>d``. The disk size is part of it: the guest grows its file
     system at boot, so a template of one disk size does not serve another."""
     return f"{memory_mib}m-{vcpus}c-{disk_mib}d"
+
+
+def parse_size_name(text: str) -> tuple[int, int, int]:
+    """``256m-1c-2048d`` -> (256, 1, 2048); ValueError when it is not a size in bounds."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"{text!r} is not a size like 256m-1c-2048d")
+    mem, cpus, disk = (int(g) for g in m.groups())
+    for value, (lo, hi), what in (
+        (mem, MEMORY_MIB_RANGE, "memory"),
+        (cpus, VCPUS_RANGE, "vCPUs"),
+        (disk, DISK_MIB_RANGE, "disk"),
+    ):
+        if not lo <= value <= hi:
+            raise ValueError(f"{text!r}: {what} {value} is outside {lo}..{hi}")
+    return mem, cpus, disk
+
+
+_SIZE = re.compile(r"(\d+)m-(\d+)c-(\d+)d")

@@ -161,6 +161,8 @@ def start_server(
         # A hang guard, not a speed bound: a restored guest on a loaded 2-core host can take
         # longer than the default 5 s to answer identify (seen: a session's first schedule).
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
+        # The default size and the one tests/integration/test_templates.py grows a disk with.
+        "PAL_TEMPLATE_SIZES": "256m-1c-2048d,192m-1c-3072d",
         **(extra_env or {}),
     }
     with open(log_path, "ab") as logf:

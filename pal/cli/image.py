@@ -294,7 +294,7 @@ def image_ls(
     from pal.manager.templates import TemplateCache
 
     settings = server_settings(data_dir)
-    templates = TemplateCache(settings.data_dir / "templates")
+    templates = TemplateCache.from_settings(settings)
     using = _vms_using(settings)
     rows = []
     for img in list_images(settings):

@@ -25,7 +25,7 @@ from typing import Any
 
 from pal import failpoints
 from pal.config import Settings
-from pal.errors import BackendError, Conflict, NotFound, PalError, Unavailable
+from pal.errors import BackendError, Conflict, InvalidRequest, NotFound, PalError, Unavailable
 from pal.guest import protocol as p
 from pal.ids import validate_id
 from pal.images.builder import is_current
@@ -73,6 +73,7 @@ from pal.manager.templates import TemplateCache
 from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, wait_rule
 from pal.manager.waits import WaitWatcher
 from pal.network.netns import VmNetns
+from pal.sizes import size_name
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.spec import Egress, ExecRequest, WaitPause, egress_from_json, egress_to_json
@@ -255,6 +256,8 @@ class NodeRuntime:
         mem_ref: SnapshotRef | None = None
         limits = limits_json(req.egress_mbps, req.max_connections)
         brokered = _brokered_of(req)
+        # The template restored from stays (not pruned) until this spawn is done with it.
+        pinned = contextlib.ExitStack()
         try:
             snap_dir: Path | None = None
             if req.restore is not None:
@@ -273,9 +276,12 @@ class NodeRuntime:
             method: str
             template = None
             if req.restore is None and req.boot != "cold" and self.templates is not None:
-                template = self.templates.lookup(image, req.memory_mib, req.vcpus, req.disk_mib)
+                template = pinned.enter_context(
+                    self.templates.use(image, req.memory_mib, req.vcpus, req.disk_mib)
+                )
                 if template is None:
-                    # This one boots cold; the next VM of this size restores warm.
+                    # This one boots cold; the next VM of this size restores warm (when
+                    # its size is one of PAL_TEMPLATE_SIZES).
                     self.templates.ensure_in_background(self, image, req.memory_mib, req.vcpus, req.disk_mib)
             if req.restore is not None and snap_dir is not None:
                 r = req.restore
@@ -415,6 +421,7 @@ class NodeRuntime:
                 await self._unmap_fork_mem(mem_ref.snapshot_id)
             raise
         finally:
+            pinned.close()
             self._spawning.discard(req.vm_id)
 
     async def _identify(
@@ -1119,6 +1126,11 @@ class NodeRuntime:
         image = await asyncio.to_thread(load_image, self.settings, req.image)
         key = self.templates.key(image, req.memory_mib, req.vcpus, req.disk_mib)
         task = self.templates.ensure_in_background(self, image, req.memory_mib, req.vcpus, req.disk_mib)
+        if task is None:
+            raise InvalidRequest(
+                f"size {size_name(req.memory_mib, req.vcpus, req.disk_mib)} gets no template: "
+                "it is not one of PAL_TEMPLATE_SIZES"
+            )
         # Shielded: a caller that gives up does not cancel a build other schedules wait for.
         path = await asyncio.shield(task)
         return WarmResult(key=key, ready=path is not None)

@@ -8,6 +8,11 @@ instead: the restored guest then takes its own identity (token, clock, RNG seed)
 its own reflinked disk and memory file. Templates are a local cache, keyed by the image's
 ``agent_version_id``, so a rebuilt image never restores from a stale template; they are
 written to a temporary directory and renamed into place only when complete.
+
+Bounded, because a tenant picks the sizes it schedules: only the operator's sizes
+(``PAL_TEMPLATE_SIZES``) get a template, at most ``PAL_TEMPLATE_BUILDS`` build at once
+(each boots a VM), and past ``PAL_TEMPLATES_KEEP`` the least recently used are removed
+(never one a spawn is restoring from, nor one being built).
 """
 
 from __future__ import annotations
@@ -16,16 +21,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import shutil
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
+from pal.manager import admission
 from pal.manager.models import SpawnRequest
-from pal.sizes import size_name
+from pal.sizes import DEFAULT_TEMPLATE_SIZES, size_name
+
+if TYPE_CHECKING:
+    from pal.config import Settings
 
 if TYPE_CHECKING:  # runtime.py imports this module
     from pal.manager.runtime import NodeRuntime
@@ -36,9 +47,52 @@ COMPLETE = "template.json"
 
 
 class TemplateCache:
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        sizes: Iterable[str] | None = DEFAULT_TEMPLATE_SIZES,
+        max_builds: int = 1,
+        keep: int = 8,
+    ) -> None:
         self.root = root
+        self.sizes_allowed = None if sizes is None else frozenset(sizes)
+        self.keep = keep
         self._building: dict[str, asyncio.Task[Path | None]] = {}
+        self._build_slots = asyncio.Semaphore(max_builds)
+        self._in_use: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TemplateCache:
+        return cls(
+            settings.data_dir / "templates",
+            sizes=settings.template_sizes,
+            max_builds=settings.template_builds,
+            keep=settings.templates_keep,
+        )
+
+    def allowed(self, memory_mib: int, vcpus: int, disk_mib: int) -> bool:
+        """Whether this size gets a template (PAL_TEMPLATE_SIZES)."""
+        return self.sizes_allowed is None or size_name(memory_mib, vcpus, disk_mib) in self.sizes_allowed
+
+    @contextlib.contextmanager
+    def use(self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> Iterator[Path | None]:
+        """The complete template of this build and size (or None), kept from pruning while
+        the caller restores from it, and marked as just used."""
+        path = self.lookup(image, memory_mib, vcpus, disk_mib)
+        if path is None:
+            yield None
+            return
+        key = path.name
+        self._in_use[key] = self._in_use.get(key, 0) + 1
+        with contextlib.suppress(OSError):
+            os.utime(path / COMPLETE)  # its last use: what pruning goes by
+        try:
+            yield path
+        finally:
+            self._in_use[key] -= 1
+            if not self._in_use[key]:
+                del self._in_use[key]
 
     @staticmethod
     def key(image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> str:
@@ -55,7 +109,11 @@ class TemplateCache:
         memory_mib: int,
         vcpus: int,
         disk_mib: int,
-    ) -> asyncio.Task[Path | None]:
+    ) -> asyncio.Task[Path | None] | None:
+        """Start building this template unless one is built or building; None when the
+        size gets no template (PAL_TEMPLATE_SIZES)."""
+        if not self.allowed(memory_mib, vcpus, disk_mib):
+            return None
         key = self.key(image, memory_mib, vcpus, disk_mib)
         task = self._building.get(key)
         if task is None or task.done():
@@ -73,12 +131,28 @@ class TemplateCache:
         vcpus: int,
         disk_mib: int,
     ) -> Path | None:
-        """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template."""
-
+        """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template
+        (then prune the least recently used past the limit). At most ``max_builds`` at once."""
         key = self.key(image, memory_mib, vcpus, disk_mib)
         final = self.root / key
-        if (final / COMPLETE).exists():
-            return final
+        async with self._build_slots:
+            if (final / COMPLETE).exists():
+                return final
+            built = await self._build(runtime, image, key, memory_mib, vcpus, disk_mib)
+        if built is not None:
+            await asyncio.to_thread(self.prune_least_recently_used)
+        return built
+
+    async def _build(
+        self,
+        runtime: NodeRuntime,
+        image: ImagePaths,
+        key: str,
+        memory_mib: int,
+        vcpus: int,
+        disk_mib: int,
+    ) -> Path | None:
+        final = self.root / key
         vm_id = "tmpl-" + secrets.token_hex(6)
         staging = self.root / f".staging-{vm_id}"
         t0 = time.perf_counter()
@@ -99,6 +173,8 @@ class TemplateCache:
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
             staging.mkdir(parents=True, exist_ok=True)
+            # Like a pause: the capture's RAM file must fit (a full disk fails it cleanly).
+            await asyncio.to_thread(admission.check_disk, self.root, memory_mib, f"the template of {key}")
             art = await lv.qemu.capture(staging)
             meta = {
                 "key": key,
@@ -154,6 +230,30 @@ class TemplateCache:
             with contextlib.suppress(OSError, ValueError):
                 out.append(json.loads((d / COMPLETE).read_text()))
         return out
+
+    def prune_least_recently_used(self) -> list[str]:
+        """Remove the least recently used complete templates beyond ``keep`` (never one in
+        use or being built); returns the removed keys."""
+        if not self.root.is_dir():
+            return []
+        busy = set(self._in_use) | {k for k, t in self._building.items() if not t.done()}
+        complete = []
+        for d in self.root.iterdir():
+            with contextlib.suppress(OSError):
+                complete.append(((d / COMPLETE).stat().st_mtime, d))
+        complete.sort(reverse=True)  # newest use first
+        removed = []
+        for _, d in complete[self.keep :]:
+            if d.name in busy:
+                continue
+            # Renamed first, so a lookup never sees a half-removed template.
+            gone = self.root / f".staging-gone-{d.name}"
+            with contextlib.suppress(OSError):
+                d.rename(gone)
+                shutil.rmtree(gone, ignore_errors=True)
+                removed.append(d.name)
+                log.info("template %s removed: least recently used of more than %d", d.name, self.keep)
+        return removed
 
     def prune(self, keep_versions: set[str]) -> None:
         """Drop templates of image builds that no longer exist."""

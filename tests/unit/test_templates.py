@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from pal.config import parse_template_sizes
 from pal.images.paths import ImagePaths
+from pal.manager.models import SpawnRequest
 from pal.manager.templates import COMPLETE, TemplateCache
+from pal.sizes import DEFAULT_TEMPLATE_SIZES
 
 
 def image(tmp: Path, content_hash: str) -> ImagePaths:
@@ -37,3 +45,107 @@ def test_prune_keeps_only_current_builds(tmp_path: Path) -> None:
     assert cache.lookup(v1, 256, 1, 2048) is None
     assert cache.lookup(v2, 256, 1, 2048) is not None
     assert not (cache.root / ".staging-tmpl-x").exists()
+
+
+def _complete(cache: TemplateCache, v: ImagePaths, mem: int, mtime: float) -> Path:
+    d = cache.root / cache.key(v, mem, 1, 2048)
+    d.mkdir(parents=True)
+    (d / COMPLETE).write_text("{}")
+    os.utime(d / COMPLETE, (mtime, mtime))
+    return d
+
+
+def test_only_the_operators_sizes_get_a_template(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "templates", sizes=["256m-1c-2048d"])
+    assert cache.allowed(256, 1, 2048) and not cache.allowed(384, 1, 2048)
+    runtime = _FakeRuntime()
+    assert cache.ensure_in_background(runtime, image(tmp_path, "a" * 64), 384, 1, 2048) is None  # type: ignore[arg-type]
+    assert runtime.spawned == 0
+    assert TemplateCache(tmp_path / "t2", sizes=None).allowed(384, 3, 999)  # PAL_TEMPLATE_SIZES=*
+
+
+def test_the_least_recently_used_go_past_the_limit_but_never_one_in_use(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "templates", keep=2)
+    v = image(tmp_path, "a" * 64)
+    oldest = _complete(cache, v, 128, 1000)
+    _complete(cache, v, 256, 2000)
+    _complete(cache, v, 512, 3000)
+    with cache.use(v, 128, 1, 2048) as pinned:  # in use (and now the most recently used)
+        assert pinned == oldest
+        _complete(cache, v, 1024, 4000)
+        removed = cache.prune_least_recently_used()
+    assert sorted(removed) == sorted([cache.key(v, 256, 1, 2048), cache.key(v, 512, 1, 2048)])
+    assert cache.lookup(v, 128, 1, 2048) is not None, "used last: kept"
+    assert cache.lookup(v, 1024, 1, 2048) is not None
+    assert cache.lookup(v, 256, 1, 2048) is None
+    assert sorted(p.name for p in cache.root.iterdir()) == sorted(
+        [cache.key(v, 128, 1, 2048), cache.key(v, 1024, 1, 2048)]
+    ), "nothing half-removed is left"
+
+
+def test_a_template_in_use_outlives_the_limit(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "templates", keep=1)
+    v = image(tmp_path, "a" * 64)
+    _complete(cache, v, 128, 1000)
+    _complete(cache, v, 256, 2000)
+    with cache.use(v, 128, 1, 2048):
+        os.utime(cache.root / cache.key(v, 128, 1, 2048) / COMPLETE, (500, 500))
+        assert cache.prune_least_recently_used() == [], "the other is newer; this one is in use"
+    assert cache.prune_least_recently_used() == [cache.key(v, 128, 1, 2048)]
+
+
+class _FakeRuntime:
+    """Just what TemplateCache.build uses of NodeRuntime: spawn, the VM's channel and
+    capture, stop. Each spawn waits until released, so the test sees how many overlap."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+        self.running = 0
+        self.most_at_once = 0
+        self.release = asyncio.Event()
+        self.vms: dict[str, SimpleNamespace] = {}
+
+    async def spawn(self, req: SpawnRequest) -> None:
+        self.spawned += 1
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        await self.release.wait()
+
+        async def capture(staging: Path) -> SimpleNamespace:
+            (staging / "mem").write_bytes(b"m")
+            return SimpleNamespace(memory_kind="file")
+
+        async def request(_: object) -> None:
+            return None
+
+        self.vms[req.vm_id] = SimpleNamespace(
+            channel=SimpleNamespace(request=request), qemu=SimpleNamespace(capture=capture)
+        )
+
+    async def stop(self, vm_id: str) -> None:
+        self.running -= 1
+
+
+async def test_template_builds_are_capped_and_the_cache_stays_within_its_limit(tmp_path: Path) -> None:
+    cache = TemplateCache(tmp_path / "templates", sizes=None, max_builds=1, keep=2)
+    runtime = _FakeRuntime()
+    v = image(tmp_path, "a" * 64)
+    tasks = [cache.ensure_in_background(runtime, v, mem, 1, 2048) for mem in (128, 256, 512)]  # type: ignore[arg-type]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert runtime.spawned == 1, "one build at a time"
+    runtime.release.set()
+    built = await asyncio.gather(*[t for t in tasks if t is not None])
+    assert all(b is not None for b in built)
+    assert runtime.most_at_once == 1 and runtime.spawned == 3
+    assert len(cache.warm()) == 2, "the least recently used beyond PAL_TEMPLATES_KEEP went"
+
+
+def test_template_sizes_setting() -> None:
+    assert parse_template_sizes(None) == DEFAULT_TEMPLATE_SIZES
+    assert parse_template_sizes("*") is None
+    assert parse_template_sizes(" 512m-2c-4096d, 256m-1c-2048d ") == ("512m-2c-4096d", "256m-1c-2048d")
+    with pytest.raises(ValueError, match="PAL_TEMPLATE_SIZES: '512' is not a size"):
+        parse_template_sizes("512")
+    with pytest.raises(ValueError, match="memory 64 is outside"):
+        parse_template_sizes("64m-1c-2048d")
