@@ -523,6 +523,7 @@ def main(iterations: int, size_mib: int, data_dir: Path | None, out_dir: Path) -
     env = {
         "PAL_EGRESS_RESOLVE": f"{NAME}={HOST},{BROKERED_NAME}={HOST},{PASS_NAME}={HOST}",
         "PAL_EGRESS_ALLOW_INTERNAL": HOST,
+        "PAL_EGRESS_DNS": "static",  # no lookup leaves the machine
         "PAL_IDLE_SWEEP_INTERVAL": "1",
         "PAL_EGRESS_CA_BUNDLE": str(tls_dir / "ca.pem"),
     }

@@ -500,6 +500,7 @@ def main(
         "PAL_METRICS_TOKEN": token,
         "PAL_EGRESS_RESOLVE": f"{NAME}={HOST}",
         "PAL_EGRESS_ALLOW_INTERNAL": HOST,
+        "PAL_EGRESS_DNS": "static",  # no lookup leaves the machine
         "PAL_IDLE_SWEEP_INTERVAL": "0.5",
         # The machine is shared: a schedule (not measured here) must not abort the run when a
         # guest is slow to say hello under others' load (as pal bench cluster).

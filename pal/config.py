@@ -83,6 +83,13 @@ def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
     return tuple(out)
 
 
+def _egress_dns_env() -> bool:
+    raw = os.environ.get("PAL_EGRESS_DNS", "host").strip().lower() or "host"
+    if raw not in ("host", "static"):
+        raise ValueError(f"PAL_EGRESS_DNS must be 'host' or 'static', got {raw!r}")
+    return raw == "host"
+
+
 def _path_env(name: str) -> Path | None:
     raw = os.environ.get(name)
     return Path(raw) if raw and raw.strip() else None
@@ -123,6 +130,10 @@ class Settings:
     dashboard_secret: str | None = None
     egress_default: Egress = "open"  # PAL_EGRESS_DEFAULT: a VM's egress when its spec has none
     egress_resolve: str | None = None  # PAL_EGRESS_RESOLVE=name=ip,... (like curl --resolve)
+    # PAL_EGRESS_DNS=host (default): other names through the host's resolver; static: only
+    # PAL_EGRESS_RESOLVE's names resolve (an air-gapped node; the tests, which must never
+    # send a lookup off the machine)
+    egress_host_dns: bool = True
     # PAL_EGRESS_ALLOW_INTERNAL=cidr[:port],...: internal destinations the operator opens
     egress_allow_internal: list[str] = field(default_factory=list)
     # PAL_EGRESS_CA_BUNDLE: PEM file of CAs the gateway trusts (besides the system store) when
@@ -220,6 +231,7 @@ class Settings:
             dashboard_secret=os.environ.get("PAL_DASHBOARD_SECRET") or None,
             egress_default=parse_egress_default(os.environ.get("PAL_EGRESS_DEFAULT")),
             egress_resolve=os.environ.get("PAL_EGRESS_RESOLVE") or None,
+            egress_host_dns=_egress_dns_env(),
             egress_ca_bundle=Path(bundle) if (bundle := os.environ.get("PAL_EGRESS_CA_BUNDLE")) else None,
             egress_allow_internal=[
                 p.strip() for p in os.environ.get("PAL_EGRESS_ALLOW_INTERNAL", "").split(",") if p.strip()

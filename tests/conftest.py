@@ -158,6 +158,8 @@ def start_server(
         # Test names point at servers on 127.0.0.2, the one internal address guests may reach.
         "PAL_EGRESS_RESOLVE": RESOLVE_ENV,
         "PAL_EGRESS_ALLOW_INTERNAL": ALLOW_INTERNAL_ENV,
+        # No lookup ever leaves the machine: only PAL_EGRESS_RESOLVE's names resolve.
+        "PAL_EGRESS_DNS": "static",
         # A hang guard, not a speed bound: a restored guest on a loaded 2-core host can take
         # longer than the default 5 s to answer identify (seen: a session's first schedule).
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",

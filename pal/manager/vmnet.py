@@ -98,6 +98,7 @@ class VmNetworking:
         self.gateway = GatewayProcess(
             settings.data_dir,
             resolve=settings.egress_resolve,
+            host_dns=settings.egress_host_dns,
             allow_internal=settings.egress_allow_internal,
             ca_bundle=_read_bundle(settings.egress_ca_bundle),
             api_addresses=control_plane_addresses(settings.servers),

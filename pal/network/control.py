@@ -103,6 +103,7 @@ class GatewayProcess:
         *,
         resolve: str | None,
         allow_internal: list[str],
+        host_dns: bool = True,
         ca_bundle: str | None = None,
         api_addresses: list[str] | None = None,
         on_restart: Callable[[], Awaitable[None]] | None = None,
@@ -113,6 +114,7 @@ class GatewayProcess:
         self.pid_path = self.run_dir / "gateway.pid"
         self.log_path = self.run_dir / "gateway.log"
         self.resolve = resolve
+        self.host_dns = host_dns
         self.allow_internal = allow_internal
         self.ca_bundle = ca_bundle  # PEM text: the gateway cannot read root's files after its drop
         self.api_addresses = api_addresses or []  # the control plane's: internal like the host's
@@ -143,6 +145,7 @@ class GatewayProcess:
         return {
             "op": "configure",
             "resolve": self.resolve,
+            "hostDns": self.host_dns,
             "allowInternal": self.allow_internal,
             "caBundle": self.ca_bundle,
             "apiAddresses": self.api_addresses,

@@ -91,15 +91,19 @@ class Events:
 
 
 class Resolver:
-    """Names to addresses: PAL_EGRESS_RESOLVE first, then the host's resolver (cached)."""
+    """Names to addresses: PAL_EGRESS_RESOLVE first, then (unless PAL_EGRESS_DNS=static)
+    the host's resolver (cached)."""
 
     def __init__(self) -> None:
         self.static: dict[str, list[Address]] = {}
+        self.host_dns = True
         self._cache: dict[str, tuple[float, list[Address]]] = {}
 
     async def resolve(self, name: str) -> list[Address]:
         if name in self.static:
             return list(self.static[name])
+        if not self.host_dns:
+            return []
         hit = self._cache.get(name)
         now = time.monotonic()
         if hit is not None and hit[0] > now:
@@ -575,9 +579,14 @@ class Gateway:
         return self._conn_ids
 
     def configure(
-        self, resolve: str | None, allow_internal: list[str], api_addresses: Sequence[str] = ()
+        self,
+        resolve: str | None,
+        allow_internal: list[str],
+        api_addresses: Sequence[str] = (),
+        host_dns: bool = True,
     ) -> None:
         self.resolver.static = parse_static_names(resolve)
+        self.resolver.host_dns = host_dns
         self._allow_internal = list(allow_internal)
         self._api_addresses = [ipaddress.ip_address(a) for a in api_addresses]
         self.refresh_host_addresses()
@@ -625,7 +634,10 @@ class Gateway:
             return {"pid": os.getpid(), "vms": sorted(self.vms)}
         if op == "configure":
             self.configure(
-                msg.get("resolve"), list(msg.get("allowInternal") or []), list(msg.get("apiAddresses") or [])
+                msg.get("resolve"),
+                list(msg.get("allowInternal") or []),
+                list(msg.get("apiAddresses") or []),
+                host_dns=msg.get("hostDns") is not False,
             )
             self.tls.configure(msg.get("caBundle") or None)
             return {}
