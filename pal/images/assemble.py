@@ -28,10 +28,10 @@ from pal.images import bundle, rootfs
 from pal.images.boot import BootSet
 from pal.images.config import ImageConfig, OciRunConfig, resolve
 from pal.images.paths import META, ROOTFS, ImagePaths, image_dir
-from pal.images.tree import in_root
+from pal.images.tree import in_root, make_public_dirs, write_public
 
 # Bump when the assembly recipe changes in a way the input hashes do not capture.
-BUILDER_VERSION = 3  # 3: /etc/resolv.conf names the egress gateway
+BUILDER_VERSION = 4  # 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077
 CONFIG_FILE = "config.json"  # /.pal/config.json
 HOSTNAME = "pal"
 
@@ -46,36 +46,36 @@ def finish_tree(root: Path, bundle_dir: Path, run: OciRunConfig) -> ImageConfig:
     """Add Pal's part to the tree at ``root``; returns the image's resolved exec defaults."""
     cfg = resolve(root, run)
     bundle.install(bundle_dir, root)
-    (root / bundle.PAL_DIR / CONFIG_FILE).write_text(json.dumps(cfg.to_json(), sort_keys=True) + "\n")
+    write_public(root / bundle.PAL_DIR / CONFIG_FILE, json.dumps(cfg.to_json(), sort_keys=True) + "\n")
     # Not followed if it is a link: Pal gives the workload user this directory, not
     # whatever it points to (/etc, say).
     workspace = in_root(root, "workspace", follow_last=False)
     if workspace.is_symlink() or (workspace.exists() and not workspace.is_dir()):
         raise InvalidRequest("the image's /workspace is not a directory; Pal serves files there")
-    workspace.mkdir(parents=True, exist_ok=True)
+    make_public_dirs(workspace)
     os.chown(workspace, cfg.uid, cfg.gid)
     workspace.chmod(0o755)
     if cfg.home != "/":
         home = in_root(root, cfg.home)
         if not home.exists():
-            home.mkdir(parents=True, mode=0o750)
+            make_public_dirs(home)
+            home.chmod(0o750)
             os.chown(home, cfg.uid, cfg.gid)
     if cfg.workdir:
-        in_root(root, cfg.workdir).mkdir(parents=True, exist_ok=True)
-    etc = in_root(root, "etc")
-    etc.mkdir(parents=True, exist_ok=True)
+        make_public_dirs(in_root(root, cfg.workdir))
+    make_public_dirs(in_root(root, "etc"))
     hostname = in_root(root, "etc/hostname")
     if not hostname.exists():
-        hostname.write_text(HOSTNAME + "\n")
+        write_public(hostname, HOSTNAME + "\n")
     hosts = in_root(root, "etc/hosts")
     if not hosts.exists():
-        hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {HOSTNAME}\n::1 localhost\n")
+        write_public(hosts, f"127.0.0.1 localhost\n127.0.1.1 {HOSTNAME}\n::1 localhost\n")
     # The guest's one DNS server is the host side of its NIC (the egress gateway), whatever
     # the image shipped (often a symlink to a resolver stub that does not run here).
     resolv = in_root(root, "etc/resolv.conf", follow_last=False)
     if resolv.is_symlink() or resolv.exists():
         resolv.unlink()
-    resolv.write_text(f"nameserver {GATEWAY_IP}\noptions timeout:2 attempts:2\n")
+    write_public(resolv, f"nameserver {GATEWAY_IP}\noptions timeout:2 attempts:2\n")
     return cfg
 
 

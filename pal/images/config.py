@@ -24,7 +24,7 @@ from typing import Any
 
 from pal.errors import InvalidRequest
 from pal.guest import protocol as p
-from pal.images.tree import in_root, is_executable_file
+from pal.images.tree import in_root, is_executable_file, make_public_dirs, write_public
 
 WORKLOAD_UID = 1000
 
@@ -113,18 +113,19 @@ def add_user(root: Path, name: str, uid: int | None = None) -> tuple[int, int, s
             uid += 1
     home = f"/home/{name}"
     shell = "/bin/bash" if is_executable_file(root, "bin/bash") else "/bin/sh"
-    in_root(root, "etc").mkdir(parents=True, exist_ok=True)
+    make_public_dirs(in_root(root, "etc"))
     passwd, group, shadow = (in_root(root, f"etc/{n}") for n in ("passwd", "group", "shadow"))
     if not passwd.exists():
-        passwd.write_text("root:x:0:0:root:/root:/bin/sh\n")
+        write_public(passwd, "root:x:0:0:root:/root:/bin/sh\n")
     if not group.exists():
-        group.write_text("root:x:0:\n")
+        write_public(group, "root:x:0:\n")
     for path, line in (
         (passwd, f"{name}:x:{uid}:{uid}:Pal workload:{home}:{shell}\n"),
         (group, f"{name}:x:{uid}:\n"),
     ):
         text = path.read_text()
-        path.write_text(text + ("" if not text or text.endswith("\n") else "\n") + line)
+        # Readable by every user of the guest (id, ls -l, getpwuid), as in any Linux.
+        write_public(path, text + ("" if not text or text.endswith("\n") else "\n") + line)
     if shadow.exists():
         with shadow.open("a") as f:
             f.write(f"{name}:!:19000:0:99999:7:::\n")

@@ -63,3 +63,23 @@ def is_executable_file(root: Path, path: str) -> bool:
     except OSError:
         return False
     return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
+
+
+def write_public(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write a file of the guest's system (passwd, hosts, resolv.conf...) with the mode the
+    guest's users need, whatever the umask of the process building the image (Pal runs
+    with 077: a file it makes would otherwise be root's alone inside the guest too)."""
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def make_public_dirs(path: Path) -> None:
+    """``mkdir -p`` with every directory it makes 0755 (see :func:`write_public`)."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir()
+        d.chmod(0o755)

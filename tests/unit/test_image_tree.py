@@ -174,3 +174,30 @@ def test_work_dirs_of_dead_builds_are_removed_live_ones_kept(tmp_path: Path) -> 
         (images / name).mkdir(parents=True)
     assert sorted(assemble.remove_stale_work(images)) == [f".build-x-{dead.pid}", f".buildah-y-{dead.pid}"]
     assert sorted(p.name for p in images.iterdir()) == [f".build-z-{os.getpid()}", "default"]
+
+
+def test_the_guests_system_files_are_readable_by_its_users_under_pals_umask(tmp_path: Path) -> None:
+    """Pal runs with umask 077; the files it adds to an image (passwd, group, hosts,
+    resolv.conf, /workspace, WORKDIR) must still be what a Linux guest's users can read
+    (an unreadable passwd made `id -un` fail for the workload user)."""
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    old = os.umask(0o077)
+    try:
+        assemble.finish_tree(root, _fake_bundle(tmp_path), OciRunConfig(workdir="/srv/app"))
+    finally:
+        os.umask(old)
+    for path, mode in (
+        ("etc", 0o755),
+        ("etc/passwd", 0o644),
+        ("etc/group", 0o644),
+        ("etc/hosts", 0o644),
+        ("etc/hostname", 0o644),
+        ("etc/resolv.conf", 0o644),
+        ("workspace", 0o755),
+        ("srv", 0o755),
+        ("srv/app", 0o755),
+        ("home/pal", 0o750),
+    ):
+        assert (root / path).stat().st_mode & 0o777 == mode, path
+    assert "pal:x:1000:1000:" in (root / "etc/passwd").read_text()
