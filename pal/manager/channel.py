@@ -135,6 +135,7 @@ class HarnessChannel:
         # The latest heartbeat, cleaned (guest_input.heartbeat): only known fields, typed.
         self.heartbeat: dict[str, Any] | None = None
         self.heartbeat_at = 0.0  # host monotonic time of the latest heartbeat
+        self.first_line_at = 0.0  # host monotonic time the guest first said anything (restore timing)
         # Host monotonic time since when the reader waits for a full inbox to drain (the
         # guest is talking, we are not listening), else None.
         self.stalled_since: float | None = None
@@ -159,6 +160,10 @@ class HarnessChannel:
         # Terminate any half line the guest may hold from a previous connection.
         self._writer.write(b"\n")
         self._task = asyncio.create_task(self._read_loop(), name=f"channel-{self.vm_id}")
+
+    def heard(self) -> None:
+        """The guest answered as itself (an identify reply): as good as a heartbeat."""
+        self.heartbeat_at = time.monotonic()
 
     def last_heard(self) -> float:
         """Host monotonic time the guest was last heard from: its latest heartbeat, or now
@@ -193,6 +198,8 @@ class HarnessChannel:
                     continue
                 if not line:
                     break
+                if not self.first_line_at:
+                    self.first_line_at = time.monotonic()
                 msg = _decode(line)
                 key = gi.route(msg)
                 if key is None:

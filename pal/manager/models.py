@@ -88,6 +88,9 @@ class SpawnResult(_Model):
     method: Literal["cold", "template", "restore"]
     agent_version_id: str
     mem_snapshot_id: str | None = None  # snapshot whose mem this VM maps privately
+    # Where the spawn's time went: prepare, QEMU start/load/cont, identify (host and guest
+    # steps); recorded in the VM's status event (docs/lifecycle.md, "The restore path").
+    timings: dict[str, float] = Field(default_factory=dict)
 
 
 class SnapshotRequest(_Model):

@@ -378,18 +378,16 @@ class NodeRuntime:
             )
             self.vms[req.vm_id] = lv
             self._write_state(lv)
-            boot_ms = (time.perf_counter() - t0) * 1000
-            log.info(
-                "VM %s up by %s in %.0f ms (pid %s): prepare %.0f, vmm %s, identify %.0f ms (guest %s)",
-                req.vm_id,
-                method,
-                boot_ms,
-                qemu.pid,
-                (t_prep - t0) * 1000,
-                qemu.timings_ms,
-                (time.perf_counter() - t_vmm) * 1000,
-                guest_steps,
-            )
+            t_end = time.perf_counter()
+            boot_ms = (t_end - t0) * 1000
+            # Where the time went, step by step (docs/lifecycle.md, "The restore path").
+            timings = {
+                "prepare_ms": round((t_prep - t0) * 1000, 1),
+                **{f"qemu_{k}_ms": round(v, 1) for k, v in qemu.timings_ms.items()},
+                "identify_ms": round((t_end - t_vmm) * 1000, 1),
+                **{f"identify_{k}": v for k, v in guest_steps.items()},
+            }
+            log.info("VM %s up by %s in %.0f ms (pid %s): %s", req.vm_id, method, boot_ms, qemu.pid, timings)
             return SpawnResult(
                 vm_id=req.vm_id,
                 pid=qemu.pid or 0,
@@ -399,6 +397,7 @@ class NodeRuntime:
                 # A restored VM is what its snapshot was, whatever the image is now.
                 agent_version_id=req.restore.agent_version_id if req.restore else image.agent_version_id,
                 mem_snapshot_id=lv.mem_snapshot_id,
+                timings=timings,
             )
         except BaseException as exc:
             if channel is not None:
@@ -437,9 +436,14 @@ class NodeRuntime:
         ca: str = "",
     ) -> dict[str, Any]:
         """Give the guest its identity (clock, RNG seed, token, MAC, the tenant CA to trust
-        when it has brokered secrets) and wait for it to say so. Returns the guest's own
-        timing of its steps (µs; for the log)."""
+        when it has brokered secrets) and wait for it to say so. Returns the timing of the
+        steps: the guest's own (µs) and, from the host, ``first_line_ms`` (the guest's first
+        word since the request) and ``reply_ms`` (its answer).
+
+        The answer names the VM and incarnation it took, so no heartbeat is awaited on top
+        (it follows the answer; waiting for it cost a cold heartbeat path per restore)."""
         ident = self._identity(vm_id, incarnation, token, env, mac, ca)
+        t0 = time.monotonic()
         waiter = asyncio.create_task(channel.request(ident, timeout=timeout))
         died = asyncio.create_task(qemu.exited.wait())
         try:
@@ -447,9 +451,24 @@ class NodeRuntime:
             if died in done and waiter not in done:
                 raise BackendError(f"VM {vm_id}: QEMU exited while booting")
             reply, _ = waiter.result()
-            await channel.wait_heartbeat(incarnation, timeout)
-            steps = (reply.get("result") or {}).get("steps_us")
-            return steps if isinstance(steps, dict) else {}
+            t_reply = time.monotonic()
+            result = reply.get("result") or {}
+            if result.get("vm_id") != vm_id or result.get("incarnation") != incarnation:
+                raise BackendError(
+                    f"VM {vm_id}: the guest answered identify as {gi.text(str(result.get('vm_id')))} "
+                    f"incarnation {gi.text(str(result.get('incarnation')))}"
+                )
+            channel.heard()
+            steps = result.get("steps_us")
+            out: dict[str, Any] = {
+                f"guest_{k}_us": v
+                for k, v in (steps.items() if isinstance(steps, dict) else ())
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+            if channel.first_line_at:
+                out["first_line_ms"] = round((channel.first_line_at - t0) * 1000, 1)
+            out["reply_ms"] = round((t_reply - t0) * 1000, 1)
+            return out
         finally:
             for t in (waiter, died):
                 t.cancel()

@@ -64,6 +64,7 @@ from pal.manager.models import (
     SnapshotInfo,
     SnapshotRequest,
     SpawnRequest,
+    SpawnResult,
     VmMetrics,
 )
 from pal.manager.tunnel import TunnelStream
@@ -571,6 +572,7 @@ class Scheduler:
             vm = await self.transitions.transition(
                 vm.vm_id,
                 A.COME_UP,
+                details=_spawn_details(res),
                 agent_version_id=res.agent_version_id,
                 last_activity_unix_ms=self.now_ms(),
             )
@@ -917,6 +919,7 @@ class Scheduler:
         running = await self.transitions.transition(
             vm_id,
             A.COME_UP,
+            details=_spawn_details(res),
             paused_by=None,
             paused_at=None,
             mem_snapshot_id=res.mem_snapshot_id,
@@ -1111,6 +1114,7 @@ class Scheduler:
                 "agent_version_id": res.agent_version_id or child.agent_version_id,
                 "mem_snapshot_id": res.mem_snapshot_id or snap_id,
                 "last_activity_unix_ms": self.now_ms(),
+                "details": _spawn_details(res),
             }
             return child_id, fields, None
 
@@ -1413,3 +1417,9 @@ class Scheduler:
             "migrated": migrated,
             "failed": failed,
         }
+
+
+def _spawn_details(res: SpawnResult) -> dict[str, Any]:
+    """What a VM's coming up records in its status event: how it started and where the
+    time went (the node's timings, docs/lifecycle.md "The restore path")."""
+    return {"method": res.method, "bootMs": round(res.boot_ms, 1), "timings": dict(res.timings)}

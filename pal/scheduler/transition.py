@@ -88,6 +88,7 @@ class Transitioner:
         reason: str | None = None,
         new_snapshot_bytes: int = 0,
         tenant_limits: bool = True,
+        details: dict[str, Any] | None = None,
         **fields: Any,
     ) -> VmRecord:
         """Apply ``action`` to ``vm_id``: 409 (:class:`IllegalTransition`) unless the table
@@ -96,7 +97,7 @@ class Transitioner:
         (``new_snapshot_bytes``: about how big the snapshot it takes will be).
         ``tenant_limits=False`` skips the latter two: a server shutdown suspends every VM,
         whatever the limits, rather than lose one. ``fields`` are other columns that
-        change with the state."""
+        change with the state; ``details`` go with its status event (e.g. a spawn's timings)."""
         async with self.lock(vm_id):
             with self._store.write() as tx:
                 if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
@@ -104,23 +105,34 @@ class Transitioner:
                     if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
                         quotas.check_pause_in(tx, vm)
                         quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
-                return self._apply(tx, vm_id, action, reason, fields)
+                return self._apply(tx, vm_id, action, reason, fields, details)
 
     async def transition_all(
         self, changes: Sequence[tuple[str, dict[str, Any]]], action: Action, *, reason: str | None = None
     ) -> list[VmRecord]:
         """Apply ``action`` to several VMs in ONE transaction: all of them change or none
-        (a fork's children come up together, so a crash never leaves half a fork)."""
+        (a fork's children come up together, so a crash never leaves half a fork). A
+        ``details`` entry of a VM's fields goes with its status event."""
         ids = sorted({vm_id for vm_id, _ in changes})
         async with contextlib.AsyncExitStack() as stack:
             for vm_id in ids:  # always in the same order: no deadlock between two callers
                 await stack.enter_async_context(self.lock(vm_id))
             with self._store.write() as tx:
-                return [self._apply(tx, vm_id, action, reason, fields) for vm_id, fields in changes]
+                out = []
+                for vm_id, fields in changes:
+                    cols = dict(fields)
+                    details = cols.pop("details", None)
+                    out.append(self._apply(tx, vm_id, action, reason, cols, details))
+                return out
 
     @staticmethod
     def _apply(
-        tx: WriteTx, vm_id: str, action: Action, reason: str | None, fields: dict[str, Any]
+        tx: WriteTx,
+        vm_id: str,
+        action: Action,
+        reason: str | None,
+        fields: dict[str, Any],
+        details: dict[str, Any] | None = None,
     ) -> VmRecord:
         vm = tx.get_vm(vm_id)
         if vm is None:
@@ -150,6 +162,7 @@ class Transitioner:
             to_state=rule.to.value,
             marker=rule.marker.value,
             reason=reason,
+            details=details,
         )
         if not holds:
             quotas.release_in(tx, vm_id)

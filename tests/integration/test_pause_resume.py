@@ -108,6 +108,12 @@ def test_clock_and_identity_are_fresh_after_resume(api: httpx.Client, vm: str) -
     assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
     assert_guest_clock_is_the_hosts(lambda: float(sh(api, vm, "date +%s.%N")["stdout"]))
     assert sh(api, vm, "cat /proc/sys/kernel/random/uuid")["stdout"] != before
+    # The resume's status event says how the VM came up and where the time went.
+    up = [e for e in api.get(f"/v1/runtime/vms/{vm}/events").json()["events"] if e["toState"] == "running"]
+    details = up[-1]["details"]
+    assert details["method"] == "restore" and details["bootMs"] > 0, details
+    for step in ("prepare_ms", "qemu_spawn_ms", "qemu_load_ms", "identify_reply_ms", "identify_guest_clock_rng_us"):
+        assert details["timings"][step] >= 0, (step, details)
 
 
 def test_wrong_state_calls_are_409(api: httpx.Client, vm: str) -> None:

@@ -316,6 +316,12 @@ def test_identify_replaces_the_token(host: Host) -> None:
         p.K_IDENTIFY, incarnation=2, token="tok-2", vm_id="vm-1", now_ns=time.time_ns(), seed="ab" * 32
     )
     assert ok["k"] == p.K_OK
+    # The answer names the identity taken (the host checks it instead of awaiting a
+    # heartbeat) and the guest's time per step.
+    assert ok["result"]["vm_id"] == "vm-1" and ok["result"]["incarnation"] == 2
+    steps = ok["result"]["steps_us"]
+    assert set(steps) == {"decode", "clock_rng", "net_host_ca"}
+    assert all(isinstance(v, int) and v >= 0 for v in steps.values()), steps
     hb = host.next_heartbeat(timeout=2)  # sent right after identify
     assert hb["incarnation"] == 2 and hb["vm_id"] == "vm-1"
     stale = host.call(p.K_EXEC, tok=TOKEN, argv=["true"])
