@@ -59,7 +59,7 @@ def cycle_run(
     pss_of: Callable[[str], int | None],
 ) -> None:
     """One VM through CYCLES pause/resume cycles; samples go to ``res`` (``{prefix}cycle_N``),
-    the warm exec after each resume to ``res['warm_exec']``. Unbusied runs also fork ×10 after
+    the warm exec after each resume to ``res['{prefix}warm_exec_steady']``. Unbusied runs also fork ×10 after
     cycle FORK_AFTER_CYCLE and read the VM's PSS there."""
     vid = api.call("POST", "/v1/runtime/schedule", json=spec)["vmId"]
     try:
@@ -71,9 +71,10 @@ def cycle_run(
             ms_e, _ = timed(api.exec_ok, vid)
             ms_w, _ = timed(api.exec_ok, vid)
             res.setdefault(f"{prefix}cycle_{c}", []).append(ms_r + ms_e)
+            # The warm exec under the same load is the base of this run's ratios.
+            res.setdefault(f"{prefix}warm_exec_steady", []).append(ms_w)
             if not prefix:
                 res["steady_snapshot"].append(ms_p)
-                res["warm_exec_steady"].append(ms_w)
             if c == FORK_AFTER_CYCLE and not prefix:
                 pss = pss_of(vid)
                 if pss:

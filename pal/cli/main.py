@@ -362,7 +362,7 @@ def bench(
     only: Annotated[
         str | None, typer.Option(help="main (the latency table) or steady (repeated cycles, readiness)")
     ] = None,
-    steady_runs: Annotated[int, typer.Option(help="VMs taken through the 30 pause/resume cycles")] = 2,
+    steady_runs: Annotated[int, typer.Option(help="VMs taken through the 30 pause/resume cycles")] = 5,
     ready_runs: Annotated[int, typer.Option(help="`pal up` starts timed from readiness to a first exec")] = 3,
 ) -> None:
     """Latency benchmarks (snapshot, restore, fork, first exec, stop, cold boot) and the
