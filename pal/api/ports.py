@@ -20,7 +20,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -148,7 +148,7 @@ def _target(raw_path: bytes, query: bytes) -> bytes:
     return target + (b"?" + query if query else b"")
 
 
-def client_scheme(scope: dict[str, Any]) -> str:
+def client_scheme(scope: Mapping[str, Any]) -> str:
     """What X-Forwarded-Proto says: how the client reached Pal, ``http`` or ``https``, for
     an HTTP request and a WebSocket alike (whose scope says ``ws`` or ``wss``). uvicorn has
     already applied a trusted proxy's own X-Forwarded-Proto to the scope."""
