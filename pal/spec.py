@@ -4,9 +4,10 @@ PauseRequest, the egress policy (also PUT .../egress) and wait management (waitP
 The bottom of the package's layering (docs/internals.md, "Package layering": types shared
 across layers live in the lowest layer that needs them): the API takes these as request
 bodies (camelCase on the wire), the scheduler as its domain objects, the runtime manager gets
-``ExecRequest`` as is. So validation rules and defaults (``Limits``) are stated once, here;
-this module imports nothing from ``pal``. The egress matcher (pal/network/policy.py) compiles
-the entries parsed here.
+``ExecRequest`` as is. So validation rules are stated once, here. The only module of ``pal``
+it imports is ``pal.sizes`` (the default sizes and their bounds, one layer lower so that the
+CLI can show them without these models). The egress matcher (pal/network/policy.py)
+compiles the entries parsed here.
 
     egress = "none" | "open" | {"allow": [entry, ...]} | {"deny": [entry, ...]}
     entry  = domain[:port]          pypi.org, *.githubusercontent.com:443 ("*." = any subdomain)

@@ -2,7 +2,8 @@
 else). Run as ``python3 -c APP`` in the guest; it writes /tmp/servers-up once listening.
 
 - 0.0.0.0:8000 (http.server): ``/headers`` answers the request's headers as JSON,
-  ``/echo`` answers the body it was sent, ``/sse`` sends event N and then waits until the
+  ``/echo`` answers the body it was sent (``?mark=NAME``: creates /workspace/NAME as soon
+  as the first chunk is in), ``/sse`` sends event N and then waits until the
   file /workspace/go-N exists before sending event N+1 (so a test can prove each event
   arrives before the next one exists), ``/cookie`` sets a cookie.
 - 127.0.0.1:8001: a WebSocket echo server (loopback only: reached through the relay).
@@ -43,6 +44,9 @@ class H(http.server.BaseHTTPRequestHandler):
         else:
             self._send(b"hello from the guest\n", "text/plain")
     def do_POST(self):
+        # /echo?mark=NAME: once the first chunk of the body is in, /workspace/NAME exists
+        # (the test then knows the proxy streamed it, before it sends the rest).
+        mark = self.path.split("mark=", 1)[1] if "mark=" in self.path else None
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             body = b""
             while True:
@@ -52,6 +56,9 @@ class H(http.server.BaseHTTPRequestHandler):
                     break
                 body += self.rfile.read(size)
                 self.rfile.readline()
+                if mark:
+                    open("/workspace/" + mark, "w").close()
+                    mark = None
         else:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self._send(body, "application/octet-stream")

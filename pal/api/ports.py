@@ -20,7 +20,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -146,6 +146,13 @@ def _target(raw_path: bytes, query: bytes) -> bytes:
     parts = raw_path.split(b"/", 7)
     target = b"/" + (parts[7] if len(parts) > 7 else b"")
     return target + (b"?" + query if query else b"")
+
+
+def client_scheme(scope: Mapping[str, Any]) -> str:
+    """What X-Forwarded-Proto says: how the client reached Pal, ``http`` or ``https``, for
+    an HTTP request and a WebSocket alike (whose scope says ``ws`` or ``wss``). uvicorn has
+    already applied a trusted proxy's own X-Forwarded-Proto to the scope."""
+    return "https" if scope.get("scheme") in ("https", "wss") else "http"
 
 
 def forwarded_headers(
@@ -336,7 +343,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         check_port(port)
         prefix = PREFIX.format(vm_id=vm_id, port=port)
         client = request.client.host if request.client else ""
-        fwd = forwarded_headers(headers, client=client, scheme=request.url.scheme, prefix=prefix)
+        fwd = forwarded_headers(headers, client=client, scheme=client_scheme(scope), prefix=prefix)
         method = request.method.encode()
         has_body = _get(headers, b"content-length") not in (None, b"0") or _get(headers, b"transfer-encoding")
         if has_body and _get(headers, b"content-length") is None:
@@ -382,7 +389,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         out = StreamingResponse(body(), status_code=resp.status, background=BackgroundTask(stack.aclose))
         out.raw_headers = _response_headers(resp.headers, prefix)
         if token is not None:  # a link opened in a browser: its next requests carry the cookie
-            out.raw_headers.append((b"set-cookie", _link_cookie(token, prefix, request.url.scheme)))
+            out.raw_headers.append((b"set-cookie", _link_cookie(token, prefix, client_scheme(scope))))
         return out
 
     @r.websocket("/vms/{vm_id}/ports/{port}/{path:path}")
@@ -461,7 +468,7 @@ async def _proxy_websocket(
     skip.add("sec-websocket-protocol")
     extra = [
         (k.decode("latin-1"), v.decode("latin-1"))
-        for k, v in forwarded_headers(headers, client=client, scheme="http", prefix=prefix)
+        for k, v in forwarded_headers(headers, client=client, scheme=client_scheme(ws.scope), prefix=prefix)
         if k.lower().decode("latin-1") not in skip
     ]
     protocols = [

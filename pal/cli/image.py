@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -114,16 +114,31 @@ def _set_tenants(settings: Any, name: str, tenants: list[str] | None) -> None:
     write_meta(d, meta)
 
 
+def _tenants_of(settings: Any, tenants: list[str] | None) -> list[str] | None:
+    """``--tenant`` as ids, resolved before any build or import: an unknown name fails
+    with nothing changed, and the ids go into the image's meta before it is published."""
+    return _tenant_ids(settings, tenants) if tenants else None
+
+
 def _warm(settings: Any, name: str) -> None:
-    """Ask the server running on this data dir to build the default size's template."""
+    """Ask the server running on this data dir to build the default size's template.
+
+    ``--warm`` was asked for, so a template that is not built is a failure (exit 1), said
+    once: the image itself is installed, and its template is built on first schedule."""
     from pal.errors import PalError
     from pal.manager.client import ManagerClient
     from pal.manager.models import WarmRequest
     from pal.spec import Limits
 
+    def no_template(why: str, code: str) -> NoReturn:
+        fail(
+            f"image {name} is installed, but --warm built no template: {why}; "
+            "the template is built on the first schedule instead",
+            code,
+        )
+
     if not settings.manager_socket.exists():
-        err_console.print("no server is running on this data dir: the template is built on first schedule")
-        return
+        no_template(f"no server is running on {settings.data_dir}", "UNAVAILABLE")
     size = Limits.model_validate({})
     req = WarmRequest(image=name, memory_mib=size.memory_mib, vcpus=size.vcpus, disk_mib=size.disk_mib)
 
@@ -138,9 +153,10 @@ def _warm(settings: Any, name: str) -> None:
     try:
         res = asyncio.run(go())
     except PalError as exc:
-        err_console.print(f"no warm template: {exc.message} (it is built on first schedule instead)")
-        return
-    err_console.print(f"template {res.key}: {'ready' if res.ready else 'failed (see the server log)'}")
+        no_template(exc.message, exc.code)
+    if not res.ready:
+        no_template(f"building template {res.key} failed (see the server log)", "TEMPLATE_FAILED")
+    err_console.print(f"template {res.key}: ready")
 
 
 def _drop_old_templates(settings: Any, old_digest: str | None) -> None:
@@ -158,13 +174,9 @@ def _old_digest(settings: Any, name: str) -> str | None:
         return None
 
 
-def _installed(
-    settings: Any, name: str, result: Any, old_digest: str | None, tenants: list[str] | None, warm: bool
-) -> None:
-    """After a build or import: who may use it, the replaced build's templates gone, its
-    summary printed, and (``--warm``) its template made now."""
-    if tenants:
-        _set_tenants(settings, name, tenants)
+def _installed(settings: Any, name: str, result: Any, old_digest: str | None, warm: bool) -> None:
+    """After a build or import: the replaced build's templates gone, its summary printed,
+    and (``--warm``) its template made now."""
     _drop_old_templates(settings, old_digest)
     print_json(_summary(result))
     if warm:
@@ -212,18 +224,22 @@ def image_build(
     if name is None and file is not None:
         raise typer.BadParameter("name the image a Dockerfile builds: pal image build NAME -f Dockerfile")
     name = name or "default"
+    tenants = _tenants_of(settings, tenant)
     old = _old_digest(settings, name)
     if file is not None:
         args = parse_pairs(build_arg, "--build-arg")
         result = _with_progress(
             name,
-            lambda progress: build_dockerfile(settings, name, file, context, progress, progress.log, args),
+            lambda progress: build_dockerfile(
+                settings, name, file, context, progress, progress.log, args, tenants=tenants
+            ),
         )
     else:
         result = _with_progress(
-            name, lambda progress: build_image(settings, name, progress=progress, force=force)
+            name,
+            lambda progress: build_image(settings, name, progress=progress, force=force, tenants=tenants),
         )
-    _installed(settings, name, result, old, tenant, warm)
+    _installed(settings, name, result, old, warm)
 
 
 @image_app.command("import")
@@ -245,9 +261,12 @@ def image_import(
 
     settings = server_settings(data_dir)
     prepare_data_dir(settings)
+    tenants = _tenants_of(settings, tenant)
     old = _old_digest(settings, name)
-    result = _with_progress(name, lambda progress: import_image(settings, name, source, progress))
-    _installed(settings, name, result, old, tenant, warm)
+    result = _with_progress(
+        name, lambda progress: import_image(settings, name, source, progress, tenants=tenants)
+    )
+    _installed(settings, name, result, old, warm)
 
 
 @image_app.command("export")

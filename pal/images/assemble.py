@@ -158,11 +158,20 @@ def base_meta(name: str, boot_set: BootSet, cfg: ImageConfig, kind: str) -> dict
     }
 
 
-def publish(settings: Settings, name: str, staging: Path, meta: dict[str, Any]) -> ImagePaths:
-    """Write meta.json and swap ``staging`` in as image ``name`` (keeping its tenants list)."""
+def publish(
+    settings: Settings, name: str, staging: Path, meta: dict[str, Any], tenants: list[str] | None = None
+) -> ImagePaths:
+    """Write meta.json and swap ``staging`` in as image ``name``.
+
+    ``tenants``: the tenant ids that may use it; None keeps the replaced image's list (every
+    tenant for a new image). Written into meta.json before the swap, so an image meant for
+    some tenants is never visible to the others, not even for a moment.
+    """
     final = image_dir(settings, name)
     old = _read_json(final / META)
-    if "tenants" not in meta and isinstance(old, dict) and old.get("tenants") is not None:
+    if tenants is not None:
+        meta["tenants"] = list(tenants)
+    elif "tenants" not in meta and isinstance(old, dict) and old.get("tenants") is not None:
         meta["tenants"] = old["tenants"]  # a rebuild keeps who may use the image
     (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     for p in staging.iterdir():

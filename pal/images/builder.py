@@ -17,7 +17,7 @@ from pal.images.apt_sources import host_codename, host_sources
 from pal.images.assemble import BUILDER_VERSION, Progress
 from pal.images.config import OciRunConfig
 from pal.images.modes import guest_umask
-from pal.images.paths import ImagePaths, image_dir, read_meta
+from pal.images.paths import ImagePaths, image_dir, read_meta, write_meta
 
 KIND_DEBIAN = "debian"
 
@@ -36,21 +36,28 @@ def build_image(
     name: str = "default",
     progress: Progress | None = None,
     force: bool = False,
+    tenants: list[str] | None = None,
 ) -> ImagePaths:
     """Build (or reuse) the Debian image ``name``; returns its paths once complete on disk.
 
     Without ``force`` an existing image is kept unless the harness, protocol or recipe
     changed since it was built. Cached downloads make such a rebuild take seconds.
+    ``tenants``: who may use it (assemble.publish; a kept image gets the list too).
     """
     with guest_umask():
-        return _build_image(settings, name, progress, force)
+        return _build_image(settings, name, progress, force, tenants)
 
 
-def _build_image(settings: Settings, name: str, progress: Progress | None, force: bool) -> ImagePaths:
+def _build_image(
+    settings: Settings, name: str, progress: Progress | None, force: bool, tenants: list[str] | None
+) -> ImagePaths:
     report = progress or assemble.quiet
     final = image_dir(settings, name)
     existing = read_meta(final)
     if not force and existing is not None and is_current(existing):
+        if tenants is not None and existing.get("tenants") != tenants:
+            existing = {**existing, "tenants": list(tenants)}
+            write_meta(final, existing)
         report("up to date", 1.0)
         return ImagePaths.at(name, final, existing)
     staging = assemble.new_staging(settings, name)
@@ -58,7 +65,7 @@ def _build_image(settings: Settings, name: str, progress: Progress | None, force
     try:
         meta = _build_into(settings, staging, name, report)
         meta["buildSeconds"] = round(time.monotonic() - started, 1)
-        image = assemble.publish(settings, name, staging, meta)
+        image = assemble.publish(settings, name, staging, meta, tenants)
     except Exception as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, PalError):

@@ -70,8 +70,10 @@ def build_dockerfile(
     progress: Progress | None = None,
     log: Log | None = None,
     build_args: dict[str, str] | None = None,
+    tenants: list[str] | None = None,
 ) -> ImagePaths:
-    """Build ``dockerfile`` (context: ``context``, default the Dockerfile's directory)."""
+    """Build ``dockerfile`` (context: ``context``, default the Dockerfile's directory);
+    ``tenants``: who may use it (assemble.publish)."""
     validate_name(name)
     report = progress or assemble.quiet
     say = log or (lambda _line: None)
@@ -105,4 +107,4 @@ def build_dockerfile(
     finally:
         _cleanup_store(store)
     label = f"Dockerfile {dockerfile}"
-    return importer.from_layout(settings, name, staging, label, importer.KIND_DOCKERFILE, report)
+    return importer.from_layout(settings, name, staging, label, importer.KIND_DOCKERFILE, report, tenants)

@@ -49,15 +49,17 @@ def import_image(
     *,
     kind: str = KIND_IMPORT,
     source_label: str | None = None,
+    tenants: list[str] | None = None,
 ) -> ImagePaths:
-    """Import SOURCE as image ``name`` (replacing an image of that name once complete)."""
+    """Import SOURCE as image ``name`` (replacing an image of that name once complete);
+    ``tenants``: who may use it (assemble.publish)."""
     report = progress or assemble.quiet
     validate_name(name)
     staging = assemble.new_staging(settings, name)
     try:
         report(f"reading {source}", 0.1)
         image = oci.copy_to_layout(source, staging / SOURCE)
-        return _assemble(settings, name, staging, image, source_label or source, kind, report)
+        return _assemble(settings, name, staging, image, source_label or source, kind, report, tenants)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, PalError | KeyboardInterrupt):
@@ -72,12 +74,14 @@ def from_layout(
     source_label: str,
     kind: str,
     progress: Progress | None = None,
+    tenants: list[str] | None = None,
 ) -> ImagePaths:
     """Assemble an image from an OCI layout already at ``staging/source`` (buildah's output)."""
     try:
         image = oci.read_layout(staging / SOURCE)
         oci.check_platform(image.config, source_label)
-        return _assemble(settings, name, staging, image, source_label, kind, progress or assemble.quiet)
+        report = progress or assemble.quiet
+        return _assemble(settings, name, staging, image, source_label, kind, report, tenants)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, PalError | KeyboardInterrupt):
@@ -93,6 +97,7 @@ def _assemble(
     source_label: str,
     kind: str,
     report: Progress,
+    tenants: list[str] | None = None,
 ) -> ImagePaths:
     started = time.monotonic()
     max_bytes = settings.image_max_gib * 1024**3
@@ -127,7 +132,7 @@ def _assemble(
         ),
         buildSeconds=round(time.monotonic() - started, 1),
     )
-    published = assemble.publish(settings, name, staging, meta)
+    published = assemble.publish(settings, name, staging, meta, tenants)
     report("done", 1.0)
     return published
 

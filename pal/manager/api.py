@@ -71,7 +71,7 @@ class RuntimeManager(Protocol):
         ...
 
     async def live_pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
-        """Stop the VM's vCPUs in place (pause-offload-resume.txt: Pause, and Offload).
+        """Stop the VM's vCPUs in place (docs/live-pause.md: Pause, and Offload).
 
         Prerequisites: the VM is live on this node.
         Success: its vCPUs are stopped, the gateway holds its connections (buffering their

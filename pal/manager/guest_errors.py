@@ -9,8 +9,11 @@ something else for an exec (a missing *executable*) say so in ``_EXEC``.
 | EPERM | 400 EPERM | 400 NOT_EXECUTABLE |
 | EINVAL, ENOTDIR, EISDIR | 400 (the guest's code) | 400 INVALID_ARGUMENT (bad cwd, argv...) |
 | ETOOBIG | 413 PAYLOAD_TOO_LARGE | 413 PAYLOAD_TOO_LARGE |
-| ETIMEDOUT | 504 GUEST_TIMEOUT | not an error: exit 124, ``timedOut`` (api/exec_stream.py) |
+| ETIMEDOUT | 504 GUEST_TIMEOUT | 504 GUEST_TIMEOUT (see below) |
 | EAUTH, EIO, anything else | 503 (the guest's code) | 503 (the guest's code) |
+
+An exec's ETIMEDOUT (its ``timeoutSecs`` ran out) never reaches this map through the API:
+api/exec_stream.py turns it into exit status 124 with ``timedOut``, before asking here.
 
 Unknown codes are 503, not 500: the guest (the backend) could not do it, and nothing it
 sends is trusted to be a bug of ours.

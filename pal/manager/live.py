@@ -1,4 +1,4 @@
-"""Live pause on the node (pause-offload-resume.txt): Pause, Offload and Resume of the
+"""Live pause on the node (docs/live-pause.md): Pause, Offload and Resume of the
 *same* QEMU, as opposed to the snapshot pause.
 
 - **Pause**: the gateway holds the VM's connections (it keeps reading upstreams into a

@@ -148,7 +148,7 @@ LiveBy = Literal["operator", "idle", "wait"]
 
 
 class LivePauseRequest(_Model):
-    """Stop a live VM's vCPUs in place (pause-offload-resume.txt: Pause, then Offload)."""
+    """Stop a live VM's vCPUs in place (docs/live-pause.md: Pause, then Offload)."""
 
     by: LiveBy
     offload: bool = False  # right away (once the vCPUs are stopped)

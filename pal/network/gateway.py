@@ -292,6 +292,7 @@ class VmGateway:
                 return
         elif policy.domains:
             name = await self._peek_name(conn)
+            policy = self.policy  # the peek may wait seconds: decide by the policy in force now
         if conn.state == "closed":
             return
         # The guest named its destination: connect only to what we resolve for that name
@@ -323,7 +324,7 @@ class VmGateway:
         conn.name, conn.rule, conn.state = name, verdict.rule, "connecting"
         if name is not None and self.issuer is not None and self.rules.for_host(name):
             if await self._starts_with_tls(conn):
-                await self._broker(conn, name, port, [str(a) for a in allowed])
+                await self._broker(conn, name, port, allowed, policy)
                 return
             if conn.state == "closed":
                 return
@@ -340,7 +341,7 @@ class VmGateway:
             except (OSError, TimeoutError) as exc:
                 last = exc
                 continue
-            if conn.state == "closed":
+            if conn.state == "closed" or not self._still_allowed(conn, policy, addr, port):
                 transport.abort()
                 return
             transport.set_write_buffer_limits(high=READ_LIMIT)
@@ -348,6 +349,21 @@ class VmGateway:
             return
         log.info("VM %s: upstream %s:%d unreachable: %s", self.vm_id, name or ip_s, port, last)
         conn.reset()
+
+    def _still_allowed(self, conn: Connection, decided_by: Policy, addr: Address, port: int) -> bool:
+        """Right before a connection starts relaying: was it decided by the policy in force?
+        A live change (apply_policy) resets only open connections; one still deciding or
+        connecting meanwhile (a peek, a lookup, a slow connect) is judged here, with no
+        await between this check and the relay, so no connection escapes the new policy."""
+        if self.policy is decided_by:
+            return True
+        verdict = self.policy.decide(conn.name, [addr], port)
+        if verdict.allowed:
+            conn.rule = verdict.rule
+            return True
+        self.denied(name=conn.name, address=str(addr), port=port, rule=verdict.rule)
+        conn.reset()
+        return False
 
     async def _starts_with_tls(self, conn: Connection) -> bool:
         """Wait for the guest's first bytes: a ClientHello or not (a server-speaks-first
@@ -360,7 +376,9 @@ class VmGateway:
             await asyncio.sleep(0.005)
         return False
 
-    async def _broker(self, conn: Connection, name: str, port: int, addrs: list[str]) -> None:
+    async def _broker(
+        self, conn: Connection, name: str, port: int, allowed: list[Address], decided_by: Policy
+    ) -> None:
         """Carry the guest's bytes to a local TLS terminator instead of the upstream; it
         talks to the upstream itself, with the secrets put in (broker.py). The relay keeps
         counting, limiting and holding this connection like any other."""
@@ -377,10 +395,11 @@ class VmGateway:
             theirs.close()
             conn.reset()
             return
-        if conn.state == "closed":
+        if conn.state == "closed" or not self._still_allowed(conn, decided_by, allowed[0], port):
             transport.abort()
             theirs.close()
             return
+        addrs = [str(a) for a in allowed]
         transport.set_write_buffer_limits(high=READ_LIMIT)
         conn.rule += " (brokered)"
         conn.attach_upstream(transport, (addrs[0], port))  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
-"""Live pause in the scheduler (pause-offload-resume.txt; docs/live-pause.md): the
-operator's live pause and resume, the wake of an automatic one, wait management's pause
-and wake, and the node's notices that drive them.
+"""Live pause in the scheduler (docs/live-pause.md): the operator's live pause and
+resume, the wake of an automatic one, wait management's pause and wake, and the node's
+notices that drive them.
 
 Every operation takes the VM's operation lock, checks its action against the table in
 states.py before any work, asks the node, and records the outcome through the one

@@ -16,7 +16,7 @@ died, reconciliation after a crash), marked ``pal``.
 
 Two kinds of pause share the state ``paused`` and differ by marker: a *snapshot* pause
 (marker none: QEMU gone, memory and disk in a snapshot, no slot) and a *live* pause
-(pause-offload-resume.txt: the same QEMU with its vCPUs stopped, RAM resident or
+(docs/live-pause.md: the same QEMU with its vCPUs stopped, RAM resident or
 offloaded; markers ``live:*`` say who paused it). A live-paused VM still occupies its
 node, so it holds its quota slot (:func:`holds_slot`).
 """
@@ -157,7 +157,7 @@ RULES: tuple[Rule, ...] = (
     Rule(S.PAUSED, A.LOSE, S.FAILED, "its snapshot is gone or corrupt (reconciliation)"),
     Rule(S.FAILED, A.DELETE, S.DRAINING, "delete of a failed VM", marker=M.DELETING),
     Rule(S.SPAWNING, A.DELETE, S.DRAINING, "delete during spawn", marker=M.DELETING),
-    # live pause (pause-offload-resume.txt): same QEMU, vCPUs stopped; no in-between state,
+    # live pause (docs/live-pause.md): same QEMU, vCPUs stopped; no in-between state,
     # the node records each live pause in the VM's state.json and reconciliation takes the
     # node's word (reconcile.py)
     _spec(S.RUNNING, A.LIVE_PAUSE, S.PAUSED, "pause {mode: live}", marker=M.LIVE),

@@ -72,12 +72,17 @@ def schedule(env: dict[str, str], vms: list[str], *flags: str) -> dict[str, Any]
     return vm
 
 
-def wait_state(env: dict[str, str], vm_id: str, state: str, within: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within
+# A hang guard, not a speed bound: a loaded 2-core machine may take long to suspend a VM.
+DEADLINE_S = 300
+
+
+def wait_state(env: dict[str, str], vm_id: str, state: str) -> dict[str, Any]:
+    """Poll until the VM is in ``state`` (as `pal vm get` shows it)."""
+    deadline = time.monotonic() + DEADLINE_S
     while True:
         got: dict[str, Any] = pal_json(env, "vm", "get", vm_id)
         if got["state"] == state or time.monotonic() > deadline:
-            assert got["state"] == state, f"not {state} within {within}s: {got}"
+            assert got["state"] == state, f"never {state} (hang guard {DEADLINE_S} s): {got}"
             return got
         time.sleep(0.5)
 
@@ -202,7 +207,7 @@ def test_idle_timeout_suspends_and_exec_wakes(user_env: dict[str, str], vms: lis
     vm_id = str(vm["vmId"])
     assert vm["idleTimeoutSecs"] == 3
     pal_json(user_env, "files", "put", vm_id, "keep.txt", stdin="kept\n")
-    got = wait_state(user_env, vm_id, "paused", within=20)
+    got = wait_state(user_env, vm_id, "paused")
     assert "idle" in str(got["reason"])
     res = pal(user_env, "vm", "exec", vm_id, "--", "cat", "keep.txt")
     assert (res.returncode, res.stdout, res.stderr) == (0, "kept\n", "")

@@ -125,9 +125,13 @@ def test_brokered_secret_reaches_only_its_host_and_never_the_guest(
         assert {p.name for p in snaps} >= {"mem", "rootfs"}, snaps
         assert files_containing(snaps, [placeholder]), "the search finds what is there"
         assert files_containing(snaps, [real, rotated]) == []
-        # Nor do the server's log and its database files.
+        # Nor do the server's log, its database files, and the log of the egress gateway
+        # (the one process that holds the value, to put it into requests).
         db_files = list(pal_server.data_dir.glob("pal.db*"))
-        assert db_files and files_containing([*db_files, pal_server.log_path], [real, rotated]) == []
+        gateway_log = pal_server.data_dir / "run" / "gateway.log"
+        assert db_files and gateway_log.is_file(), (db_files, gateway_log)
+        logs = [*db_files, pal_server.log_path, gateway_log]
+        assert files_containing(logs, [real, rotated]) == []
 
         # Resumed from that snapshot, the VM's requests are brokered again.
         assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200

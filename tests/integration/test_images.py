@@ -91,7 +91,9 @@ def bbx(pal_server: PalServer, work: Path) -> Iterator[str]:
         cli(pal_server, "rm", name, "--force", check=False)
 
 
-def test_docker_archives_and_oci_layout_dirs_import_too(pal_server: PalServer, work: Path) -> None:
+def test_docker_archives_and_oci_layout_dirs_import_too(
+    pal_server: PalServer, tenant_key: str, work: Path
+) -> None:
     layout = work / "dir-layout"
     oci.pack_tree(sample.busybox_tree(work / "dir-tree"), layout, "t1", {"user": "0"})
     docker = work / "docker.tar"
@@ -101,9 +103,12 @@ def test_docker_archives_and_oci_layout_dirs_import_too(pal_server: PalServer, w
     docker_id = "sha256:" + Path(config_file).name.removesuffix(".json")
     oci_id = oci.read_layout(layout, "t1").config_digest
     for name, source, image_id in (("it-dock", docker, docker_id), ("it-dir", layout, oci_id)):
-        res = json.loads(cli(pal_server, "import", name, str(source)).stdout)
+        res = json.loads(cli(pal_server, "import", name, str(source), "--tenant", "it-main").stdout)
         assert res["sourceDigest"] == image_id and res["config"]["user"] == "0", res
         assert res["config"]["uid"] == 0  # USER 0: root is the workload user
+        row = {r["name"]: r for r in json.loads(cli(pal_server, "ls").stdout)}[name]
+        assert (row["kind"], row["sourceDigest"], row["vms"]) == ("import", image_id, 0), row
+        assert len(row["tenants"]) == 1 and row["size"] > 0, row  # it-main's id, set at import
         cli(pal_server, "rm", name)
 
 
@@ -165,6 +170,8 @@ def test_a_custom_image_runs_beside_default_with_its_template_pause_resume_and_f
         assert w.status_code == 200, w.text
         assert sh(api, vm_id, "stat -c %U /workspace/w.txt") == "agent\n"  # the files API's user too
 
+        row = {r["name"]: r for r in json.loads(cli(pal_server, "ls").stdout)}[bbx]
+        assert (row["digest"], row["vms"]) == (mine["digest"], 1) and "256m-1c-2048d" in row["templates"], row
         err = cli_error(pal_server, "rm", bbx)
         assert err["code"] == "FAILED_PRECONDITION" and vm_id in err["message"]
 

@@ -49,6 +49,18 @@ def wait_listening(api: httpx.Client, vm: str, port: int, path: str = "/") -> ht
         time.sleep(0.3)
 
 
+def first_line(proc: subprocess.Popen[str]) -> str:
+    """The process's first line of output, or a failure after the hang guard (a forwarder
+    that never says it is ready must not hang the suite)."""
+    got: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(DEADLINE_S)
+    assert got, f"{proc.args} printed nothing within {DEADLINE_S} s"
+    return got[0]
+
+
 def ws_url(server: PalServer, vm: str, port: int, path: str, query: str = "") -> str:
     return server.url.replace("http://", "ws://") + f"/v1/runtime/vms/{vm}/ports/{port}{path}{query}"
 
@@ -86,9 +98,24 @@ def test_http_websocket_sse_links_and_errors(
     assert "authorization" not in seen
     assert tenant_key not in json.dumps(r.json())
 
-    # A body streams in and the answer out (1 MiB, chunked upload).
+    # A body streams in and the answer out (1 MiB, chunked upload): the guest has the first
+    # part while the client still holds back the rest, so the proxy did not wait for the
+    # whole upload (a buffering proxy would never deliver it: the hang guard fails the test).
     payload = os.urandom(1024 * 1024)
-    r = api.post(f"{base}/echo", content=iter([payload[:300_000], payload[300_000:]]))
+
+    def upload() -> Iterator[bytes]:
+        yield payload[:300_000]
+        deadline = time.time() + DEADLINE_S
+        while (
+            api_files.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "got-first"}).status_code
+            != 200
+        ):
+            assert time.time() < deadline, "the guest never got the first part of a streaming upload"
+            time.sleep(0.2)
+        yield payload[300_000:]
+
+    with pal_server.client(tenant_key) as api_files:  # its own connection, beside the upload's
+        r = api.post(f"{base}/echo?mark=got-first", content=upload())
     assert r.status_code == 200 and r.content == payload
 
     # The guest's cookies stay under this port's path.
@@ -167,8 +194,7 @@ def test_http_websocket_sse_links_and_errors(
         text=True,
     )
     try:
-        assert fwd.stdout is not None
-        assert "Forwarding" in fwd.stdout.readline()
+        assert "Forwarding" in first_line(fwd)
         out = subprocess.run(
             ["curl", "-sS", "--max-time", "60", f"http://127.0.0.1:{local}/headers"],
             capture_output=True,
@@ -194,7 +220,7 @@ def test_http_websocket_sse_links_and_errors(
             text=True,
         )
         try:
-            assert fwd_ws.stdout is not None and "Forwarding" in fwd_ws.stdout.readline()
+            assert "Forwarding" in first_line(fwd_ws)
             text, _, _ = asyncio.run(ws_roundtrip(f"ws://127.0.0.1:{ws_local}/", {}))
             assert text == "echo:hi"
         finally:

@@ -5,6 +5,7 @@ installation, and how the control plane stores, opens and rotates values."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import ssl
 from pathlib import Path
@@ -25,6 +26,7 @@ from pal.scheduler.brokering import SecretBroker
 from pal.secretbox import SecretUnreadable
 from pal.spec import AgentSpec
 
+LOCAL = ipaddress.ip_address("127.0.0.1")
 RULE = {
     "name": "KEY",
     "value": "REAL-VALUE",
@@ -108,7 +110,7 @@ async def test_gateway_brokers_each_connection_and_rotation_applies() -> None:
         )
         conn = await made.get()
         assert await vm._starts_with_tls(conn)
-        await vm._broker(conn, "api.test", port, ["127.0.0.1"])
+        await vm._broker(conn, "api.test", port, [LOCAL], vm.policy)
         r, w = await asyncio.wait_for(opening, 30)
         w.write(b"GET / HTTP/1.1\r\nHost: api.test\r\nAuthorization: PH-123\r\n\r\n")
         assert (await asyncio.wait_for(r.readuntil(b"ok"), 30)).endswith(b"ok")
@@ -120,6 +122,83 @@ async def test_gateway_brokers_each_connection_and_rotation_applies() -> None:
     assert all(b"Authorization: Bearer REAL-VALUE" in h for h in seen[:6])
     assert all(b"Authorization: Bearer NEW" in h for h in seen[6:])
     assert len(seen) == 13 and not any(b"PH-123" in h for h in seen)
+    guests.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("why", ["an unknown CA", "another host's certificate"])
+async def test_an_upstream_whose_certificate_does_not_verify_never_gets_the_value(why: str) -> None:
+    """The gateway verifies the upstream before it sends a byte of the request: a server
+    with a certificate it does not trust (or one for another name) gets no request at all,
+    so the value is never sent, and the guest's connection ends without an answer."""
+    up_ca, up_key = new_ca("upstream")
+    seen: list[bytes] = []
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            seen.append(await r.readuntil(b"\r\n\r\n"))
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    leaf_host = "api.test" if why == "an unknown CA" else "other.test"
+    srv = await asyncio.start_server(
+        upstream, "127.0.0.1", 0, ssl=_server_ctx(Issuer(up_ca, up_key), leaf_host)
+    )
+    port = srv.sockets[0].getsockname()[1]
+    gw = Gateway()
+    tenant_ca, tenant_key = new_ca("tenant")
+    vm = VmGateway(
+        gw,
+        "vm-t",
+        Policy("open"),
+        {},
+        NameTable(),
+        broker.Rules([RULE]),
+        {"cert": tenant_ca, "key": tenant_key},
+    )
+    loop = asyncio.get_running_loop()
+    made: asyncio.Queue[Connection] = asyncio.Queue()
+
+    def on_made(side: GuestSide, transport: asyncio.Transport) -> None:
+        side.conn = Connection(gw.next_id(), transport, ("127.0.0.1", port))
+        side.conn.state, side.conn.name = "connecting", "api.test"
+        made.put_nowait(side.conn)
+
+    guests = await loop.create_server(lambda: GuestSide(on_made), "127.0.0.1", 0)
+    gport = guests.sockets[0].getsockname()[1]
+    client_ctx = ssl.create_default_context(cadata=tenant_ca)
+
+    async def request(trusted: str | None) -> bytes:
+        """The guest's request through the gateway (upstream CA trusted: ``trusted``)."""
+        gw.tls.configure(trusted)
+        opening = loop.create_task(
+            asyncio.open_connection("127.0.0.1", gport, ssl=client_ctx, server_hostname="api.test")
+        )
+        conn = await made.get()
+        assert await vm._starts_with_tls(conn)
+        await vm._broker(conn, "api.test", port, [LOCAL], vm.policy)
+        r, w = await asyncio.wait_for(opening, 30)
+        w.write(b"GET / HTTP/1.1\r\nHost: api.test\r\nAuthorization: PH-123\r\n\r\n")
+        try:
+            return await asyncio.wait_for(r.readuntil(b"ok"), 30)
+        except asyncio.IncompleteReadError as exc:  # the end, without a whole answer
+            return exc.partial
+        except (ConnectionError, ssl.SSLError):
+            return b""
+        finally:
+            w.close()
+
+    # Without PAL_EGRESS_CA_BUNDLE naming its CA (or with a certificate for another name),
+    # the upstream does not verify.
+    assert await request(None if why == "an unknown CA" else up_ca) == b"", "no answer reaches the guest"
+    assert seen == [], "the upstream got no request, so never the value"
+    if why == "an unknown CA":  # the same server once its CA is trusted: the value goes through
+        assert (await request(up_ca)).endswith(b"ok")
+        assert len(seen) == 1 and b"Authorization: Bearer REAL-VALUE" in seen[0]
     guests.close()
     srv.close()
 

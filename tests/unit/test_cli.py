@@ -180,8 +180,10 @@ def test_image_build_reports_progress(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     seen: list[tuple[str, float]] = []
 
-    def fake_build(settings: Settings, name: str, progress: object = None, force: bool = False) -> ImagePaths:
-        assert settings.data_dir == tmp_path and force is True
+    def fake_build(
+        settings: Settings, name: str, progress: object = None, force: bool = False, tenants: object = None
+    ) -> ImagePaths:
+        assert settings.data_dir == tmp_path and force is True and tenants is None
         for step, frac in [("rootfs", 0.5), ("done", 1.0)]:
             seen.append((step, frac))
             progress(step, frac)  # type: ignore[operator]

@@ -10,8 +10,19 @@ import time
 from typing import Any
 
 import pytest
+from fastapi import FastAPI, WebSocket
+from starlette.testclient import TestClient
+from websockets.sync.server import ServerConnection, serve
 
-from pal.api.ports import Links, _query_without_token, _scope_cookie, _target, forwarded_headers
+from pal.api.ports import (
+    Links,
+    _header_items,
+    _proxy_websocket,
+    _query_without_token,
+    _scope_cookie,
+    _target,
+    forwarded_headers,
+)
 from pal.errors import BadGateway, Unauthorized
 from pal.guest import portrelay
 from pal.manager import tunnel
@@ -44,6 +55,68 @@ def test_forwarded_headers_like_a_reverse_proxy() -> None:
     basic = [(b"authorization", b"Basic dTpw")]
     app_auth = dict(forwarded_headers(basic, client="c", scheme="http", prefix=""))
     assert app_auth[b"authorization"] == b"Basic dTpw"
+
+
+class _GuestWsStream:
+    """A tunnel stand-in: a plain TCP connection to a local WebSocket server (the guest's),
+    opened on first use in the proxy's own event loop."""
+
+    route = "direct"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.conn: asyncio.Task[tuple[asyncio.StreamReader, asyncio.StreamWriter]] | None = None
+
+    async def _c(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.conn is None:  # one connection, whichever direction asks first
+            self.conn = asyncio.create_task(asyncio.open_connection("127.0.0.1", self.port))
+        return await self.conn
+
+    async def read(self, n: int = 65536) -> bytes:
+        return await (await self._c())[0].read(n)
+
+    async def write(self, data: bytes) -> None:
+        w = (await self._c())[1]
+        w.write(data)
+        await w.drain()
+
+    async def write_eof(self) -> None:
+        (await self._c())[1].write_eof()
+
+    async def aclose(self) -> None:
+        if self.conn is not None:
+            (await self.conn)[1].close()
+
+
+@pytest.mark.parametrize(("scheme", "proto"), [("ws", "http"), ("wss", "https")])
+def test_a_proxied_websocket_tells_the_guest_how_the_client_connected(scheme: str, proto: str) -> None:
+    """X-Forwarded-Proto of a WebSocket says https when the client used wss, as the HTTP
+    path does (a guest app building absolute URLs or secure cookies relies on it)."""
+    seen: dict[str, str] = {}
+
+    def echo(conn: ServerConnection) -> None:
+        assert conn.request is not None
+        seen.update({k.lower(): v for k, v in conn.request.headers.raw_items()})
+        for msg in conn:
+            conn.send(msg)
+
+    with serve(echo, "127.0.0.1", 0) as guest:
+        threading.Thread(target=guest.serve_forever, daemon=True).start()
+        port = guest.socket.getsockname()[1]
+        app = FastAPI()
+
+        @app.websocket("/v1/runtime/vms/vm-1/ports/8000/{path:path}")
+        async def proxied(ws: WebSocket, path: str) -> None:
+            await _proxy_websocket(ws, _GuestWsStream(port), _header_items(ws.scope), b"", "vm-1", 8000)  # type: ignore[arg-type]
+
+        with TestClient(app).websocket_connect(
+            f"{scheme}://pal.example/v1/runtime/vms/vm-1/ports/8000/echo"
+        ) as ws:
+            ws.send_text("hi")
+            assert ws.receive_text() == "hi"
+        guest.shutdown()
+    assert seen["x-forwarded-proto"] == proto
+    assert seen["x-forwarded-prefix"] == "/v1/runtime/vms/vm-1/ports/8000"
 
 
 def test_guest_cookies_stay_under_the_port_path() -> None:

@@ -59,7 +59,7 @@ SPEC_EDGES = {  # the reference lifecycle's "Transitions" table (fork children e
     (S.PAUSED, S.SPAWNING),
     (S.SPAWNING, S.PAUSED),
     (START, S.SPAWNING),
-    # pause-offload-resume.txt: Pause and Resume of the same live VM
+    # docs/live-pause.md: Pause and Resume of the same live VM
     (S.RUNNING, S.PAUSED),
     (S.PAUSED, S.RUNNING),
 }
