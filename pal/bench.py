@@ -49,15 +49,22 @@ TARGETS_MS = {
     "stop": 100,
 }
 BOUNDS_NOTES = [
-    "Under TCG (no usable KVM on this host) QEMU's translation cache belongs to the process,",
-    "so every restored guest re-translates the kernel and harness code it runs: the first",
-    "exec after a restore costs 2-3x the same exec once the cache is warm, and the identify",
-    'step is bounded the same way. docs/lifecycle.md ("The restore path, step by step")',
-    "breaks a restore down per step, host and guest, from the times each spawn logs, and says",
-    "what was changed and what did not help. Snapshot I/O is not on this path: the RAM file",
-    "and disk are reflinked (~1 ms each once sealed) and checksums are computed after the",
-    "answer by a low-priority background seal. On a KVM host the translation does not exist;",
-    "no KVM host of this kind was available, so no KVM numbers are given.",
+    "Under TCG (no usable KVM on this host) QEMU's translation cache belongs to the process, so",
+    "every restored guest re-translates the kernel, interpreter and fork/exec code it runs. The",
+    '"restore path" table above shows where that lands: the guest\'s wake-up and first exec,',
+    "while the host's steps (control plane, node, QEMU start and load) are a small part. The",
+    "live-resume row is the same guest work on a QEMU whose cache is warm. Snapshot I/O is not",
+    "on this path: RAM file and disk are reflinked, and checksums are computed after the answer",
+    "by a low-priority background seal (and awaited before a restore only if not yet done).",
+    "",
+    "On a KVM host nothing is translated and guest code runs at the CPU's own speed: the",
+    "\"natively\" row runs the guest's share (identify, then the first command) with Pal's own",
+    "harness in a fresh process on this host, a floor a KVM guest approaches (plus its VM exits):",
+    "compare it with the guest's steps above for the factor KVM removes. No KVM host of this",
+    "kind was available, so no KVM run is reported.",
+    "",
+    "Peer: gVisor (runsc) measured by the same protocol is in docs/benchmarks/peer-gvisor.md when",
+    "`pal bench peer` has been run on the machine.",
 ]
 
 ROWS = [
@@ -78,6 +85,10 @@ ROWS = [
     ("fork_n10_all_running", "Fork N=10 → all running"),
     ("fork_n50_all_running", "Fork N=50 → all running"),
     ("qemu_floor", "Floor: bare QEMU process reaching its QMP socket"),
+    (
+        "native_identify_first_exec",
+        "Harness in a fresh process on the host, natively: identify + first exec (what KVM approaches)",
+    ),
     ("custom_import", "Custom image: `pal image import` of a busybox OCI archive (skopeo, umoci, mkfs.ext4)"),
     (
         "custom_first_schedule",
@@ -205,6 +216,49 @@ def qemu_floor_ms(iterations: int) -> list[float]:
             finally:
                 proc.kill()
                 proc.wait()
+    return out
+
+
+NATIVE_HARNESS = """
+import os, sys, tempfile
+from pal.guest.harness import Harness
+ws = tempfile.mkdtemp()
+Harness(int(sys.argv[1]), workspace=ws, workload_user=None, heartbeat_interval=60).serve()
+"""
+
+
+def native_guest_path_ms(iterations: int) -> list[float]:
+    """The guest's restore-path work (answer an identify, then run the first command) by
+    Pal's own harness in a new process on the host's CPU: no emulation, nothing to
+    translate; what a KVM guest's share of the restore approaches (it adds VM exits)."""
+    from pal.guest import protocol as gp
+
+    out = []
+    for _ in range(iterations):
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", NATIVE_HARNESS, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        theirs.close()
+        try:
+            f = ours.makefile("rb")
+            f.readline()  # its first heartbeat: it is up, as a restored guest is at cont
+            t = time.perf_counter()
+            ours.sendall(gp.encode({"id": 1, "k": gp.K_IDENTIFY, "vm_id": "vm-n", "incarnation": 2,
+                                    "token": "tok", "seed": os.urandom(32).hex()}))  # fmt: skip
+            ours.sendall(gp.encode({"id": 2, "k": gp.K_EXEC, "tok": "tok", "argv": ["/bin/true"]}))
+            while True:
+                msg = gp.decode(f.readline().rstrip(b"\n")) or {}
+                if msg.get("id") == 2 and msg.get("k") in (gp.K_EXIT, gp.K_ERR):
+                    break
+            out.append((time.perf_counter() - t) * 1000)
+        finally:
+            ours.close()
+            proc.kill()
+            proc.wait()
     return out
 
 
@@ -391,8 +445,9 @@ def run_bench(
     if "main" not in sections:
         return {"samples_ms": res, "memory": mem}
 
-    log("floor: bare QEMU")
+    log("floor: bare QEMU; the harness's restore-path work natively")
     res["qemu_floor"] = qemu_floor_ms(iterations)
+    res["native_identify_first_exec"] = native_guest_path_ms(iterations)
 
     log(f"template schedule → first exec ×{iterations}, pause/resume ×{iterations}, stop ×{iterations}")
     for _ in range(iterations):
