@@ -652,6 +652,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Load average (1 min) before / after the run: {report.get('load', {}).get('before', '?')}"
         f" / {report.get('load', {}).get('after', '?')}",
         f"- VMM: {m['qemu']}, machine `microvm`, accelerator **{report['accel'].upper()}**",
+        *(
+            [
+                f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"
+            ]
+            if (d := report.get("data_dir"))
+            else []
+        ),
         f"- Guest: {report['memory_mib']} MiB RAM, 1 vCPU, Debian 12 cloud kernel, Python harness",
         "- Reference: Firecracker, Lima nested virtualization on an Apple M4 Max, 128 MiB VM (spec's table).",
         "",
@@ -760,6 +767,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def data_dir_info(path: Path | None) -> dict[str, str] | None:
+    """Where the measured server kept its data, and the modes users vary (a 0700 data dir
+    under a 0700 parent, as `mktemp -d` makes, is where a jail bug once hid)."""
+    if path is None:
+        return None
+    info = {"path": str(path)}
+    with contextlib.suppress(OSError):
+        info["mode"] = oct(path.stat().st_mode & 0o777)
+        info["parentMode"] = oct(path.parent.stat().st_mode & 0o777)
+    return info
+
+
 def load_average() -> float | None:
     with contextlib.suppress(OSError):
         return round(os.getloadavg()[0], 1)
@@ -820,6 +839,7 @@ def main(
         "accel": accel,
         "machine": machine(),
         "load": {"before": load_before, "after": load_average()},
+        "data_dir": data_dir_info(local_dir),
         **body,
     }
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items() if v}

@@ -18,6 +18,7 @@ def report(samples: dict[str, list[float]]) -> dict[str, Any]:
         "accel": "tcg",
         "machine": {"cpu": "Some CPU model", "cores": 2, "memGiB": 4, "kernel": "6.1", "qemu": "QEMU 7.2"},
         "load": {"before": 1.0, "after": 2.0},
+        "data_dir": {"path": "/tmp/tmp.x/d", "mode": "0o700", "parentMode": "0o700"},
         "samples_ms": samples,
         "memory": {},
     }
@@ -33,6 +34,7 @@ def test_ratios_use_the_same_runs_warm_exec_and_the_targets_follow_them() -> Non
     }
     md = bench.render_markdown(report(samples))
     assert "Some CPU model" in md
+    assert "- Data dir: `/tmp/tmp.x/d` (mode 0o700, its parent 0o700)" in md
     assert "| Resume → first exec answered | 300 | 300 | 3 | 3.0× |" in md
     assert "Resume → first exec answered: 3.0× (target ≤ 4×): met" in md
     assert "from a VM resumed 10 times: 20.0× (target ≤ 12×): not met" in md
