@@ -653,9 +653,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f" / {report.get('load', {}).get('after', '?')}",
         f"- VMM: {m['qemu']}, machine `microvm`, accelerator **{report['accel'].upper()}**",
         *(
-            [
-                f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"
-            ]
+            [f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"]
             if (d := report.get("data_dir"))
             else []
         ),
