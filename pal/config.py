@@ -140,6 +140,8 @@ class Settings:
     # it connects upstream for a brokered secret (a private or test CA)
     egress_ca_bundle: Path | None = None
     image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
+    # PAL_CORS_ORIGINS=https://app.example,...: browser origins allowed to call the API
+    cors_origins: list[str] = field(default_factory=list)
     # -- cluster (docs/deploy.md) --
     database_url: str | None = None  # PAL_DATABASE_URL / --database; unset = SQLite in the data dir
     # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
@@ -237,6 +239,7 @@ class Settings:
                 p.strip() for p in os.environ.get("PAL_EGRESS_ALLOW_INTERNAL", "").split(",") if p.strip()
             ],
             image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
+            cors_origins=[o.strip() for o in os.environ.get("PAL_CORS_ORIGINS", "").split(",") if o.strip()],
             database_url=os.environ.get("PAL_DATABASE_URL") or None,
             cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
             node_token=os.environ.get("PAL_NODE_TOKEN") or None,

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 
@@ -105,6 +106,18 @@ def create_app(
 
     # Outermost last: every request gets its id first, then the body limit applies.
     app.add_middleware(BodyLimitMiddleware)
+    if settings.cors_origins:
+        # Browser apps on these origins may call the API with a key (the TypeScript SDK in a
+        # page); the dashboard is same-origin and needs none. No cookies cross origins.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "PUT", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Accept"],
+            expose_headers=["X-Request-Id", "X-Pal-Truncated"],
+            allow_credentials=False,
+            max_age=600,
+        )
     app.add_middleware(RequestIdMiddleware)
 
     @app.get(

@@ -150,3 +150,38 @@ async def test_a_failing_health_probe_shows_nothing_without_a_key(tmp_path: Path
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal") as c:
         resp = await c.get("/healthz")
     assert resp.status_code == 503 and resp.json() == {"ok": False}
+
+
+async def test_cors_only_for_the_operators_origins(tmp_path: Path) -> None:
+    """A browser page on an origin in PAL_CORS_ORIGINS may call the API with its key (the
+    TypeScript SDK in a page); any other origin gets no CORS grant; none is the default."""
+    import dataclasses
+
+    from pal.api.app import create_app
+    from tests.fakes import make_env
+
+    env = make_env(tmp_path)
+    for origins, origin, granted in (
+        ([], "https://app.example", False),
+        (["https://app.example"], "https://app.example", True),
+        (["https://app.example"], "https://evil.example", False),
+    ):
+        settings = dataclasses.replace(env.settings, cors_origins=origins)
+        app = create_app(env.sched, env.store, settings)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pal") as c:
+            pre = await c.options(
+                "/v1/runtime/vms",
+                headers={
+                    "Origin": origin,
+                    "Access-Control-Request-Method": "GET",
+                    "Access-Control-Request-Headers": "authorization",
+                },
+            )
+            got = await c.get(
+                "/v1/runtime/vms", headers={"Origin": origin, "Authorization": f"Bearer {env.api_key}"}
+            )
+        assert got.status_code == 200
+        allow = got.headers.get("access-control-allow-origin")
+        assert (allow == origin) is granted, (origins, origin, allow)
+        assert (pre.headers.get("access-control-allow-origin") == origin) is granted
+        assert "access-control-allow-credentials" not in got.headers
