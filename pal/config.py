@@ -123,6 +123,9 @@ class Settings:
     template_sizes: tuple[str, ...] | None = sizes.DEFAULT_TEMPLATE_SIZES
     template_builds: int = 1  # PAL_TEMPLATE_BUILDS: template builds at once (each boots a VM)
     templates_keep: int = 8  # PAL_TEMPLATES_KEEP: templates kept; the least recently used go
+    # PAL_PARKED_MAX: QEMUs of snapshot-paused VMs kept stopped for a fast resume (0: off)
+    parked_max: int = 8
+    parked_secs: float = 900.0  # PAL_PARKED_SECS: how long one is kept at most
     metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
     # PAL_METRICS_TOKEN: bearer token for GET /metrics; unset = loopback clients only
     metrics_token: str | None = None
@@ -228,6 +231,8 @@ class Settings:
             template_sizes=parse_template_sizes(os.environ.get("PAL_TEMPLATE_SIZES")),
             template_builds=max(1, _int_env("PAL_TEMPLATE_BUILDS", 1)),
             templates_keep=max(1, _int_env("PAL_TEMPLATES_KEEP", 8)),
+            parked_max=max(0, _int_env("PAL_PARKED_MAX", 8)),
+            parked_secs=max(1.0, _float_env("PAL_PARKED_SECS", 900.0)),
             metrics_interval_s=max(0.5, _float_env("PAL_METRICS_INTERVAL", 5.0)),
             metrics_token=os.environ.get("PAL_METRICS_TOKEN") or None,
             dashboard_secret=os.environ.get("PAL_DASHBOARD_SECRET") or None,

@@ -78,6 +78,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def assert_runs_no_guest(vm_dir: Path) -> None:
+    """A snapshot-paused VM runs no guest: it has no QEMU, or its parked one (stopped,
+    kept for a fast resume: pal/manager/parked.py) whose guest RAM is handed back."""
+    from pal.vmm.offload import resident_bytes
+
+    deadline = time.monotonic() + 120  # a hang guard: the RAM goes back ~2 s after the pause
+    while pids := qemu_pids_under(vm_dir):
+        (pid,) = pids
+        try:
+            resident = resident_bytes(pid, vm_dir / "mem")
+        except Exception:  # it went away meanwhile
+            continue
+        if resident < 16 * 1024 * 1024:
+            return
+        assert time.monotonic() < deadline, f"the paused VM's QEMU {pid} still holds {resident} bytes"
+        time.sleep(0.25)
+
+
 def gateway_pids_under(path: Path) -> list[int]:
     return qemu_pids_under(path, b"pal.network.gateway")
 

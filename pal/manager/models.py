@@ -88,6 +88,7 @@ class SpawnResult(_Model):
     method: Literal["cold", "template", "restore"]
     agent_version_id: str
     mem_snapshot_id: str | None = None  # snapshot whose mem this VM maps privately
+    warm: bool = False  # a resume that continued the VM's parked QEMU (manager/parked.py)
     # Where the spawn's time went: prepare, QEMU start/load/cont, identify (host and guest
     # steps); recorded in the VM's status event (docs/lifecycle.md, "The restore path").
     timings: dict[str, float] = Field(default_factory=dict)

@@ -25,7 +25,15 @@ from typing import Any
 
 from pal import failpoints
 from pal.config import Settings
-from pal.errors import BackendError, Conflict, InvalidRequest, NotFound, PalError, Unavailable
+from pal.errors import (
+    BackendError,
+    Conflict,
+    InsufficientStorage,
+    InvalidRequest,
+    NotFound,
+    PalError,
+    Unavailable,
+)
 from pal.guest import protocol as p
 from pal.ids import validate_id
 from pal.images.builder import is_current
@@ -68,6 +76,7 @@ from pal.manager.models import (
     WarmTemplate,
 )
 from pal.manager.notices import NoticeBoard
+from pal.manager.parked import ParkedVm, Parking
 from pal.manager.ports import GuestConnection, PortRoutes
 from pal.manager.templates import TemplateCache
 from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, wait_rule
@@ -77,7 +86,7 @@ from pal.sizes import size_name
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.spec import Egress, ExecRequest, WaitPause, egress_from_json, egress_to_json
-from pal.vmm import disks, usage
+from pal.vmm import disks, offload, usage
 from pal.vmm.accel import AccelInfo
 from pal.vmm.handoff import qemu_opt
 from pal.vmm.jail import Jail, real_uid
@@ -86,6 +95,7 @@ from pal.vmm.qemu import QemuVm, VmSpec
 log = logging.getLogger(__name__)
 
 COLD_BOOT_TIMEOUT_S = 120.0  # TCG boots take seconds; a loaded CI machine more
+PARKED_PREFETCH_WAIT_S = 2.0  # a parked resume waits this long at most for the working set
 # What the host keeps for itself when PAL_NODE_MEMORY_MIB is not set.
 HOST_RESERVE_MIB = 1024
 # Below this much free space in the data dir the node reports itself unhealthy.
@@ -133,6 +143,7 @@ class LiveVm:
     live_paused_ms_total: int = 0  # finished live pauses of this incarnation
     sampled_paused_ms: int = 0  # what the metrics sampler counted so far
     resumed_at: float = 0.0  # host monotonic time of the latest live resume
+    parked_snapshot: str | None = None  # parked (parked.py) after this snapshot
 
     def paused_ms(self) -> int:
         """Live-paused time of this incarnation, the current pause included."""
@@ -165,6 +176,7 @@ class NodeRuntime:
         self._stats_lock = asyncio.Lock()
         self.notices_board = NoticeBoard()
         self.live = LiveControl(self)
+        self.parking = Parking(self, settings.parked_max, settings.parked_secs)
         self.waits = WaitWatcher(self)
 
     # ------------------------------------------------------------------ helpers
@@ -244,7 +256,18 @@ class NodeRuntime:
             raise Conflict(f"VM {req.vm_id} is already live on this node")
         # Before any work: its RAM file and disk must fit (a full disk SIGBUSes a guest).
         what = f"VM {req.vm_id} ({req.memory_mib} MiB RAM)"
-        admission.check_memory(req.memory_mib, what)
+        await self._admit_memory(req.memory_mib, what)
+        if req.restore is not None and req.restore.mem_mode == "shared":
+            parked = self.parking.take(req.vm_id, req.restore.snapshot_id)
+            if parked is not None:
+                try:
+                    return await self._unpark(parked, req)
+                except Exception as exc:
+                    # Its snapshot is intact: restore it into a new QEMU as if never parked.
+                    log.warning("VM %s: parked QEMU could not continue (%s); restoring", req.vm_id, exc)
+                    await self.parking.park_failed(parked)
+        # A parked process of another snapshot of this VM (or too old) is in the way.
+        await self.parking.discard(req.vm_id)
         await asyncio.to_thread(admission.check_disk, self.settings.data_dir, req.memory_mib, what)
         self._spawning.add(req.vm_id)
         t0 = time.perf_counter()
@@ -444,6 +467,7 @@ class NodeRuntime:
         (it follows the answer; waiting for it cost a cold heartbeat path per restore)."""
         ident = self._identity(vm_id, incarnation, token, env, mac, ca)
         t0 = time.monotonic()
+        channel.first_line_at = 0.0  # a parked guest's channel heard it long ago
         waiter = asyncio.create_task(channel.request(ident, timeout=timeout))
         died = asyncio.create_task(qemu.exited.wait())
         try:
@@ -516,6 +540,7 @@ class NodeRuntime:
             "wait": None if lv.wait is None else lv.wait.model_dump(by_alias=True),
             "livePause": None if lv.live is None else lv.live.to_json(),
             "livePausedMs": lv.live_paused_ms_total,
+            "parked": lv.parked_snapshot,
         }
         path = self._vm_dir(lv.vm_id) / "state.json"
         tmp = path.with_suffix(".tmp")
@@ -563,7 +588,7 @@ class NodeRuntime:
     async def settle_network(self) -> None:
         """After adoption: the gateway and the namespaces hold exactly the live VMs; the
         adopted live pauses and waits are watched again (what came meanwhile is posted)."""
-        await self.net.sync(set(self.vms))
+        await self.net.sync(set(self.vms) | set(self.parking.vms))
         await self.live.rearm_all()
         await self.waits.start()
 
@@ -583,6 +608,8 @@ class NodeRuntime:
 
     async def _adopt(self, vm_dir: Path) -> LiveVm | None:
         st = json.loads((vm_dir / "state.json").read_text())
+        if st.get("parked"):
+            return None  # a parked process is a cache: its snapshot is on disk
         pid = int(st["pid"])
         run_as = tuple(st["runAs"]) if st.get("runAs") else None
         if st["vmId"] != vm_dir.name or not _is_qemu_of(pid, vm_dir, run_as[0] if run_as else None):
@@ -695,16 +722,131 @@ class NodeRuntime:
 
     async def stop(self, vm_id: str) -> dict[str, Any] | None:
         """Kill the VM and free its files and network; returns its final egress counters."""
+        lv = self._forget_live(vm_id)
+        if lv is not None:
+            await lv.channel.close()
+            await lv.qemu.kill()
+            if lv.mem_snapshot_id:
+                await self._unmap_fork_mem(lv.mem_snapshot_id)
+        elif await self.parking.discard(vm_id):
+            return None
+        return await self.free_vm_files(vm_id)
+
+    def _may_park(self, lv: LiveVm) -> bool:
+        """Park the QEMU of a VM just snapshot-paused (parked.py) instead of killing it?
+        Only a plain running VM whose RAM is its own shared file (a fork child maps its
+        parent's snapshot privately: its dirty pages could not be handed back)."""
+        return (
+            self.parking.enabled
+            and lv.live is None
+            and lv.qemu.mem_share
+            and lv.mem_snapshot_id is None
+            and not lv.qemu.exited.is_set()
+        )
+
+    async def _admit_memory(self, need_mib: int, what: str) -> None:
+        """507 unless the host has the memory; parked processes go first to make room."""
+        try:
+            admission.check_memory(need_mib, what)
+        except InsufficientStorage:
+            if not self.parking.vms:
+                raise
+            await self.parking.evict(keep=0)
+            admission.check_memory(need_mib, what)
+
+    async def _unpark(self, pv: ParkedVm, req: SpawnRequest) -> SpawnResult:
+        """Continue a parked QEMU as the resumed VM (parked.py): its RAM and disk are its
+        snapshot's. It takes the new incarnation's identity like any restored guest, and
+        gets new gateway state (the snapshot's DNS names, no connection)."""
+        assert req.restore is not None
+        lv = pv.lv
+        t0 = time.perf_counter()
+        r = req.restore
+        ref = SnapshotRef(r.agent_version_id, r.source_vm_id, r.snapshot_id, r.tenant_id)
+        if not await asyncio.to_thread(self.store.exists, ref):
+            raise NotFound(f"snapshot {r.snapshot_id} not found")
+        names = read_names(self.store.path(ref))
+        limits = limits_json(req.egress_mbps, req.max_connections)
+        brokered = _brokered_of(req)
+        await pv.settled()  # an offload still running finishes first
+        prefetch = None
+        if pv.offloaded:
+            prefetch = asyncio.create_task(
+                asyncio.to_thread(offload.prefetch, lv.qemu.mem_path, pv.working_set)
+            )
+        await self.net.reregister(
+            req.vm_id, req.egress, limits, brokered, wait_rule(req.wait_pause), names=names, new_guest=True
+        )
+        t_net = time.perf_counter()
+        if prefetch is not None:
+            # The working set back first: the guest then takes minor faults only.
+            with contextlib.suppress(TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(prefetch), PARKED_PREFETCH_WAIT_S)
+        t_prefetch = time.perf_counter()
+        await lv.qemu.cont()
+        t_vmm = time.perf_counter()
+        mac = self.net.new_mac()
+        ca = req.tenant_ca.cert if req.tenant_ca and req.brokered else ""
+        timeout = self.settings.harness_ready_timeout_ms / 1000
+        guest_steps = await self._identify(
+            lv.channel, req.vm_id, req.incarnation, req.token, req.env, timeout, lv.qemu, mac, ca
+        )
+        lv.tenant_id, lv.incarnation, lv.token, lv.env = (
+            req.tenant_id,
+            req.incarnation,
+            req.token,
+            dict(req.env),
+        )
+        lv.egress, lv.net_limits, lv.mac, lv.brokered, lv.wait = (
+            req.egress,
+            limits,
+            mac,
+            brokered,
+            req.wait_pause,
+        )
+        lv.parked_snapshot = None
+        lv.last_activity_ms = int(time.time() * 1000)
+        self.vms[req.vm_id] = lv
+        self._write_state(lv)
+        t_end = time.perf_counter()
+        timings = {
+            "parked_s": round(time.monotonic() - pv.parked_at, 1),
+            "offloaded": 1.0 if pv.offloaded else 0.0,
+            "prepare_ms": round((t_net - t0) * 1000, 1),
+            "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
+            "qemu_cont_ms": round((t_vmm - t_prefetch) * 1000, 1),
+            "identify_ms": round((t_end - t_vmm) * 1000, 1),
+            **{f"identify_{k}": v for k, v in guest_steps.items()},
+        }
+        boot_ms = (t_end - t0) * 1000
+        log.info(
+            "VM %s up by its parked QEMU in %.0f ms (pid %s): %s", req.vm_id, boot_ms, lv.qemu.pid, timings
+        )
+        return SpawnResult(
+            vm_id=req.vm_id,
+            pid=lv.qemu.pid or 0,
+            incarnation=req.incarnation,
+            boot_ms=boot_ms,
+            method="restore",
+            agent_version_id=r.agent_version_id,
+            mem_snapshot_id=None,
+            warm=True,
+            timings=timings,
+        )
+
+    def _forget_live(self, vm_id: str) -> LiveVm | None:
+        """Take the VM out of the live ones (and everything that watches them)."""
         lv = self.vms.pop(vm_id, None)
         self.metrics.stopped(vm_id)
         self.ports.forget(vm_id)
         self.waits.forget(vm_id)
         if lv is not None:
             self.live.forget(lv)
-            await lv.channel.close()
-            await lv.qemu.kill()
-            if lv.mem_snapshot_id:
-                await self._unmap_fork_mem(lv.mem_snapshot_id)
+        return lv
+
+    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None:
+        """What a VM held besides its QEMU: gateway state, namespace, uid, files; returns
+        its final egress counters."""
         counters = await self.net.release(vm_id)
         self.jail.release(vm_id)
         with contextlib.suppress(OSError):
@@ -713,6 +855,7 @@ class NodeRuntime:
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.stop(v) for v in list(self.vms)), return_exceptions=True)
+        await self.parking.discard_all()
 
     # ------------------------------------------------------------------ snapshot
     async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
@@ -769,7 +912,13 @@ class NodeRuntime:
             failpoints.hit("manager:committed")
             counters = None
             if not req.keep_running:
-                counters = await self.stop(vm_id)
+                if self._may_park(lv):
+                    self._forget_live(vm_id)
+                    lv.parked_snapshot = req.snapshot_id
+                    self._write_state(lv)  # a restarted manager discards it, never adopts it
+                    counters = await self.parking.park(lv, req.snapshot_id)
+                else:
+                    counters = await self.stop(vm_id)
             t_end = time.perf_counter()
             # Retention after every write; the snapshot just made is always kept.
             keep = set(req.protected) | self._mapped_snapshots() | {req.snapshot_id}
@@ -828,6 +977,9 @@ class NodeRuntime:
         await asyncio.to_thread(self.store.ensure_uploaded, SnapshotRef(agent_version_id, vm_id, snapshot_id))
 
     async def delete_snapshot(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
+        # A VM whose snapshot goes (deleted, or resumed elsewhere and cleaned up) will
+        # never continue its parked process here.
+        await self.parking.discard(vm_id)
         if snapshot_id in self._mapped_snapshots():
             raise Conflict(f"snapshot {snapshot_id} is mapped by a live fork")
         await asyncio.to_thread(self.store.delete, SnapshotRef(agent_version_id, vm_id, snapshot_id, ""))

@@ -171,15 +171,35 @@ class VmNetworking:
         limits: dict[str, Any],
         brokered: Brokered | None = None,
         wait: dict[str, Any] | None = None,
+        *,
+        names: list[Any] | None = None,
+        new_guest: bool = False,
     ) -> None:
-        """A VM whose gateway state was lost (the gateway restarted): new sockets in its
-        existing namespace. Its DNS table is lost with the old gateway."""
-        listener, dns = await asyncio.to_thread(netns.gateway_sockets, self.ns_name(vm_id))
+        """New gateway sockets in the VM's existing namespace: after the gateway restarted
+        (its DNS table is lost with it), or for a parked QEMU that continues as a new
+        incarnation (``names``: its snapshot's table; ``new_guest``: its NIC takes a new
+        MAC, so the namespace forgets the old one's neighbour entry)."""
+        name = self.ns_name(vm_id)
+        if new_guest:
+            await asyncio.to_thread(netns.forget_neighbours, name)
+        listener, dns = await asyncio.to_thread(netns.gateway_sockets, name)
         try:
-            await self.register(vm_id, (listener.fileno(), dns.fileno()), egress, limits, [], brokered, wait)
+            await self.register(
+                vm_id, (listener.fileno(), dns.fileno()), egress, limits, names or [], brokered, wait
+            )
         finally:
             listener.close()
             dns.close()
+
+    async def unregister(self, vm_id: str) -> dict[str, Any] | None:
+        """Drop the VM's gateway state (its connections reset), keep its namespace and
+        tap (a parked QEMU holds them); the final counters."""
+        try:
+            reply = await self.gateway.call({"op": "unregister", "vmId": vm_id})
+            return reply.get("counters")
+        except Exception as exc:
+            log.warning("gateway unregister of %s failed: %s", vm_id, exc)
+            return None
 
     # -- waiting I/O (live pause, docs/live-pause.md) ---------------------------------------
 

@@ -34,6 +34,7 @@ import os
 import re
 import socket
 import struct
+import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,6 +229,17 @@ def create(name: str) -> VmNetns:
         delete(name)
         raise
     return VmNetns(name=name, tap_fd=tap, listener=listener, dns=dns)
+
+
+def forget_neighbours(name: str) -> None:
+    """Drop the namespace's neighbour entries on the tap (blocking): a guest that took a
+    new MAC on the same tap is then asked again instead of sent frames for the old one."""
+    subprocess.run(
+        ["ip", "-n", name, "neigh", "flush", "dev", TAP],
+        check=True,
+        capture_output=True,
+        timeout=10,
+    )
 
 
 def gateway_sockets(name: str) -> tuple[socket.socket, socket.socket]:

@@ -916,6 +916,11 @@ class Scheduler:
                     continue
                 raise err from exc
         failpoints.hit("resume:spawned")
+        if old_node is not None and choice.node_id != old_node:
+            # It runs elsewhere now: its previous node lets go of its parked QEMU, if any
+            # (best effort: that node also discards one that is too old or unwanted).
+            with contextlib.suppress(Exception):
+                await self.nodes.client(old_node).stop(vm_id)
         running = await self.transitions.transition(
             vm_id,
             A.COME_UP,
@@ -1422,4 +1427,11 @@ class Scheduler:
 def _spawn_details(res: SpawnResult) -> dict[str, Any]:
     """What a VM's coming up records in its status event: how it started and where the
     time went (the node's timings, docs/lifecycle.md "The restore path")."""
-    return {"method": res.method, "bootMs": round(res.boot_ms, 1), "timings": dict(res.timings)}
+    out: dict[str, Any] = {
+        "method": res.method,
+        "bootMs": round(res.boot_ms, 1),
+        "timings": dict(res.timings),
+    }
+    if res.warm:
+        out["warm"] = True  # it continued its parked QEMU (docs/lifecycle.md, "Parked QEMUs")
+    return out

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import PalServer, netns_of
+from tests.conftest import PalServer, netns_of, qemu_pids_under
 from tests.netservers import HELLO, Upstream
 
 pytestmark = pytest.mark.vm
@@ -322,7 +322,9 @@ def test_network_survives_pause_resume_fork_and_idle_wake(
     assert first.startswith("waiting198.18."), out
     addr = first.removeprefix("waiting")
     assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
-    assert netns_of(pal_server.data_dir).count(f"pal-{netns_tag(pal_server)}-{vm}") == 0, "freed while paused"
+    # Its network goes with its QEMU: freed, or kept by the parked QEMU (pal/manager/parked.py).
+    parked = qemu_pids_under(pal_server.data_dir / "vms" / vm)
+    assert netns_of(pal_server.data_dir).count(f"pal-{netns_tag(pal_server)}-{vm}") == len(parked)
     assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
     # The open connection is reset, not hung; the cached synthetic address still works.
     out = sh(

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import PalServer, assert_guest_clock_is_the_hosts, qemu_pids_under
+from tests.conftest import PalServer, assert_guest_clock_is_the_hosts, assert_runs_no_guest, qemu_pids_under
 
 pytestmark = pytest.mark.vm
 
@@ -71,7 +71,6 @@ def test_pause_resume_cycles_keep_memory_processes_and_files(
             if i % 10 == 0:
                 got = api.get(f"/v1/runtime/vms/{vm}").json()
                 assert got["state"] == "paused" and got["snapshotId"] == body["snapshotId"]
-                assert qemu_pids_under(pal_server.data_dir / "vms" / vm) == []
             r = api.post(f"/v1/runtime/vms/{vm}/resume")
             assert r.status_code == 200, r.text
             want = {"vmId": vm, "snapshotId": body["snapshotId"], "state": "running"}
@@ -108,14 +107,49 @@ def test_clock_and_identity_are_fresh_after_resume(api: httpx.Client, vm: str) -
     assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
     assert_guest_clock_is_the_hosts(lambda: float(sh(api, vm, "date +%s.%N")["stdout"]))
     assert sh(api, vm, "cat /proc/sys/kernel/random/uuid")["stdout"] != before
-    # The resume's status event says how the VM came up and where the time went.
-    up = [e for e in api.get(f"/v1/runtime/vms/{vm}/events").json()["events"] if e["toState"] == "running"]
-    details = up[-1]["details"]
-    assert details["method"] == "restore" and details["bootMs"] > 0, details
-    steps = ("prepare_ms", "qemu_spawn_ms", "qemu_load_ms", "identify_reply_ms")
-    steps += ("identify_guest_clock_rng_us",)
-    for step in steps:
+    # The resume's status event says how the VM came up and where the time went: here by
+    # its parked QEMU (the pause kept it), which still took a new identity (clock, RNG).
+    details = _last_up(api, vm)
+    assert details["method"] == "restore" and details["warm"] is True and details["bootMs"] > 0, details
+    for step in ("prepare_ms", "qemu_cont_ms", "identify_reply_ms", "identify_guest_clock_rng_us"):
         assert details["timings"][step] >= 0, (step, details)
+
+
+def _last_up(api: httpx.Client, vm: str) -> dict:
+    up = [e for e in api.get(f"/v1/runtime/vms/{vm}/events").json()["events"] if e["toState"] == "running"]
+    return dict(up[-1]["details"])
+
+
+def test_a_paused_vm_parks_its_qemu_and_its_resume_continues_it(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
+    """The QEMU of a snapshot-paused VM is parked (stopped, its guest RAM handed back) and
+    its resume continues that same process instead of starting a new one: the guest's
+    memory is the snapshot's, its identity new. Without its parked QEMU the VM restores
+    from the snapshot into a new one, as before."""
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    vm_dir = pal_server.data_dir / "vms" / vm
+    try:
+        (pid,) = qemu_pids_under(vm_dir)
+        sh(api, vm, "echo in-memory > /dev/shm/state")
+        assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+        assert qemu_pids_under(vm_dir) == [pid], "parked, not killed"
+        assert_runs_no_guest(vm_dir)  # no guest runs; its RAM is back with the host
+        assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+        assert qemu_pids_under(vm_dir) == [pid], "the same process continues"
+        assert _last_up(api, vm)["warm"] is True
+        assert sh(api, vm, "cat /dev/shm/state")["stdout"] == "in-memory\n"
+        # Its snapshot gone from this node (as after a resume on another node): the parked
+        # QEMU is not used, and the resume restores the snapshot (here from nowhere: 404).
+        assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+        for meta in pal_server.data_dir.glob(f"snapshots/*/{vm}/*/meta.json"):
+            meta.unlink()
+        r = api.post(f"/v1/runtime/vms/{vm}/resume")
+        assert r.status_code in (404, 503), r.text
+        assert qemu_pids_under(vm_dir) == [], "the parked QEMU was let go"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+    assert qemu_pids_under(vm_dir) == []
 
 
 def test_wrong_state_calls_are_409(api: httpx.Client, vm: str) -> None:
