@@ -90,7 +90,7 @@ from pal.spec import (
     egress_from_json,
     egress_to_json,
 )
-from pal.store import EventRecord, Store, VmRecord, utcnow
+from pal.store import EventRecord, NodeRecord, Store, VmRecord, utcnow
 
 __all__ = ["ForkChild", "ForkResult", "Scheduler"]
 
@@ -503,22 +503,29 @@ class Scheduler:
     ) -> placement.Choice:
         """Caller holds ``self._placing``. Unavailable (503, NO_NODE) when no node fits."""
         await self.nodes.register_local()
-        loads = placement.loads(self.occupying())
-        nodes = [
+        return placement.choose(
+            self._placeable_nodes(),
+            placement.loads(self.occupying()),
+            self._need(vm, restore=restore),
+            prefer=prefer,
+            prefer_why=prefer_why,
+            exclude=exclude,
+            silent_after_s=self._silent_after_s,
+        )
+
+    def _placeable_nodes(self) -> builtins.list[NodeRecord]:
+        """The node records placement weighs, with the images each node last reported."""
+        return [
             dataclasses.replace(n, images=self._node_images[n.node_id])
             if n.node_id in self._node_images
             else n
             for n in self.nodes.nodes()
         ]
-        return placement.choose(
-            nodes,
-            loads,
-            self._need(vm, restore=restore),
-            prefer=prefer,
-            prefer_why=prefer_why,
-            exclude=exclude,
-            silent_after_s=3 * self.settings.node_heartbeat_interval_s,
-        )
+
+    @property
+    def _silent_after_s(self) -> float:
+        """A node silent for longer (three heartbeat periods) gets nothing new placed on it."""
+        return 3 * self.settings.node_heartbeat_interval_s
 
     async def schedule(self, tenant_id: str, spec: AgentSpec) -> tuple[VmRecord, str]:
         """The running VM and how it started (`cold`, `template`). Everything that can be
@@ -979,7 +986,7 @@ class Scheduler:
         (they share the snapshot's pages there); the rest spill to other nodes, which
         restore the snapshot from S3. Sets each child's node; returns each one's reason."""
         loads = placement.loads(self.occupying())
-        nodes = self.nodes.nodes()
+        nodes = self._placeable_nodes()
         reasons = []
         for child in children:
             choice = placement.choose(
@@ -988,6 +995,7 @@ class Scheduler:
                 self._need(child, restore=True),
                 prefer=src.node_id,
                 prefer_why="the source's node (shares its pages)",
+                silent_after_s=self._silent_after_s,
             )
             child.node_id = choice.node_id
             loads.setdefault(choice.node_id, placement.NodeLoad()).add(
