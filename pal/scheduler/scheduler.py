@@ -59,7 +59,6 @@ from pal.manager.models import (
     HeartbeatAck,
     ImageInfo,
     NodeHeartbeat,
-    NodeStats,
     RestoreFrom,
     SnapshotInfo,
     SnapshotRequest,
@@ -77,7 +76,14 @@ from pal.scheduler.nodes import NodePool
 from pal.scheduler.states import AUTO_LIVE_MARKERS, FINAL, SLOT_HOLDING, Action, Marker, VmState, holds_slot
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
-from pal.scheduler.views import ForkChild, ForkResult, OperatorStats, add_counters, add_live_stats
+from pal.scheduler.views import (
+    ForkChild,
+    ForkResult,
+    NodeReport,
+    OperatorStats,
+    add_counters,
+    add_live_stats,
+)
 from pal.spec import (
     AgentSpec,
     EgressUpdate,
@@ -118,6 +124,9 @@ def new_vm_id() -> str:
 SHUTDOWN_REASON = "suspended (server shutdown); wakes on the next request"
 MAX_RESUME_NODES = 3  # a resume tries at most this many nodes that turn out unreachable
 DRAIN_REASON = "suspended (node draining); wakes on another node on the next request"
+# A scrape of /metrics waits this long for each node's figures (asked at once), then shows
+# the node as down: one silent node must not stall the operator's every scrape.
+NODE_STATS_TIMEOUT_S = 5.0
 
 
 def egress_reason(
@@ -636,20 +645,28 @@ class Scheduler:
         return await self.node(vm).list_snapshots(vm.agent_version_id, vm_id)
 
     async def operator_stats(self) -> OperatorStats:
-        """Figures for the operator's /metrics: VMs by state, quota use per tenant, the node."""
-        node: NodeStats | None = None
-        for rec in self.nodes.nodes():  # the first node that answers (an embedded one first)
-            if rec.state == "lost":
-                continue
+        """Figures for the operator's /metrics: VMs by state, quota use per tenant, and every
+        node the store knows (a lost one, or one that does not answer in time, as down).
+        The nodes are asked at once, each for at most NODE_STATS_TIMEOUT_S."""
+        with contextlib.suppress(Exception):  # an embedded node that does not answer is down
+            await self.nodes.register_local()
+
+        async def ask(rec: NodeRecord) -> NodeReport:
+            if rec.state == nodes_mod.LOST:
+                return NodeReport(rec.node_id, None)
             try:
-                node = await self.nodes.client(rec.node_id).stats()
-                if self.nodes.is_local(rec.node_id) or node is not None:
-                    break
+                stats = await asyncio.wait_for(self.nodes.client(rec.node_id).stats(), NODE_STATS_TIMEOUT_S)
             except Exception as exc:
-                log.warning("node stats of %s unavailable: %s", rec.node_id, exc)
+                log.warning("node stats of %s unavailable: %s", rec.node_id, as_pal(exc).message)
+                return NodeReport(rec.node_id, None)
+            return NodeReport(rec.node_id, stats)
+
+        reports = list(await asyncio.gather(*(ask(rec) for rec in self.nodes.nodes())))
+        if self.nodes.local_clients() and not self.nodes.local_ids():
+            reports.append(NodeReport("local", None))  # embedded, never answered a heartbeat
         used = self.store.slots_by_tenant()
         tenants = [(t.id, used.get(t.id, 0), t.max_vms) for t in self.store.list_tenants()]
-        return OperatorStats(vms_by_state=self.store.count_vms_by_state(), tenants=tenants, node=node)
+        return OperatorStats(vms_by_state=self.store.count_vms_by_state(), tenants=tenants, nodes=reports)
 
     # -- delete -------------------------------------------------------------------------------
 
