@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Generator
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -184,7 +185,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     client = ManagerClient(settings.manager_socket)
     store = Store.open(settings)
-    scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port))
+    # `pal up` is one machine's everything: a replica beside it (same database) runs here too.
+    local = f"http://127.0.0.1:{port}" if host in WILDCARD_HOSTS else None
+    scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port, local))
     await scheduler.start()
     node.warm_default_template()
 
@@ -247,6 +250,29 @@ def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
     asyncio.run(serve(settings, host, port))
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+
+
+def advertised_url(host: str, port: int, advertise: str | None) -> str:
+    """The URL the other replicas forward to this one at (it goes into the leader lease).
+    Bound to every interface, this replica cannot know which address the others reach it
+    at (127.0.0.1 would make each follower forward to itself): the operator must say.
+    ValueError, naming the fix, when it cannot be known or is not a reachable URL."""
+    if advertise:
+        url = urlsplit(advertise)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--advertise-url must be an http(s) URL with a host, got {advertise!r}")
+        if url.hostname in WILDCARD_HOSTS:
+            raise ValueError(f"--advertise-url {advertise!r} names no machine: give an address others reach")
+        return advertise.rstrip("/")
+    if host in WILDCARD_HOSTS:
+        raise ValueError(
+            f"pal server listens on all interfaces ({host or '*'}): give --advertise-url "
+            "(PAL_ADVERTISE_URL in deploy/server.env), the URL the other replicas reach this one at"
+        )
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def leadership(settings: Settings, store: Any, host: str, port: int, advertise: str | None = None) -> Any:
     """PostgreSQL: a lease with a fencing token (replicas may run beside this one).
     SQLite: the only replica, always the leader."""
@@ -254,8 +280,7 @@ def leadership(settings: Settings, store: Any, host: str, port: int, advertise: 
 
     if store.dialect != "postgresql":
         return SingleProcessLeader()
-    url = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-    return LeaseLeader(store, url, ttl_s=settings.leader_lease_s)
+    return LeaseLeader(store, advertised_url(host, port, advertise), ttl_s=settings.leader_lease_s)
 
 
 async def role(scheduler: Any) -> dict[str, Any]:
@@ -280,6 +305,7 @@ async def serve_control_plane(
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store, redacted
 
+    advertise = advertised_url(host, port, advertise)  # checked before anything starts
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
     store = Store.open(settings)
