@@ -204,7 +204,7 @@ class Scheduler:
         self._placing = asyncio.Lock()  # one placement at a time: free memory is counted once
         self._node_images: dict[str, list[dict[str, str]]] = {}  # node id -> images asked last
         self._chores: set[asyncio.Task[Any]] = set()  # fire-and-forget node calls (stray stops)
-        self.brokering = SecretBroker(settings)
+        self.brokering = SecretBroker(settings, store)
         self.live = LiveOps(self)
 
     # -- lifecycle of the scheduler itself ----------------------------------------------
