@@ -203,8 +203,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     from pal.dashboard.session import load_secret
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=load_secret(settings))
-    install_dashboard(app, scheduler, store, settings)
+    secret = load_secret(settings)
+    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
+    install_dashboard(app, scheduler, store, settings, secret)
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
 
     stop = asyncio.Event()
@@ -295,12 +296,24 @@ async def role(scheduler: Any) -> dict[str, Any]:
     return out
 
 
+def control_plane_app(scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes) -> Any:
+    """A replica's app: the REST API, operator routes and the dashboard, its sessions and
+    port links signed with the ``secret`` every replica shares. A follower forwards what
+    it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
+    from pal.api.app import create_app
+    from pal.dashboard.app import install_dashboard
+
+    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
+    install_dashboard(app, scheduler, store, settings, secret)
+    return app
+
+
 async def serve_control_plane(
     settings: Settings, host: str = "127.0.0.1", port: int = 8080, advertise: str | None = None
 ) -> None:
-    """`pal server`: API, scheduler and operator routes, no node of its own. Several run
-    against one PostgreSQL; the leader mutates, followers forward (pal/api/forward.py)."""
-    from pal.api.app import create_app
+    """`pal server`: API, scheduler, dashboard and operator routes, no node of its own.
+    Several run against one PostgreSQL; the leader mutates, followers forward
+    (pal/api/forward.py)."""
     from pal.dashboard.session import load_secret
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store, redacted
@@ -316,14 +329,19 @@ async def serve_control_plane(
         nodes = scheduler.node_views()
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=link_secret)
+    app = control_plane_app(scheduler, store, settings, health, link_secret)
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     api_task = asyncio.create_task(api.serve(), name="api")
-    log.info("Pal control plane on http://%s:%d (store %s)", host, port, redacted(store.url))
+    log.info(
+        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
+        host,
+        port,
+        redacted(store.url),
+    )
     try:
         await asyncio.wait({api_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:
