@@ -161,8 +161,6 @@ def remove_image(settings: Settings, name: str) -> None:
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
-    from pal.api.app import create_app
-    from pal.dashboard.app import install_dashboard
     from pal.manager.client import ManagerClient
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
@@ -185,7 +183,8 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     client = ManagerClient(settings.manager_socket)
     store = Store.open(settings)
-    # `pal up` is one machine's everything: a replica beside it (same database) runs here too.
+    # `pal up` is one machine's everything: a `pal server` sharing its database would run on
+    # this machine too, where 127.0.0.1 reaches it.
     local = f"http://127.0.0.1:{port}" if host in WILDCARD_HOSTS else None
     scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port, local))
     await scheduler.start()
@@ -203,9 +202,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     from pal.dashboard.session import load_secret
 
-    secret = load_secret(settings)
-    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
-    install_dashboard(app, scheduler, store, settings, secret)
+    app = control_plane_app(scheduler, store, settings, health, load_secret(settings))
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
 
     stop = asyncio.Event()
@@ -297,9 +294,10 @@ async def role(scheduler: Any) -> dict[str, Any]:
 
 
 def control_plane_app(scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes) -> Any:
-    """A replica's app: the REST API, operator routes and the dashboard, its sessions and
-    port links signed with the ``secret`` every replica shares. A follower forwards what
-    it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
+    """The control plane's app (`pal up` and every `pal server`): the REST API, operator
+    routes and the dashboard, its sessions and port links signed with ``secret`` (replicas
+    share it). A follower forwards what it cannot answer itself, dashboard actions included
+    (pal/api/forward.py)."""
     from pal.api.app import create_app
     from pal.dashboard.app import install_dashboard
 
