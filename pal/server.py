@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Generator
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -160,8 +161,6 @@ def remove_image(settings: Settings, name: str) -> None:
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
-    from pal.api.app import create_app
-    from pal.dashboard.app import install_dashboard
     from pal.manager.client import ManagerClient
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
@@ -184,7 +183,10 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     client = ManagerClient(settings.manager_socket)
     store = Store.open(settings)
-    scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port))
+    # `pal up` is one machine's everything: a `pal server` sharing its database would run on
+    # this machine too, where 127.0.0.1 reaches it.
+    local = f"http://127.0.0.1:{port}" if host in WILDCARD_HOSTS else None
+    scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port, local))
     await scheduler.start()
     node.warm_default_template()
 
@@ -200,8 +202,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     from pal.dashboard.session import load_secret
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=load_secret(settings))
-    install_dashboard(app, scheduler, store, settings)
+    app = control_plane_app(scheduler, store, settings, health, load_secret(settings))
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
 
     stop = asyncio.Event()
@@ -247,6 +248,29 @@ def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
     asyncio.run(serve(settings, host, port))
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+
+
+def advertised_url(host: str, port: int, advertise: str | None) -> str:
+    """The URL the other replicas forward to this one at (it goes into the leader lease).
+    Bound to every interface, this replica cannot know which address the others reach it
+    at (127.0.0.1 would make each follower forward to itself): the operator must say.
+    ValueError, naming the fix, when it cannot be known or is not a reachable URL."""
+    if advertise:
+        url = urlsplit(advertise)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--advertise-url must be an http(s) URL with a host, got {advertise!r}")
+        if url.hostname in WILDCARD_HOSTS:
+            raise ValueError(f"--advertise-url {advertise!r} names no machine: give an address others reach")
+        return advertise.rstrip("/")
+    if host in WILDCARD_HOSTS:
+        raise ValueError(
+            f"pal server listens on all interfaces ({host or '*'}): give --advertise-url "
+            "(PAL_ADVERTISE_URL in deploy/server.env), the URL the other replicas reach this one at"
+        )
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def leadership(settings: Settings, store: Any, host: str, port: int, advertise: str | None = None) -> Any:
     """PostgreSQL: a lease with a fencing token (replicas may run beside this one).
     SQLite: the only replica, always the leader."""
@@ -254,8 +278,7 @@ def leadership(settings: Settings, store: Any, host: str, port: int, advertise: 
 
     if store.dialect != "postgresql":
         return SingleProcessLeader()
-    url = advertise or f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-    return LeaseLeader(store, url, ttl_s=settings.leader_lease_s)
+    return LeaseLeader(store, advertised_url(host, port, advertise), ttl_s=settings.leader_lease_s)
 
 
 async def role(scheduler: Any) -> dict[str, Any]:
@@ -270,16 +293,30 @@ async def role(scheduler: Any) -> dict[str, Any]:
     return out
 
 
+def control_plane_app(scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes) -> Any:
+    """The control plane's app (`pal up` and every `pal server`): the REST API, operator
+    routes and the dashboard, its sessions and port links signed with ``secret`` (replicas
+    share it). A follower forwards what it cannot answer itself, dashboard actions included
+    (pal/api/forward.py)."""
+    from pal.api.app import create_app
+    from pal.dashboard.app import install_dashboard
+
+    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
+    install_dashboard(app, scheduler, store, settings, secret)
+    return app
+
+
 async def serve_control_plane(
     settings: Settings, host: str = "127.0.0.1", port: int = 8080, advertise: str | None = None
 ) -> None:
-    """`pal server`: API, scheduler and operator routes, no node of its own. Several run
-    against one PostgreSQL; the leader mutates, followers forward (pal/api/forward.py)."""
-    from pal.api.app import create_app
+    """`pal server`: API, scheduler, dashboard and operator routes, no node of its own.
+    Several run against one PostgreSQL; the leader mutates, followers forward
+    (pal/api/forward.py)."""
     from pal.dashboard.session import load_secret
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store, redacted
 
+    advertise = advertised_url(host, port, advertise)  # checked before anything starts
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
     store = Store.open(settings)
@@ -290,14 +327,19 @@ async def serve_control_plane(
         nodes = scheduler.node_views()
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=link_secret)
+    app = control_plane_app(scheduler, store, settings, health, link_secret)
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     api_task = asyncio.create_task(api.serve(), name="api")
-    log.info("Pal control plane on http://%s:%d (store %s)", host, port, redacted(store.url))
+    log.info(
+        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
+        host,
+        port,
+        redacted(store.url),
+    )
     try:
         await asyncio.wait({api_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:

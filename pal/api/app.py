@@ -101,7 +101,7 @@ def create_app(
             ForwardToLeader,
             is_leader=leader.is_leader,
             leader_url=leader.leader_url,
-            failover_s=settings.leader_lease_s + 1.0,
+            failover_s=settings.leader_lease_s + 2.0,
         )
 
     # Outermost last: every request gets its id first, then the body limit applies.

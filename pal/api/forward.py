@@ -1,20 +1,31 @@
 """Followers forward to the leader: a client may talk to any control-plane replica.
 
 A replica that does not lead serves the reads it can answer from the store itself
-(listing and getting VMs, their events, nodes, health, metrics, the OpenAPI document)
-and forwards every other request, unchanged, to the leader's advertised URL (from the
-lease row), streaming the answer back (exec's SSE included). A forwarded request carries
-``X-Pal-Forwarded``; a replica never forwards one again (a replica that lost the lead
-meanwhile answers 503 NOT_LEADER through the store's fencing instead of looping).
+(listing and getting VMs, their events, nodes, health, metrics, the OpenAPI document, the
+dashboard's static files) and forwards every other request, unchanged, to the leader's
+advertised URL (from the lease row), streaming the answer back (exec's SSE included).
+WebSockets (the ports proxy, `/tunnel`) are forwarded too: the follower opens the same
+WebSocket to the leader and relays messages both ways, so the leader sees the connection
+(it wakes the VM, and its idle sweeper counts the connection as activity). The dashboard
+is forwarded like the API: its pages and actions run on the leader.
 
-During a failover there is briefly no leader: the follower waits for one (at most
-``PAL_LEADER_LEASE`` + 1 s, the longest a failover takes), and handles the request itself if
-it became the leader meanwhile.
+A forwarded request carries ``X-Pal-Forwarded``; a replica never forwards one again (a
+replica that lost the lead meanwhile answers 503 NOT_LEADER through the store's fencing
+instead of looping).
+
+During a failover there is briefly no leader, or the lease still names a leader that died:
+the follower waits for a leader and retries a request the leader never received (its
+connection was refused) until one answers, at most ``failover_s`` (``PAL_LEADER_LEASE`` +
+2 s: the lease expires, a replica takes it at its next tick), and handles the request itself
+if it became the leader meanwhile. A request the leader received but did not answer (it
+died in the middle) is not sent again: the leader may have carried it out, so the client is
+told so (503) and decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -24,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from pal.errors import NotLeader, TooLarge
+from pal.errors import NotLeader, PalError, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +52,30 @@ LOCAL_READS = [
         r"^/v1/runtime/vms/[^/]+$",
         r"^/v1/runtime/vms/[^/]+/events$",
         r"^/v1/nodes$",
+        r"^/runtime/static/",  # the dashboard's assets: files of the package, the same everywhere
     )
 ]
 MAX_FORWARDED_BODY = 4 << 20  # above any request the API accepts (files are 1 MiB)
+MAX_WS_MESSAGE = 16 << 20  # as the ports proxy's (pal/api/ports.py)
+RETRY_S = 0.2  # how often a follower looks for a leader that answers during a failover
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "host", "content-length"}
+# Made again by the WebSocket client for its own handshake with the leader.
+_WS_HANDSHAKE = _HOP | {
+    "origin",
+    "sec-websocket-key",
+    "sec-websocket-version",
+    "sec-websocket-extensions",
+    "sec-websocket-protocol",
+}
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class _NeverReached(Exception):
+    """The leader did not take the connection: nothing was sent, sending again is safe."""
 
 
 class ForwardToLeader:
@@ -68,21 +95,60 @@ class ForwardToLeader:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     def _local(self, scope: Scope) -> bool:
-        if scope["method"] in ("GET", "HEAD") and any(p.match(scope["path"]) for p in LOCAL_READS):
+        if any(k.decode().lower() == FORWARDED for k, _ in scope.get("headers", [])):
             return True
-        return any(k.decode().lower() == FORWARDED for k, _ in scope.get("headers", []))
+        return (
+            scope["type"] == "http"
+            and scope["method"] in ("GET", "HEAD")
+            and any(p.match(scope["path"]) for p in LOCAL_READS)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._local(scope) or await self.is_leader():
+        if scope["type"] not in ("http", "websocket") or self._local(scope) or await self.is_leader():
             await self.app(scope, receive, send)
-            return
-        target = await self._wait_for_leader()
-        if target is None:
-            if await self.is_leader():
-                await self.app(scope, receive, send)
-                return
-            await _error(send, NotLeader("no control-plane replica leads right now; retry shortly"))
-            return
+        elif scope["type"] == "http":
+            await self._forward_http(scope, receive, send)
+        else:
+            await self._forward_websocket(scope, receive, send)
+
+    # -- finding a leader that answers ------------------------------------------------------
+
+    async def _to_leader(self, attempt: Callable[[str], Awaitable[Any]], what: str) -> tuple[str, Any] | None:
+        """``attempt(url)`` on the leader; retried (every RETRY_S, for at most failover_s)
+        while there is no leader or the one the lease names refuses connections. Returns
+        (url, attempt's result), or None when this replica leads meanwhile; raises NotLeader
+        when no leader answered in time."""
+        deadline = time.monotonic() + self.failover_s
+        refused: str | None = None
+        while True:
+            url = await self._leader_url()
+            if url is None and await self.is_leader():
+                return None
+            if url is not None:
+                try:
+                    return url, await attempt(url)
+                except _NeverReached as exc:
+                    if url != refused:
+                        log.warning("forwarding %s to the leader %s: %s; retrying", what, url, exc.__cause__)
+                    refused = url
+            if time.monotonic() >= deadline:
+                if await self.is_leader():
+                    return None
+                if refused:
+                    raise NotLeader(f"the leader ({refused}) did not answer; retry shortly")
+                raise NotLeader("no control-plane replica leads right now; retry shortly")
+            await asyncio.sleep(RETRY_S)
+
+    async def _leader_url(self) -> str | None:
+        try:
+            return await self.leader_url()
+        except Exception as exc:
+            log.warning("cannot read the leadership lease: %s", exc)
+            return None
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _forward_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = bytearray()
         while True:
             msg = await receive()
@@ -94,20 +160,33 @@ class ForwardToLeader:
                 break
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
         headers.append((FORWARDED, "1"))
-        url = target.rstrip("/") + scope["path"]
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode()
-        req = self._http.build_request(scope["method"], url, headers=headers, content=bytes(body))
-        try:
-            resp = await self._http.send(req, stream=True)
-        except httpx.TransportError as exc:
-            log.warning(
-                "forwarding %s %s to the leader %s failed: %s", scope["method"], scope["path"], target, exc
+        target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
+
+        async def attempt(leader: str) -> httpx.Response:
+            req = self._http.build_request(
+                scope["method"], leader.rstrip("/") + target, headers=headers, content=bytes(body)
             )
-            await _error(send, NotLeader(f"the leader ({target}) did not answer; retry shortly"))
-            return
+            try:
+                return await self._http.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                raise _NeverReached from exc
+
+        what = f"{scope['method']} {scope['path']}"
         try:
-            out = [(k.encode(), v.encode()) for k, v in resp.headers.items() if k.lower() not in _HOP]
+            got = await self._to_leader(attempt, what)
+        except NotLeader as exc:
+            await _error(send, exc)
+            return
+        except httpx.TransportError as exc:
+            log.warning("forwarding %s: the leader stopped answering: %s", what, exc)
+            await _error(send, _lost_midway())
+            return
+        if got is None:  # this replica leads now: the request is its own
+            await self.app(scope, _replay(bytes(body), receive), send)
+            return
+        resp = got[1]
+        try:
+            out = [(k.encode(), v.encode()) for k, v in resp.headers.multi_items() if k.lower() not in _HOP]
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out})
             async for chunk in resp.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -117,20 +196,155 @@ class ForwardToLeader:
         finally:
             await resp.aclose()
 
-    async def _wait_for_leader(self) -> str | None:
-        deadline = time.monotonic() + self.failover_s
-        while True:
+    # -- WebSocket ---------------------------------------------------------------------------
+
+    async def _forward_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import websockets
+        from websockets.asyncio.client import connect
+
+        first = await receive()
+        if first["type"] != "websocket.connect":
+            return
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in _WS_HANDSHAKE
+        ]
+        headers.append((FORWARDED, "1"))
+        protocols = [
+            p.strip()
+            for k, v in scope["headers"]
+            if k.lower() == b"sec-websocket-protocol"
+            for p in v.decode("latin-1").split(",")
+            if p.strip()
+        ]
+        origin = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"origin"), None)
+        path = scope.get("raw_path") or scope["path"].encode()
+        target = path.decode("latin-1") + (
+            "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""
+        )
+
+        async def attempt(leader: str) -> Any:
+            url = re.sub(r"^http", "ws", leader.rstrip("/")) + target
             try:
-                url = await self.leader_url()
-            except Exception as exc:
-                log.warning("cannot read the leadership lease: %s", exc)
-                url = None
-            if url or time.monotonic() >= deadline or await self.is_leader():
-                return url
-            await asyncio.sleep(0.2)
+                return await connect(
+                    url,
+                    additional_headers=headers,
+                    subprotocols=protocols or None,  # type: ignore[arg-type]
+                    origin=origin,  # type: ignore[arg-type]
+                    compression=None,
+                    max_size=MAX_WS_MESSAGE,
+                    ping_interval=None,
+                    open_timeout=30,
+                )
+            except TimeoutError:
+                raise  # the handshake may have reached it (a slow wake): not sent again
+            except OSError as exc:  # refused, unreachable: the leader never saw it
+                raise _NeverReached from exc
+
+        what = f"WebSocket {scope['path']}"
+        try:
+            got = await self._to_leader(attempt, what)
+        except NotLeader as exc:
+            await _refuse(scope, send, exc.status, exc.to_body())
+            return
+        except websockets.InvalidStatus as exc:  # the leader refused it: its answer, as it is
+            body = exc.response.body or b""
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = {"error": {"code": "REFUSED", "message": body.decode(errors="replace")[:200]}}
+            await _refuse(scope, send, exc.response.status_code, parsed)
+            return
+        except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
+            log.warning("forwarding %s: the leader stopped answering: %s", what, exc)
+            err = _lost_midway()
+            await _refuse(scope, send, err.status, err.to_body())
+            return
+        if got is None:
+            await self.app(scope, _replay_ws(first, receive), send)
+            return
+        upstream = got[1]
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+        async def client_to_leader() -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "websocket.disconnect":
+                    await upstream.close(msg.get("code") or 1000)
+                    return
+                if msg.get("bytes") is not None:
+                    await upstream.send(msg["bytes"])
+                elif msg.get("text") is not None:
+                    await upstream.send(msg["text"])
+
+        async def leader_to_client() -> None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                async for data in upstream:
+                    if isinstance(data, str):
+                        await send({"type": "websocket.send", "text": data})
+                    else:
+                        await send({"type": "websocket.send", "bytes": data})
+            code = upstream.close_code or 1000
+            reason = upstream.close_reason or ""
+            with contextlib.suppress(Exception):
+                await send(
+                    {"type": "websocket.close", "code": code if code != 1006 else 1011, "reason": reason}
+                )
+
+        tasks = [asyncio.create_task(client_to_leader()), asyncio.create_task(leader_to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await upstream.close()
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _lost_midway() -> PalError:
+    return NotLeader(
+        "the leader stopped answering in the middle of this request: it may or may not have been "
+        "carried out; check (GET) before sending it again"
+    )
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The request body once more, for the local app; then the client's own messages (its
+    disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def again() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return again
+
+
+def _replay_ws(first: Message, receive: Receive) -> Receive:
+    """The client's ``websocket.connect`` once more, then its messages."""
+    pending = [first]
+
+    async def again() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return again
+
+
+async def _refuse(scope: Scope, send: Send, status: int, body: dict[str, Any]) -> None:
+    """Refuse a WebSocket handshake with ``status`` and its JSON body where the server can
+    (the ASGI denial-response extension), else close with 4000 + status (as ports.py)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        raw = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": raw})
+        return
+    message = str((body.get("error") or {}).get("message", ""))[:120]
+    await send({"type": "websocket.close", "code": 4000 + status, "reason": message})
 
 
 async def _error(send: Send, err: Any) -> None:

@@ -11,9 +11,12 @@ Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemet
 
 - ``pal_vms{state}``: VM rows by lifecycle state (terminated ones included).
 - ``pal_tenant_slots_used{tenant}``, ``pal_tenant_slots_limit{tenant}``: quota use per tenant id.
-- ``pal_snapshot_bytes{tier="local"|"s3"}``: snapshot bytes per tier (cached up to 30 s).
-- ``pal_s3_queue_depth``, ``pal_seal_queue_depth``: pending S3 jobs (incl. retries), pending seals.
-- ``pal_node_up{node}``, ``pal_node_vms_live{node}``, ``pal_node_info{node,accel}``: node health.
+- ``pal_node_up{node}``: one per node the store knows (lost ones and those that did not
+  answer this scrape: 0), ``pal_node_vms_live{node}``, ``pal_node_info{node,accel}``.
+- ``pal_snapshot_bytes{node,tier="local"|"s3"}``: snapshot bytes per tier as each node sees
+  them (cached up to 30 s). Nodes sharing a bucket report the same S3 figure: take the max.
+- ``pal_s3_queue_depth{node}``, ``pal_seal_queue_depth{node}``: each node's pending S3 jobs
+  (incl. retries) and pending seals.
 """
 
 from __future__ import annotations
@@ -52,33 +55,33 @@ class _StatsCollector(Collector):
             limit.add_metric([tenant_id], n_max)
         yield used
         yield limit
-        node = st.node
         up = GaugeMetricFamily("pal_node_up", "1 when the node's runtime manager answers", labels=["node"])
-        up.add_metric([node.node_id if node else "local"], 1 if node else 0)
-        yield up
-        if node is None:
-            return
         info = GaugeMetricFamily("pal_node_info", "The node and its accelerator", labels=["node", "accel"])
-        info.add_metric([node.node_id, node.accel], 1)
-        yield info
         live = GaugeMetricFamily("pal_node_vms_live", "QEMU processes running on the node", labels=["node"])
-        live.add_metric([node.node_id], node.vms_live)
-        yield live
-        snap = GaugeMetricFamily("pal_snapshot_bytes", "Snapshot bytes per storage tier", labels=["tier"])
-        snap.add_metric(["local"], node.snapshot_bytes_local)
-        if node.snapshot_bytes_s3 is not None:
-            snap.add_metric(["s3"], node.snapshot_bytes_s3)
-        yield snap
-        yield GaugeMetricFamily(
+        snap = GaugeMetricFamily(
+            "pal_snapshot_bytes", "Snapshot bytes per tier, as each node sees it", labels=["node", "tier"]
+        )
+        s3q = GaugeMetricFamily(
             "pal_s3_queue_depth",
-            "S3 jobs waiting (uploads, deletes, retention), retries included",
-            value=node.s3_queue_depth,
+            "S3 jobs waiting on the node (uploads, deletes, retention), retries included",
+            labels=["node"],
         )
-        yield GaugeMetricFamily(
-            "pal_seal_queue_depth",
-            "Snapshots waiting for their background checksum",
-            value=node.seal_queue_depth,
+        seals = GaugeMetricFamily(
+            "pal_seal_queue_depth", "Snapshots waiting for their background checksum", labels=["node"]
         )
+        for report in st.nodes:
+            node = report.stats
+            up.add_metric([report.node_id], 1 if node else 0)
+            if node is None:
+                continue
+            info.add_metric([report.node_id, node.accel], 1)
+            live.add_metric([report.node_id], node.vms_live)
+            snap.add_metric([report.node_id, "local"], node.snapshot_bytes_local)
+            if node.snapshot_bytes_s3 is not None:
+                snap.add_metric([report.node_id, "s3"], node.snapshot_bytes_s3)
+            s3q.add_metric([report.node_id], node.s3_queue_depth)
+            seals.add_metric([report.node_id], node.seal_queue_depth)
+        yield from (up, info, live, snap, s3q, seals)
 
 
 def _is_loopback(host: str | None) -> bool:

@@ -121,6 +121,10 @@ def server(
         )
     from pal import server as server_mod
 
+    try:
+        advertise_url = server_mod.advertised_url(host, port, advertise_url)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     server_mod.run_control_plane(settings, host, port, advertise_url)
 
 

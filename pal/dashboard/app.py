@@ -15,9 +15,15 @@ from .routes import Refused, SignInRequired, dashboard_router, refused, sign_in_
 STATIC = Path(__file__).parent / "static"
 
 
-def install_dashboard(app: FastAPI, scheduler: Any, store: Any, settings: Settings) -> None:
+def install_dashboard(
+    app: FastAPI, scheduler: Any, store: Any, settings: Settings, secret: bytes | None = None
+) -> None:
+    """``secret`` signs the session cookies (default: session.load_secret). Replicas pass the
+    one they share, so a session opened on one works on all. On a follower every dashboard
+    request but its static files goes to the leader (pal/api/forward.py, installed by
+    create_app), so its actions run where the VM state is mutated."""
     app.mount("/runtime/static", StaticFiles(directory=STATIC), name="dashboard-static")
-    app.include_router(dashboard_router(scheduler, store, settings))
+    app.include_router(dashboard_router(scheduler, store, settings, secret))
     app.add_exception_handler(SignInRequired, sign_in_required)
     app.add_exception_handler(Refused, refused)
 

@@ -119,9 +119,11 @@ def _error_words(exc: PalError) -> tuple[int, str]:
     return exc.status, f"{words} ({exc.status}): {exc.message}"
 
 
-def dashboard_router(scheduler: Any, store: Any, settings: Settings) -> APIRouter:
+def dashboard_router(
+    scheduler: Any, store: Any, settings: Settings, secret: bytes | None = None
+) -> APIRouter:
     r = APIRouter(prefix="/runtime", include_in_schema=False)
-    sessions = Sessions(load_secret(settings))
+    sessions = Sessions(secret if secret is not None else load_secret(settings))
     templates = Jinja2Templates(directory=str(TEMPLATES))
     templates.env.filters["age"] = _age
     templates.env.filters["bytes"] = _bytes

@@ -7,6 +7,7 @@ the ``postgres`` user (Debian's package creates it) through ``runuser``.
 
 from __future__ import annotations
 
+import glob
 import os
 import pwd
 import secrets
@@ -18,15 +19,31 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-BIN_DIRS = ("/usr/lib/postgresql/15/bin", "/usr/local/bin", "/usr/bin")
+# Debian keeps each major's programs in /usr/lib/postgresql/<major>/bin (not on PATH).
+DEBIAN_BIN_GLOB = "/usr/lib/postgresql/*/bin"
+FALLBACK_BIN_DIRS = ("/usr/local/bin", "/usr/bin")
 RUN_AS = "postgres"
 OWNER_FILE = "owner.pid"
 PREFIX = "pal-pg-"
 
 
+def _major(path: Path) -> tuple[int, ...]:
+    """The PostgreSQL major of a Debian bin dir (``.../16/bin`` -> (16,)); () if not a number."""
+    try:
+        return tuple(int(part) for part in path.parent.name.split("."))
+    except ValueError:
+        return ()
+
+
+def bin_dirs() -> list[Path]:
+    """Where to look for initdb and pg_ctl: the newest installed Debian major first."""
+    debian = sorted((Path(p) for p in glob.glob(DEBIAN_BIN_GLOB)), key=_major, reverse=True)
+    return [*debian, *(Path(d) for d in FALLBACK_BIN_DIRS)]
+
+
 def _bin(name: str) -> str:
-    for d in BIN_DIRS:
-        p = Path(d) / name
+    for d in bin_dirs():
+        p = d / name
         if p.exists():
             return str(p)
     found = shutil.which(name)

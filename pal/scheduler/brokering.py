@@ -12,14 +12,16 @@ The guest's environment holds the placeholder; the spawn request carries the ope
 to the node, whose egress gateway alone ever puts it on the wire. Forks copy the row's
 secrets (same placeholders, same tenant): their gateways broker the same values.
 
-Each tenant's CA lives in ``<data dir>/keys/tenant-ca/<tenant>.{pem,key}`` (directory 0700,
-key 0600), made on first use.
+Each tenant's CA is made on first use and kept in the store (``tenant_cas``), its key sealed
+by the same box (the context names it a CA key of that tenant), so every control-plane
+replica, on any machine, signs with the same CA: guests trust one CA per tenant whichever
+replica built their spawn request. A CA an older Pal kept in
+``<data dir>/keys/tenant-ca/<tenant>.{pem,key}`` is moved into the store as it is (guests
+already trust it); the files are left for that older Pal and no longer read once stored.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import re
 import secrets
 from typing import Any
@@ -31,6 +33,7 @@ from pal.manager.models import BrokeredRule, TenantCa
 from pal.network.ca import new_ca
 from pal.secretbox import SecretBox
 from pal.spec import BrokeredSecret
+from pal.store import Store
 
 _TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -44,9 +47,10 @@ def is_sealed_plain(stored: Any) -> bool:
 
 
 class SecretBroker:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
-        self.ca_dir = settings.keys_dir / "tenant-ca"
+        self.store = store
+        self.legacy_ca_dir = settings.keys_dir / "tenant-ca"  # where an older Pal kept them
         self._box: SecretBox | None = None
 
     @property
@@ -122,20 +126,21 @@ class SecretBroker:
     # -- the tenant's CA -------------------------------------------------------------------
 
     def tenant_ca(self, tenant_id: str) -> TenantCa:
+        """The tenant's CA, made (or moved from an older Pal's file) on first use."""
         if not _TENANT.match(tenant_id):
             raise InvalidRequest(f"invalid tenant id {tenant_id!r}")
-        self.ca_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cert_path, key_path = self.ca_dir / f"{tenant_id}.pem", self.ca_dir / f"{tenant_id}.key"
-        if not key_path.exists():
-            # One maker at a time (replicas sharing the data dir): under an exclusive lock.
-            with open(self.ca_dir / ".lock", "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not key_path.exists():
-                    cert, key = new_ca(tenant_id)
-                    cert_path.write_text(cert)
-                    tmp = key_path.with_suffix(".tmp")
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(key)
-                    os.replace(tmp, key_path)  # the key last: it marks the pair complete
-        return TenantCa(cert=cert_path.read_text(), key=key_path.read_text())
+        context = f"tenant-ca:{tenant_id}"  # a sealed CA key opens as nothing else
+        stored = self.store.tenant_ca(tenant_id)
+        if stored is None:
+            cert, key = self._legacy_ca(tenant_id) or new_ca(tenant_id)
+            stored = self.store.add_tenant_ca(tenant_id, cert, self.box.seal(key, context))
+        cert, sealed = stored
+        return TenantCa(cert=cert, key=self.box.open(sealed, context))
+
+    def _legacy_ca(self, tenant_id: str) -> tuple[str, str] | None:
+        cert_path = self.legacy_ca_dir / f"{tenant_id}.pem"
+        key_path = self.legacy_ca_dir / f"{tenant_id}.key"
+        try:
+            return cert_path.read_text(), key_path.read_text()
+        except FileNotFoundError:
+            return None

@@ -59,7 +59,6 @@ from pal.manager.models import (
     HeartbeatAck,
     ImageInfo,
     NodeHeartbeat,
-    NodeStats,
     RestoreFrom,
     SnapshotInfo,
     SnapshotRequest,
@@ -78,7 +77,14 @@ from pal.scheduler.nodes import NodePool
 from pal.scheduler.states import AUTO_LIVE_MARKERS, FINAL, SLOT_HOLDING, Action, Marker, VmState, holds_slot
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
-from pal.scheduler.views import ForkChild, ForkResult, OperatorStats, add_counters, add_live_stats
+from pal.scheduler.views import (
+    ForkChild,
+    ForkResult,
+    NodeReport,
+    OperatorStats,
+    add_counters,
+    add_live_stats,
+)
 from pal.spec import (
     AgentSpec,
     EgressUpdate,
@@ -91,7 +97,7 @@ from pal.spec import (
     egress_from_json,
     egress_to_json,
 )
-from pal.store import EventRecord, Store, VmRecord, utcnow
+from pal.store import EventRecord, NodeRecord, Store, VmRecord, utcnow
 
 __all__ = ["ForkChild", "ForkResult", "Scheduler"]
 
@@ -119,6 +125,9 @@ def new_vm_id() -> str:
 SHUTDOWN_REASON = "suspended (server shutdown); wakes on the next request"
 MAX_RESUME_NODES = 3  # a resume tries at most this many nodes that turn out unreachable
 DRAIN_REASON = "suspended (node draining); wakes on another node on the next request"
+# A scrape of /metrics waits this long for each node's figures (asked at once), then shows
+# the node as down: one silent node must not stall the operator's every scrape.
+NODE_STATS_TIMEOUT_S = 5.0
 
 
 def egress_reason(
@@ -196,7 +205,7 @@ class Scheduler:
         self._placing = asyncio.Lock()  # one placement at a time: free memory is counted once
         self._node_images: dict[str, list[dict[str, str]]] = {}  # node id -> images asked last
         self._chores: set[asyncio.Task[Any]] = set()  # fire-and-forget node calls (stray stops)
-        self.brokering = SecretBroker(settings)
+        self.brokering = SecretBroker(settings, store)
         self.live = LiveOps(self)
 
     # -- lifecycle of the scheduler itself ----------------------------------------------
@@ -504,22 +513,29 @@ class Scheduler:
     ) -> placement.Choice:
         """Caller holds ``self._placing``. Unavailable (503, NO_NODE) when no node fits."""
         await self.nodes.register_local()
-        loads = placement.loads(self.occupying())
-        nodes = [
+        return placement.choose(
+            self._placeable_nodes(),
+            placement.loads(self.occupying()),
+            self._need(vm, restore=restore),
+            prefer=prefer,
+            prefer_why=prefer_why,
+            exclude=exclude,
+            silent_after_s=self._silent_after_s,
+        )
+
+    def _placeable_nodes(self) -> builtins.list[NodeRecord]:
+        """The node records placement weighs, with the images each node last reported."""
+        return [
             dataclasses.replace(n, images=self._node_images[n.node_id])
             if n.node_id in self._node_images
             else n
             for n in self.nodes.nodes()
         ]
-        return placement.choose(
-            nodes,
-            loads,
-            self._need(vm, restore=restore),
-            prefer=prefer,
-            prefer_why=prefer_why,
-            exclude=exclude,
-            silent_after_s=3 * self.settings.node_heartbeat_interval_s,
-        )
+
+    @property
+    def _silent_after_s(self) -> float:
+        """A node silent for longer (three heartbeat periods) gets nothing new placed on it."""
+        return 3 * self.settings.node_heartbeat_interval_s
 
     async def schedule(self, tenant_id: str, spec: AgentSpec) -> tuple[VmRecord, str]:
         """The running VM and how it started (`cold`, `template`). Everything that can be
@@ -631,20 +647,28 @@ class Scheduler:
         return await self.node(vm).list_snapshots(vm.agent_version_id, vm_id)
 
     async def operator_stats(self) -> OperatorStats:
-        """Figures for the operator's /metrics: VMs by state, quota use per tenant, the node."""
-        node: NodeStats | None = None
-        for rec in self.nodes.nodes():  # the first node that answers (an embedded one first)
-            if rec.state == "lost":
-                continue
+        """Figures for the operator's /metrics: VMs by state, quota use per tenant, and every
+        node the store knows (a lost one, or one that does not answer in time, as down).
+        The nodes are asked at once, each for at most NODE_STATS_TIMEOUT_S."""
+        with contextlib.suppress(Exception):  # an embedded node that does not answer is down
+            await self.nodes.register_local()
+
+        async def ask(rec: NodeRecord) -> NodeReport:
+            if rec.state == nodes_mod.LOST:
+                return NodeReport(rec.node_id, None)
             try:
-                node = await self.nodes.client(rec.node_id).stats()
-                if self.nodes.is_local(rec.node_id) or node is not None:
-                    break
+                stats = await asyncio.wait_for(self.nodes.client(rec.node_id).stats(), NODE_STATS_TIMEOUT_S)
             except Exception as exc:
-                log.warning("node stats of %s unavailable: %s", rec.node_id, exc)
+                log.warning("node stats of %s unavailable: %s", rec.node_id, as_pal(exc).message)
+                return NodeReport(rec.node_id, None)
+            return NodeReport(rec.node_id, stats)
+
+        reports = list(await asyncio.gather(*(ask(rec) for rec in self.nodes.nodes())))
+        if self.nodes.local_clients() and not self.nodes.local_ids():
+            reports.append(NodeReport("local", None))  # embedded, never answered a heartbeat
         used = self.store.slots_by_tenant()
         tenants = [(t.id, used.get(t.id, 0), t.max_vms) for t in self.store.list_tenants()]
-        return OperatorStats(vms_by_state=self.store.count_vms_by_state(), tenants=tenants, node=node)
+        return OperatorStats(vms_by_state=self.store.count_vms_by_state(), tenants=tenants, nodes=reports)
 
     # -- delete -------------------------------------------------------------------------------
 
@@ -987,7 +1011,7 @@ class Scheduler:
         (they share the snapshot's pages there); the rest spill to other nodes, which
         restore the snapshot from S3. Sets each child's node; returns each one's reason."""
         loads = placement.loads(self.occupying())
-        nodes = self.nodes.nodes()
+        nodes = self._placeable_nodes()
         reasons = []
         for child in children:
             choice = placement.choose(
@@ -996,6 +1020,7 @@ class Scheduler:
                 self._need(child, restore=True),
                 prefer=src.node_id,
                 prefer_why="the source's node (shares its pages)",
+                silent_after_s=self._silent_after_s,
             )
             child.node_id = choice.node_id
             loads.setdefault(choice.node_id, placement.NodeLoad()).add(

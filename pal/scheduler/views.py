@@ -47,7 +47,13 @@ class ForkResult:
 
 
 @dataclass
+class NodeReport:
+    node_id: str  # "local": an embedded node that never answered (its id is not known)
+    stats: NodeStats | None  # None: lost, or did not answer at this scrape
+
+
+@dataclass
 class OperatorStats:
     vms_by_state: dict[str, int]
     tenants: list[tuple[str, int, int]]  # (tenant id, slots used, max VMs)
-    node: NodeStats | None  # None: the node did not answer
+    nodes: list[NodeReport]  # every node the control plane knows, by id

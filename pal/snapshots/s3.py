@@ -416,13 +416,18 @@ class S3Mirror:
         return doomed
 
     def total_bytes(self) -> int:
-        """Bytes of every object under the snapshot prefix (a listing: for periodic stats)."""
-        self.ensure_bucket()
+        """Bytes of every object under the snapshot prefix (a listing: for periodic stats).
+        A read only: a bucket that does not exist yet holds 0 bytes (a scrape makes none)."""
         total = 0
-        for page in self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=f"{S3_PREFIX}/"
-        ):
-            total += sum(int(obj.get("Size", 0)) for obj in page.get("Contents", []))
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=f"{S3_PREFIX}/"
+            ):
+                total += sum(int(obj.get("Size", 0)) for obj in page.get("Contents", []))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchBucket":
+                raise
+            return 0
         return total
 
     def _list_keys(self, prefix: str) -> list[str]:

@@ -49,7 +49,7 @@ from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest, NotFound, NotLeader
 from pal.store import migrate
 from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
-from pal.store.tables import events, leader_lease, nodes, tenants, vms
+from pal.store.tables import events, leader_lease, nodes, tenant_cas, tenants, vms
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _WRITE = "pal_write_tx"
@@ -491,8 +491,33 @@ class Store:
                 return False
             tx._conn.execute(events.delete().where(events.c.tenant_id == tenant_id))
             tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
+            tx._conn.execute(tenant_cas.delete().where(tenant_cas.c.tenant_id == tenant_id))
             tx._conn.execute(tenants.delete().where(tenants.c.id == tenant_id))
         return True
+
+    # -- tenant CAs (pal/scheduler/brokering.py) ----------------------------------------------
+
+    def tenant_ca(self, tenant_id: str) -> tuple[str, str] | None:
+        """The tenant's CA as stored: (certificate PEM, sealed key), or None."""
+        with self._read() as conn:
+            row = conn.execute(select(tenant_cas).where(tenant_cas.c.tenant_id == tenant_id)).first()
+        return (row.cert_pem, row.key_sealed) if row else None
+
+    def add_tenant_ca(self, tenant_id: str, cert_pem: str, key_sealed: str) -> tuple[str, str]:
+        """Store the tenant's CA unless it has one already; returns the one stored (the
+        first one made wins: a CA that signed a guest's trust store must never change)."""
+        with self.write() as tx:
+            if tx.tenant(tenant_id) is None:  # locks the tenant row: one maker at a time
+                raise NotFound(f"tenant {tenant_id} not found")
+            row = tx._conn.execute(select(tenant_cas).where(tenant_cas.c.tenant_id == tenant_id)).first()
+            if row is not None:
+                return (row.cert_pem, row.key_sealed)
+            tx._conn.execute(
+                insert(tenant_cas).values(
+                    tenant_id=tenant_id, cert_pem=cert_pem, key_sealed=key_sealed, created_at=utcnow()
+                )
+            )
+        return (cert_pem, key_sealed)
 
     # -- vms --------------------------------------------------------------------------------
 

@@ -148,3 +148,15 @@ leader_lease = Table(
     Column("token", BigInteger, nullable=False),
     Column("expires_at_ms", BigInteger, nullable=False),
 )
+
+# Each tenant's CA for brokered secrets (pal/scheduler/brokering.py), in the store so that
+# every control-plane replica signs with the same one. The key is sealed with the secrets
+# key (pal/secretbox.py); the certificate is public.
+tenant_cas = Table(
+    "tenant_cas",
+    metadata,
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), primary_key=True),
+    Column("cert_pem", Text, nullable=False),
+    Column("key_sealed", Text, nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import shutil
 import time
 import uuid
@@ -178,9 +179,28 @@ def test_a_request_to_a_follower_works(cluster: LocalCluster, keys: dict[str, st
         r = c.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "x.txt"}, content=b"via follower")
         assert r.status_code == 200, r.text
         assert c.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "x.txt"}).text == "via follower"
-        assert c.delete(f"/v1/runtime/vms/{vm}").json()["state"] == "terminated"
+    # The dashboard is served by every `pal server`; on the follower its actions reach the leader.
+    for replica in cluster.replicas.values():
+        page = httpx.get(replica.url + "/runtime", follow_redirects=True, timeout=60)
+        assert page.status_code == 200 and 'name="api_key"' in page.text, replica.name
+    with httpx.Client(base_url=follower.url, timeout=300) as browser:
+        page = browser.get("/runtime/login")
+        form = {"api_key": keys["ta"], "csrf": _csrf(page.text), "next": "/runtime"}
+        assert browser.post("/runtime/login", data=form).status_code == 303
+        listing = browser.get("/runtime")
+        assert listing.status_code == 200 and vm in listing.text
+        gone = browser.post(f"/runtime/{vm}/delete", headers={"X-CSRF-Token": _csrf(listing.text)})
+        assert gone.status_code == 200 and "Deleted (terminated)" in gone.text, gone.text
+    with api(follower, keys["ta"]) as c:
+        assert c.get(f"/v1/runtime/vms/{vm}").json()["state"] == "terminated"
     r = cluster.admin("GET", "/v1/nodes", via=follower)
     assert r.status_code == 200 and len(r.json()["nodes"]) == 3
+
+
+def _csrf(html: str) -> str:
+    m = re.search(r'name="csrf" value="([^"]+)"', html)
+    assert m, html
+    return m.group(1)
 
 
 def _fork_then_kill_the_leader(cluster: LocalCluster, store: Store, key: str, src: str, late: bool) -> float:

@@ -15,6 +15,7 @@ import pytest
 from pal.config import Settings
 from pal.errors import InvalidRequest, NotFound
 from pal.guest.harness import CA_BEGIN, install_ca
+from pal.manager.models import TenantCa
 from pal.manager.vmnet import Brokered, VmNetworking
 from pal.network import broker
 from pal.network.ca import Issuer, new_ca
@@ -25,6 +26,7 @@ from pal.network.relay import Connection, GuestSide
 from pal.scheduler.brokering import SecretBroker
 from pal.secretbox import SecretUnreadable
 from pal.spec import AgentSpec
+from pal.store import Store
 
 LOCAL = ipaddress.ip_address("127.0.0.1")
 RULE = {
@@ -220,9 +222,10 @@ def test_install_ca_marks_one_block_and_points_clients_at_it(tmp_path: Path) -> 
     assert ssl.create_default_context(cafile=str(bundle))  # still a valid bundle
 
 
-def test_secret_broker_seals_opens_rotates_and_keeps_ca_files_private(tmp_path: Path) -> None:
+def test_secret_broker_seals_opens_and_rotates(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path)
-    b = SecretBroker(settings)
+    store = Store.open(settings)
+    b = SecretBroker(settings, store)
     spec = AgentSpec.model_validate(
         {"secrets": {"K": {"value": "value-one", "brokered": {"hosts": ["api.test"]}}, "P": "plain"}}
     )
@@ -240,13 +243,57 @@ def test_secret_broker_seals_opens_rotates_and_keeps_ca_files_private(tmp_path: 
         b.rotated("t-1", stored, "P", "x")
     with pytest.raises(NotFound):
         b.rotated("t-1", stored, "NOPE", "x")
-    ca = b.tenant_ca("t-1")
-    assert b.tenant_ca("t-1") == ca  # made once
-    key_file = tmp_path / "keys" / "tenant-ca" / "t-1.key"
-    assert key_file.stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "keys" / "tenant-ca").stat().st_mode & 0o777 == 0o700
+    store.close()
+
+
+def test_replicas_on_different_machines_share_each_tenants_ca_through_the_store(
+    tmp_path: Path, db_url: str
+) -> None:
+    """Two control-plane replicas with data dirs of their own (two machines) and one secrets
+    key file (PAL_SECRETS_KEY_FILE, the same on each): whichever builds a VM's spawn
+    request, its guest trusts the one CA the gateways sign with. The key is sealed."""
+    key_file = tmp_path / "shared" / "secrets.key"
+    replicas = []
+    for name in ("cp-1", "cp-2"):
+        settings = Settings(data_dir=tmp_path / name, database_url=db_url, secrets_key_file=key_file)
+        replicas.append(SecretBroker(settings, Store.open(settings)))
+    one, two = replicas
+    tenant, _ = one.store.create_tenant("acme", 2)
+    ca = one.tenant_ca(tenant.id)
+    assert two.tenant_ca(tenant.id) == ca
+    assert one.tenant_ca(tenant.id) == ca  # made once
+    cert, sealed = one.store.tenant_ca(tenant.id) or ("", "")
+    assert cert == ca.cert and "PRIVATE KEY" not in sealed and ca.key not in sealed
+    assert "PRIVATE KEY" in ca.key
+    assert not (tmp_path / "cp-1" / "keys" / "tenant-ca").exists()  # nothing per machine
+    with pytest.raises(SecretUnreadable):  # a CA key opens as nothing else
+        one.box.open(sealed, tenant.id)
+    other_key = Settings(data_dir=tmp_path / "cp-3", database_url=db_url)
+    with pytest.raises(SecretUnreadable):  # a replica with another secrets key cannot use it
+        SecretBroker(other_key, one.store).tenant_ca(tenant.id)
     with pytest.raises(InvalidRequest):
-        b.tenant_ca("../evil")
+        one.tenant_ca("../evil")
+    with pytest.raises(NotFound):
+        one.tenant_ca("t-nobody")
+    for b in replicas:
+        b.store.close()
+
+
+def test_a_ca_an_older_pal_kept_in_a_file_is_moved_into_the_store(tmp_path: Path) -> None:
+    """Guests already trust the CA an older Pal made: it stays that tenant's CA."""
+    settings = Settings(data_dir=tmp_path)
+    store = Store.open(settings)
+    tenant, _ = store.create_tenant("acme", 2)
+    cert, key = new_ca(tenant.id)
+    legacy = tmp_path / "keys" / "tenant-ca"
+    legacy.mkdir(parents=True)
+    (legacy / f"{tenant.id}.pem").write_text(cert)
+    (legacy / f"{tenant.id}.key").write_text(key)
+    assert SecretBroker(settings, store).tenant_ca(tenant.id) == TenantCa(cert=cert, key=key)
+    (legacy / f"{tenant.id}.key").unlink()
+    (legacy / f"{tenant.id}.pem").unlink()
+    assert SecretBroker(settings, store).tenant_ca(tenant.id) == TenantCa(cert=cert, key=key)
+    store.close()
 
 
 def test_a_nodes_record_of_brokered_secrets_is_sealed_and_bound_to_its_vm(tmp_path: Path) -> None:

@@ -228,6 +228,31 @@ def test_up_passes_flags_to_the_server(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert bad.exit_code != 0 and len(calls) == 1
 
 
+def test_a_server_on_all_interfaces_needs_the_url_replicas_reach_it_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bound to 0.0.0.0 a replica cannot know its own address: it would advertise
+    127.0.0.1, and every follower would forward to itself. It refuses to start instead."""
+    import pal.server
+
+    calls: list[tuple[str, int, str | None]] = []
+    monkeypatch.setattr(pal.server, "run_control_plane", lambda s, h, p, a: calls.append((h, p, a)))
+    db = ["--database", "postgresql://pal:x@db.invalid/pal"]  # never reached
+    for host in ("0.0.0.0", "::"):
+        res = runner.invoke(app, ["server", "--host", host, *db])
+        assert res.exit_code == 2 and "--advertise-url" in res.output, res.output
+    res = runner.invoke(app, ["server", "--host", "0.0.0.0", "--advertise-url", "http://0.0.0.0:8080", *db])
+    assert res.exit_code == 2 and "names no machine" in res.output, res.output
+    res = runner.invoke(app, ["server", "--host", "0.0.0.0", "--advertise-url", "10.0.0.11:8080", *db])
+    assert res.exit_code == 2 and "http(s) URL" in res.output, res.output
+    assert calls == []
+    ok = runner.invoke(app, ["server", "--host", "0.0.0.0", "--advertise-url", "http://10.0.0.11:8080/", *db])
+    assert ok.exit_code == 0, ok.output
+    ok = runner.invoke(app, ["server", "--host", "10.0.0.11", "--port", "8090", *db])
+    assert ok.exit_code == 0, ok.output
+    assert calls == [("0.0.0.0", 8080, "http://10.0.0.11:8080"), ("10.0.0.11", 8090, "http://10.0.0.11:8090")]
+
+
 def test_egress_flags_and_live_change(live: tuple[ApiEnv, dict[str, str]]) -> None:
     _, envs = live
     vm = _ok(

@@ -12,9 +12,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pal.api.app import create_app
+from pal.config import Settings
+from pal.localcluster.s3 import free_port
 from pal.manager.metrics import MetricsBook, RawReading
+from pal.manager.runtime import NodeRuntime
+from pal.snapshots.layout import SnapshotRef
+from pal.snapshots.s3 import S3Mirror
+from pal.snapshots.store import SnapshotStore
 from pal.vmm import usage
-from tests.fakes import SchedEnv, make_env
+from pal.vmm.accel import AccelInfo
+from tests.fakes import FakeManager, FakeVm, SchedEnv, make_env
 
 # -- the node's sample rings ---------------------------------------------------------------
 
@@ -141,6 +148,9 @@ async def test_prometheus_endpoint_parses_and_carries_the_operator_figures(env: 
         await a.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/true"})
         await a.post(f"/v1/runtime/vms/{vm}/fork", json={"count": 2})
         await a.post(f"/v1/runtime/vms/{vm}/pause")
+        before = _families((await operator.get("/metrics")).text)
+        assert (await a.post(f"/v1/runtime/vms/{vm}/resume")).status_code == 200
+        await a.post(f"/v1/runtime/vms/{vm}/pause")
         resp = await operator.get("/metrics")
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/plain")
@@ -149,6 +159,10 @@ async def test_prometheus_endpoint_parses_and_carries_the_operator_figures(env: 
     def value(family: str, sample: str, **labels: str) -> float:
         return next(v for n, lab, v in fams[family] if n == sample and labels.items() <= lab.items())
 
+    resumes_before = [v for n, lab, v in before["pal_resume_seconds"] if n == "pal_resume_seconds_count"]
+    assert sum(resumes_before) == 0
+    assert value("pal_resume_seconds", "pal_resume_seconds_count", trigger="api") == 1
+
     assert value("pal_vms", "pal_vms", state="paused") == 1
     assert value("pal_vms", "pal_vms", state="running") == 2  # the two forks
     tenant = env.store.tenant_by_api_key(key)
@@ -156,13 +170,13 @@ async def test_prometheus_endpoint_parses_and_carries_the_operator_figures(env: 
     assert value("pal_tenant_slots_used", "pal_tenant_slots_used", tenant=tenant.id) == 2
     assert value("pal_tenant_slots_limit", "pal_tenant_slots_limit", tenant=tenant.id) == 3
     assert value("pal_schedule_seconds", "pal_schedule_seconds_count", boot="cold") == 1
-    assert value("pal_pause_seconds", "pal_pause_seconds_count", by="operator") == 1
+    assert value("pal_pause_seconds", "pal_pause_seconds_count", by="operator") == 2
     assert value("pal_fork_seconds", "pal_fork_seconds_count") == 1
     # only the first exec after the schedule counts
     assert value("pal_first_exec_seconds", "pal_first_exec_seconds_count", after="schedule") == 1
     assert value("pal_node_up", "pal_node_up", node="node-1") == 1
-    assert value("pal_snapshot_bytes", "pal_snapshot_bytes", tier="local") > 0
-    assert value("pal_s3_queue_depth", "pal_s3_queue_depth") == 0
+    assert value("pal_snapshot_bytes", "pal_snapshot_bytes", node="node-1", tier="local") > 0
+    assert value("pal_s3_queue_depth", "pal_s3_queue_depth", node="node-1") == 0
 
 
 async def test_prometheus_endpoint_is_for_the_operator_only(env: SchedEnv, tmp_path: Path) -> None:
@@ -186,4 +200,60 @@ async def test_prometheus_endpoint_is_for_the_operator_only(env: SchedEnv, tmp_p
     async with _client(app, "s3cret-token") as scraper:
         down = await scraper.get("/metrics")
     assert down.status_code == 200
-    assert ("pal_node_up", {"node": "local"}, 0.0) in _families(down.text)["pal_node_up"]
+    assert _families(down.text)["pal_node_up"] == [("pal_node_up", {"node": "node-1"}, 0.0)]
+
+
+async def test_every_node_is_reported_and_a_lost_one_is_down(env: SchedEnv) -> None:
+    """A control plane with several nodes shows each by its id: figures for those that
+    answer, pal_node_up 0 for one that is lost or does not answer."""
+    second, third = FakeManager(node_id="node-2"), FakeManager(node_id="node-3")
+    for fake in (second, third):
+        env.sched.nodes.use_client(fake.node_id, fake)
+        env.sched.nodes.record(await fake.heartbeat(), url=f"http://127.0.0.1:1/{fake.node_id}")
+    second.alive["vm-x"] = FakeVm("vm-x", 1, "t")  # one QEMU there
+    env.store.set_node_state("node-3", "lost")
+    app = create_app(env.sched, env.store, env.settings)
+    async with _client(app) as operator:
+        fams = _families((await operator.get("/metrics")).text)
+        up = {lab["node"]: v for _, lab, v in fams["pal_node_up"]}
+        assert up == {"node-1": 1, "node-2": 1, "node-3": 0}
+        assert {lab["node"]: v for _, lab, v in fams["pal_node_vms_live"]} == {"node-1": 0, "node-2": 1}
+        assert {lab["node"] for _, lab, _ in fams["pal_s3_queue_depth"]} == {"node-1", "node-2"}
+        assert ("stats", "") not in third.calls  # a lost node is not asked
+        env.manager.heartbeat_error = ConnectionError("node down")
+        fams = _families((await operator.get("/metrics")).text)
+    up = {lab["node"]: v for _, lab, v in fams["pal_node_up"]}
+    assert up == {"node-1": 0, "node-2": 1, "node-3": 0}
+
+
+async def test_s3_queue_depth_counts_the_jobs_waiting_for_an_unreachable_s3(
+    env: SchedEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's real figures (NodeRuntime.stats over its snapshot store): S3 jobs that
+    cannot reach S3 stay queued and show on /metrics until they are done."""
+    mirror = S3Mirror(f"http://127.0.0.1:{free_port()}", "pal-queue", retry_base_s=3600, connect_timeout_s=1)
+    snaps = SnapshotStore(tmp_path / "snapshots", mirror, key=b"k" * 32)
+    try:
+        for sid in ("s1", "s2"):
+            mirror.schedule_delete(SnapshotRef("default-0123456789ab", "vm-1", sid))
+        runtime = NodeRuntime(Settings(data_dir=tmp_path / "node"), snaps, AccelInfo("tcg", "test"))
+        monkeypatch.setattr(env.manager, "stats", runtime.stats)
+        app = create_app(env.sched, env.store, env.settings)
+        async with _client(app) as operator:
+            fams = _families((await operator.get("/metrics")).text)
+    finally:
+        snaps.close(timeout=5)
+    assert fams["pal_s3_queue_depth"] == [("pal_s3_queue_depth", {"node": "node-1"}, 2.0)]
+    # S3 could not be listed: its byte count is unknown, not 0
+    assert [lab["tier"] for _, lab, _ in fams["pal_snapshot_bytes"]] == ["local"]
+
+
+def test_counting_s3_bytes_makes_no_bucket() -> None:
+    """A scrape reads: a bucket that does not exist yet counts 0 bytes and stays absent."""
+    import boto3
+    from moto import mock_aws
+
+    with mock_aws():
+        mirror = S3Mirror(None, "pal-not-yet")
+        assert mirror.total_bytes() == 0
+        assert boto3.client("s3", region_name="us-east-1").list_buckets()["Buckets"] == []

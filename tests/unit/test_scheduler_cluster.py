@@ -191,6 +191,27 @@ async def test_forks_stay_on_the_source_node_and_spill_when_it_is_full(tmp_path:
     assert any("shares its pages" in r for r in _reasons(c, res.forks[0].vm_id))
 
 
+async def test_forks_do_not_spill_onto_a_silent_node(tmp_path: Path) -> None:
+    """A node that stopped heartbeating gets no spilled fork child, however roomy its last
+    heartbeat said it was (as for a schedule or a resume)."""
+    c = await make_cluster(tmp_path)
+    for name, mib in (("n1", 256), ("n2", 0), ("n3", 0)):
+        c.nodes[name].memory_mib = mib
+        await c.beat(name)
+    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    assert src.node_id == "n1"  # and n1 is now full
+    c.nodes["n2"].memory_mib = 1 << 21  # the roomiest: ranked first while it heartbeats
+    c.nodes["n3"].memory_mib = 1 << 20
+    await c.beat("n2")
+    await c.beat("n3")
+    c.silence("n2", 3 * c.settings.node_heartbeat_interval_s + 5)
+    res = await c.sched.fork(c.tenant_id, src.vm_id, 2)
+    assert [f.state for f in res.forks] == [S.RUNNING] * 2
+    assert [c.store.get_vm(f.vm_id).node_id for f in res.forks] == ["n3", "n3"]  # type: ignore[union-attr]
+    assert not c.nodes["n2"].alive
+    assert any("(1 of 3 nodes fit)" in r for r in _reasons(c, res.forks[0].vm_id))
+
+
 async def test_a_fork_interrupted_by_a_crash_keeps_no_child(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

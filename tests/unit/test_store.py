@@ -10,6 +10,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest
+from pal.localcluster.postgres import LocalPostgres
 from pal.store import LIFECYCLE_COLUMNS, Store, VmRecord, hash_api_key
 
 
@@ -175,3 +176,61 @@ def test_migrations_build_the_schema_the_code_declares(tmp_path: Path, db_url: s
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []
+
+
+# Each process is one replica starting: imported first, then it opens the store (which
+# migrates) when told to go, so all of them migrate at the same moment.
+_REPLICA = """
+import sys
+from pal.store import Store
+url = sys.argv[1]
+print("ready", flush=True)
+sys.stdin.readline()
+Store(url).close()
+print("migrated")
+"""
+
+
+def test_replicas_starting_together_on_an_empty_database_all_start(postgres: LocalPostgres) -> None:
+    """Several `pal server`s started at once on a fresh PostgreSQL database: one migrates
+    under the advisory lock, the others wait for it and find the schema at head."""
+    import os
+    import subprocess
+    import sys
+
+    from pal.store import migrate
+
+    url = postgres.new_database("race")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _REPLICA, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        for _ in range(4)
+    ]
+    try:
+        for p in procs:  # every replica is imported and waiting
+            assert p.stdout is not None
+            assert p.stdout.readline() == b"ready\n", p.communicate(timeout=60)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failures = [err.decode()[-2000:] for p, (_, err) in zip(procs, results, strict=True) if p.returncode]
+    assert failures == []
+    assert all(out.strip() == b"migrated" for out, _ in results)
+    store = Store(url, run_migrations=False)
+    try:
+        assert migrate.current(store.engine) == migrate.head()
+    finally:
+        store.close()

@@ -340,8 +340,11 @@ function toEvent(name: string, data: string): ExecStreamEvent | null {
       if (payload.timedOut) ev.timedOut = true;
       return ev;
     }
-    case "error":
-      return { type: "error", code: String(payload.code ?? "ERROR"), message: String(payload.message ?? "") };
+    case "error": {
+      const code = String(payload.code ?? "ERROR");
+      const message = String(payload.message ?? "");
+      return { type: "error", code, message, data: `${code}: ${message}\n` };
+    }
     default:
       return null; // an event kind this SDK does not know: skipped
   }

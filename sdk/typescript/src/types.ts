@@ -31,12 +31,16 @@ export type MetricSample = Schemas["MetricSampleOut"];
 export type Snapshot = Schemas["SnapshotOut"];
 export type Image = Schemas["ImageOut"];
 
-/** One event of `execStream`, in the order the command produced them. */
+/** One event of `execStream`, in the order the command produced them. Every event but
+ * `exit` has `data`, a text to show: the output for `stdout`/`stderr`; for `error` (the
+ * command could not run or was cut off; the stream ends with it) the error in words,
+ * `"CODE: message\n"`, beside its `code` and `message`. So a loop that prints `ev.data` for
+ * everything but `exit` (the spec's example) shows an error too. */
 export type ExecStreamEvent =
   | { type: "stdout"; data: string }
   | { type: "stderr"; data: string }
   | { type: "exit"; exitCode: number; timedOut?: boolean }
-  | { type: "error"; code: string; message: string };
+  | { type: "error"; code: string; message: string; data: string };
 
 /** `readFile`: the text (UTF-8) and whether the server cut it at 1 MiB. */
 export interface FileText {

@@ -103,6 +103,8 @@ describe("Pal TypeScript SDK against a real server", () => {
     assert.equal(events.length, 1);
     assert.equal(events[0].type, "error");
     assert.equal(events[0].code, "EXECUTABLE_NOT_FOUND");
+    assert.match(events[0].message, /no\/such\/binary/);
+    assert.equal(events[0].data, `EXECUTABLE_NOT_FOUND: ${events[0].message}\n`); // printable, as stdout's
   });
 
   test("leaving execStream early stops the command", async () => {
