@@ -243,6 +243,8 @@ class LiveControl:
             ms=round(res.ms, 1),
             freed_mib=round(res.freed / MIB),
             resident_mib=round(res.resident_after / MIB),
+            since=live.since,
+            by=live.by,
         )
 
     async def _offload_later(self, lv: LiveVm, at: float) -> None:

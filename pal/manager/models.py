@@ -187,7 +187,9 @@ class Notice(_Model):
 
     - ``wait-ready``: a VM with wait management is idle and waits on held I/O: pause it?
     - ``wake``: a VM live-paused by idle or wait should run again (``reason``: data, timer)
-    - ``offloaded``: a live-paused VM's RAM was handed back (``ms``, ``freedMib``)
+    - ``offloaded``: a live-paused VM's RAM was handed back (``ms``, ``freedMib``; ``since``
+      and ``by`` name the live pause it belongs to, so the scheduler counts each offload
+      once however often, and however late, it hears of it)
     """
 
     seq: int
@@ -198,6 +200,8 @@ class Notice(_Model):
     ms: float | None = None
     freed_mib: int | None = None
     resident_mib: int | None = None
+    since: float | None = None  # offloaded: the live pause's start (LiveState.since)
+    by: LiveBy | None = None  # offloaded: who paused it
 
 
 class Notices(_Model):

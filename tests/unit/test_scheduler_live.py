@@ -92,6 +92,66 @@ async def test_live_pause_with_offload_and_an_offload_of_a_paused_vm(env: SchedE
     assert (await env.sched.resume(env.tenant_id, vm_id)).incarnation == 2
 
 
+async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often(env: SchedEnv) -> None:
+    """The node reports an offload in the pause's answer and in an ``offloaded`` notice
+    (which may come after the answer, or again after a restart); reconciliation sees it in
+    the heartbeat. One event and one count per offload."""
+    vm_id = await _vm(env)
+
+    async def every_report_again() -> None:
+        for n in list(env.manager.notice_log):
+            await env.sched.live.handle(n)
+        await reconcile.reconcile_all(env.sched)
+
+    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    assert _row(env, vm_id).live_stats["offloads"] == 1
+    await every_report_again()
+    await every_report_again()
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"]) == (1, 250)
+    assert _kinds(env, vm_id).count("live_offload") == 1
+    # the next pause's offload counts, the first one's reports still do not; a pause taken
+    # over and offloaded by the operator is answered and noticed too
+    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    await every_report_again()
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"], stats["livePauses"]) == (2, 500, 2)
+    assert _kinds(env, vm_id).count("live_offload") == 2
+    # an offload no notice told of (it died with a restart) is counted by reconciliation
+    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    env.manager.offload(vm_id)
+    env.manager.notice_log.pop()
+    await every_report_again()
+    assert _row(env, vm_id).live_stats["offloads"] == 3
+
+
+async def test_an_offload_notice_during_a_resume_waits_for_it_and_loses_nothing(env: SchedEnv) -> None:
+    """The notice of an offload (offloadAfterMs) is acted on while a resume of the same VM
+    is under way: both update the VM's counters, one after the other."""
+    vm_id = await _vm(env, WAITING)
+    assert await env.sched.live.wait_pause(vm_id) is not None
+    env.manager.offload(vm_id, freed_mib=200)
+    notice = env.manager.notice_log[-1]
+    real = env.manager.live_resume
+    handled: list[asyncio.Task[None]] = []
+
+    async def racy(vid: str):  # type: ignore[no-untyped-def]
+        handled.append(asyncio.create_task(env.sched.live.handle(notice)))
+        for _ in range(10):  # let it run as far as it can while the resume is under way
+            await asyncio.sleep(0)
+        return await real(vid)
+
+    env.manager.live_resume = racy  # type: ignore[method-assign]
+    await env.sched.live.wake(vm_id, "data", "data (first-byte)")
+    await handled[0]
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"], stats["livePausedMs"]) == (1, 200, 1500)
+    assert _kinds(env, vm_id).count("wait_offload") == 1
+
+
 async def test_a_live_paused_vm_holds_its_slot_a_snapshot_paused_one_does_not(tmp_path: Path) -> None:
     env = make_env(tmp_path, max_vms=1)
     a = await _vm(env)
@@ -125,7 +185,7 @@ async def test_wait_pause_and_wake_follow_the_nodes_notices(env: SchedEnv) -> No
         assert (vm.marker, vm.paused_by) == (M.LIVE_WAIT, "wait") and vm.holds_slot
         req = env.manager.live_requests[-1][1]
         assert req.by == "wait" and req.if_waiting and req.offload_after_ms == 1000 and not req.offload
-        env.manager.post(vm_id, "offloaded", ms=120.0, freed_mib=200, resident_mib=4)
+        env.manager.offload(vm_id, freed_mib=200)  # offloadAfterMs later, on the node
         await _until(lambda: "wait_offload" in _kinds(env, vm_id))
         env.manager.post(vm_id, "wake", reason="data (first-byte)")
         await _until(lambda: _row(env, vm_id).state == S.RUNNING)
