@@ -15,6 +15,7 @@ from pal.config import Settings
 from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.models import (
+    BrokeredSet,
     EgressEvent,
     EgressEvents,
     EgressSet,
@@ -89,6 +90,7 @@ class FakeVm:
     counters: dict[str, int] = field(default_factory=dict)
     live: LiveState | None = None  # live-paused on the "node"
     wait_pause: Any = None
+    brokered: dict[str, str] = field(default_factory=dict)  # name -> the value its gateway inserts
 
 
 @dataclass
@@ -191,6 +193,7 @@ class FakeManager:
                 req.restore.mem_mode if req.restore else None,
                 egress=req.egress,
                 wait_pause=req.wait_pause,
+                brokered={r.name: r.value for r in req.brokered},
             )
             return SpawnResult(
                 vm_id=req.vm_id,
@@ -385,6 +388,10 @@ class FakeManager:
         vm = self._vm("set_egress", vm_id)
         vm.egress = req.egress
         return EgressSetResult(closed=0)
+
+    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+        # like the real node: any VM with a QEMU here, its vCPUs stopped or not
+        self._vm("set_brokered", vm_id).brokered = {r.name: r.value for r in req.brokered}
 
     async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
         return dict(self._vm("egress_counters", vm_id).counters)
