@@ -385,3 +385,53 @@ async def test_a_live_paused_vm_is_no_stray_and_still_occupies_its_node(env: Sch
     assert [v.vm_id for v in env.sched.occupying(vm.node_id)] == [vm_id]
     await env.sched.pause(env.tenant_id, vm_id)  # a snapshot: off the node
     assert env.sched.occupying() == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (None, None),
+        ("off", None),
+        ("  OFF ", None),
+        ("on", WaitPause()),
+        (
+            '{"afterMs": 800, "deliver": "complete", "offloadAfterMs": null}',
+            WaitPause(after_ms=800, deliver="complete", offload_after_ms=None),
+        ),
+    ],
+)
+async def test_pal_wait_pause_is_the_default_of_specs_without_one_and_false_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: str | None, want: WaitPause | None
+) -> None:
+    from pal.config import Settings
+
+    if raw is None:
+        monkeypatch.delenv("PAL_WAIT_PAUSE", raising=False)
+    else:
+        monkeypatch.setenv("PAL_WAIT_PAUSE", raw)
+    default = Settings.from_env(tmp_path).wait_pause_default
+    assert default == want
+    env = make_env(tmp_path, max_vms=5, wait_pause_default=default)
+    inherits = await _vm(env)
+    as_dict = None if want is None else want.model_dump(by_alias=True)
+    assert _row(env, inherits).wait_pause == as_dict
+    assert env.manager.spawn_requests[-1].wait_pause == want  # what the node watches for
+    own = await _vm(env, AgentSpec.model_validate({"waitPause": {"afterMs": 300}}))
+    assert _row(env, own).wait_pause == WaitPause(after_ms=300).model_dump(by_alias=True)
+    off = await _vm(env, AgentSpec.model_validate({"waitPause": False}))
+    assert _row(env, off).wait_pause is None and env.manager.spawn_requests[-1].wait_pause is None
+    # the default decides whether a wait-ready notice pauses a VM that did not say
+    paused = await env.sched.live.wait_pause(inherits)
+    assert (paused is not None) == (want is not None)
+    assert await env.sched.live.wait_pause(off) is None
+
+
+@pytest.mark.parametrize("raw", ["maybe", '{"afterMs": 1}', '{"deliver": "later"}', '{"afterMs": 500', "[]"])
+def test_a_bad_pal_wait_pause_is_refused_at_start_naming_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    from pal.config import Settings
+
+    monkeypatch.setenv("PAL_WAIT_PAUSE", raw)
+    with pytest.raises(ValueError, match="PAL_WAIT_PAUSE"):
+        Settings.from_env(tmp_path)
