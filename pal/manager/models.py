@@ -165,6 +165,7 @@ class LiveState(_Model):
     freed_mib: int = 0
     offload_ms: float | None = None
     ready: bool = False  # data is waiting for the guest in the gateway (a wake is due)
+    buffered_bytes: int = 0  # response bytes the gateway holds for the guest (status only)
 
 
 class LivePauseResult(_Model):

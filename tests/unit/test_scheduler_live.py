@@ -435,3 +435,33 @@ def test_a_bad_pal_wait_pause_is_refused_at_start_naming_the_variable(
     monkeypatch.setenv("PAL_WAIT_PAUSE", raw)
     with pytest.raises(ValueError, match="PAL_WAIT_PAUSE"):
         Settings.from_env(tmp_path)
+
+
+async def test_a_wait_that_never_ends_takes_the_snapshot_tier_after_the_idle_timeout(env: SchedEnv) -> None:
+    """A wait-paused VM whose upstream never answers would keep its QEMU and its slot for
+    ever: with idleTimeoutSecs the sweeper snapshot-pauses it after that long with nothing
+    the host saw, unless its answer is arriving or an exec is still in flight."""
+    spec = AgentSpec.model_validate({"waitPause": {"afterMs": 200}, "idleTimeoutSecs": 60})
+    vm_id, busy = await _vm(env, spec), await _vm(env, spec)
+    never = await _vm(env, WAITING)  # no idleTimeoutSecs: never swept
+    for v in (vm_id, busy, never):
+        assert await env.sched.live.wait_pause(v) is not None
+    env.manager.alive[busy].has_active_exec = True  # its waiting client is an exec
+    sweeper = IdleSweeper(env.sched)
+    env.clock.advance(59)
+    assert await sweeper.sweep() == []
+    env.clock.advance(2)
+    env.manager.alive[vm_id].live.buffered_bytes = 512  # type: ignore[union-attr]  # the answer is coming
+    assert await sweeper.sweep() == []
+    assert _row(env, vm_id).marker == M.LIVE_WAIT
+    env.manager.alive[vm_id].live.buffered_bytes = 0  # type: ignore[union-attr]
+    assert await sweeper.sweep() == [vm_id]
+    vm = _row(env, vm_id)
+    assert (vm.state, vm.marker, vm.paused_by) == (S.PAUSED, M.NONE, "idle")
+    assert not vm.holds_slot and vm.snapshot_id and vm_id not in env.manager.alive
+    assert vm.live_stats["livePausedMs"] > 0
+    for v in (busy, never):
+        assert (_row(env, v).state, _row(env, v).marker) == (S.PAUSED, M.LIVE_WAIT)
+    # the next request wakes it from its snapshot, like any idle-suspended VM
+    assert await _exec(env, vm_id) == ["exit"]
+    assert _row(env, vm_id).state == S.RUNNING and _row(env, vm_id).incarnation == 2
