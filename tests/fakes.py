@@ -15,6 +15,7 @@ from pal.config import Settings
 from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.models import (
+    BrokeredSet,
     EgressEvent,
     EgressEvents,
     EgressSet,
@@ -89,6 +90,7 @@ class FakeVm:
     counters: dict[str, int] = field(default_factory=dict)
     live: LiveState | None = None  # live-paused on the "node"
     wait_pause: Any = None
+    brokered: dict[str, str] = field(default_factory=dict)  # name -> the value its gateway inserts
 
 
 @dataclass
@@ -140,6 +142,7 @@ class FakeManager:
         self.egress_epoch = "fake-1"
         self.live_requests: list[tuple[str, LivePauseRequest]] = []
         self.nothing_waiting: set[str] = set()  # VMs whose if_waiting pause finds nothing
+        self.live_pauses = 0
         self.notice_log: list[Notice] = []
         self.notice_epoch = "fake-notices-1"
         self._posted = asyncio.Event()
@@ -190,6 +193,7 @@ class FakeManager:
                 req.restore.mem_mode if req.restore else None,
                 egress=req.egress,
                 wait_pause=req.wait_pause,
+                brokered={r.name: r.value for r in req.brokered},
             )
             return SpawnResult(
                 vm_id=req.vm_id,
@@ -298,19 +302,25 @@ class FakeManager:
             if req.by == "operator":
                 vm.live.by = "operator"
             if req.offload and not vm.live.offloaded:
-                vm.live.offloaded, vm.live.resident_mib, vm.live.freed_mib = True, 3, 250
+                self.offload(vm_id)
             return LivePauseResult(paused=True, pause_ms=0.5, state=vm.live)
         if req.if_waiting and vm_id in self.nothing_waiting:
             return LivePauseResult(paused=False)
-        vm.live = LiveState(
-            by=req.by,
-            since=1.8e9,
-            offloaded=req.offload,
-            resident_mib=3 if req.offload else None,
-            freed_mib=250 if req.offload else 0,
-            offload_ms=100.0 if req.offload else None,
-        )
+        self.live_pauses += 1
+        vm.live = LiveState(by=req.by, since=1.8e9 + self.live_pauses)  # each pause its own start
+        if req.offload:
+            self.offload(vm_id)
         return LivePauseResult(paused=True, pause_ms=0.5, state=vm.live)
+
+    def offload(self, vm_id: str, freed_mib: int = 250) -> None:
+        """The live-paused VM's RAM is handed back; like the real node (manager/live.py),
+        the node posts an ``offloaded`` notice, whether or not a pause's answer says it too."""
+        live = self.alive[vm_id].live
+        assert live is not None
+        live.offloaded, live.resident_mib, live.freed_mib, live.offload_ms = True, 3, freed_mib, 100.0
+        self.post(
+            vm_id, "offloaded", ms=100.0, freed_mib=freed_mib, resident_mib=3, since=live.since, by=live.by
+        )
 
     async def live_resume(self, vm_id: str) -> LiveResumeResult:
         vm = self._vm("live_resume", vm_id)
@@ -378,6 +388,10 @@ class FakeManager:
         vm = self._vm("set_egress", vm_id)
         vm.egress = req.egress
         return EgressSetResult(closed=0)
+
+    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+        # like the real node: any VM with a QEMU here, its vCPUs stopped or not
+        self._vm("set_brokered", vm_id).brokered = {r.name: r.value for r in req.brokered}
 
     async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
         return dict(self._vm("egress_counters", vm_id).counters)

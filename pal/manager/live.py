@@ -112,7 +112,9 @@ class LiveControl:
     # ------------------------------------------------------------------ state
 
     @staticmethod
-    def state(lv: LiveVm, ready: bool = False, resident: int | None = None) -> LiveState | None:
+    def state(
+        lv: LiveVm, ready: bool = False, resident: int | None = None, buffered: int = 0
+    ) -> LiveState | None:
         live = lv.live
         if live is None:
             return None
@@ -126,6 +128,7 @@ class LiveControl:
             freed_mib=round(live.freed / MIB),
             offload_ms=None if live.offload_ms is None else round(live.offload_ms, 1),
             ready=ready,
+            buffered_bytes=buffered,
         )
 
     async def status(self, vm_id: str) -> LiveState | None:
@@ -137,10 +140,11 @@ class LiveControl:
         if lv.qemu.pid is not None:
             with contextlib.suppress(Exception):
                 resident = await asyncio.to_thread(offload.resident_bytes, lv.qemu.pid, lv.qemu.mem_path)
-        ready = False
+        ready, buffered = False, 0
         with contextlib.suppress(Exception):
-            ready = bool((await self.rt.net.wait_state(vm_id)).get("ready"))
-        return self.state(lv, ready=ready, resident=resident)
+            ws = await self.rt.net.wait_state(vm_id)
+            ready, buffered = bool(ws.get("ready")), int(ws.get("buffered") or 0)
+        return self.state(lv, ready=ready, resident=resident, buffered=buffered)
 
     # ------------------------------------------------------------------ pause
 
@@ -243,6 +247,8 @@ class LiveControl:
             ms=round(res.ms, 1),
             freed_mib=round(res.freed / MIB),
             resident_mib=round(res.resident_after / MIB),
+            since=live.since,
+            by=live.by,
         )
 
     async def _offload_later(self, lv: LiveVm, at: float) -> None:

@@ -169,6 +169,7 @@ class LiveState(_Model):
     freed_mib: int = 0
     offload_ms: float | None = None
     ready: bool = False  # data is waiting for the guest in the gateway (a wake is due)
+    buffered_bytes: int = 0  # response bytes the gateway holds for the guest (status only)
 
 
 class LivePauseResult(_Model):
@@ -191,7 +192,9 @@ class Notice(_Model):
 
     - ``wait-ready``: a VM with wait management is idle and waits on held I/O: pause it?
     - ``wake``: a VM live-paused by idle or wait should run again (``reason``: data, timer)
-    - ``offloaded``: a live-paused VM's RAM was handed back (``ms``, ``freedMib``)
+    - ``offloaded``: a live-paused VM's RAM was handed back (``ms``, ``freedMib``; ``since``
+      and ``by`` name the live pause it belongs to, so the scheduler counts each offload
+      once however often, and however late, it hears of it)
     """
 
     seq: int
@@ -202,6 +205,8 @@ class Notice(_Model):
     ms: float | None = None
     freed_mib: int | None = None
     resident_mib: int | None = None
+    since: float | None = None  # offloaded: the live pause's start (LiveState.since)
+    by: LiveBy | None = None  # offloaded: who paused it
 
 
 class Notices(_Model):

@@ -6,6 +6,12 @@ in two tiers when the VM asks for the first one (docs/live-pause.md):
 2. after ``idle_timeout_secs``: today's snapshot pause (from running, or from tier 1),
    which frees the slot and the node's memory and CPU for good.
 
+A wait pause (wait management) is the same as tier 1 for this: a guest waiting on an
+upstream that never answers would otherwise keep its QEMU and its slot forever, so after
+``idle_timeout_secs`` with nothing the host saw (no request, no wake) and no answer
+arriving (the gateway holds no byte for it), it takes the snapshot tier too. Which VMs
+may take which tier is the transition table's word (IDLE_LIVE_PAUSE, IDLE_PAUSE).
+
 A request wakes either tier transparently (scheduler._ensure_running).
 
 Each sweep polls the node heartbeat itself (the reference reads a 30 s-old node heartbeat
@@ -30,7 +36,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from pal.manager.models import VmActivity
-from pal.scheduler.states import Marker, VmState
+from pal.scheduler import states
+from pal.scheduler.states import Action, Marker, VmState
 from pal.store import VmRecord
 
 if TYPE_CHECKING:
@@ -59,24 +66,45 @@ class IdleSweeper:
     def __init__(self, scheduler: Scheduler) -> None:
         self.sched = scheduler
 
+    @staticmethod
+    def may_sweep(vm: VmRecord) -> tuple[bool, bool]:
+        """Whether the table lets the sweeper take ``vm`` to the (snapshot, live) tier: a
+        running VM to either, an automatic live pause (idle tier, wait) to the snapshot."""
+        st = VmState(vm.state)
+        return (
+            vm.idle_timeout_secs > 0 and states.allowed(st, Action.IDLE_PAUSE, vm.marker),
+            vm.idle_live_pause_secs > 0 and states.allowed(st, Action.IDLE_LIVE_PAUSE, vm.marker),
+        )
+
     def tier(self, vm: VmRecord, activity: VmActivity | None) -> str | None:
         """What an idle VM is due for: ``snapshot`` (idle_timeout_secs passed), ``live``
         (idle_live_pause_secs passed, still running), or None."""
-        running = vm.state == VmState.RUNNING
-        live_idle = vm.state == VmState.PAUSED and vm.marker == Marker.LIVE_IDLE
-        if not (running or live_idle):
+        to_snapshot, to_live = self.may_sweep(vm)
+        if not (to_snapshot or to_live):
             return None
         if activity is None or not activity.alive:
             return None  # not ours to judge: the reconciler handles VMs that are gone
         if activity.has_active_exec or self.sched.inflight.get(vm.vm_id, 0):
             return None
         now = self.sched.now_ms()
-        if vm.idle_timeout_secs > 0 and idle_for_ms(vm, activity, now) > vm.idle_timeout_secs * 1000:
+        if to_snapshot and idle_for_ms(vm, activity, now) > vm.idle_timeout_secs * 1000:
             return "snapshot"
         live_after = vm.idle_live_pause_secs
-        if running and live_after > 0 and idle_for_ms(vm, activity, now, live_after) > live_after * 1000:
+        if to_live and idle_for_ms(vm, activity, now, live_after) > live_after * 1000:
             return "live"
         return None
+
+    async def _answer_arriving(self, vm: VmRecord) -> bool:
+        """A wait-paused VM whose upstream is answering (the gateway holds bytes for it, or
+        its data is ready: a wake is due) is not idle: a snapshot would cut the answer."""
+        if vm.marker != Marker.LIVE_WAIT:
+            return False
+        try:
+            st = await self.sched.node(vm).live_status(vm.vm_id)
+        except Exception as exc:
+            log.warning("idle sweep: wait state of %s unknown: %s", vm.vm_id, exc)
+            return True  # not knowing is no reason to cut a connection
+        return st is not None and (st.ready or st.buffered_bytes > 0)
 
     def _recheck(self, activity: VmActivity | None, want: str, vm: VmRecord) -> bool:
         return self.tier(vm, activity) == want
@@ -86,8 +114,7 @@ class IdleSweeper:
         candidates = [
             vm
             for vm in self.sched.store.list_vms(states=[VmState.RUNNING, VmState.PAUSED])
-            if (vm.idle_timeout_secs > 0 or vm.idle_live_pause_secs > 0)
-            and (vm.state == VmState.RUNNING or vm.marker == Marker.LIVE_IDLE)
+            if any(self.may_sweep(vm))
         ]
         if not candidates:
             return []
@@ -105,7 +132,7 @@ class IdleSweeper:
         for vm in candidates:
             activity = by_id.get(vm.vm_id)
             want = self.tier(vm, activity)
-            if want is None:
+            if want is None or (want == "snapshot" and await self._answer_arriving(vm)):
                 continue
             # Re-checked under the VM's operation lock against the fresh row, so a request
             # that arrived since the heartbeat keeps the VM running.

@@ -25,7 +25,7 @@ from pal.errors import BackendError, PalError
 from pal.manager.models import LivePauseRequest, LiveState, Notice
 from pal.scheduler import states
 from pal.scheduler.states import Action, Marker, VmState
-from pal.scheduler.views import add_live_stats
+from pal.scheduler.views import add_live_stats, count_offload
 from pal.spec import WaitPause
 from pal.store import VmRecord, utcnow
 
@@ -102,10 +102,11 @@ class LiveOps:
                 reason=f"paused in {res.pause_ms:.1f} ms: the guest is idle and waits on its network",
                 details={"pauseMs": res.pause_ms},
             )
-        if action == A.LIVE_PAUSE and res.state is not None:
-            self._answers[vm_id] = res.state
-        if res.state is not None and res.state.offloaded and vm.state == S.RUNNING:
-            self._offloaded(paused, res.state.offload_ms, res.state.freed_mib, res.state.resident_mib)
+        if res.state is not None:
+            if self.record_offload(vm_id, res.state):
+                paused = s._reload(vm_id)
+            if action == A.LIVE_PAUSE:
+                self._answers[vm_id] = res.state
         s.telemetry.live_pause.labels(by=by).observe(time.perf_counter() - t0)
         return paused
 
@@ -186,17 +187,44 @@ class LiveOps:
                 return None
             return await self.resume(vm_id, trigger, why)
 
-    def _offloaded(self, vm: VmRecord, ms: float | None, freed: int | None, resident: int | None) -> None:
+    def record_offload(self, vm_id: str, st: LiveState) -> bool:
+        """Count the offload of the live pause ``st`` describes and say so in an event,
+        once however many reports of it come (views.count_offload). The one place an
+        offload is recorded; the caller holds the VM's operation lock, so this
+        read-modify-write of the counters never crosses a pause's or a resume's."""
         s = self.s
-        kind = WAIT_OFFLOAD_EVENT if vm.marker == M.LIVE_WAIT else LIVE_OFFLOAD_EVENT
+        vm = s.store.get_vm(vm_id)
+        if vm is None or not st.offloaded:
+            return False
+        stats = count_offload(vm.live_stats, st.since, st.freed_mib)
+        if stats is None:
+            return False
+        kind = WAIT_OFFLOAD_EVENT if st.by == "wait" else LIVE_OFFLOAD_EVENT
+        ms, freed, resident = st.offload_ms, st.freed_mib, st.resident_mib
         s.store.add_event(
-            vm.vm_id,
+            vm_id,
             vm.tenant_id,
             kind,
-            reason=f"offloaded in {ms or 0:.0f} ms: {freed or 0} MiB freed, {resident or 0} MiB resident",
+            reason=f"offloaded in {ms or 0:.0f} ms: {freed} MiB freed, {resident or 0} MiB resident",
             details={"offloadMs": ms, "freedMib": freed, "residentMib": resident},
         )
-        s.store.update_vm(vm.vm_id, live_stats=add_live_stats(vm.live_stats, offloads=1, freedMib=freed or 0))
+        s.store.update_vm(vm_id, live_stats=stats)
+        return True
+
+    async def _offloaded_notice(self, n: Notice) -> None:
+        if n.since is None or n.by is None:  # a node that does not say which pause: not countable once
+            log.warning("offload notice for %s names no pause; not counted", n.vm_id)
+            return
+        st = LiveState(
+            by=n.by,
+            since=n.since,
+            offloaded=True,
+            offload_ms=n.ms,
+            freed_mib=n.freed_mib or 0,
+            resident_mib=n.resident_mib,
+        )
+        async with self.s.op_lock(n.vm_id):
+            self.record_offload(n.vm_id, st)
 
     # ------------------------------------------------------------------ notices
 
@@ -265,9 +293,7 @@ class LiveOps:
                 trigger = "timer" if why == "timer" else "port" if why.startswith("port") else "data"
                 await self.wake(n.vm_id, trigger, why)
             elif n.kind == "offloaded":
-                vm = self.s.store.get_vm(n.vm_id)
-                if vm is not None and live_paused(vm):
-                    self._offloaded(vm, n.ms, n.freed_mib, n.resident_mib)
+                await self._offloaded_notice(n)
         except Exception as exc:
             log.warning("node notice %s for %s not acted on: %s", n.kind, n.vm_id, exc)
 

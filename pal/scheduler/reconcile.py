@@ -71,6 +71,9 @@ async def _fix_live(sched: Scheduler, vm: VmRecord, a: VmActivity | None) -> str
     t = sched.transitions
     if a is None:
         return None
+    if a.live is not None and a.live.offloaded:
+        # An offload whose notice died with a restart is counted here (once: live.py).
+        sched.live.record_offload(vm.vm_id, a.live)
     if vm.state == S.RUNNING and a.live is not None:
         action = LIVE_ACTION[a.live.by]
         paused_at = datetime.fromtimestamp(a.live.since, UTC)

@@ -1175,15 +1175,16 @@ class Scheduler:
         return await self.get(tenant_id, vm_id)
 
     async def rotate_secret(self, tenant_id: str, vm_id: str, name: str, update: SecretUpdate) -> bool:
-        """A brokered secret's new value. A running VM's gateway uses it from its next
-        request (the guest is not touched: it only ever held the placeholder); any other
+        """A brokered secret's new value. A running (or live-paused) VM's gateway uses it
+        from its next request (the guest is not touched: it only ever held the
+        placeholder; a live resume registers nothing again, so the value stays); any other
         VM gets it at its next start. Stored once the node took it. True when applied live."""
         self._own(tenant_id, vm_id)
         async with self.op_lock(vm_id):
             vm = self._reload(vm_id)
             new = self.brokering.rotated(vm.tenant_id, vm.secrets, name, update.value)
             states.check(vm_id, vm.state, A.SET_SECRET, vm.marker)
-            live = vm.state == S.RUNNING
+            live = vm.state == S.RUNNING or live_paused(vm)  # the rule of set_egress
             if live:
                 rules = self.brokering.rules(vm.tenant_id, new)
                 await self.node(vm).set_brokered(vm_id, BrokeredSet(brokered=rules))

@@ -190,7 +190,8 @@ RULES: tuple[Rule, ...] = (
         S.PAUSED,
         A.IDLE_PAUSE,
         S.DRAINING,
-        "idleTimeoutSecs: the live tier becomes a snapshot (or server shutdown)",
+        "idleTimeoutSecs: an automatic live pause (the idle tier, or a wait that never "
+        "ends) becomes a snapshot (or server shutdown)",
         marker=M.IDLE_PAUSING,
         during=AUTO_LIVE_MARKERS,
     ),

@@ -22,13 +22,34 @@ def add_counters(base: dict[str, int] | None, live: dict[str, int] | None) -> di
 LIVE_STATS = ("livePauses", "waitPauses", "livePausedMs", "offloads", "freedMib", "bytesWhilePaused")
 
 
+# Bookkeeping kept with the counters (not shown): the start, in unix microseconds by its
+# node's clock, of the newest live pause whose offload they include. A pause offloads at
+# most once and pauses come one after another, so counting an offload only when its pause
+# is newer counts each one once, whichever report of it comes first: the pause's answer,
+# the node's notice (late, or read again after a restart), reconciliation.
+OFFLOADED_PAUSE = "offloadedPauseUs"
+
+
 def add_live_stats(base: dict[str, int] | None, **add: int) -> dict[str, int]:
     """A VM's live-pause counters over its life plus ``add`` (names of LIVE_STATS)."""
     out = {k: int((base or {}).get(k, 0)) for k in LIVE_STATS}
+    if base and OFFLOADED_PAUSE in base:
+        out[OFFLOADED_PAUSE] = int(base[OFFLOADED_PAUSE])
     for k, v in add.items():
-        if k not in out:
+        if k not in LIVE_STATS:
             raise KeyError(f"unknown live-pause counter {k}")
         out[k] += int(v)
+    return out
+
+
+def count_offload(base: dict[str, int] | None, since: float, freed_mib: int) -> dict[str, int] | None:
+    """The counters with the offload of the live pause that began at ``since`` (unix
+    seconds, node clock) added, or None if they already include it (or a newer one)."""
+    pause_us = round(since * 1_000_000)
+    if int((base or {}).get(OFFLOADED_PAUSE, -1)) >= pause_us:
+        return None
+    out = add_live_stats(base, offloads=1, freedMib=freed_mib)
+    out[OFFLOADED_PAUSE] = pause_us
     return out
 
 

@@ -5,6 +5,13 @@ true``; metas written before sealing existed have no flag and count as sealed wh
 artifact has a checksum). An unsealed meta has sizes for all artifacts but checksums only
 for the small ones; the big ones are checksummed by the background seal (store.py).
 
+The big artifacts (RAM, disk) also carry a *fingerprint* in the meta: inode, size, mtime and
+ctime (ns) as ``stat`` gives them, taken at commit and again when they are sealed. A local
+restore compares them instead of re-hashing gigabytes (store.py ``open_for_restore``): any
+write, truncation, chmod or replacement of the file changes its ctime (or inode), and the
+kernel sets ctime to *now* on every such change, so no user can set it back; only a clock
+step or raw writes to the block device could, and both need root.
+
 A meta is *authentic* when its ``mac`` is the HMAC-SHA256, under the snapshot key that only
 the control plane and the nodes hold (``PAL_SNAPSHOT_KEY_FILE``), of the rest of the meta
 in canonical JSON. Every meta this store writes is signed; a meta read from S3 is used
@@ -32,6 +39,28 @@ MAC_PREFIX = "hmac-sha256:"
 # a meta is a forgery or corruption, never an artifact to allocate.
 MAX_ARTIFACT_BYTES = 1 << 40
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+FINGERPRINTS_FIELD = "fingerprints"
+
+
+def fingerprint(path: Path) -> list[int]:
+    """What says a file is still the one recorded (see the module's doc); OSError if gone."""
+    st = os.stat(path)
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def fingerprints(snap_dir: Path, names: list[str]) -> dict[str, list[int]]:
+    return {name: fingerprint(snap_dir / name) for name in names}
+
+
+def recorded_fingerprint(meta: dict[str, Any], name: str) -> list[int] | None:
+    """The fingerprint meta records for ``name`` (None if none, or not one)."""
+    table = meta.get(FINGERPRINTS_FIELD)
+    got = table.get(name) if isinstance(table, dict) else None
+    if isinstance(got, list) and len(got) == 4 and all(type(v) is int for v in got):
+        return got
+    return None
 
 
 def _canonical(meta: dict[str, Any]) -> bytes:

@@ -61,10 +61,13 @@ from pal.ids import validate_id
 from pal.snapshots import retention
 from pal.snapshots.hashing import HASH_ALGO, hash_files
 from pal.snapshots.integrity import (
+    FINGERPRINTS_FIELD,
     check_meta,
+    fingerprints,
     is_sealed,
     is_signed,
     meta_authentic,
+    recorded_fingerprint,
     sign_meta,
     unsealed_artifacts,
     verify_dir,
@@ -105,12 +108,16 @@ class SnapshotStore:
         protected_provider: ProtectedProvider | None = None,
         clock: Callable[[], float] = time.time,
         seal_retry_base_s: float = 1.0,
+        signed_since_ns: int | None = None,
     ) -> None:
         """``key``: the snapshot HMAC key (``Settings.snapshot_key_path``) every meta.json
-        is signed with and checked against; nodes sharing an S3 bucket share it."""
+        is signed with and checked against; nodes sharing an S3 bucket share it.
+        ``signed_since_ns``: when this node got its key (the key file's mtime): a meta.json
+        without a ``mac`` is accepted only if it is older than that (_local_meta)."""
         self.root = root
         self.mirror = mirror
         self._key = key
+        self._signed_since_ns = signed_since_ns
         self.log = log or logging.getLogger("pal.snapshots")
         # Commit runs retention only when it can ask what is protected: deleting the
         # snapshot a paused VM resumes from would lose the VM, keeping one more is cheap.
@@ -152,12 +159,14 @@ class SnapshotStore:
         if settings.s3_enabled:
             assert settings.s3_bucket is not None
             mirror = S3Mirror(settings.s3_endpoint, settings.s3_bucket, settings.s3_region, log)
+        key = keyfile.load_or_create(settings.snapshot_key_path)
         return cls(
             settings.snapshots_root,
             mirror,
             log,
-            key=keyfile.load_or_create(settings.snapshot_key_path),
+            key=key,
             protected_provider=protected_provider,
+            signed_since_ns=os.stat(settings.snapshot_key_path).st_mtime_ns,
         )
 
     def close(self, timeout: float = 10.0, *, drain_seals: bool = True) -> None:
@@ -226,6 +235,9 @@ class SnapshotStore:
         hashed = hash_files(inline, fsync=True)
         hashed_at = time.monotonic()
         sealed = len(hashed) == len(sizes)
+        # What the seal, and a restore before it, check the big artifacts against: they
+        # are still the files captured (integrity.py, fingerprints).
+        big = fingerprints(staging, sorted(set(sizes) - set(hashed)))
         full_meta = dict(meta)
         full_meta.update(
             {
@@ -240,6 +252,7 @@ class SnapshotStore:
                 "sizes": sizes,
                 "sha256": {name: digest for name, (_, digest) in hashed.items()},
                 "sealed": sealed,
+                FINGERPRINTS_FIELD: big,
             }
         )
         write_json_durably(staging / META_FILE, self._sign(full_meta))
@@ -384,12 +397,22 @@ class SnapshotStore:
                 dir_ino = os.stat(snap_dir).st_ino
                 todo = unsealed_artifacts(meta)
                 try:
+                    before = fingerprints(snap_dir, todo)
+                    # The checksums must be of what was captured: a file changed since the
+                    # commit (its fingerprint then) is damaged, never sealed as it is now.
+                    changed = [n for n in todo if recorded_fingerprint(meta, n) not in (None, before[n])]
+                    if changed:
+                        raise BackendError(f"{ref.snapshot_id}: {changed} changed after the capture")
                     hashed = hash_files({name: snap_dir / name for name in todo}, fsync=True)
+                    after = fingerprints(snap_dir, todo)
                 except FileNotFoundError:
                     if read_meta_file(snap_dir) is None:
                         return None  # deleted while we hashed
                     lost = f"snapshot {ref.snapshot_id} lost an artifact before its seal"
                     raise BackendError(lost) from None
+                if after != before:
+                    changing = sorted(n for n in todo if after[n] != before[n])
+                    raise BackendError(f"{ref.snapshot_id}: {changing} changed while being sealed")
                 for name, (size, _) in hashed.items():
                     recorded = meta["sizes"][name]
                     if size != recorded:
@@ -397,6 +420,8 @@ class SnapshotStore:
                 sealed = dict(meta)
                 sealed["sha256"] = {**meta.get("sha256", {}), **{n: d for n, (_, d) in hashed.items()}}
                 sealed["sealed"] = True
+                old_fps = meta.get(FINGERPRINTS_FIELD)
+                sealed[FINGERPRINTS_FIELD] = {**(old_fps if isinstance(old_fps, dict) else {}), **after}
                 sealed = self._sign(sealed)
                 # Under the store lock: retention/delete cannot move the dir between our
                 # check and the rename, so we never write into a deleted snapshot.
@@ -522,8 +547,17 @@ class SnapshotStore:
         try:
             started = time.monotonic()
             self._s3_call(lambda m: m.download(ref, staging, meta))
-            if not verify_dir(staging, meta):
+            big = sorted(n for n, size in meta["sizes"].items() if size > INLINE_SEAL_MAX_BYTES)
+            try:
+                before = fingerprints(staging, big)
+                checked = verify_dir(staging, meta) and fingerprints(staging, big) == before
+            except OSError:
+                checked = False
+            if not checked:
                 raise BackendError(f"S3 copy of snapshot {ref.snapshot_id} fails its checksums")
+            # The files just checked, as this node's: a restore compares them (not the
+            # uploading node's).
+            write_json_durably(staging / META_FILE, self._sign({**meta, FINGERPRINTS_FIELD: before}))
             fsync_path(staging)
             with self._lock:
                 target = self._local.publish(staging, ref)
@@ -549,16 +583,37 @@ class SnapshotStore:
 
     def open_for_restore(self, ref: SnapshotRef) -> Path:
         """The local dir of a snapshot about to be restored, checked (docs/security.md,
-        "Snapshots"): a copy from S3 has had every artifact checked against its
-        authenticated meta on download; a local one has an authentic meta, and its small
-        artifacts (device state QEMU parses, vmm.json and net.json the manager reads) are
-        checked against their checksums now, which costs well under a millisecond. Its
-        big artifacts (RAM, disk) are not re-hashed: they never left root's 0700 dir and
-        no QEMU ever gets them writable (fork children map a reflinked copy, fork_mem)."""
+        "Snapshots"). Its meta must be authentic (signed by this store's key; _local_meta).
+        Then:
+
+        - a snapshot not sealed yet (a resume right after its pause, a fork) is sealed
+          now, or this waits for the background seal under way: the seal checks that the
+          big artifacts are still the files captured (their commit fingerprints) and
+          records their checksums, so no snapshot is loaded unverified;
+        - a sealed one has its big artifacts' fingerprints compared with those recorded
+          at the seal (two ``stat``s); one that differs is re-hashed, and a checksum that
+          does not match refuses the restore (BackendError: the VM stays paused);
+        - the small artifacts (device state QEMU parses, vmm.json and net.json the manager
+          reads) are hashed every time, which costs well under a millisecond.
+
+        A copy from S3 has had every artifact checked on download (and its fingerprints
+        recorded then)."""
         path = self.locate(ref)
+        anon = SnapshotRef(ref.agent_version_id, ref.vm_id, ref.snapshot_id)
         meta = self._local_meta(path, ref)
         if meta is None:
             raise NotFound(f"snapshot {ref.snapshot_id} not found")
+        if not is_sealed(meta):
+            try:
+                sealed = self._seal(anon)
+            except BackendError as exc:
+                self.log.error("snapshot %s cannot be verified: %s", ref.snapshot_id, exc)
+                raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {exc}") from exc
+            if sealed is None:
+                raise NotFound(f"snapshot {ref.snapshot_id} not found")
+            meta = sealed
+        else:
+            self._check_big_artifacts(path, anon, meta)
         sizes, digests = meta.get("sizes"), meta.get("sha256")
         if isinstance(sizes, dict) and isinstance(digests, dict):
             small = {
@@ -575,6 +630,53 @@ class SnapshotStore:
                 self.log.error("snapshot %s: %s do not match their checksums", ref.snapshot_id, bad)
                 raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {bad} fail their checksums")
         return path
+
+    def _check_big_artifacts(self, path: Path, ref: SnapshotRef, meta: dict[str, Any]) -> None:
+        """A sealed snapshot's big artifacts are the files sealed (fingerprints), or hash
+        to their checksums (then their fingerprints are recorded again, so the next
+        restore is cheap). BackendError when one does not."""
+        sizes, digests = meta["sizes"], meta["sha256"]
+        big = sorted(n for n, size in sizes.items() if size > INLINE_SEAL_MAX_BYTES)
+        try:
+            now = fingerprints(path, big)
+        except OSError as exc:
+            raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {exc}") from exc
+        # An unsigned meta (from before signing) vouches for no fingerprint: hash them all.
+        stale = [n for n in big if not is_signed(meta) or recorded_fingerprint(meta, n) != now[n]]
+        if not stale:
+            return
+        started = time.monotonic()
+        try:
+            hashed = hash_files({n: path / n for n in stale})
+            after = fingerprints(path, stale)
+        except OSError as exc:
+            raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {exc}") from exc
+        bad = sorted(n for n in stale if hashed[n] != (sizes[n], digests[n]))
+        if bad:
+            self.log.error("snapshot %s: %s changed since the seal, checksums fail", ref.snapshot_id, bad)
+            raise BackendError(f"snapshot {ref.snapshot_id} is damaged: {bad} fail their checksums")
+        self.log.info(
+            "snapshot %s: %s touched since the seal, checksums still match (%.0f ms)",
+            ref.snapshot_id,
+            stale,
+            (time.monotonic() - started) * 1000,
+        )
+        if all(after[n] == now[n] for n in stale):  # not changing under us: record them
+            self._record_fingerprints(path, meta, after)
+
+    def _record_fingerprints(self, snap_dir: Path, meta: dict[str, Any], fps: dict[str, list[int]]) -> None:
+        """Rewrite a verified meta with the artifacts' current fingerprints (best effort:
+        only if the meta is still the one verified)."""
+        old = meta.get(FINGERPRINTS_FIELD)
+        updated = self._sign({**meta, FINGERPRINTS_FIELD: {**(old if isinstance(old, dict) else {}), **fps}})
+        try:
+            with self._lock:
+                if read_meta_file(snap_dir) != meta:
+                    return
+                write_json_durably(snap_dir / META_FILE, updated)
+                fsync_path(snap_dir)
+        except OSError as exc:
+            self.log.warning("could not record the fingerprints of %s: %s", snap_dir.name, exc)
 
     # -- memory files of fork children ------------------------------------------------
 
@@ -731,17 +833,34 @@ class SnapshotStore:
 
     def _local_meta(self, snap_dir: Path, ref: SnapshotRef | None) -> dict[str, Any] | None:
         """meta.json of a local snapshot dir; None when absent. MetaNotAuthentic when it is
-        signed but the HMAC or its identity is wrong. A meta without a ``mac`` was written
-        by a Pal from before metas were signed, into this root-only dir: accepted."""
+        signed but the HMAC or its identity is wrong, or unsigned and not from before this
+        node signed metas (_unsigned_from_before_signing)."""
         meta = read_meta_file(snap_dir)
-        if meta is None or not is_signed(meta):
-            return meta
+        if meta is None:
+            return None
+        if not is_signed(meta):
+            if self._unsigned_from_before_signing(snap_dir):
+                return meta
+            raise MetaNotAuthentic(f"local snapshot {snap_dir.name} refused: its meta.json is not signed")
         problem = None if meta_authentic(meta, self._key) else "its meta.json is not authentic"
         if problem is None and ref is not None:
             problem = check_meta(meta, ref)
         if problem is not None:
             raise MetaNotAuthentic(f"local snapshot {snap_dir.name} refused: {problem}")
         return meta
+
+    def _unsigned_from_before_signing(self, snap_dir: Path) -> bool:
+        """A meta.json without a ``mac`` is one a Pal from before signing wrote, and only
+        if its file is older (ctime) than this node's snapshot key: since the key exists,
+        every meta this store writes is signed, and any write or replacement of the file
+        since would have set its ctime to that moment (no user can set ctime back). A
+        store told no key time accepts none."""
+        if self._signed_since_ns is None:
+            return False
+        try:
+            return os.stat(snap_dir / META_FILE).st_ctime_ns < self._signed_since_ns
+        except OSError:
+            return False
 
     @staticmethod
     def _owned(meta: dict[str, Any], ref: SnapshotRef) -> bool:

@@ -8,6 +8,7 @@ process SIGKILLs itself there, exactly like an OOM kill at that instant.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -157,6 +158,26 @@ def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:
             assert c.get(f"/v1/runtime/vms/{vm2}").json()["state"] == "paused"
             assert qemu_pids_under(run_dir / "vms" / vm2) == []
             victim.write_bytes(good)
+            assert c.post(f"/v1/runtime/vms/{vm2}/resume").status_code == 200
+            assert c.get(f"/v1/runtime/vms/{vm2}/files/content", params={"path": "x"}).text == "x"
+            # Its RAM changed behind Pal's back once sealed: refused before any QEMU maps it
+            # (docs/security.md, local snapshots), the VM stays paused, nothing is lost.
+            snap = c.post(f"/v1/runtime/vms/{vm2}/pause").json()["snapshotId"]
+            (mem,) = run_dir.glob(f"snapshots/*/{vm2}/{snap}/mem")
+            deadline = time.time() + 300  # a hang guard: the background seal
+            while time.time() < deadline and not json.loads((mem.parent / "meta.json").read_text())["sealed"]:
+                time.sleep(0.1)
+            with open(mem, "r+b") as f:
+                f.seek(4096)
+                byte = f.read(1)
+                f.seek(4096)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            r = c.post(f"/v1/runtime/vms/{vm2}/resume")
+            assert r.status_code >= 500 and "['mem'] fail their checksums" in r.text, r.text
+            assert c.get(f"/v1/runtime/vms/{vm2}").json()["state"] == "paused"
+            with open(mem, "r+b") as f:
+                f.seek(4096)
+                f.write(byte)
             assert c.post(f"/v1/runtime/vms/{vm2}/resume").status_code == 200
             assert c.get(f"/v1/runtime/vms/{vm2}/files/content", params={"path": "x"}).text == "x"
             c.delete(f"/v1/runtime/vms/{vm2}")

@@ -383,19 +383,30 @@ def test_idle_tiers_live_pause_then_snapshot_and_transparent_wakes(
     assert sh(api, vm, "echo $PAL_INCARNATION")["stdout"] != inc
 
 
-def test_server_killed_while_wait_paused_the_vm_continues_and_gets_its_answer(
+def test_server_killed_while_live_paused_each_vm_is_adopted_as_it_was(
     run_dir: Any,  # noqa: F811  (the crash tests' fixture)
     upstream: Upstream,
 ) -> None:
+    """SIGKILL of the server with two live-paused VMs: a wait-paused one continues and gets
+    its answer (which came while no server ran); an operator's (offloaded) one is still
+    paused by the operator after the restart, refuses exec, and its resume continues the
+    same QEMU with its memory intact."""
     server = start_server(run_dir)
     key = server.tenant("live-crash", max_vms=2)
     req = uuid.uuid4().hex[:12]
     try:
         with server.client(key, timeout=120) as c:
             vm = c.post("/v1/runtime/schedule", json={"waitPause": WAIT}).json()["vmId"]
+            op = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+            made = sh(c, op, "head -c 16000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob")
+            sha = made["stdout"].split()[0]
+            r = c.post(f"/v1/runtime/vms/{op}/pause", json={"mode": "live", "offload": True})
+            assert r.status_code == 200 and r.json()["pause"]["kind"] == "live", r.text
             start_client(c, vm, upstream, req)
             poll("wait_pause", lambda: "wait_pause" in kinds(c, vm))
         qemu = qemu_pids_under(run_dir / "vms" / vm)
+        op_qemu = qemu_pids_under(run_dir / "vms" / op)
+        assert op_qemu
         server.proc.kill()  # SIGKILL: no shutdown, QEMU and the gateway live on
         server.proc.wait(60)
         upstream.gate(req).set()  # the answer comes while no node is there to see it
@@ -403,6 +414,17 @@ def test_server_killed_while_wait_paused_the_vm_continues_and_gets_its_answer(
         server = start_server(run_dir)
         with server.client(key, timeout=120) as c:
             assert qemu_pids_under(run_dir / "vms" / vm) == qemu, "adopted, not restarted"
+            # the operator's pause is as it was: live, by the operator, offloaded; no wake
+            got = c.get(f"/v1/runtime/vms/{op}").json()
+            assert got["state"] == "paused", got
+            assert (got["pause"]["kind"], got["pause"]["by"], got["pause"]["offloaded"]) == (
+                "live",
+                "operator",
+                True,
+            ), got
+            assert got["liveStats"]["offloads"] == 1, got  # counted once, before and after
+            ex = c.post(f"/v1/runtime/vms/{op}/exec", json={"command": "true"})
+            assert ex.status_code == 409 and "resume it first" in ex.json()["error"]["message"], ex.text
             poll("woken by its data", lambda: c.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running")
             out = poll(
                 "the client's result",
@@ -415,7 +437,14 @@ def test_server_killed_while_wait_paused_the_vm_continues_and_gets_its_answer(
             assert out["sha"] == hashlib.sha256(model_body(out["n"])).hexdigest()
             resume = [e for e in events(c, vm) if e["kind"] == "wait_resume"]
             assert resume and resume[-1]["details"]["trigger"] == "data"
+            assert c.get(f"/v1/runtime/vms/{op}").json()["state"] == "paused", "data woke no operator's pause"
+            r = c.post(f"/v1/runtime/vms/{op}/resume")
+            assert r.status_code == 200 and r.json()["state"] == "running", r.text
+            assert qemu_pids_under(run_dir / "vms" / op) == op_qemu, "the same QEMU continued"
+            after = sh(c, op, "sha256sum /dev/shm/blob")
+            assert after["stdout"].split()[0] == sha, "guest memory intact"
             c.delete(f"/v1/runtime/vms/{vm}")
+            c.delete(f"/v1/runtime/vms/{op}")
     finally:
         with contextlib.suppress(Exception):
             stop_server(server)

@@ -196,6 +196,21 @@ async def test_pause_resume_and_wrong_state_409(env: ApiEnv, client: httpx.Async
     assert (await client.delete(f"/v1/runtime/vms/{vm}")).json()["state"] == "terminated"
 
 
+async def test_offload_without_a_live_pause_is_a_400_and_changes_nothing(
+    env: ApiEnv, client: httpx.AsyncClient
+) -> None:
+    vm = await _vm(client)
+    for body in ({"offload": True}, {"mode": "snapshot", "offload": True}):
+        resp = await client.post(f"/v1/runtime/vms/{vm}/pause", json=body)
+        assert resp.status_code == 400, resp.text
+        err = _err(resp)
+        assert err["code"] == "INVALID_ARGUMENT" and "offload needs mode 'live'" in err["message"]
+    assert (await client.get(f"/v1/runtime/vms/{vm}")).json()["state"] == "running"
+    assert not env.manager.snapshot_requests and not env.manager.live_requests
+    live = await client.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live", "offload": True})
+    assert live.status_code == 200 and live.json()["pause"]["offloaded"] is True
+
+
 async def test_fork_children_and_a_failed_one(env: ApiEnv, client: httpx.AsyncClient) -> None:
     env.sched.store.set_tenant_limits(env.sched.tenant_id, max_vms=4)
     vm = await _vm(client)

@@ -113,3 +113,88 @@ def test_restore_steps_come_from_the_resumes_status_event() -> None:
     assert res["step_guest_wake_ms"] == [300.0]  # the answer at 400 ms minus 100 ms of guest steps
     assert res["step_guest_clock_rng_ms"] == [30.0]
     assert res["step_first_exec_cold_ms"] == [90.0]
+
+
+def wait_report(wait_pauses: int) -> dict[str, Any]:
+    """`pal bench wait`'s report as run() and main() build it, with round numbers."""
+    scenario = {
+        "upstreamS": 10.2,
+        "clientS": 10.35,
+        "requestS": 0.01,
+        "headersS": 0.1,
+        "readS": 0.04,
+        "shaOk": True,
+        "residentBeforeMiB": 200,
+        "rssPausedMiB": 260.0,
+        "rssOffloadedMiB": 70.0,  # a 190 MiB drop: 95 % of what was resident
+        "residentAfterMiB": 3,
+        "qemuCpuPctPaused": 0.4,
+        "wait_pause": {"pauseMs": 4.0},
+        "wait_offload": {"offloadMs": 150.0, "freedMib": 190},
+        "wait_resume": {"resumeMs": 12.0, "pausedMs": 9000},
+    }
+    baseline = {**{k: scenario[k] for k in ("upstreamS", "requestS", "headersS", "readS", "shaOk")}}
+    baseline["clientS"] = 10.3
+    return {
+        "date": "today",
+        "accel": "tcg",
+        "machine": {"cpu": "Some CPU model", "cores": 2, "memGiB": 4, "kernel": "6.1", "qemu": "QEMU 7.2"},
+        "load_start": 1.0,
+        "load_end": 2.0,
+        "samples_ms": {
+            "warm_exec": [100.0, 100.0],
+            "live_pause_api": [10.0, 12.0],
+            "live_resume_api": [25.0, 25.0],  # over 20 ms: not met
+            "first_exec_after_live_resume": [110.0],
+            "offload": [200.0, 220.0, 240.0],
+            "first_exec_after_offload": [130.0],
+            "warm_exec_tier_vm": [80.0],
+            "idle_tier_wake_to_first_exec": [100.0],  # 1.25× its warm exec: met
+        },
+        "offload_mib": [{"residentBefore": 200, "freedMib": 190}],
+        "scenario": [scenario],
+        "baseline": [baseline],
+        "repetition": {
+            "waits": 100,
+            "bad": 0,
+            "seconds": 250.0,
+            "stateAfter": "running",
+            "liveStats": {"waitPauses": wait_pauses, "offloads": 90, "livePausedMs": 120000},
+        },
+        "forks": {
+            "private": {"fork3Ms": [900.0], "pssMiB": [20.0, 22.0]},
+            "shared": {"fork3Ms": [], "pssMiB": []},
+        },
+    }
+
+
+def _target(md: str, start: str) -> str:
+    return next(line for line in md.splitlines() if line.startswith(f"| {start}"))
+
+
+def test_wait_report_judges_each_target_and_a_wait_counts_only_if_it_was_paused() -> None:
+    from pal import bench_wait
+
+    md = bench_wait.render(wait_report(wait_pauses=100))
+    assert "Some CPU model" in md and "accelerator **TCG**" in md
+    assert _target(md, "live pause ≤ 20 ms").endswith("| yes |")
+    assert _target(md, "live resume ≤ 20 ms").endswith("| **no** |")
+    assert _target(md, "offload of a 256 MiB guest").startswith(
+        "| offload of a 256 MiB guest ≤ 300 ms p50 | 220 ms"
+    )
+    assert "1.25× its warm exec" in _target(md, "idle live tier")
+    assert "95 %" in _target(md, "wait: QEMU RSS drops") and _target(md, "wait: QEMU RSS").endswith("yes |")
+    assert _target(md, "wait: client total").startswith(
+        "| wait: client total ≤ upstream time + 300 ms | +150 ms"
+    )
+    assert _target(md, "100 waits in a row").endswith("| yes |")
+    assert "Repetition: 100 waits in a row" in md and "100 wait pauses" in md
+    assert "`private`: fork of 3 p50 900 ms" in md and "`shared`" not in md  # nothing measured
+    # 100 answers right but only 40 of them paused: wait management did not do its job
+    md = bench_wait.render(wait_report(wait_pauses=40))
+    row = _target(md, "100 waits in a row")
+    assert "40 wait pauses" in row and row.endswith("| **no** |")
+    # a run without the scenario or the repetition renders what it has
+    bare = wait_report(100)
+    bare.update(scenario=[], baseline=[], repetition=None)
+    assert "wait: body byte-exact" not in bench_wait.render(bare)

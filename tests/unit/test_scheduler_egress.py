@@ -9,7 +9,7 @@ import pytest
 
 from pal.errors import Conflict
 from pal.scheduler.states import VmState
-from pal.spec import AgentSpec, EgressAllow, EgressDeny, EgressUpdate
+from pal.spec import AgentSpec, EgressAllow, EgressDeny, EgressUpdate, PauseRequest, SecretUpdate
 from tests.fakes import SchedEnv, make_env
 
 S = VmState
@@ -121,3 +121,38 @@ async def test_denied_events_are_recorded_once_on_the_right_vm(env: SchedEnv) ->
     env.manager.egress_epoch, env.manager.egress_log, env.manager.egress_seq = "fake-2", [], 0
     env.manager.deny(vm, "third.test")
     assert await env.sched.record_egress_events() == 1
+
+
+BROKERED = AgentSpec.model_validate(
+    {
+        "secrets": {"API_KEY": {"value": "old-value", "brokered": {"hosts": ["api.test"]}}},
+        "waitPause": {"afterMs": 200},
+    }
+)
+
+
+@pytest.mark.parametrize("pause", ["operator", "wait"])
+async def test_a_rotation_reaches_a_live_paused_vms_gateway_and_outlives_its_resume(
+    env: SchedEnv, pause: str
+) -> None:
+    """A live-paused VM keeps its QEMU and its gateway registration: a rotated brokered
+    secret goes to the node at once (like a policy change), and the live resume (no new
+    spawn, nothing registered again) carries on with the new value."""
+    vm = (await env.sched.schedule(env.tenant_id, BROKERED))[0].vm_id
+    assert env.manager.alive[vm].brokered == {"API_KEY": "old-value"}
+    if pause == "operator":
+        await env.sched.pause(env.tenant_id, vm, PauseRequest(mode="live"))
+    else:
+        await env.sched.live.wait_pause(vm)
+    assert env.store.get_vm(vm).state == S.PAUSED  # type: ignore[union-attr]
+    applied = await env.sched.rotate_secret(env.tenant_id, vm, "API_KEY", SecretUpdate(value="new-value"))
+    assert applied  # the API answers applied: "now"
+    assert env.manager.alive[vm].brokered == {"API_KEY": "new-value"}
+    await env.sched.resume(env.tenant_id, vm)
+    assert env.manager.calls.count(("spawn", vm)) == 1  # the same QEMU continued
+    assert env.manager.alive[vm].brokered == {"API_KEY": "new-value"}
+    # and a later incarnation starts with it too
+    await env.sched.pause(env.tenant_id, vm)
+    assert not await env.sched.rotate_secret(env.tenant_id, vm, "API_KEY", SecretUpdate(value="third"))
+    await env.sched.resume(env.tenant_id, vm)
+    assert env.manager.alive[vm].brokered == {"API_KEY": "third"}

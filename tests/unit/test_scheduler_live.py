@@ -92,6 +92,66 @@ async def test_live_pause_with_offload_and_an_offload_of_a_paused_vm(env: SchedE
     assert (await env.sched.resume(env.tenant_id, vm_id)).incarnation == 2
 
 
+async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often(env: SchedEnv) -> None:
+    """The node reports an offload in the pause's answer and in an ``offloaded`` notice
+    (which may come after the answer, or again after a restart); reconciliation sees it in
+    the heartbeat. One event and one count per offload."""
+    vm_id = await _vm(env)
+
+    async def every_report_again() -> None:
+        for n in list(env.manager.notice_log):
+            await env.sched.live.handle(n)
+        await reconcile.reconcile_all(env.sched)
+
+    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    assert _row(env, vm_id).live_stats["offloads"] == 1
+    await every_report_again()
+    await every_report_again()
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"]) == (1, 250)
+    assert _kinds(env, vm_id).count("live_offload") == 1
+    # the next pause's offload counts, the first one's reports still do not; a pause taken
+    # over and offloaded by the operator is answered and noticed too
+    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    await every_report_again()
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"], stats["livePauses"]) == (2, 500, 2)
+    assert _kinds(env, vm_id).count("live_offload") == 2
+    # an offload no notice told of (it died with a restart) is counted by reconciliation
+    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    env.manager.offload(vm_id)
+    env.manager.notice_log.pop()
+    await every_report_again()
+    assert _row(env, vm_id).live_stats["offloads"] == 3
+
+
+async def test_an_offload_notice_during_a_resume_waits_for_it_and_loses_nothing(env: SchedEnv) -> None:
+    """The notice of an offload (offloadAfterMs) is acted on while a resume of the same VM
+    is under way: both update the VM's counters, one after the other."""
+    vm_id = await _vm(env, WAITING)
+    assert await env.sched.live.wait_pause(vm_id) is not None
+    env.manager.offload(vm_id, freed_mib=200)
+    notice = env.manager.notice_log[-1]
+    real = env.manager.live_resume
+    handled: list[asyncio.Task[None]] = []
+
+    async def racy(vid: str):  # type: ignore[no-untyped-def]
+        handled.append(asyncio.create_task(env.sched.live.handle(notice)))
+        for _ in range(10):  # let it run as far as it can while the resume is under way
+            await asyncio.sleep(0)
+        return await real(vid)
+
+    env.manager.live_resume = racy  # type: ignore[method-assign]
+    await env.sched.live.wake(vm_id, "data", "data (first-byte)")
+    await handled[0]
+    stats = _row(env, vm_id).live_stats
+    assert (stats["offloads"], stats["freedMib"], stats["livePausedMs"]) == (1, 200, 1500)
+    assert _kinds(env, vm_id).count("wait_offload") == 1
+
+
 async def test_a_live_paused_vm_holds_its_slot_a_snapshot_paused_one_does_not(tmp_path: Path) -> None:
     env = make_env(tmp_path, max_vms=1)
     a = await _vm(env)
@@ -125,7 +185,7 @@ async def test_wait_pause_and_wake_follow_the_nodes_notices(env: SchedEnv) -> No
         assert (vm.marker, vm.paused_by) == (M.LIVE_WAIT, "wait") and vm.holds_slot
         req = env.manager.live_requests[-1][1]
         assert req.by == "wait" and req.if_waiting and req.offload_after_ms == 1000 and not req.offload
-        env.manager.post(vm_id, "offloaded", ms=120.0, freed_mib=200, resident_mib=4)
+        env.manager.offload(vm_id, freed_mib=200)  # offloadAfterMs later, on the node
         await _until(lambda: "wait_offload" in _kinds(env, vm_id))
         env.manager.post(vm_id, "wake", reason="data (first-byte)")
         await _until(lambda: _row(env, vm_id).state == S.RUNNING)
@@ -325,3 +385,83 @@ async def test_a_live_paused_vm_is_no_stray_and_still_occupies_its_node(env: Sch
     assert [v.vm_id for v in env.sched.occupying(vm.node_id)] == [vm_id]
     await env.sched.pause(env.tenant_id, vm_id)  # a snapshot: off the node
     assert env.sched.occupying() == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (None, None),
+        ("off", None),
+        ("  OFF ", None),
+        ("on", WaitPause()),
+        (
+            '{"afterMs": 800, "deliver": "complete", "offloadAfterMs": null}',
+            WaitPause(after_ms=800, deliver="complete", offload_after_ms=None),
+        ),
+    ],
+)
+async def test_pal_wait_pause_is_the_default_of_specs_without_one_and_false_turns_it_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: str | None, want: WaitPause | None
+) -> None:
+    from pal.config import Settings
+
+    if raw is None:
+        monkeypatch.delenv("PAL_WAIT_PAUSE", raising=False)
+    else:
+        monkeypatch.setenv("PAL_WAIT_PAUSE", raw)
+    default = Settings.from_env(tmp_path).wait_pause_default
+    assert default == want
+    env = make_env(tmp_path, max_vms=5, wait_pause_default=default)
+    inherits = await _vm(env)
+    as_dict = None if want is None else want.model_dump(by_alias=True)
+    assert _row(env, inherits).wait_pause == as_dict
+    assert env.manager.spawn_requests[-1].wait_pause == want  # what the node watches for
+    own = await _vm(env, AgentSpec.model_validate({"waitPause": {"afterMs": 300}}))
+    assert _row(env, own).wait_pause == WaitPause(after_ms=300).model_dump(by_alias=True)
+    off = await _vm(env, AgentSpec.model_validate({"waitPause": False}))
+    assert _row(env, off).wait_pause is None and env.manager.spawn_requests[-1].wait_pause is None
+    # the default decides whether a wait-ready notice pauses a VM that did not say
+    paused = await env.sched.live.wait_pause(inherits)
+    assert (paused is not None) == (want is not None)
+    assert await env.sched.live.wait_pause(off) is None
+
+
+@pytest.mark.parametrize("raw", ["maybe", '{"afterMs": 1}', '{"deliver": "later"}', '{"afterMs": 500', "[]"])
+def test_a_bad_pal_wait_pause_is_refused_at_start_naming_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    from pal.config import Settings
+
+    monkeypatch.setenv("PAL_WAIT_PAUSE", raw)
+    with pytest.raises(ValueError, match="PAL_WAIT_PAUSE"):
+        Settings.from_env(tmp_path)
+
+
+async def test_a_wait_that_never_ends_takes_the_snapshot_tier_after_the_idle_timeout(env: SchedEnv) -> None:
+    """A wait-paused VM whose upstream never answers would keep its QEMU and its slot for
+    ever: with idleTimeoutSecs the sweeper snapshot-pauses it after that long with nothing
+    the host saw, unless its answer is arriving or an exec is still in flight."""
+    spec = AgentSpec.model_validate({"waitPause": {"afterMs": 200}, "idleTimeoutSecs": 60})
+    vm_id, busy = await _vm(env, spec), await _vm(env, spec)
+    never = await _vm(env, WAITING)  # no idleTimeoutSecs: never swept
+    for v in (vm_id, busy, never):
+        assert await env.sched.live.wait_pause(v) is not None
+    env.manager.alive[busy].has_active_exec = True  # its waiting client is an exec
+    sweeper = IdleSweeper(env.sched)
+    env.clock.advance(59)
+    assert await sweeper.sweep() == []
+    env.clock.advance(2)
+    env.manager.alive[vm_id].live.buffered_bytes = 512  # type: ignore[union-attr]  # the answer is coming
+    assert await sweeper.sweep() == []
+    assert _row(env, vm_id).marker == M.LIVE_WAIT
+    env.manager.alive[vm_id].live.buffered_bytes = 0  # type: ignore[union-attr]
+    assert await sweeper.sweep() == [vm_id]
+    vm = _row(env, vm_id)
+    assert (vm.state, vm.marker, vm.paused_by) == (S.PAUSED, M.NONE, "idle")
+    assert not vm.holds_slot and vm.snapshot_id and vm_id not in env.manager.alive
+    assert vm.live_stats["livePausedMs"] > 0
+    for v in (busy, never):
+        assert (_row(env, v).state, _row(env, v).marker) == (S.PAUSED, M.LIVE_WAIT)
+    # the next request wakes it from its snapshot, like any idle-suspended VM
+    assert await _exec(env, vm_id) == ["exit"]
+    assert _row(env, vm_id).state == S.RUNNING and _row(env, vm_id).incarnation == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -471,3 +472,144 @@ def test_delete_vm_removes_all_its_snapshots_but_the_kept_and_lists_owners(store
     assert [m["snapshotId"] for m in store.list_vm(AV, "vm-1")] == ["s2"]
     assert store.delete_vm(AV, "vm-1") == ["s2"] and not a.local_dir(store.root).parent.exists()
     assert store.vms() == {(AV, "vm-2")} and store.delete_vm(AV, "vm-1") == []
+
+
+# -- checks before a local restore ----------------------------------------------------
+
+
+class BigHashes:
+    """Counts the hashing of big artifacts (what a restore should not pay when nothing
+    changed), whoever does it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        real = store_module.hash_files
+
+        def counting(paths: Any, *, fsync: bool = False) -> Any:
+            self.names += [n for n in paths if n in ("mem", "rootfs")]
+            return real(paths, fsync=fsync)
+
+        monkeypatch.setattr(store_module, "hash_files", counting)
+
+
+def _poke(path: Path, data: bytes = b"\xff") -> bytes:
+    """Overwrite bytes of an artifact in place (same inode, same size); returns the old."""
+    off = (32 << 20) // 3 + 7
+    with open(path, "r+b") as f:
+        f.seek(off)
+        old = f.read(len(data))
+        f.seek(off)
+        f.write(data)
+    return old
+
+
+def test_a_sealed_mem_changed_after_its_seal_is_refused_before_a_restore(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref)
+    hashes = BigHashes(monkeypatch)
+    assert store.open_for_restore(ref) == path
+    assert hashes.names == [], "unchanged files (same fingerprints) are not re-hashed"
+    old = _poke(path / "mem")
+    with pytest.raises(BackendError, match=r"damaged: \['mem'\] fail their checksums"):
+        store.open_for_restore(ref)
+    assert hashes.names == ["mem"]
+    assert store.exists(ref), "nothing is deleted: the operator decides"
+    # the same bytes put back (a new mtime and ctime): re-hashed once, accepted, and its
+    # fingerprint recorded again, so the next restore is cheap again
+    _poke(path / "mem", old)
+    assert store.open_for_restore(ref) == path
+    assert store.open_for_restore(ref) == path
+    assert hashes.names == ["mem", "mem"]
+    assert store.verify(ref)
+
+
+def test_a_restore_right_after_the_pause_waits_for_the_seal_and_never_loads_a_changed_file(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    gate.fail = True  # the background seal cannot run: the restore must seal it itself
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)
+    assert read_meta_file(path)["sealed"] is False  # type: ignore[index]
+    assert store.open_for_restore(ref) == path
+    meta = read_meta_file(path)
+    assert meta is not None and meta["sealed"] is True and {"mem", "rootfs"} <= set(meta["sha256"])
+    # changed between the capture and the seal: there is no checksum to compare, but the
+    # file is not the one captured (its fingerprint at commit), so it is never sealed or
+    # loaded
+    other = SnapshotRef(AV, "vm-1", "s2", "t")
+    path2 = take(store, other, sealed=False)
+    _poke(path2 / "rootfs")
+    with pytest.raises(BackendError, match=r"rootfs.*changed after the capture"):
+        store.open_for_restore(other)
+    assert read_meta_file(path2)["sealed"] is False  # type: ignore[index]
+    assert not store.verify(other)
+
+
+def test_a_restore_meets_the_background_seal_under_way_and_waits_for_it(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = SealGate(monkeypatch)
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref, sealed=False)
+    assert gate.entered.wait(10)  # the worker is sealing it (held before hashing)
+    asked, real_seal = threading.Event(), store._seal
+
+    def seal(r: SnapshotRef) -> Any:
+        if threading.current_thread().name == "restore":
+            asked.set()
+        return real_seal(r)
+
+    monkeypatch.setattr(store, "_seal", seal)
+    got: list[tuple[Path, bool]] = []
+
+    def restore() -> None:
+        p = store.open_for_restore(ref)
+        got.append((p, read_meta_file(p)["sealed"]))  # type: ignore[index]
+
+    t = threading.Thread(target=restore, name="restore")
+    t.start()
+    assert asked.wait(10), "the restore asks for the seal"
+    assert not got, "and cannot return while the worker's seal holds it"
+    gate.open.set()
+    t.join(30)
+    assert got == [(path, True)]
+
+
+def test_an_unsigned_local_meta_is_refused_unless_it_predates_the_nodes_key(tmp_path: Path) -> None:
+    root = tmp_path / "snapshots"
+    first = SnapshotStore(root, None, key=KEY)
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(first, ref)
+    first.close()
+    meta = read_meta_file(path)
+    assert meta is not None
+    (path / META_FILE).write_text(json.dumps({k: v for k, v in meta.items() if k != "mac"}))
+    written = os.stat(path / META_FILE).st_ctime_ns
+    # the node has had its key since before this meta.json was written: a forgery
+    after_key = SnapshotStore(root, None, key=KEY, signed_since_ns=written - 1)
+    try:
+        with pytest.raises(BackendError, match="not signed"):
+            after_key.open_for_restore(ref)
+        assert not after_key.exists(ref) and not after_key.verify(ref)
+    finally:
+        after_key.close()
+    # written before the node had a key: a Pal from before signing; checked in full (its
+    # fingerprints are not known), then signed
+    before_key = SnapshotStore(root, None, key=KEY, signed_since_ns=written + 1)
+    try:
+        assert before_key.open_for_restore(ref) == path
+        assert "mac" in read_meta_file(path)  # type: ignore[operator]
+    finally:
+        before_key.close()
+
+
+def test_the_store_of_a_node_knows_since_when_it_signs(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    s = SnapshotStore.from_settings(settings)
+    try:
+        assert s._signed_since_ns == os.stat(settings.snapshot_key_path).st_mtime_ns
+    finally:
+        s.close()

@@ -841,6 +841,11 @@ export interface components {
              * @default false
              */
             ready?: boolean;
+            /**
+             * Bufferedbytes
+             * @default 0
+             */
+            bufferedBytes?: number;
         };
         /**
          * LiveStatsOut
