@@ -23,7 +23,7 @@ declare const process: {
   stdout: { write(chunk: string | Uint8Array): boolean };
 };
 """
-# The spec's example of execStream (../shared/spec/sandbox-lifecycle.txt), as users copy it.
+# The spec's example of execStream (quoted in sdk/typescript/README.md), as users copy it.
 SPEC_EXEC_STREAM = """for await (const ev of client.runtime.execStream(vmId, {
   command: "/bin/sh",
   argv: ["-c", "pip install -q requests && python job.py"],
