@@ -127,7 +127,9 @@ def test_server_killed_mid_operation_recovers_to_a_true_state(
 
 
 def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:
-    server = start_server(run_dir)
+    # No parked QEMUs: the resumes below must restore from the snapshot (and meet its
+    # damage); a parked one would continue without reading it (pal/manager/parked.py).
+    server = start_server(run_dir, extra_env={"PAL_PARKED_MAX": "0"})
     try:
         key = server.tenant("qemu-kill", max_vms=MAX_VMS)
         with server.client(key, timeout=60) as c:
