@@ -67,7 +67,7 @@ def test_busy_rows_divide_by_the_warm_exec_measured_beside_the_busy_vms() -> Non
 def test_the_restore_breakdown_and_what_is_tcgs() -> None:
     samples = {
         "warm_exec": [50.0],
-        "resume_to_first_exec": [500.0],
+        "resume_to_first_exec_new_qemu": [500.0],
         "live_resume_to_first_exec": [80.0],
         "step_qemu_spawn_ms": [40.0],
         "step_qemu_load_ms": [10.0],
