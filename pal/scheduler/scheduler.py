@@ -941,10 +941,10 @@ class Scheduler:
                 raise err from exc
         failpoints.hit("resume:spawned")
         if old_node is not None and choice.node_id != old_node:
-            # It runs elsewhere now: its previous node lets go of its parked QEMU, if any
-            # (best effort: that node also discards one that is too old or unwanted).
-            with contextlib.suppress(Exception):
-                await self.nodes.client(old_node).stop(vm_id)
+            # It runs elsewhere now: its previous node lets go of its parked QEMU, if any.
+            # In the background (that node may be the unreachable one this resume avoided),
+            # best effort: a parked QEMU also goes when it is too old.
+            self.spawn_chore(self._let_go(old_node, vm_id), f"let-go-{vm_id}")
         running = await self.transitions.transition(
             vm_id,
             A.COME_UP,
@@ -958,6 +958,10 @@ class Scheduler:
         self.telemetry.resume.labels(trigger=trigger).observe(time.perf_counter() - t0)
         self.telemetry.started(vm_id, "resume" if trigger == "api" else trigger)
         return running
+
+    async def _let_go(self, node_id: str, vm_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.nodes.client(node_id).stop(vm_id)
 
     # -- fork ---------------------------------------------------------------------------------
 
