@@ -31,6 +31,14 @@ async def tenant_for_key(store: Any, api_key: str) -> Any | None:
     return await run_in_threadpool(lookup, api_key)
 
 
+async def tenant_for_key_hash(store: Any, key_hash: str) -> Any | None:
+    """:func:`tenant_for_key` of the key whose hash is ``key_hash``."""
+    lookup = store.tenant_by_api_key_hash
+    if inspect.iscoroutinefunction(lookup):
+        return await lookup(key_hash)
+    return await run_in_threadpool(lookup, key_hash)
+
+
 def make_tenant_dependency(store: Any) -> Any:
     from fastapi import Depends
 

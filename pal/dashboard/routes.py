@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from pal import sizes
-from pal.api.auth import tenant_for_key
+from pal.api.auth import tenant_for_key, tenant_for_key_hash
 from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS
 from pal.api.exec_stream import sse_exec
 from pal.api.paths import check_workspace_path
@@ -35,6 +35,7 @@ from pal.config import Settings
 from pal.errors import InvalidRequest, PalError, TooLarge
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec, ExecRequest
+from pal.store.store import hash_api_key
 
 from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_secret
 
@@ -133,9 +134,14 @@ def dashboard_router(
     templates.env.globals["max_file"] = MAX_FILE_WORDS
     templates.env.globals["max_fork"] = settings.max_fork_count
 
-    def session_for(request: Request, kind: str) -> Session:
+    async def session_for(request: Request, kind: str) -> Session:
+        """The request's session, if its API key still opens its tenant (a key rotated past
+        its grace, expired or removed ends every session opened with it)."""
         s = sessions.read(request)
-        if s is None:
+        if s is None or not s.key_hash:
+            raise SignInRequired(kind)
+        tenant = await tenant_for_key_hash(store, s.key_hash)
+        if tenant is None or str(tenant.id) != s.tenant_id:
             raise SignInRequired(kind)
         return s
 
@@ -154,7 +160,7 @@ def dashboard_router(
 
     async def mutating(request: Request, kind: str = "fragment") -> tuple[Session, dict[str, Any]]:
         """The session of a state-changing request whose CSRF token checks out."""
-        s = session_for(request, kind)
+        s = await session_for(request, kind)
         form = await form_of(request)
         given = request.headers.get(CSRF_HEADER) or form.get(CSRF_FIELD)
         if not csrf_ok(s, given if isinstance(given, str) else None):
@@ -218,7 +224,7 @@ def dashboard_router(
         if tenant is None:
             return login_page_with(request, next_url, 401, "That API key is not valid.")
         resp = RedirectResponse(next_url, status_code=303)
-        sessions.start(resp, request, str(tenant.id), str(tenant.name))
+        sessions.start(resp, request, str(tenant.id), str(tenant.name), hash_api_key(key))
         return resp
 
     @r.post("/logout")
@@ -246,13 +252,13 @@ def dashboard_router(
 
     @r.get("")
     async def list_page(request: Request, state: str = "active", q: str = "") -> Response:
-        s = session_for(request, "page")
+        s = await session_for(request, "page")
         vms = _filtered(await scheduler.list(s.tenant_id), state, q)
         return render(request, "list.html", vms=vms, state=state, q=q)
 
     @r.get("/_rows")
     async def list_rows(request: Request, state: str = "active", q: str = "") -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         vms = _filtered(await scheduler.list(s.tenant_id), state, q)
         return render(request, "_rows.html", vms=vms)
 
@@ -279,7 +285,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}")
     async def detail_page(request: Request, vm_id: str) -> Response:
-        s = session_for(request, "page")
+        s = await session_for(request, "page")
         try:
             vm = await scheduler.get(s.tenant_id, vm_id)
         except PalError as exc:
@@ -289,7 +295,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}/_state")
     async def state_fragment(request: Request, vm_id: str) -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         vm = await scheduler.get(s.tenant_id, vm_id)
         children = [v for v in await scheduler.list(s.tenant_id) if v.parent_vm_id == vm_id]
         network = await scheduler.network(vm)
@@ -297,13 +303,13 @@ def dashboard_router(
 
     @r.get("/{vm_id}/_timeline")
     async def timeline(request: Request, vm_id: str) -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         events = await scheduler.events(s.tenant_id, vm_id)
         return render(request, "_timeline.html", events=list(reversed(events)))
 
     @r.get("/{vm_id}/_snapshots")
     async def snapshots(request: Request, vm_id: str) -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         try:
             snaps = await scheduler.snapshots(s.tenant_id, vm_id)
         except PalError as exc:
@@ -312,7 +318,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}/metrics.json")
     async def metrics(request: Request, vm_id: str) -> Response:
-        s = session_for(request, "json")
+        s = await session_for(request, "json")
         m = await scheduler.metrics(s.tenant_id, vm_id)
         return JSONResponse(m.model_dump(by_alias=True, mode="json"), headers={"Cache-Control": "no-store"})
 
@@ -355,7 +361,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}/_files")
     async def files(request: Request, vm_id: str, path: str = "") -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         try:
             checked = check_workspace_path(path, required=False)
             listing = await scheduler.list_files(s.tenant_id, vm_id, checked)
@@ -377,7 +383,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}/files/view")
     async def view_file(request: Request, vm_id: str, path: str) -> Response:
-        s = session_for(request, "fragment")
+        s = await session_for(request, "fragment")
         try:
             data, truncated = await scheduler.read_file(
                 s.tenant_id, vm_id, check_workspace_path(path, required=True)
@@ -396,7 +402,7 @@ def dashboard_router(
 
     @r.get("/{vm_id}/files/download")
     async def download(request: Request, vm_id: str, path: str) -> Response:
-        s = session_for(request, "page")
+        s = await session_for(request, "page")
         data, truncated = await scheduler.read_file(
             s.tenant_id, vm_id, check_workspace_path(path, required=True)
         )

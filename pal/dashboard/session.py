@@ -71,6 +71,9 @@ class Session:
     tenant_id: str
     tenant_name: str
     csrf: str
+    # The hash of the API key it was opened with: a session lasts only while that key
+    # still authenticates the tenant (rotated past its grace, expired, tenant removed: out).
+    key_hash: str = ""
 
 
 class Sessions:
@@ -86,12 +89,16 @@ class Sessions:
             return None
         try:
             data = self._signer.loads(raw, max_age=SESSION_MAX_AGE_S)
-            return Session(str(data["t"]), str(data["n"]), str(data["c"]))
+            return Session(str(data["t"]), str(data["n"]), str(data["c"]), str(data.get("k") or ""))
         except (BadSignature, KeyError, TypeError):
             return None
 
-    def start(self, response: Response, request: Request, tenant_id: str, tenant_name: str) -> None:
-        value = self._signer.dumps({"t": tenant_id, "n": tenant_name, "c": secrets.token_urlsafe(32)})
+    def start(
+        self, response: Response, request: Request, tenant_id: str, tenant_name: str, key_hash: str
+    ) -> None:
+        value = self._signer.dumps(
+            {"t": tenant_id, "n": tenant_name, "c": secrets.token_urlsafe(32), "k": key_hash}
+        )
         _set_cookie(response, request, SESSION_COOKIE, value, SESSION_MAX_AGE_S)
         response.delete_cookie(LOGIN_CSRF_COOKIE, path=COOKIE_PATH)
 

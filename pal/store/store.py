@@ -366,7 +366,12 @@ class Store:
     def tenant_by_api_key(self, key: str) -> Tenant | None:
         """The tenant this key authenticates now: its current key (unless expired) or its
         previous one within the grace after a rotation; never a tenant being deleted."""
-        h, now = hash_api_key(key), utcnow()
+        return self.tenant_by_api_key_hash(hash_api_key(key))
+
+    def tenant_by_api_key_hash(self, h: str) -> Tenant | None:
+        """:meth:`tenant_by_api_key` of the key whose hash is ``h`` (dashboard sessions keep
+        the hash, never the key)."""
+        now = utcnow()
         with self._read() as conn:
             row = conn.execute(
                 select(tenants).where((tenants.c.api_key_sha256 == h) | (tenants.c.prev_api_key_sha256 == h))

@@ -189,3 +189,22 @@ def test_a_replica_derives_its_session_key_from_the_cluster_secret_and_writes_no
     with pytest.raises(ValueError, match="PAL_CLUSTER_SECRET"):
         load_secret(Settings(data_dir=data), replica=True)
     assert load_secret(Settings(data_dir=data), replica=False) == (data / "dashboard.key").read_bytes()
+
+
+async def test_a_session_ends_when_its_api_key_no_longer_opens_the_tenant(
+    env: tuple[SchedEnv, httpx.AsyncClient, str],
+) -> None:
+    """Signing out deletes the cookie; rotating the key (past its grace) ends every session
+    opened with it, even a copied cookie."""
+    sched, c, key = env
+    await _sign_in(c, key)
+    assert (await c.get("/runtime")).status_code == 200
+    copied = dict(c.cookies)
+    tenant = sched.store.tenant_by_api_key(key)
+    assert tenant is not None
+    sched.store.rotate_api_key(tenant.id)  # no grace: the old key is refused at once
+    resp = await c.get("/runtime")
+    assert resp.status_code == 303 and resp.headers["location"].startswith("/runtime/login")
+    c.cookies.clear()
+    c.cookies.update(copied)
+    assert (await c.get("/runtime")).status_code == 303, "a copied cookie is no better"
