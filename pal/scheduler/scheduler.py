@@ -549,6 +549,7 @@ class Scheduler:
         )
         async with self.op_lock(vm.vm_id):
             await self.transitions.create(tenant_id, [vm], A.SCHEDULE)  # 402 here leaves no row
+            failpoints.hit("schedule:reserved")
             async with self._placing:
                 try:
                     choice = await self._choose(vm, restore=False)
@@ -568,6 +569,7 @@ class Scheduler:
                     vm.vm_id, A.FAIL_SPAWN, reason=f"spawn failed: {err.message}"
                 )
                 raise err from exc
+            failpoints.hit("schedule:spawned")
             vm = await self.transitions.transition(
                 vm.vm_id,
                 A.COME_UP,
@@ -662,12 +664,14 @@ class Scheduler:
                 reason = "deleted" if to == S.TERMINATED else "deleting"
                 vm = await self.transitions.transition(vm_id, A.DELETE, reason=reason)
             if vm.state == S.DRAINING:
+                failpoints.hit("delete:draining")
                 try:
                     if self.nodes.state_of(vm.node_id) != nodes_mod.LOST:  # a lost node stops it on return
                         await self.node(vm).stop(vm_id)
                 except Exception as exc:
                     # Stays DRAINING+deleting: a repeated delete or reconciliation retries.
                     raise BackendError(f"stopping VM {vm_id} failed: {as_pal(exc).message}") from exc
+                failpoints.hit("delete:stopped")
                 vm = await self.transitions.transition(vm_id, A.FINISH_DELETE, reason="deleted")
         await self._release_snapshots(vm)
         return vm
@@ -1072,6 +1076,7 @@ class Scheduler:
                 await stack.enter_async_context(self.op_lock(c.vm_id))
             results = await asyncio.gather(*(self._spawn_child(src, c.vm_id, snap_id, sem) for c in children))
             up = [(cid, fields) for cid, fields, _ in results if fields is not None]
+            failpoints.hit("fork:spawned")
             if up:
                 await self.transitions.transition_all(up, A.COME_UP)
         out = []

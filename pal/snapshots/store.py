@@ -697,6 +697,8 @@ class SnapshotStore:
                 raise NotFound(f"snapshot {ref.snapshot_id} not found")
         with self._lock:
             removed = self._local.remove(ref)
+            # The VM's last snapshot gone (a fork's, after its children): no empty dir stays.
+            self._local.remove_empty_vm_dir(ref.agent_version_id, ref.vm_id)
         if removed:
             self.log.info("deleted local snapshot %s", ref.snapshot_id)
         if self.mirror is not None:
