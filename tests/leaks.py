@@ -162,12 +162,10 @@ def problems(data_dir: Path) -> list[str]:
 
 
 def snapshot_bytes(data_dir: Path) -> int:
-    """Bytes allocated under the snapshots root outside the per-VM dirs' dot-entries and
-    the queues: what the complete snapshots take."""
-    root = Settings.from_env(data_dir).snapshots_root
+    """Bytes allocated by every file under the snapshots root: snapshots, staging, fork
+    memory files and queued jobs alike."""
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+    for dirpath, _dirnames, filenames in os.walk(Settings.from_env(data_dir).snapshots_root):
         for name in filenames:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512

@@ -30,6 +30,7 @@ import logging
 import secrets
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -180,7 +181,9 @@ class Scheduler:
         self.leader: Leadership = leader or SingleProcessLeader()
         self.transitions = Transitioner(store)
         self.telemetry = Telemetry()
-        self._ops: dict[str, asyncio.Lock] = {}
+        # Held weakly: a VM's lock lives while someone holds or awaits it, so the locks
+        # of the VMs a long-lived server has seen do not pile up (a churn soak's finding).
+        self._ops: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Requests (exec/files) in flight per VM: the idle sweeper never suspends such a VM,
         # whatever the (possibly stale) guest heartbeat says.
         self.inflight: dict[str, int] = {}

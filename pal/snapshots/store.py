@@ -658,6 +658,8 @@ class SnapshotStore:
                 if sid not in keep and self._local.remove(SnapshotRef(agent_version_id, vm_id, sid)):
                     removed.append(sid)
             self._local.remove_empty_vm_dir(agent_version_id, vm_id)
+            if not keep:
+                self._last_protected.pop((agent_version_id, vm_id), None)
         if removed:
             self.log.info("deleted the snapshots of VM %s: %s (kept %s)", vm_id, removed, sorted(keep))
         if self.mirror is not None:
