@@ -123,6 +123,7 @@ async def serve_node(
     finally:
         beat_task.cancel()
         sampler.cancel()
+        node.runtime.notices_board.close()
         rpc.should_exit = True
         await asyncio.gather(rpc_task, beat_task, sampler, return_exceptions=True)
         await beats.aclose()

@@ -236,6 +236,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await node.runtime.stop_all()
         await node.runtime.net.gateway.stop()
         await asyncio.to_thread(node.store.close)
+        node.runtime.notices_board.close()
         rpc.should_exit = True
         await asyncio.gather(api_task, rpc_task, return_exceptions=True)
         await client.aclose()

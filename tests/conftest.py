@@ -248,6 +248,26 @@ def private_data_dir() -> Iterator[Path]:
         assert umount.returncode == 0 and not mounted, umount.stderr
 
 
+@contextlib.contextmanager
+def scratch_run_dir(prefix: str) -> Iterator[Path]:
+    """A data dir of its own under TEST_DATA_DIR/runs (images and templates shared by
+    start_server); afterwards nothing of it is left, whatever the test left running: its
+    QEMUs and gateway are killed, its namespaces deleted, the dir removed."""
+    prepare_base_dir()
+    d = TEST_DATA_DIR / "runs" / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield d
+    finally:
+        for pid in qemu_pids_under(d) + gateway_pids_under(d):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        from pal.network import netns
+
+        for name in netns_of(d):
+            netns.delete(name)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def stop_server(server: PalServer, sig: int = signal.SIGTERM) -> None:
     if server.proc.poll() is None:
         server.proc.send_signal(sig)

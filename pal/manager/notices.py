@@ -28,6 +28,13 @@ class NoticeBoard:
         self.seq = 0
         self.epoch = f"{os.getpid()}-{time.time_ns()}"  # a restarted node numbers anew
         self._posted = asyncio.Event()
+        self.closed = False
+
+    def close(self) -> None:
+        """The node shuts down: every long poll answers now (the server's graceful
+        shutdown waits for requests in flight, which would be a whole poll)."""
+        self.closed = True
+        self._posted.set()
 
     def post(self, vm_id: str, kind: str, **fields: Any) -> Notice:
         self.seq += 1
@@ -47,7 +54,7 @@ class NoticeBoard:
         while True:
             got = self.since(after, epoch)
             left = deadline - time.monotonic()
-            if got.notices or left <= 0:
+            if got.notices or left <= 0 or self.closed:
                 return got
             self._posted.clear()
             try:

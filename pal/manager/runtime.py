@@ -35,7 +35,7 @@ from pal.errors import (
     Unavailable,
 )
 from pal.guest import protocol as p
-from pal.ids import validate_id
+from pal.ids import is_safe_id, validate_id
 from pal.images.builder import is_current
 from pal.images.paths import ImagePaths, image_for_restore, list_images, load_image
 from pal.manager import admission
@@ -86,7 +86,7 @@ from pal.sizes import size_name
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.spec import Egress, ExecRequest, WaitPause, egress_from_json, egress_to_json
-from pal.vmm import disks, offload, usage
+from pal.vmm import cgroups, disks, offload, usage
 from pal.vmm.accel import AccelInfo
 from pal.vmm.handoff import qemu_opt
 from pal.vmm.jail import Jail, real_uid
@@ -359,6 +359,7 @@ class NodeRuntime:
                 qemu = await QemuVm.restore(spec, template, "shared")
             else:
                 qemu = await QemuVm.boot(spec)
+            failpoints.hit("manager:booted")  # QEMU runs; no state.json to adopt it by yet
             vnet.close_fds()  # QEMU holds the tap, the gateway its sockets
             t_vmm = time.perf_counter()
             channel = HarnessChannel(qemu.agent_socket, req.vm_id)
@@ -570,6 +571,8 @@ class NodeRuntime:
                 continue
             if self._kill_leftover(vm_dir):
                 killed.append(vm_dir.name)
+            if self.settings.cgroups and is_safe_id(vm_dir.name):  # its QEMU is gone: so are its limits
+                await asyncio.to_thread(cgroups.remove_leftover, vm_dir.name)
             shutil.rmtree(vm_dir, ignore_errors=True)
         for lv in self.vms.values():
             if lv.mem_snapshot_id:

@@ -30,6 +30,7 @@ import logging
 import secrets
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -190,7 +191,9 @@ class Scheduler:
         self.leader: Leadership = leader or SingleProcessLeader()
         self.transitions = Transitioner(store)
         self.telemetry = Telemetry()
-        self._ops: dict[str, asyncio.Lock] = {}
+        # Held weakly: a VM's lock lives while someone holds or awaits it, so the locks
+        # of the VMs a long-lived server has seen do not pile up (a churn soak's finding).
+        self._ops: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         # Requests (exec/files) in flight per VM: the idle sweeper never suspends such a VM,
         # whatever the (possibly stale) guest heartbeat says.
         self.inflight: dict[str, int] = {}
@@ -566,6 +569,7 @@ class Scheduler:
         )
         async with self.op_lock(vm.vm_id):
             await self.transitions.create(tenant_id, [vm], A.SCHEDULE)  # 402 here leaves no row
+            failpoints.hit("schedule:reserved")
             async with self._placing:
                 try:
                     choice = await self._choose(vm, restore=False)
@@ -585,6 +589,7 @@ class Scheduler:
                     vm.vm_id, A.FAIL_SPAWN, reason=f"spawn failed: {err.message}"
                 )
                 raise err from exc
+            failpoints.hit("schedule:spawned")
             vm = await self.transitions.transition(
                 vm.vm_id,
                 A.COME_UP,
@@ -688,12 +693,14 @@ class Scheduler:
                 reason = "deleted" if to == S.TERMINATED else "deleting"
                 vm = await self.transitions.transition(vm_id, A.DELETE, reason=reason)
             if vm.state == S.DRAINING:
+                failpoints.hit("delete:draining")
                 try:
                     if self.nodes.state_of(vm.node_id) != nodes_mod.LOST:  # a lost node stops it on return
                         await self.node(vm).stop(vm_id)
                 except Exception as exc:
                     # Stays DRAINING+deleting: a repeated delete or reconciliation retries.
                     raise BackendError(f"stopping VM {vm_id} failed: {as_pal(exc).message}") from exc
+                failpoints.hit("delete:stopped")
                 vm = await self.transitions.transition(vm_id, A.FINISH_DELETE, reason="deleted")
         await self._release_snapshots(vm)
         return vm
@@ -1109,6 +1116,7 @@ class Scheduler:
                 await stack.enter_async_context(self.op_lock(c.vm_id))
             results = await asyncio.gather(*(self._spawn_child(src, c.vm_id, snap_id, sem) for c in children))
             up = [(cid, fields) for cid, fields, _ in results if fields is not None]
+            failpoints.hit("fork:spawned")
             if up:
                 await self.transitions.transition_all(up, A.COME_UP)
         out = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +42,8 @@ def _public_reason(vm_id: str, reason: str | None) -> str | None:
 class Transitioner:
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._locks: dict[str, asyncio.Lock] = {}
+        # Weakly held, like the scheduler's operation locks: one per VM in use, not per VM ever.
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     def lock(self, vm_id: str) -> asyncio.Lock:
         return self._locks.setdefault(vm_id, asyncio.Lock())

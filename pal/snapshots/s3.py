@@ -50,6 +50,9 @@ Signer = Callable[[dict[str, Any]], dict[str, Any]]
 _CHUNK = 1 << 20
 _ZERO_CHUNK = bytes(_CHUNK)
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+# A remote meta.json is untrusted input: ours are a few KiB; more than this is refused
+# before it is read into memory or parsed.
+MAX_META_BYTES = 1 << 20
 
 
 class CorruptLocalCopy(BackendError):
@@ -285,10 +288,26 @@ class S3Mirror:
             if _is_missing(exc):
                 return None
             raise
-        data = json.loads(obj["Body"].read())
+        body = obj["Body"]
+        try:
+            raw = body.read(MAX_META_BYTES + 1)
+        finally:
+            body.close()
+        if len(raw) > MAX_META_BYTES:
+            raise self._refused(ref, f"its meta.json is larger than {MAX_META_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise self._refused(ref, f"its meta.json is not valid JSON ({type(exc).__name__})") from None
         if not isinstance(data, dict):
-            raise BackendError(f"S3 meta.json of {ref.snapshot_id} is not an object")
+            raise self._refused(ref, "its meta.json is not an object")
         return data
+
+    def _refused(self, ref: SnapshotRef, problem: str) -> BackendError:
+        """The error for an S3 copy that is not one of ours (the store's words for a
+        refused meta: ``SnapshotStore._remote_meta``)."""
+        self.log.error("refusing the S3 copy of snapshot %s: %s", ref.snapshot_id, problem)
+        return BackendError(f"S3 copy of snapshot {ref.snapshot_id} refused: {problem}")
 
     def download(self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
         """Download the artifacts named in ``meta`` (already authenticated by the store:

@@ -778,6 +778,8 @@ class SnapshotStore:
                 if sid not in keep and self._local.remove(SnapshotRef(agent_version_id, vm_id, sid)):
                     removed.append(sid)
             self._local.remove_empty_vm_dir(agent_version_id, vm_id)
+            if not keep:
+                self._last_protected.pop((agent_version_id, vm_id), None)
         if removed:
             self.log.info("deleted the snapshots of VM %s: %s (kept %s)", vm_id, removed, sorted(keep))
         if self.mirror is not None:
@@ -817,6 +819,8 @@ class SnapshotStore:
                 raise NotFound(f"snapshot {ref.snapshot_id} not found")
         with self._lock:
             removed = self._local.remove(ref)
+            # The VM's last snapshot gone (a fork's, after its children): no empty dir stays.
+            self._local.remove_empty_vm_dir(ref.agent_version_id, ref.vm_id)
         if removed:
             self.log.info("deleted local snapshot %s", ref.snapshot_id)
         if self.mirror is not None:

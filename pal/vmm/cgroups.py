@@ -313,6 +313,19 @@ def existing_for(vm_id: str) -> VmCgroup | None:
     return None
 
 
+def remove_leftover(vm_id: str, timeout_s: float = 2.0) -> bool:
+    """Remove whatever is left of a VM's cgroups (its QEMU killed by a restarted manager,
+    or never started); True if there was something."""
+    try:
+        h = host()
+    except Unavailable:
+        return False
+    dirs = {k: d for k, d in h.dirs(vm_id).items() if h.fs.exists(d)}
+    if dirs:
+        VmCgroup(vm_id, dirs, fs=h.fs).remove(timeout_s)
+    return bool(dirs)
+
+
 # ------------------------------------------------------------------------- pal doctor
 
 

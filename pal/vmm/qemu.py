@@ -458,7 +458,8 @@ class QemuVm:
     async def _connect_qmp(self) -> None:
         """Connect to the QMP socket (listening since before the exec) and wait for the
         greeting, or for the process to exit, whichever comes first."""
-        client = QMPClient(f"pal-{self.spec.vm_id}")
+        # One name for all: qemu.qmp makes a logger per client name, and loggers live forever.
+        client = QMPClient("pal")
         connect = asyncio.create_task(client.connect(str(self.spec.qmp_socket)))
         died = asyncio.create_task(self.exited.wait())
         try:

@@ -1,31 +1,28 @@
-"""Issue: crash safety — kill -9 the server (and separately a QEMU) at each step of pause
-and resume; after a restart every VM is in a true state and no quota slot leaks.
+"""Issue: crash safety — a QEMU killed, the server stopped or killed around running VMs
+and their network: after a restart every VM is in a true state and no quota slot leaks.
 
-The server is killed at named failpoints (``PAL_FAILPOINT``, see pal/failpoints.py): the
-process SIGKILLs itself there, exactly like an OOM kill at that instant.
+The server killed at each named failpoint of every operation (``PAL_FAILPOINT``) is the
+kill -9 matrix: tests/adversarial/test_kill_matrix.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import (
-    TEST_DATA_DIR,
-    PalServer,
     gateway_pids_under,
     netns_of,
-    prepare_base_dir,
     qemu_pids_under,
+    scratch_run_dir,
     start_server,
     stop_server,
 )
@@ -37,20 +34,9 @@ MAX_VMS = 3
 
 
 @pytest.fixture
-def run_dir() -> Iterator:
-    prepare_base_dir()
-    d = TEST_DATA_DIR / "runs" / f"crash-{uuid.uuid4().hex[:8]}"
-    try:
+def run_dir() -> Iterator[Path]:
+    with scratch_run_dir("crash") as d:
         yield d
-    finally:
-        for pid in qemu_pids_under(d) + gateway_pids_under(d):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        from pal.network import netns
-
-        for name in netns_of(d):
-            netns.delete(name)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def free_slots(c: httpx.Client) -> int:
@@ -67,63 +53,6 @@ def free_slots(c: httpx.Client) -> int:
     finally:
         for v in made:
             c.delete(f"/v1/runtime/vms/{v}")
-
-
-def crash_during(server: PalServer, call: callable) -> None:  # type: ignore[valid-type]
-    with contextlib.suppress(httpx.HTTPError):
-        call()
-    server.proc.wait(60)
-    assert server.proc.returncode == -signal.SIGKILL, "the failpoint killed the server"
-
-
-# failpoint, operation, the states a VM may truthfully be in after the restart
-CASES = [
-    ("pause:draining", "pause", {"running"}),
-    ("manager:captured", "pause", {"running"}),
-    ("manager:committed", "pause", {"paused"}),
-    ("pause:snapshotted", "pause", {"paused"}),
-    ("resume:spawning", "resume", {"paused"}),
-    ("resume:spawned", "resume", {"running", "paused"}),
-]
-
-
-@pytest.mark.parametrize(("failpoint", "op", "states"), CASES, ids=[c[0] for c in CASES])
-def test_server_killed_mid_operation_recovers_to_a_true_state(
-    run_dir, failpoint: str, op: str, states: set[str]
-) -> None:
-    server = start_server(run_dir, extra_env={"PAL_FAILPOINT": failpoint})
-    key = server.tenant("crash", max_vms=MAX_VMS)
-    with server.client(key, timeout=60) as c:
-        vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
-        c.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "f.txt"}, content="before crash\n")
-        c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", "echo 7 > /tmp/mem"]})
-        if op == "resume":
-            assert c.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
-        crash_during(server, lambda: c.post(f"/v1/runtime/vms/{vm}/{op}"))
-
-    server = start_server(run_dir)  # same data dir, no failpoint
-    try:
-        with server.client(key, timeout=120) as c:
-            got = c.get(f"/v1/runtime/vms/{vm}").json()
-            assert got["state"] in states, got
-            if got["state"] == "paused":
-                assert got["snapshotId"]
-                assert qemu_pids_under(run_dir / "vms" / vm) == []
-                assert free_slots(c) == MAX_VMS, "a paused VM holds no slot"
-                r = c.post(f"/v1/runtime/vms/{vm}/resume")
-                assert r.status_code == 200, r.text
-            else:
-                assert free_slots(c) == MAX_VMS - 1, "the running VM holds exactly one slot"
-            read = c.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "f.txt"})
-            assert read.status_code == 200 and read.text == "before crash\n"
-            out = c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["/tmp/mem"]}).json()
-            assert out["stdout"] == "7\n", "the same guest, memory intact (adopted or restored)"
-            assert free_slots(c) == MAX_VMS - 1
-            assert c.delete(f"/v1/runtime/vms/{vm}").status_code == 200
-            assert free_slots(c) == MAX_VMS
-    finally:
-        stop_server(server)
-    assert qemu_pids_under(run_dir) == []
 
 
 def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:

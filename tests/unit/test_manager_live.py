@@ -37,6 +37,19 @@ async def test_notices_are_numbered_kept_per_epoch_and_long_polled() -> None:
     assert [n.seq for n in board.since(0, board.epoch).notices] == [5, 6, 7]  # bounded
 
 
+async def test_closing_the_board_ends_every_long_poll_at_once() -> None:
+    """A node shutting down answers the scheduler's long poll now: its RPC server waits
+    for requests in flight, so an open poll held every `pal up` stop for a whole poll."""
+    board = NoticeBoard()
+    waiters = [asyncio.create_task(board.wait(0, board.epoch, 30)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waiters)
+    board.close()
+    for got in await asyncio.wait_for(asyncio.gather(*waiters), 5):
+        assert got.notices == []
+    assert (await asyncio.wait_for(board.wait(0, board.epoch, 30), 5)).notices == []
+
+
 def test_probe_replies_are_checked() -> None:
     ok = {"result": {"runnable": 0, "cpu_busy": 5, "cpu_total": 10, "timer_ms": None}}
     assert gi.probe(ok) == {"runnable": 0, "cpu_busy": 5, "cpu_total": 10, "timer_ms": None}

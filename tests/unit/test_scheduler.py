@@ -285,6 +285,19 @@ async def test_delete_terminates_frees_the_slot_and_is_idempotent(env: SchedEnv)
     assert (await env.sched.delete(env.tenant_id, vm_id)).state == S.TERMINATED
 
 
+async def test_a_server_keeps_no_lock_of_vms_it_is_done_with(env: SchedEnv) -> None:
+    """Each VM's operation and transition locks live while in use: a long-lived server
+    that ran many VMs does not keep one of each for every VM it ever saw."""
+    vms = [await _running(env) for _ in range(3)]
+    for vm_id in vms:
+        await env.sched.pause(env.tenant_id, vm_id)
+        await env.sched.resume(env.tenant_id, vm_id)
+        await env.sched.delete(env.tenant_id, vm_id)
+    assert not set(vms) & set(env.sched._ops) and not set(vms) & set(env.sched.transitions._locks)
+    held = env.sched.op_lock(vms[0])
+    assert env.sched.op_lock(vms[0]) is held, "one lock per VM while anyone holds it"
+
+
 async def test_delete_of_a_paused_vm_releases_its_snapshot(env: SchedEnv) -> None:
     vm_id = await _running(env)
     paused = await env.sched.pause(env.tenant_id, vm_id)

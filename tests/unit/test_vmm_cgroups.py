@@ -204,3 +204,22 @@ def test_v2_missing_controller_fails_closed(tmp_path: Path) -> None:
     fs = v2_tree(tmp_path, own_procs=[os.getpid()], available="cpu memory pids")
     with pytest.raises(Unavailable, match="io"):
         discover(fs)
+
+
+def test_a_leftover_vms_cgroups_are_removed_even_in_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A QEMU a restarted manager killed (it had no state.json to adopt it by) leaves its
+    cgroups; whatever is left of them goes, other VMs' stay."""
+    from pal.vmm import cgroups
+
+    fs = v1_tree(tmp_path)
+    host = discover(fs)
+    monkeypatch.setattr(cgroups, "_host", host)
+    left = host.create("vm-left", Limits.for_vm(1, 256))
+    keep = host.create("vm-keep", Limits.for_vm(1, 256))
+    fs.rmdir(left.dirs["cpu"])  # a removal cut short by the crash
+    assert cgroups.remove_leftover("vm-left") is True
+    assert not any(d.exists() for d in left.dirs.values())
+    assert all(d.exists() for d in keep.dirs.values())
+    assert cgroups.remove_leftover("vm-left") is False

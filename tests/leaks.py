@@ -1,0 +1,172 @@
+"""What a node leaves behind, held against what its store says: the orphan checks of the
+kill -9 matrix and the churn soak (issue 9, item 7).
+
+A VM that is live (running, or live-paused) has exactly one QEMU, its ``vms/<id>`` dir,
+its network namespace, its gateway registration and its cgroup; any other VM has none of
+them. No row is left in an in-between state, each tenant's slot count is the number of
+its slot-holding VMs, and no snapshot, staging dir or fork memory file outlives its use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from pal.config import Settings
+from pal.localcluster.processes import qemu_pids_under
+from pal.network import netns
+from pal.scheduler.states import holds_slot, is_live_paused
+from pal.snapshots.layout import FORK_MEM_DIRNAME, STAGING_DIRNAME
+from pal.snapshots.local import LocalTier
+from pal.store import Store, VmRecord
+
+IN_BETWEEN = frozenset({"pending", "spawning", "draining"})
+_VM_DIR = re.compile(rb"/vms/(vm-[0-9a-f]+)")
+
+
+def open_store(data_dir: Path) -> Store:
+    """The `pal up` store of ``data_dir``, for reading beside the running server."""
+    return Store(f"sqlite:///{Settings.from_env(data_dir).db_path}", run_migrations=False)
+
+
+def qemus_by_vm(data_dir: Path) -> dict[str, list[int]]:
+    """QEMU pids under ``data_dir`` by the VM dir their command line names ("?": none)."""
+    out: dict[str, list[int]] = {}
+    for pid in qemu_pids_under(data_dir):
+        with contextlib.suppress(OSError):
+            m = _VM_DIR.search(Path(f"/proc/{pid}/cmdline").read_bytes())
+            out.setdefault(m.group(1).decode() if m else "?", []).append(pid)
+    return out
+
+
+def gateway_vms(data_dir: Path) -> set[str]:
+    """The VMs the node's egress gateway holds state for (its control socket's ping)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(data_dir / "run" / "gateway.sock"))
+        s.sendall(b'{"op": "ping"}\n')
+        buf = b""
+        while b"\n" not in buf:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            buf += chunk
+    reply = json.loads(buf.split(b"\n", 1)[0])
+    assert reply.get("ok"), reply
+    return set(reply.get("vms") or [])
+
+
+def cgroup_parents() -> list[Path]:
+    """Where the node puts each VM's cgroup (none when cgroups are unavailable here)."""
+    from pal.errors import Unavailable
+    from pal.vmm import cgroups
+
+    try:
+        return list(cgroups.host().parents.values())
+    except Unavailable:
+        return []
+
+
+def is_live(vm: VmRecord) -> bool:
+    return vm.state == "running" or is_live_paused(vm.state, vm.marker)
+
+
+@dataclass
+class NodeView:
+    rows: dict[str, VmRecord]
+    slots: dict[str, int]  # tenant id -> slots the store counts for it
+
+
+def view(data_dir: Path) -> NodeView:
+    store = open_store(data_dir)
+    try:
+        rows = {v.vm_id: v for v in store.list_vms()}
+        slots = {t.id: store.count_slots(t.id) for t in store.list_tenants()}
+    finally:
+        store.close()
+    return NodeView(rows, slots)
+
+
+def problems(data_dir: Path) -> list[str]:
+    """Every way the node's processes, files and kernel objects disagree with its store,
+    read while nothing is in flight. Empty when the two tell one story."""
+    settings = Settings.from_env(data_dir)
+    v = view(data_dir)
+    live = {vm_id for vm_id, vm in v.rows.items() if is_live(vm)}
+    out: list[str] = []
+
+    for vm in v.rows.values():
+        if vm.state in IN_BETWEEN:
+            out.append(f"{vm.vm_id} left {vm.state} ({vm.marker})")
+        if vm.holds_slot != holds_slot(vm.state, vm.marker):
+            out.append(f"{vm.vm_id} ({vm.state}) holds_slot={vm.holds_slot}")
+    for tenant, counted in v.slots.items():
+        want = sum(1 for vm in v.rows.values() if vm.tenant_id == tenant and holds_slot(vm.state, vm.marker))
+        if counted != want:
+            out.append(f"tenant {tenant}: {counted} slots counted, {want} VMs hold one")
+
+    qemus = qemus_by_vm(data_dir)
+    for vm_id, pids in sorted(qemus.items()):
+        if vm_id not in live or len(pids) != 1:
+            state = v.rows[vm_id].state if vm_id in v.rows else "no row"
+            out.append(f"QEMU {pids} of {vm_id} ({state})")
+    out += [f"live VM {vm_id} has no QEMU" for vm_id in sorted(live - set(qemus))]
+
+    dirs = {d.name for d in settings.vms_dir.iterdir()} if settings.vms_dir.is_dir() else set()
+    out += [f"vms/{name} of a VM that is not live" for name in sorted(dirs - live)]
+    out += [f"live VM {vm_id} has no vms/ dir" for vm_id in sorted(live - dirs)]
+
+    tag = netns.node_tag(data_dir)
+    want_ns = {netns.ns_name(tag, vm_id) for vm_id in live}
+    got_ns = set(netns.list_names(tag))
+    out += [f"network namespace {n} left" for n in sorted(got_ns - want_ns)]
+    out += [f"network namespace {n} missing" for n in sorted(want_ns - got_ns)]
+
+    registered = gateway_vms(data_dir)
+    out += [f"gateway still holds {vm_id}" for vm_id in sorted(registered - live)]
+    out += [f"gateway lost live VM {vm_id}" for vm_id in sorted(live - registered)]
+
+    for parent in cgroup_parents():
+        out += [
+            f"cgroup {parent / vm_id} left"
+            for vm_id in sorted(set(v.rows) - live)
+            if (parent / vm_id).exists()
+        ]
+
+    root = settings.snapshots_root
+    staging = sorted(os.listdir(root / STAGING_DIRNAME)) if (root / STAGING_DIRNAME).is_dir() else []
+    out += [f"snapshots/{STAGING_DIRNAME}/{name} left" for name in staging]
+    mapped = {vm.mem_snapshot_id for vm in v.rows.values() if vm.vm_id in live and vm.mem_snapshot_id}
+    fork_mem = root / FORK_MEM_DIRNAME
+    for name in sorted(os.listdir(fork_mem)) if fork_mem.is_dir() else []:
+        if name.removesuffix(".mem") not in mapped:
+            out.append(f"snapshots/{FORK_MEM_DIRNAME}/{name} no live fork maps")
+    for av, vm_id in LocalTier(root).vm_dirs():
+        owner = v.rows.get(vm_id)
+        snaps = {m.get("snapshotId") for m in LocalTier(root).list_vm(av, vm_id)}
+        if owner is None or owner.state == "terminated":
+            if snaps - mapped or not snaps:
+                out.append(f"snapshots of {vm_id} ({owner.state if owner else 'no row'}): {sorted(snaps)}")
+    for vm in v.rows.values():
+        if vm.state == "paused" and not is_live_paused(vm.state, vm.marker):
+            if not vm.agent_version_id or vm.snapshot_id not in {
+                m.get("snapshotId") for m in LocalTier(root).list_vm(vm.agent_version_id, vm.vm_id)
+            }:
+                out.append(f"paused VM {vm.vm_id} has no snapshot {vm.snapshot_id}")
+    return out
+
+
+def snapshot_bytes(data_dir: Path) -> int:
+    """Bytes allocated by every file under the snapshots root: snapshots, staging, fork
+    memory files and queued jobs alike."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(Settings.from_env(data_dir).snapshots_root):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
