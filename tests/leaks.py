@@ -2,9 +2,11 @@
 kill -9 matrix and the churn soak (issue 9, item 7).
 
 A VM that is live (running, or live-paused) has exactly one QEMU, its ``vms/<id>`` dir,
-its network namespace, its gateway registration and its cgroup; any other VM has none of
-them. No row is left in an in-between state, each tenant's slot count is the number of
-its slot-holding VMs, and no snapshot, staging dir or fork memory file outlives its use.
+its network namespace, its gateway registration and its cgroup. A snapshot-paused VM whose
+QEMU the node parked (pal/manager/parked.py: its state.json names the VM's snapshot) has
+all of them but the gateway registration. Any other VM has none of them. No row is left
+in an in-between state, each tenant's slot count is the number of its slot-holding VMs,
+and no snapshot, staging dir or fork memory file outlives its use.
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ def is_live(vm: VmRecord) -> bool:
     return vm.state == "running" or is_live_paused(vm.state, vm.marker)
 
 
+def is_parked(settings: Settings, vm: VmRecord) -> bool:
+    """A snapshot-paused VM whose node keeps its stopped QEMU for its next resume."""
+    if vm.state != "paused" or is_live_paused(vm.state, vm.marker) or not vm.snapshot_id:
+        return False
+    try:
+        st = json.loads((settings.vms_dir / vm.vm_id / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(st.get("parked")) and st.get("parked") == vm.snapshot_id
+
+
 @dataclass
 class NodeView:
     rows: dict[str, VmRecord]
@@ -98,6 +111,8 @@ def problems(data_dir: Path) -> list[str]:
     settings = Settings.from_env(data_dir)
     v = view(data_dir)
     live = {vm_id for vm_id, vm in v.rows.items() if is_live(vm)}
+    parked = {vm_id for vm_id, vm in v.rows.items() if is_parked(settings, vm)}
+    held = live | parked  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
     out: list[str] = []
 
     for vm in v.rows.values():
@@ -112,17 +127,17 @@ def problems(data_dir: Path) -> list[str]:
 
     qemus = qemus_by_vm(data_dir)
     for vm_id, pids in sorted(qemus.items()):
-        if vm_id not in live or len(pids) != 1:
+        if vm_id not in held or len(pids) != 1:
             state = v.rows[vm_id].state if vm_id in v.rows else "no row"
             out.append(f"QEMU {pids} of {vm_id} ({state})")
-    out += [f"live VM {vm_id} has no QEMU" for vm_id in sorted(live - set(qemus))]
+    out += [f"live or parked VM {vm_id} has no QEMU" for vm_id in sorted(held - set(qemus))]
 
     dirs = {d.name for d in settings.vms_dir.iterdir()} if settings.vms_dir.is_dir() else set()
-    out += [f"vms/{name} of a VM that is not live" for name in sorted(dirs - live)]
+    out += [f"vms/{name} of a VM that is not live" for name in sorted(dirs - held)]
     out += [f"live VM {vm_id} has no vms/ dir" for vm_id in sorted(live - dirs)]
 
     tag = netns.node_tag(data_dir)
-    want_ns = {netns.ns_name(tag, vm_id) for vm_id in live}
+    want_ns = {netns.ns_name(tag, vm_id) for vm_id in held}
     got_ns = set(netns.list_names(tag))
     out += [f"network namespace {n} left" for n in sorted(got_ns - want_ns)]
     out += [f"network namespace {n} missing" for n in sorted(want_ns - got_ns)]
@@ -134,7 +149,7 @@ def problems(data_dir: Path) -> list[str]:
     for parent in cgroup_parents():
         out += [
             f"cgroup {parent / vm_id} left"
-            for vm_id in sorted(set(v.rows) - live)
+            for vm_id in sorted(set(v.rows) - held)
             if (parent / vm_id).exists()
         ]
 
