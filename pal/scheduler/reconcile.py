@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from pal.errors import Unavailable
 from pal.manager.models import NodeHeartbeat, VmActivity
 from pal.scheduler import nodes as nodes_mod
-from pal.scheduler.states import FINAL, Action, Marker, VmState, holds_slot, is_live_paused
+from pal.scheduler.states import FINAL, NEVER_STARTS, Action, Marker, VmState, holds_slot, is_live_paused
 from pal.store import VmRecord, utcnow
 
 if TYPE_CHECKING:
@@ -448,7 +448,9 @@ async def sweep_snapshots(sched: Scheduler) -> list[str]:
         except Exception as exc:
             log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
     rows = {vm.vm_id: vm for vm in sched.store.list_vms()}
-    mapped = sorted({v.mem_snapshot_id for v in rows.values() if v.state not in FINAL and v.mem_snapshot_id})
+    mapped = sorted(
+        {v.mem_snapshot_id for v in rows.values() if v.state not in NEVER_STARTS and v.mem_snapshot_id}
+    )
     fixes = []
     for node_id, vms in owners.items():
         for agent_version_id, vm_id in vms:

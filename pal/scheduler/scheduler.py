@@ -75,7 +75,16 @@ from pal.scheduler.leader import Leadership, SingleProcessLeader
 from pal.scheduler.live import LIVE_PAUSED_CODE as LIVE_PAUSED
 from pal.scheduler.live import LiveOps, is_live_paused_error, live_paused
 from pal.scheduler.nodes import NodePool
-from pal.scheduler.states import AUTO_LIVE_MARKERS, FINAL, SLOT_HOLDING, Action, Marker, VmState, holds_slot
+from pal.scheduler.states import (
+    AUTO_LIVE_MARKERS,
+    FINAL,
+    NEVER_STARTS,
+    SLOT_HOLDING,
+    Action,
+    Marker,
+    VmState,
+    holds_slot,
+)
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.scheduler.views import (
@@ -448,7 +457,9 @@ class Scheduler:
     def _protected_snapshots(self, vm: VmRecord) -> builtins.list[str]:
         """Snapshots of ``vm`` that live fork children still map (retention must keep them)."""
         children = self.store.list_vms(parent_vm_id=vm.vm_id)
-        return sorted({c.mem_snapshot_id for c in children if c.mem_snapshot_id and c.state not in FINAL})
+        return sorted(
+            {c.mem_snapshot_id for c in children if c.mem_snapshot_id and c.state not in NEVER_STARTS}
+        )
 
     # -- schedule -----------------------------------------------------------------------------
 
@@ -714,7 +725,7 @@ class Scheduler:
         (an unreachable node, a crash) is found by the sweep (reconcile.sweep_snapshots)."""
         if not vm.agent_version_id:
             return
-        live = [v for v in self.store.list_vms(parent_vm_id=vm.vm_id) if v.state not in FINAL]
+        live = [v for v in self.store.list_vms(parent_vm_id=vm.vm_id) if v.state not in NEVER_STARTS]
         keep = sorted({c.mem_snapshot_id for c in live if c.mem_snapshot_id})
         await self._delete_snapshots_of(vm.agent_version_id, vm.vm_id, keep)
         self._stamp_snapshot_bytes(vm.vm_id, 0 if not keep else None)
@@ -724,7 +735,7 @@ class Scheduler:
                 users = [
                     v
                     for v in self.store.list_vms(mem_snapshot_id=vm.mem_snapshot_id)
-                    if v.state not in FINAL and v.vm_id != vm.vm_id
+                    if v.state not in NEVER_STARTS and v.vm_id != vm.vm_id
                 ]
                 if not users:
                     try:

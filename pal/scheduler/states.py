@@ -213,6 +213,9 @@ assert len(_BY_KEY) == len(RULES), "one rule per (state, action)"
 # offloaded, its network), so it keeps its slot; a snapshot pause frees it.
 SLOT_HOLDING = frozenset({S.PENDING, S.SPAWNING, S.RUNNING, S.DRAINING})
 FINAL = frozenset({S.TERMINATED})
+# States a VM never starts from again (a failed VM can only be deleted): a fork snapshot is
+# kept for the children that may still map it, never for these (delete, retention, sweep).
+NEVER_STARTS = frozenset({S.FAILED, S.TERMINATED})
 
 
 def holds_slot(state: VmState | str, marker: str = "") -> bool:

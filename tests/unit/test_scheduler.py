@@ -315,6 +315,18 @@ async def test_delete_keeps_a_snapshot_that_live_forks_map(env: SchedEnv) -> Non
     assert [s for (_, _, s) in env.manager.deleted_snapshots] == [paused.snapshot_id]
 
 
+async def test_a_failed_fork_child_keeps_no_snapshot_of_a_deleted_source(env: SchedEnv) -> None:
+    """A failed child can only be deleted, never started: the source's snapshot it would
+    have mapped goes with the source (an interrupted fork must not pin it for ever)."""
+    vm_id = await _running(env)
+    paused = await env.sched.pause(env.tenant_id, vm_id)
+    env.manager.fail("spawn", BackendError("restore failed"))
+    res = await env.sched.fork(env.tenant_id, vm_id, 1)
+    assert [f.state for f in res.forks] == [S.FAILED]
+    await env.sched.delete(env.tenant_id, vm_id)
+    assert [s for (_, _, s) in env.manager.deleted_snapshots] == [paused.snapshot_id]
+
+
 async def test_delete_whose_stop_fails_can_be_retried(env: SchedEnv) -> None:
     vm_id = await _running(env)
     env.manager.fail("stop", BackendError("kill failed"))
