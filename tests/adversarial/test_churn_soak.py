@@ -41,7 +41,7 @@ pytestmark = pytest.mark.vm
 
 FORK_COUNT = 4
 CYCLES = 40  # x (1 source + FORK_COUNT children) = 200 VMs
-WARMUP_CYCLES = 4  # the first 20 VMs: caches, pools and the allocator reach their size
+WARMUP_CYCLES = 10  # the first 50 VMs: caches, pools and the allocator reach their size
 CONCURRENCY = 3
 RSS_GROWTH = 0.10  # the "memory flat within 10 %"
 DEADLINE_S = 900  # a hang guard for the whole soak, not a speed bound
