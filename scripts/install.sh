@@ -32,13 +32,14 @@ fi
 # chromium + a font: the dashboard's browser tests (Playwright drives Debian's chromium; it
 # never downloads a browser).
 # skopeo + umoci import container images (OCI / Docker archives, registries); buildah
-# builds Dockerfiles (`pal image build -f`).
+# builds Dockerfiles (`pal image build -f`). runsc (gVisor): the peer `pal bench peer` measures.
 PACKAGES=(
   qemu-system-x86 qemu-utils mmdebstrap busybox-static xfsprogs lz4 e2fsprogs cpio kmod
   zstd xz-utils ca-certificates python3 python3-venv python3-dev gcc
   nftables iproute2 openssl
   chromium fonts-dejavu-core
   skopeo umoci buildah
+  runsc
   postgresql
 )
 missing=()

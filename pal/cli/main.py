@@ -349,7 +349,9 @@ def tenants_ls(
         print_json(rows)
 
 
-bench_app = typer.Typer(help="Benchmarks: the latency table, `images`, `network`, `cluster` and `wait`.")
+bench_app = typer.Typer(
+    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait` and `peer` (gVisor)."
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -464,6 +466,25 @@ def bench_wait(
     bench_wait.main(
         iterations=iterations, waits=waits, scenario_runs=scenario_runs, data_dir=data_dir, out_dir=out_dir
     )
+
+
+@bench_app.command("peer")
+def bench_peer(
+    iterations: Annotated[int, typer.Option(min=1, help="iterations per workload size (p50/p90)")] = 20,
+    platform: Annotated[str, typer.Option(help="runsc platform: ptrace, systrap or kvm")] = "ptrace",
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where peer-gvisor.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """gVisor (runsc) by the protocol of Pal's pause/resume rows, to put beside them.
+
+    Checkpoint, restore, first exec after it and warm exec of a container running Pal's
+    default image tree, its workload holding 0 and 64 MiB; every p50 also as a ratio to the
+    peer's own warm exec. Needs root, runsc and a built default image in the data dir."""
+    from pal import bench_peer
+
+    if platform not in bench_peer.PLATFORMS:
+        raise typer.BadParameter(f"--platform takes one of {', '.join(bench_peer.PLATFORMS)}")
+    bench_peer.main(iterations=iterations, platform=platform, data_dir=data_dir, out_dir=out_dir)
 
 
 if __name__ == "__main__":
