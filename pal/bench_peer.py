@@ -43,9 +43,15 @@ BASELINE = "warm_exec"
 ROWS = [
     ("start_to_first_exec", "Start (`runsc run -detach`) → first exec", "template_to_first_exec"),
     ("snapshot", "Snapshot (`runsc checkpoint`; the container stops)", "snapshot"),
-    ("restore", "Restore (`runsc restore -detach`)", "restore"),
-    ("first_exec_after_restore", "First exec after restore (exec call alone)", "first_exec_after_restore"),
-    ("resume_to_first_exec", "Restore → first exec answered", "resume_to_first_exec"),
+    # Pal's restores into a new QEMU: a new sandbox process from the checkpoint, as runsc's
+    # (a Pal resume that continues its parked QEMU has no runsc counterpart).
+    ("restore", "Restore (`runsc restore -detach`)", "restore_new_qemu"),
+    (
+        "first_exec_after_restore",
+        "First exec after restore (exec call alone)",
+        "first_exec_after_restore_new_qemu",
+    ),
+    ("resume_to_first_exec", "Restore → first exec answered", "resume_to_first_exec_new_qemu"),
     ("warm_exec", "Second exec after restore (warm: the baseline)", "warm_exec"),
 ]
 # The workload: write `mib` MiB the process keeps, say so on stdout, then wait forever.
