@@ -203,13 +203,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.dashboard.session import load_secret
 
     app = control_plane_app(scheduler, store, settings, health, load_secret(settings))
-    api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    api_task = asyncio.create_task(api.serve(), name="api")
+    api, api_task, stop = _serve_api(app, host, port)
     log.info(
         "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime",
         host,
@@ -241,6 +235,16 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.gather(api_task, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
+
+
+def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], asyncio.Event]:
+    """Serve the control plane's app; the event is set by SIGTERM or SIGINT."""
+    api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return api, asyncio.create_task(api.serve(), name="api"), stop
 
 
 def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -329,12 +333,7 @@ async def serve_control_plane(
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
     app = control_plane_app(scheduler, store, settings, health, link_secret)
-    api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    api_task = asyncio.create_task(api.serve(), name="api")
+    api, api_task, stop = _serve_api(app, host, port)
     log.info(
         "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
         host,
