@@ -25,7 +25,6 @@ told so (503) and decides.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -36,6 +35,8 @@ from typing import Any
 import httpx
 
 from pal.errors import NotLeader, PalError, TooLarge
+
+from .wsrelay import relay
 
 log = logging.getLogger(__name__)
 
@@ -267,40 +268,7 @@ class ForwardToLeader:
         upstream = got[1]
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
 
-        async def client_to_leader() -> None:
-            while True:
-                msg = await receive()
-                if msg["type"] == "websocket.disconnect":
-                    await upstream.close(msg.get("code") or 1000)
-                    return
-                if msg.get("bytes") is not None:
-                    await upstream.send(msg["bytes"])
-                elif msg.get("text") is not None:
-                    await upstream.send(msg["text"])
-
-        async def leader_to_client() -> None:
-            with contextlib.suppress(websockets.ConnectionClosed):
-                async for data in upstream:
-                    if isinstance(data, str):
-                        await send({"type": "websocket.send", "text": data})
-                    else:
-                        await send({"type": "websocket.send", "bytes": data})
-            code = upstream.close_code or 1000
-            reason = upstream.close_reason or ""
-            with contextlib.suppress(Exception):
-                await send(
-                    {"type": "websocket.close", "code": code if code != 1006 else 1011, "reason": reason}
-                )
-
-        tasks = [asyncio.create_task(client_to_leader()), asyncio.create_task(leader_to_client())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await upstream.close()
+        await relay(receive, send, upstream)
 
     async def aclose(self) -> None:
         await self._http.aclose()

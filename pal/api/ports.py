@@ -38,6 +38,7 @@ from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_f
 from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
+from .wsrelay import relay
 
 log = logging.getLogger("pal.api.ports")
 
@@ -499,39 +500,7 @@ async def _proxy_websocket(
             return
         await ws.accept(subprotocol=guest.subprotocol)
 
-        async def client_to_guest() -> None:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    await guest.close(msg.get("code") or 1000)
-                    return
-                if msg.get("bytes") is not None:
-                    await guest.send(msg["bytes"])
-                elif msg.get("text") is not None:
-                    await guest.send(msg["text"])
-
-        async def guest_to_client() -> None:
-            try:
-                async for data in guest:
-                    if isinstance(data, str):
-                        await ws.send_text(data)
-                    else:
-                        await ws.send_bytes(data)
-            except websockets.ConnectionClosed:
-                pass
-            code = guest.close_code or 1000
-            with contextlib.suppress(Exception):
-                await ws.close(code=code if code != 1006 else 1011)
-
-        tasks = [asyncio.create_task(client_to_guest()), asyncio.create_task(guest_to_client())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await guest.close()
+        await relay(ws.receive, ws.send, guest)
     finally:
         # ``sock`` belongs to the WebSocket client's transport (closed with it), never
         # closed behind the event loop's back.
