@@ -85,6 +85,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.upstream.received.append(got)
             digests = {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in got.items()}
             self._send(json.dumps(digests).encode(), "application/json")
+        elif path == "/time":
+            # The host's wall clock, for a guest measuring its own clock against it.
+            self._send(repr(time.time()).encode())
         elif path == "/host":
             self._send((self.headers.get("Host") or "").encode())
         elif path.startswith("/bytes/"):

@@ -707,19 +707,27 @@ class Harness:
         # decode: from the read that brought this request to here (JSON decode, dispatch).
         decode = (t0 - self.channel.read_ns) // 1000 if self.channel.read_ns else None
         steps = {"decode": decode, "clock_rng": (t1 - t0) // 1000, "net_host_ca": (t2 - t1) // 1000}
-        self._reply(
-            rid, P.K_OK, result={"vm_id": self.vm_id, "incarnation": self.incarnation, "steps_us": steps}
-        )
+        result = {"vm_id": self.vm_id, "incarnation": self.incarnation, "steps_us": steps}
+        self._reply(rid, P.K_OK, result={**result, "wall_ns": time.time_ns()})
         self.send_heartbeat()
         self._hb_wake.poke()  # restart the period from now
 
     def _clock(self, rid: int, msg: P.Message) -> None:
         """After a live resume: the guest's clocks stood still while its vCPUs were
-        stopped, so the wall clock lags by the pause. Take the host's."""
-        now_ns = msg.get("now_ns")
+        stopped, so the wall clock lags by the pause. Take the host's; or move forward by
+        the host's correction (the delay this guest took to read the last clock it was
+        sent: relative, so this message's own delay does not matter)."""
+        now_ns, adjust_ns = msg.get("now_ns"), msg.get("adjust_ns")
         if self.system and isinstance(now_ns, int) and not isinstance(now_ns, bool) and now_ns > 0:
             set_wall_clock(now_ns)
-        self._reply(rid, P.K_OK, result={})
+        elif (
+            self.system
+            and isinstance(adjust_ns, int)
+            and not isinstance(adjust_ns, bool)
+            and 0 < adjust_ns <= P.MAX_CLOCK_ADJUST_NS
+        ):
+            set_wall_clock(time.time_ns() + adjust_ns)
+        self._reply(rid, P.K_OK, result={"wall_ns": time.time_ns()})
         self.send_heartbeat()
         self._hb_wake.poke()
 

@@ -20,7 +20,9 @@ Host -> guest kinds (``k``):
             connection a snapshot froze open (the host side of them is gone). A non-empty
             ``ca_pem`` (a VM with brokered secrets) is added to the system trust store and
             named by SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS in every exec.
-            Replies ``ok`` then sends a heartbeat at once.
+            Replies ``ok`` {vm_id, incarnation, steps_us, wall_ns} (``wall_ns``: the
+            guest's wall clock as it answers, for the host's clock correction), then sends
+            a heartbeat at once.
   exec      {tok, argv:[executable, args...], env:{}, cwd:str|None, timeout:float|None,
             user:str|None}  -> ``out`` chunks, then ``exit`` or ``err``.
   cancel    {target:int}  kill the exec whose request id is ``target``.
@@ -29,8 +31,11 @@ Host -> guest kinds (``k``):
   write     {tok, path} + data     -> ok {path, bytesWritten}
   rm        {tok, path}            -> ok {path, deleted: true}  (a file or symlink, never a dir)
   ping      {}                     -> ok {}
-  clock     {now_ns:int}           -> ok {}  sets the wall clock (after a live resume: the
-            guest's clocks stood still while its vCPUs were stopped), then a heartbeat.
+  clock     {now_ns:int} | {adjust_ns:int} -> ok {wall_ns}  sets the wall clock to the
+            host's (after a live resume: the guest's clocks stood still while its vCPUs
+            were stopped), or moves it forward by ``adjust_ns`` (0 < adjust_ns <=
+            MAX_CLOCK_ADJUST_NS: the host's correction for the delay the guest took to
+            read the previous clock message), then a heartbeat.
   probe     {}                     -> ok {runnable:int, cpu_busy:int, cpu_total:int,
             timer_ms:int|null}: is the guest idle? ``runnable`` counts tasks running or
             in uninterruptible wait besides the prober; ``cpu_*`` are /proc/stat ticks
@@ -65,6 +70,7 @@ WORKSPACE = "/workspace"
 WORKLOAD_USER = "pal"
 MAX_FILE_BYTES = 1024 * 1024  # files API limit (1 MiB)
 MAX_LINE_BYTES = 8 * 1024 * 1024  # a peer sending longer lines is broken; drop them
+MAX_CLOCK_ADJUST_NS = 60 * 10**9  # a clock correction beyond this is no read delay: ignored
 
 # The guest's network, the same in every VM (each VM has its own namespace on the host):
 # a static address, and the host side of its NIC as gateway and DNS server.

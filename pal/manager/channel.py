@@ -275,6 +275,11 @@ class HarnessChannel:
         if inbox is not None:
             inbox.close()  # releases a reader waiting to put into it
 
+    async def post(self, msg: p.Message) -> None:
+        """Send one request and wait for nothing: its answer is dropped on arrival. It is
+        written before this returns, so the guest handles it before anything sent later."""
+        await self._send({**msg, "id": next(self._ids)})
+
     async def request(
         self, msg: p.Message, data: bytes | None = None, timeout: float = 30.0
     ) -> tuple[p.Message, bytes]:

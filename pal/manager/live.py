@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from pal.errors import Conflict
 from pal.guest import protocol as p
+from pal.manager import guest_clock
 from pal.manager import guest_input as gi
 from pal.manager.models import LivePauseRequest, LivePauseResult, LiveResumeResult, LiveState
 from pal.vmm import offload
@@ -360,7 +361,10 @@ class LiveControl:
 
     async def _set_clock(self, lv: LiveVm) -> None:
         try:
-            await lv.channel.request({"k": p.K_CLOCK, "now_ns": time.time_ns()}, timeout=CLOCK_TIMEOUT_S)
+            reply, _ = await lv.channel.request(
+                {"k": p.K_CLOCK, "now_ns": time.time_ns()}, timeout=CLOCK_TIMEOUT_S
+            )
+            await guest_clock.correct(lv.channel, reply.get("result") or {}, time.time_ns())
         except Exception as exc:  # the guest runs; its clock is its problem
             log.warning("VM %s: clock not set after a live resume: %s", lv.vm_id, exc)
 

@@ -38,7 +38,7 @@ from pal.guest import protocol as p
 from pal.ids import is_safe_id, validate_id
 from pal.images.builder import is_current
 from pal.images.paths import ImagePaths, image_for_restore, list_images, load_image
-from pal.manager import admission
+from pal.manager import admission, guest_clock
 from pal.manager import guest_input as gi
 from pal.manager.channel import GuestError, HarnessChannel
 from pal.manager.guest_errors import to_pal_error
@@ -476,7 +476,7 @@ class NodeRuntime:
             if died in done and waiter not in done:
                 raise BackendError(f"VM {vm_id}: QEMU exited while booting")
             reply, _ = waiter.result()
-            t_reply = time.monotonic()
+            t_reply, received_ns = time.monotonic(), time.time_ns()
             result = reply.get("result") or {}
             if result.get("vm_id") != vm_id or result.get("incarnation") != incarnation:
                 raise BackendError(
@@ -484,6 +484,7 @@ class NodeRuntime:
                     f"incarnation {gi.text(str(result.get('incarnation')))}"
                 )
             channel.heard()
+            lag = await guest_clock.correct(channel, result, received_ns)
             steps = result.get("steps_us")
             out: dict[str, Any] = {
                 f"guest_{k}_us": v
@@ -493,6 +494,7 @@ class NodeRuntime:
             if channel.first_line_at:
                 out["first_line_ms"] = round((channel.first_line_at - t0) * 1000, 1)
             out["reply_ms"] = round((t_reply - t0) * 1000, 1)
+            out["clock_lag_ms"] = round(lag / 1e6, 1)
             return out
         finally:
             for t in (waiter, died):

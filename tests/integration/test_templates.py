@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
 
 from tests.conftest import assert_guest_clock_is_the_hosts
+from tests.netservers import Upstream
 
 pytestmark = pytest.mark.vm
 
@@ -76,5 +78,52 @@ def test_a_size_without_a_template_cold_boots_and_then_gets_one(api: httpx.Clien
     vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
     try:
         assert root_fs_mib(api, vm) < 2100, "the default size is untouched"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+
+
+# The guest measures its clock against the host's NTP-style, through the gateway: the best
+# of several round trips to the host's /time, offset = host - midpoint. The true offset lies
+# within half that round trip of the estimate; the tolerance on top covers the clock
+# correction's own residue (the answer's trip to the host). Guests read their clock message
+# ~100 ms late after a restore under TCG and, uncorrected, ran that far behind.
+OFFSET = """
+import json, sys, time, urllib.request
+best = None
+for _ in range(7):
+    g0 = time.time()
+    host = float(urllib.request.urlopen(sys.argv[1], timeout=60).read())
+    g1 = time.time()
+    if best is None or g1 - g0 < best[0]:
+        best = (g1 - g0, host - (g0 + g1) / 2)
+print(json.dumps({"rtt": best[0], "offset": best[1]}))
+"""
+CLOCK_SYNC_TOLERANCE_S = 0.03
+
+
+def assert_clock_in_step(api: httpx.Client, vm: str, url: str, when: str) -> None:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "python3", "argv": ["offset.py", url]})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    got = json.loads(r.json()["stdout"])
+    assert abs(got["offset"]) <= got["rtt"] / 2 + CLOCK_SYNC_TOLERANCE_S, (when, got)
+
+
+def test_the_guest_clock_is_the_hosts_to_milliseconds_after_template_and_resumes(
+    api: httpx.Client, upstream: Upstream
+) -> None:
+    url = f"http://api.test:{upstream.http_port}/time"
+    r = api.post("/v1/runtime/schedule", json={"egress": {"allow": [f"api.test:{upstream.http_port}"]}})
+    assert r.status_code == 200 and r.json()["bootMethod"] == "template", r.text
+    vm = r.json()["vmId"]
+    try:
+        put = api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "offset.py"}, content=OFFSET)
+        assert put.status_code == 200, put.text
+        assert_clock_in_step(api, vm, url, "from the template")
+        assert api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live"}).status_code == 200
+        assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+        assert_clock_in_step(api, vm, url, "after a live resume")
+        assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
+        assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+        assert_clock_in_step(api, vm, url, "after a snapshot resume")
     finally:
         api.delete(f"/v1/runtime/vms/{vm}")

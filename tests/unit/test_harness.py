@@ -321,6 +321,8 @@ def test_identify_replaces_the_token(host: Host) -> None:
     assert ok["result"]["vm_id"] == "vm-1" and ok["result"]["incarnation"] == 2
     steps = ok["result"]["steps_us"]
     assert set(steps) == {"decode", "clock_rng", "net_host_ca"}
+    # and the guest's wall clock as it answered, which the host corrects by (guest_clock.py)
+    assert abs(ok["result"]["wall_ns"] - time.time_ns()) < 60 * 10**9
     assert all(isinstance(v, int) and v >= 0 for v in steps.values()), steps
     hb = host.next_heartbeat(timeout=2)  # sent right after identify
     assert hb["incarnation"] == 2 and hb["vm_id"] == "vm-1"
@@ -497,8 +499,11 @@ def test_probe_counts_other_runnable_tasks_and_cpu_ticks(tmp_path: Path) -> None
 
 def test_clock_and_probe_answer_without_a_token_and_clock_sends_a_heartbeat(host: Host) -> None:
     rid = host.send(p.K_CLOCK, now_ns=time.time_ns())
-    assert list(host.replies(rid))[-1]["k"] == p.K_OK
+    last = list(host.replies(rid))[-1]
+    assert last["k"] == p.K_OK and isinstance(last["result"]["wall_ns"], int)
     host.next_heartbeat()
+    # a relative correction is answered the same way (this harness is no PID 1: it sets nothing)
+    assert host.call(p.K_CLOCK, adjust_ns=5_000_000)["k"] == p.K_OK
     got = host.call(p.K_PROBE)
     assert got["k"] == p.K_OK
     assert set(got["result"]) == {"runnable", "cpu_busy", "cpu_total", "timer_ms"}
