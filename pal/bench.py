@@ -686,11 +686,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Load average (1 min) before / after the run: {report.get('load', {}).get('before', '?')}"
         f" / {report.get('load', {}).get('after', '?')}",
         f"- VMM: {m['qemu']}, machine `microvm`, accelerator **{report['accel'].upper()}**",
-        *(
-            [f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"]
-            if (d := report.get("data_dir"))
-            else []
-        ),
+        *data_dir_lines(report),
         f"- Guest: {report['memory_mib']} MiB RAM, 1 vCPU, Debian 12 cloud kernel, Python harness",
         "- Reference: Firecracker, Lima nested virtualization on an Apple M4 Max, 128 MiB VM (spec's table).",
         "",
@@ -809,6 +805,14 @@ def data_dir_info(path: Path | None) -> dict[str, str] | None:
         info["mode"] = oct(path.stat().st_mode & 0o777)
         info["parentMode"] = oct(path.parent.stat().st_mode & 0o777)
     return info
+
+
+def data_dir_lines(report: dict[str, Any]) -> list[str]:
+    """The report's line naming its data dir and modes (none for a remote server)."""
+    d = report.get("data_dir")
+    if not d:
+        return []
+    return [f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"]
 
 
 def load_average() -> float | None:

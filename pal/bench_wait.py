@@ -35,6 +35,8 @@ from typing import Any
 
 from pal.bench import (
     Api,
+    data_dir_info,
+    data_dir_lines,
     local_server,
     machine,
     pct,
@@ -411,6 +413,7 @@ def render(report: dict[str, Any]) -> str:
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['memGiB']} GiB, Linux {m['kernel']}; "
         f"load average at the start {report['load_start']}, at the end {report['load_end']}",
         f"- VMM: {m['qemu']}, machine `microvm`, accelerator **{report['accel'].upper()}**",
+        *data_dir_lines(report),
         "- Guest: 256 MiB RAM, 1 vCPU, Debian 12 cloud kernel, Python harness",
         "",
         "Every latency is also given as a ratio to the same run's warm exec (`/bin/true` on a",
@@ -458,7 +461,8 @@ def render(report: dict[str, Any]) -> str:
         "extra time is split into: *request* (from `urlopen` until the request reached the model), "
         "*headers* (from the model's first byte until `urlopen` returned in the guest: the wake, "
         "with wait management) and *read* (reading the 2 MiB body in the guest), from the guest's "
-        "and the host's wall clocks (the guest's is set from the host's at every live resume).",
+        "and the host's wall clocks (the guest's is the host's to about 10 ms after a schedule and "
+        "1 ms after a live resume: pal/manager/guest_clock.py).",
         "",
         "| run | upstream s | client s | client − upstream s | request s | headers s | read s | sha256 ok "
         "| guest RAM resident MiB (paused → offloaded) | QEMU RSS MiB (paused → offloaded) "
@@ -522,7 +526,8 @@ def main(
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
     }
     load_start = os.getloadavg()[0]
-    with local_server(data_dir or Settings.from_env().data_dir, env) as (url, key):
+    data_dir = data_dir or Settings.from_env().data_dir
+    with local_server(data_dir, env) as (url, key):
         api = Api(url, key)
         accel = server_accel(url, token)
         body = run(api, model, iterations, waits, scenario_runs, log)
@@ -532,6 +537,7 @@ def main(
         "machine": machine(),
         "load_start": round(load_start, 1),
         "load_end": round(os.getloadavg()[0], 1),
+        "data_dir": data_dir_info(data_dir),
         **body,
     }
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items()}

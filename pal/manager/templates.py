@@ -34,6 +34,7 @@ from pal.images.paths import ImagePaths
 from pal.manager import admission
 from pal.manager.models import SpawnRequest
 from pal.sizes import DEFAULT_TEMPLATE_SIZES, size_name
+from pal.spec import ExecRequest
 
 if TYPE_CHECKING:
     from pal.config import Settings
@@ -44,6 +45,9 @@ if TYPE_CHECKING:  # runtime.py imports this module
 log = logging.getLogger(__name__)
 
 COMPLETE = "template.json"
+# What a first exec runs (pal bench: /bin/true; agents: a shell), run once before capture.
+PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (("/bin/true",), ("/bin/sh", "-c", "true"))
+PRIME_TIMEOUT_S = 60.0  # a hang guard: an image whose shell never returns still gets its template
 
 
 class TemplateCache:
@@ -172,6 +176,7 @@ class TemplateCache:
             lv = runtime.vms[vm_id]
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
+            primed = await self._prime(runtime, vm_id)
             staging.mkdir(parents=True, exist_ok=True)
             # Like a pause: the capture's RAM file must fit (a full disk fails it cleanly).
             await asyncio.to_thread(admission.check_disk, self.root, memory_mib, f"the template of {key}")
@@ -185,6 +190,7 @@ class TemplateCache:
                 "vcpus": vcpus,
                 "diskMib": disk_mib,
                 "memoryKind": art.memory_kind,
+                "primedWith": primed,
                 "createdAt": time.time(),
                 "buildMs": (time.perf_counter() - t0) * 1000,
             }
@@ -200,6 +206,26 @@ class TemplateCache:
         finally:
             await runtime.stop(vm_id)
             shutil.rmtree(staging, ignore_errors=True)
+
+    @staticmethod
+    async def _prime(runtime: NodeRuntime, vm_id: str) -> list[str]:
+        """Run what a first exec runs once before the capture, so every VM restored from the
+        template starts past the first-exec work of its harness and kernel (what one exec
+        leaves behind in the guest: measured under TCG, a schedule's first exec took 146-152
+        ms from a primed template against 199-224 ms from an unprimed one, the warm exec
+        51-65 ms). Returns the commands that ran (an image may lack them: no priming)."""
+        ran = []
+        for argv in PRIME_COMMANDS:
+            req = ExecRequest(
+                command=argv[0], argv=list(argv[1:]), cwd=None, timeout_secs=PRIME_TIMEOUT_S, user=None
+            )
+            try:
+                async for ev in runtime.exec_stream(vm_id, req):
+                    if ev.type == "exit" and ev.exit_code == 0:
+                        ran.append(" ".join(argv))
+            except Exception as exc:
+                log.info("template %s: priming with %s failed: %s", vm_id, argv[0], exc)
+        return ran
 
     def sizes(self, agent_version_id: str) -> list[str]:
         """The sizes (``<mem>m-<vcpus>c-<disk>d``) with a complete template of an image build."""

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import assert_guest_clock_is_the_hosts
+from tests.conftest import PalServer, assert_guest_clock_is_the_hosts
 from tests.netservers import Upstream
 
 pytestmark = pytest.mark.vm
@@ -47,6 +47,20 @@ def test_schedule_uses_the_template_and_each_vm_has_its_own_identity_and_disk(ap
     finally:
         for vm in vms:
             api.delete(f"/v1/runtime/vms/{vm}")
+
+
+def test_the_template_is_primed_with_a_first_exec_before_its_capture(pal_server: PalServer) -> None:
+    """A template's guest ran the image's first commands once before it was captured
+    (templates.PRIME_COMMANDS), so no VM restored from it pays for the first exec of its
+    harness and kernel again: its record names the commands that ran, exit code 0."""
+    from pal.manager.templates import COMPLETE, PRIME_COMMANDS
+
+    metas = [json.loads(p.read_text()) for p in (pal_server.data_dir / "templates").glob(f"*/{COMPLETE}")]
+    metas = [m for m in metas if m["image"] == "default"]  # user images may lack a shell
+    assert metas, "no template of the default image"
+    assert PRIME_COMMANDS
+    for meta in metas:
+        assert meta["primedWith"] == [" ".join(argv) for argv in PRIME_COMMANDS], meta
 
 
 def root_fs_mib(api: httpx.Client, vm: str) -> int:
