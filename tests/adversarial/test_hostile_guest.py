@@ -15,11 +15,7 @@ One `pal up` of its own (its images and templates shared with the session's data
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -28,12 +24,8 @@ import httpx
 import pytest
 
 from tests.conftest import (
-    TEST_DATA_DIR,
     PalServer,
-    gateway_pids_under,
-    netns_of,
-    prepare_base_dir,
-    qemu_pids_under,
+    scratch_run_dir,
     start_server,
     stop_server,
     wait_template,
@@ -55,22 +47,13 @@ DEADLINE_S = 300.0  # hang guard for each wait (a loaded 2-core host)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[PalServer]:
-    prepare_base_dir()
-    run_dir = TEST_DATA_DIR / "runs" / f"hostile-{uuid.uuid4().hex[:8]}"
-    # Heartbeats every second: a guest whose channel ended is found silent in 6 s.
-    srv = start_server(run_dir, {"PAL_HEARTBEAT_INTERVAL": "1"})
-    try:
-        yield srv
-    finally:
-        stop_server(srv)
-        for pid in qemu_pids_under(run_dir) + gateway_pids_under(run_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        from pal.network import netns
-
-        for name in netns_of(run_dir):
-            netns.delete(name)
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with scratch_run_dir("hostile") as run_dir:
+        # Heartbeats every second: a guest whose channel ended is found silent in 6 s.
+        srv = start_server(run_dir, {"PAL_HEARTBEAT_INTERVAL": "1"})
+        try:
+            yield srv
+        finally:
+            stop_server(srv)
 
 
 def _tree(root: int) -> list[int]:
