@@ -18,7 +18,9 @@ import dns.rrset
 
 
 class LoopbackDns:
-    def __init__(self, answers: dict[str, str], silent: tuple[str, ...] = (), host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, answers: dict[str, str], silent: tuple[str, ...] = (), host: str = "127.0.0.1"
+    ) -> None:
         self.answers = {k.lower(): v for k, v in answers.items()}
         self.silent = tuple(s.lower() for s in silent)
         self.queries: list[str] = []  # names asked, in order (each type counts)

@@ -188,6 +188,11 @@ class VmGateway:
         except OSError:
             reset(transport)
             return
+        self.admit(side, transport, ip, port)
+
+    def admit(self, side: GuestSide, transport: asyncio.Transport, ip: str, port: int) -> None:
+        """A guest connection to ``ip``:``port``: within the VM's and the node's budgets,
+        decided and relayed; else reset with an event."""
         self.counters["connections"] += 1
         conn = Connection(
             self.gw.next_id(),

@@ -68,8 +68,8 @@ from pal.manager.models import (
     VmMetrics,
 )
 from pal.manager.tunnel import TunnelStream
+from pal.scheduler import ceilings, placement, states
 from pal.scheduler import nodes as nodes_mod
-from pal.scheduler import placement, states
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.leader import Leadership, SingleProcessLeader
 from pal.scheduler.live import LIVE_PAUSED_CODE as LIVE_PAUSED
@@ -554,6 +554,7 @@ class Scheduler:
     async def schedule(self, tenant_id: str, spec: AgentSpec) -> tuple[VmRecord, str]:
         """The running VM and how it started (`cold`, `template`). Everything that can be
         checked is checked before any row or slot exists (400 before 402)."""
+        spec = ceilings.apply(spec, self.settings.net_budgets)
         await self._require_image(tenant_id, spec.image)
         await self.nodes.register_local()
         placement.check_satisfiable(self.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))
