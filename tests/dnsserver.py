@@ -1,6 +1,7 @@
 """A DNS server on loopback for network tests: it answers the names it is given, says
-NXDOMAIN for the others, and never answers names under its ``silent`` domains (a name
-server that has gone quiet). Plain UDP on one thread; dnspython encodes the answers."""
+NXDOMAIN for the others (``*.domain`` answers every name directly under it), and never
+answers names under its ``silent`` domains (a name server that has gone quiet). Plain UDP
+on one thread; dnspython encodes the answers."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class LoopbackDns:
             return None
         r = dns.message.make_response(q)
         ip = self.answers.get(name)
+        if ip is None and "." in name:  # "*.domain" answers every name under it
+            ip = self.answers.get("*." + name.split(".", 1)[1])
         if ip is None:
             r.set_rcode(dns.rcode.NXDOMAIN)
         else:
