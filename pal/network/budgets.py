@@ -179,6 +179,8 @@ class Account:
             self._waiters.pop(0)()
 
     def close(self) -> None:
+        if self not in self.pool.accounts:
+            return
         self.pool.beyond -= self._beyond(self.used)
         self.pool.floors -= self.floor
         self.used = 0

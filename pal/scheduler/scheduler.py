@@ -554,7 +554,7 @@ class Scheduler:
     async def schedule(self, tenant_id: str, spec: AgentSpec) -> tuple[VmRecord, str]:
         """The running VM and how it started (`cold`, `template`). Everything that can be
         checked is checked before any row or slot exists (400 before 402)."""
-        spec = ceilings.apply(spec, self.settings.net_budgets)
+        spec = ceilings.apply(spec, self.settings.net_budgets, self.settings.wait_pause_default)
         await self._require_image(tenant_id, spec.image)
         await self.nodes.register_local()
         placement.check_satisfiable(self.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))

@@ -9,7 +9,7 @@ import pytest
 
 from pal.config import NetBudgets, Settings, parse_nameservers
 from pal.errors import InvalidRequest
-from pal.spec import AgentSpec
+from pal.spec import AgentSpec, WaitPause
 from tests.fakes import make_env
 
 
@@ -31,6 +31,16 @@ async def test_a_spec_over_a_ceiling_is_400_naming_the_field(tmp_path: Path) -> 
     assert (req.max_connections, req.egress_mbps) == (64, 100)
     assert req.wait_pause is not None and req.wait_pause.max_buffer_bytes == 1 << 20
     assert vm.limits["max_connections"] == 64 and vm.limits["egress_mbps"] == 100
+
+
+async def test_ceilings_apply_to_the_servers_wait_default_and_not_to_waitpause_off(tmp_path: Path) -> None:
+    ceilings = NetBudgets(max_buffer_bytes=1 << 20)
+    env = make_env(tmp_path, net_budgets=ceilings, wait_pause_default=WaitPause(max_buffer_bytes=8 << 20))
+    await env.sched.schedule(env.tenant_id, AgentSpec())
+    req = env.manager.spawn_requests[-1]
+    assert req.wait_pause is not None and req.wait_pause.max_buffer_bytes == 1 << 20
+    await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({"waitPause": False}))
+    assert env.manager.spawn_requests[-1].wait_pause is None
 
 
 async def test_the_default_ceilings_leave_specs_as_they_are(tmp_path: Path) -> None:
