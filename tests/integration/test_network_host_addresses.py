@@ -77,8 +77,8 @@ class NsApi:
 
     def __init__(self, ns: str, url: str, key: str) -> None:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_enter, initargs=(ns,))
-        self.client = self.run(lambda: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"},
-                                                    timeout=300))  # fmt: skip
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = self.run(lambda: httpx.Client(base_url=url, headers=headers, timeout=300))
 
     def run(self, fn: Callable[[], T]) -> T:
         return self.pool.submit(fn).result()
@@ -92,7 +92,16 @@ class NsApi:
 
 
 def _serve(ns: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "http.server", str(WEB_PORT), "--bind", "0.0.0.0"]
+    cmd = [
+        "nsenter",
+        f"--net=/run/netns/{ns}",
+        sys.executable,
+        "-m",
+        "http.server",
+        str(WEB_PORT),
+        "--bind",
+        "0.0.0.0",
+    ]
     return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=log.parent)
 
 
@@ -132,7 +141,7 @@ def test_a_guest_cannot_reach_its_hosts_secondary_or_ipv6_addresses() -> None:
             "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
             "PAL_TEMPLATE_SIZES": "256m-1c-2048d",
         }
-        cmd = ["ip", "netns", "exec", host_ns, sys.executable, "-m", "pal.cli.main", "up",
+        cmd = ["nsenter", f"--net=/run/netns/{host_ns}", sys.executable, "-m", "pal.cli.main", "up",
                "--port", str(port), "--data-dir", str(run_dir)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
         api: NsApi | None = None
