@@ -13,15 +13,13 @@ from __future__ import annotations
 
 from collections import deque
 
-DEFAULT_BYTES = 8 * 1024 * 1024
-MIN_BYTES = 64 * 1024
-MAX_BYTES = 64 * 1024 * 1024
+from pal.guest import protocol as P
 
 Record = tuple[int, int, bytes]  # (offset of its first byte, fd, data)
 
 
 class Journal:
-    def __init__(self, capacity: int = DEFAULT_BYTES) -> None:
+    def __init__(self, capacity: int = P.JOURNAL_DEFAULT_BYTES) -> None:
         self.capacity = capacity
         self.records: deque[Record] = deque()
         self.start = 0  # offset of the oldest byte kept

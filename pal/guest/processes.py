@@ -40,7 +40,6 @@ EXIT_GRACE_S = 0.25  # after the process exits, how long background children may
 POLL_FALLBACK_S = 0.05  # status polling where no pidfd tells us of the exit
 MAX_RUNNING = 256  # processes running at once in one VM
 MAX_FINISHED = 128  # exited processes kept for their status and output (oldest evicted)
-MAX_TAG_CHARS = 256
 STDIN_WRITE_WAIT_S = 5.0  # a stdin write waits this long for a process that reads nothing
 SIGNALS = {
     name: int(getattr(signal, "SIG" + name))

@@ -15,10 +15,8 @@ from typing import Any
 from pal.guest import protocol as P
 from pal.guest.children import kill_group
 from pal.guest.errors import ExecError
-from pal.guest.journal import MAX_BYTES, MIN_BYTES
 from pal.guest.processes import (
     CHUNK,
-    MAX_TAG_CHARS,
     Attachment,
     Launch,
     Process,
@@ -48,14 +46,14 @@ def launch_options(msg: P.Message, launch: Launch) -> Launch:
     if not isinstance(stdin, bool) or not isinstance(keep, bool):
         raise ExecError(P.ERR_INVAL, "stdin and keep_awake must be booleans")
     tag = msg.get("tag") or ""
-    if not isinstance(tag, str) or len(tag) > MAX_TAG_CHARS or "\0" in tag:
-        raise ExecError(P.ERR_INVAL, f"tag must be a string of at most {MAX_TAG_CHARS} characters")
+    if not isinstance(tag, str) or len(tag) > P.MAX_TAG_CHARS or "\0" in tag:
+        raise ExecError(P.ERR_INVAL, f"tag must be a string of at most {P.MAX_TAG_CHARS} characters")
     pty = msg.get("pty")
     launch.pty = terminal_size(pty) if pty is not None else None
     launch.stdin, launch.keep_awake, launch.tag = stdin, keep, tag
-    launch.journal_bytes = _int(msg, "journal_bytes", 0, 0, MAX_BYTES)
-    if launch.journal_bytes and launch.journal_bytes < MIN_BYTES:
-        raise ExecError(P.ERR_INVAL, f"journal_bytes must be at least {MIN_BYTES}")
+    launch.journal_bytes = _int(msg, "journal_bytes", 0, 0, P.JOURNAL_MAX_BYTES)
+    if launch.journal_bytes and launch.journal_bytes < P.JOURNAL_MIN_BYTES:
+        raise ExecError(P.ERR_INVAL, f"journal_bytes must be at least {P.JOURNAL_MIN_BYTES}")
     if launch.pty is not None:
         launch.env.setdefault("TERM", "xterm-256color")
     return launch

@@ -100,6 +100,11 @@ WORKLOAD_USER = "pal"
 MAX_FILE_BYTES = 1024 * 1024  # files API limit (1 MiB)
 MAX_LINE_BYTES = 8 * 1024 * 1024  # a peer sending longer lines is broken; drop them
 MAX_CLOCK_ADJUST_NS = 60 * 10**9  # a clock correction beyond this is no read delay: ignored
+# A process's output journal (journal.py): its default size and the sizes a start may ask.
+JOURNAL_DEFAULT_BYTES = 8 * 1024 * 1024
+JOURNAL_MIN_BYTES = 64 * 1024
+JOURNAL_MAX_BYTES = 64 * 1024 * 1024
+MAX_TAG_CHARS = 256  # a process's tag
 
 # The guest's network, the same in every VM (each VM has its own namespace on the host):
 # a static address, and the host side of its NIC as gateway and DNS server.
