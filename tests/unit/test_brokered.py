@@ -14,7 +14,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import InvalidRequest, NotFound
-from pal.guest.harness import CA_BEGIN, install_ca
+from pal.guest.system import CA_BEGIN, install_ca
 from pal.manager.models import TenantCa
 from pal.manager.vmnet import Brokered, VmNetworking
 from pal.network import broker
