@@ -87,7 +87,7 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     require_tenant = make_tenant_dependency(store)
-    app.include_router(runtime_router(scheduler, require_tenant))
+    app.include_router(runtime_router(scheduler, require_tenant, settings.exec_default_timeout_s))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     app.include_router(ports_router(scheduler, store, Links(link_secret or secrets.token_bytes(32))))

@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 import select
 import stat
+import sys
 
 
 def piped_input(fd: int = 0) -> str | None:
     """What is waiting on ``fd`` that exec would drop ("a pipe", "a file"), or None.
 
     May consume a byte of a pipe; the caller refuses to run when this is not None."""
+    if fd == 0 and sys.stdin is None:
+        return None  # closed when Python started (fd 0 may since belong to another file)
     try:
         st = os.fstat(fd)
     except OSError:
