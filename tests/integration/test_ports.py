@@ -291,3 +291,41 @@ def test_port_traffic_keeps_a_vm_awake_then_an_idle_suspended_vm_wakes_for_a_por
             talker.join(DEADLINE_S)
         for v in [vm, *controls]:
             api.delete(f"/v1/runtime/vms/{v}")
+
+
+# A server that binds its port a while after it started (as `setsid server &` does under
+# TCG): it marks /workspace/started once running, then binds 1.5 s later.
+LATE_SERVER = """
+import http.server, time
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"late but there"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+open("started", "w").close()
+time.sleep(1.5)
+http.server.HTTPServer(("0.0.0.0", 8002), H).serve_forever()
+"""
+
+
+def test_a_request_waits_for_a_server_that_is_still_starting(api: httpx.Client, vm: str) -> None:
+    """Issue 28, the ports race: a request sent while the guest's server has not bound its
+    port yet waits for it (bounded), instead of answering 502 PORT_NOT_LISTENING at once."""
+    body = {
+        "command": "/bin/sh",
+        "argv": ["-c", 'setsid python3 -c "$APP" >/dev/null 2>&1 </dev/null & echo started'],
+        "env": {"APP": LATE_SERVER},
+    }
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json=body)
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    deadline = time.time() + DEADLINE_S  # a hang guard: Python's start under TCG
+    while api.get(f"/v1/runtime/vms/{vm}/files/content", params={"path": "started"}).status_code != 200:
+        assert time.time() < deadline, "the late server never started"
+        time.sleep(0.2)
+    # The server runs but binds only in 1.5 s: the proxy waits for it.
+    r = api.get(f"/v1/runtime/vms/{vm}/ports/8002/")
+    assert r.status_code == 200 and r.text == "late but there", r.text
