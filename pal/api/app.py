@@ -31,6 +31,7 @@ from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
 from .ports import Links, ports_router
+from .ports_openapi import document_port_proxy
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
 
@@ -162,6 +163,7 @@ def create_app(
         )
 
     document_errors(app)
+    document_port_proxy(app)
     return app
 
 
