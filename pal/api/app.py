@@ -91,7 +91,8 @@ def create_app(
     app.include_router(runtime_router(scheduler, require_tenant, settings.exec_default_timeout_s))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
-    app.include_router(ports_router(scheduler, store, Links(link_secret or secrets.token_bytes(32))))
+    app.state.links = Links(link_secret or secrets.token_bytes(32))  # the dashboard's port form too
+    app.include_router(ports_router(scheduler, store, app.state.links))
     app.include_router(images_router(scheduler, require_tenant))
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))

@@ -104,6 +104,14 @@ class Links:
         return tenant
 
 
+def port_link(links: Links, base_url: str, tenant: str, vm_id: str, port: int, expires_in: int) -> PortUrlOut:
+    """The signed link to a VM's port (POST .../ports/{port}/url, and the dashboard's form)."""
+    expires_at = int(time.time()) + expires_in
+    token = links.sign(tenant, vm_id, port, expires_at)
+    url = f"{base_url.rstrip('/')}/v1/runtime/vms/{vm_id}/ports/{port}/?{TOKEN_PARAM}={token}"
+    return PortUrlOut(url=url, expires_at=expires_at)
+
+
 def _header_items(scope: MutableMapping[str, Any]) -> list[tuple[bytes, bytes]]:
     return list(scope.get("headers") or [])
 
@@ -330,11 +338,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         tenant, _ = await authorise(headers, b"", vm_id, port)
         check_port(port)
         await scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
-        expires_at = int(time.time()) + body.expires_in_secs
-        token = links.sign(tenant, vm_id, port, expires_at)
-        base = str(request.base_url).rstrip("/")
-        url = f"{base}/v1/runtime/vms/{vm_id}/ports/{port}/?{TOKEN_PARAM}={token}"
-        return PortUrlOut(url=url, expires_at=expires_at)
+        return port_link(links, str(request.base_url), tenant, vm_id, port, body.expires_in_secs)
 
     @r.api_route("/vms/{vm_id}/ports/{port}/{path:path}", methods=METHODS, include_in_schema=False)
     async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
