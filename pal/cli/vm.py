@@ -366,6 +366,30 @@ def port_url(
     print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
 
 
+@vm_app.command(
+    "port-wait",
+    epilog=examples(
+        "pal vm exec $VM -- sh -c 'setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null &'",
+        "pal vm port-wait $VM 8000 --timeout 60 && curl ...",
+    ),
+)
+def port_wait(
+    vm_id: VmId,
+    port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
+    timeout: Annotated[float, typer.Option(metavar="SECS", help="give up after SECS")] = 60,
+) -> None:
+    """Wait until a server in the VM listens on PORT (for scripts that just started one).
+
+    Exits 0 once a connection to the port opens (it is closed at once), 1 with
+    PORT_NOT_LISTENING after the timeout."""
+    import asyncio
+
+    from pal.sdk.portforward import wait_listening
+
+    took = call(lambda: asyncio.run(wait_listening(None, None, vm_id, port, timeout)))
+    print_json({"vmId": vm_id, "port": port, "listening": True, "waitedSecs": round(took, 1)})
+
+
 @vm_app.command("port-forward")
 def port_forward(
     vm_id: VmId,
