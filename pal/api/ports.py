@@ -20,8 +20,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -39,6 +38,7 @@ from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_f
 from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
+from .port_listen import listening_stream
 from .wsrelay import relay
 
 log = logging.getLogger("pal.api.ports")
@@ -357,7 +357,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
 
         stack = contextlib.AsyncExitStack()
         try:
-            stream = await _listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
+            stream = await listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
             conn = httpcore.AsyncHTTP11Connection(
                 origin=httpcore.Origin(b"http", b"guest", port), stream=_NetworkStream(stream)
             )
@@ -438,29 +438,6 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
             await stream.aclose()
 
     return r
-
-
-# A server just started in the guest (`setsid server &`, then a request) takes a moment to
-# bind under TCG; answering 502 at once made every script race it. So the proxy retries
-# "nothing listening" for this long; a port nobody serves still answers 502 after it.
-LISTEN_WAIT_S = 5.0
-
-
-async def _listening_stream(
-    stack: contextlib.AsyncExitStack, open_stream: Callable[[], AbstractAsyncContextManager[TunnelStream]]
-) -> TunnelStream:
-    """The port's stream, retried while nothing listens there yet (up to LISTEN_WAIT_S)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + LISTEN_WAIT_S
-    delay = 0.05
-    while True:
-        try:
-            return await stack.enter_async_context(open_stream())
-        except PalError as exc:
-            if exc.code != "PORT_NOT_LISTENING" or loop.time() + delay > deadline:
-                raise
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.5)
 
 
 def _link_cookie(token: str, prefix: str, scheme: str) -> bytes:
