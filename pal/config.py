@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pal import sizes
-from pal.spec import Egress, WaitPause, parse_egress_default, parse_wait_pause_default
+from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
 
@@ -29,6 +29,10 @@ def armed_failpoint() -> str:
 
 
 FORK_COUNT_CEILING = 1000
+# A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT):
+# a command that never ends (waiting on a fifo, a prompt) must not hold a request open until
+# the VM is deleted. Streamed exec has no default: its reader sees the output and can stop it.
+EXEC_DEFAULT_TIMEOUT_S = 300.0
 
 
 def _int_env(name: str, default: int) -> int:
@@ -104,6 +108,13 @@ def _cgroups_env() -> bool:
     raise ValueError(f"PAL_CGROUPS must be 'required' or 'off', got {raw!r}")
 
 
+def _exec_default_timeout() -> float | None:
+    secs = _float_env("PAL_EXEC_DEFAULT_TIMEOUT", EXEC_DEFAULT_TIMEOUT_S)
+    if secs < 0:
+        raise ValueError("PAL_EXEC_DEFAULT_TIMEOUT must be 0 (no default) or more")
+    return min(secs, MAX_EXEC_TIMEOUT_S) if secs else None
+
+
 @dataclass
 class Settings:
     data_dir: Path = DEFAULT_DATA_DIR
@@ -161,6 +172,8 @@ class Settings:
     cgroups: bool = True  # PAL_CGROUPS=off: VMs run without host limits (else fail closed)
     # PAL_WAIT_PAUSE: waitPause of a VM whose spec has none (None: off)
     wait_pause_default: WaitPause | None = None
+    # PAL_EXEC_DEFAULT_TIMEOUT: seconds a buffered exec without timeoutSecs may run (0: none)
+    exec_default_timeout_s: float | None = EXEC_DEFAULT_TIMEOUT_S
 
     # PAL_SNAPSHOT_KEY_FILE: HMAC key authenticating snapshot meta.json (share it across a
     # cluster's control plane and nodes); default <data_dir>/keys/snapshot.key, made on first use
@@ -260,6 +273,7 @@ class Settings:
             secrets_key_file=_path_env("PAL_SECRETS_KEY_FILE"),
             cgroups=_cgroups_env(),
             wait_pause_default=parse_wait_pause_default(os.environ.get("PAL_WAIT_PAUSE")),
+            exec_default_timeout_s=_exec_default_timeout(),
             log_level=env_log_level(),
             servers=[s.strip() for s in os.environ.get("PAL_SERVERS", "").split(",") if s.strip()],
         )

@@ -499,6 +499,9 @@ class AgentSpec(_Model):
         return v
 
 
+MAX_EXEC_TIMEOUT_S = 24 * 3600  # the ceiling of an exec's timeoutSecs (and of the default)
+
+
 class ExecRequest(_Model):
     command: str = Field(
         ..., min_length=1, max_length=MAX_PATH_CHARS, description="executable (path or name)"
@@ -510,7 +513,13 @@ class ExecRequest(_Model):
     cwd: str | None = Field(
         None, max_length=MAX_PATH_CHARS, description="working directory, default /workspace"
     )
-    timeout_secs: float | None = Field(None, gt=0, le=24 * 3600)
+    timeout_secs: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_EXEC_TIMEOUT_S,
+        description="kill the command after this long (`exitCode: 124, timedOut: true`); "
+        "a buffered exec without it gets the server's default (PAL_EXEC_DEFAULT_TIMEOUT, 300 s)",
+    )
     user: str | None = Field(
         None,
         description="`pal` (default: the image's workload user, whatever its name), `root`, "

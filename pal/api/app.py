@@ -31,6 +31,7 @@ from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
 from .ports import Links, ports_router
+from .ports_openapi import document_port_proxy
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
 
@@ -87,10 +88,11 @@ def create_app(
     app.state.settings = settings
     install_error_handlers(app)
     require_tenant = make_tenant_dependency(store)
-    app.include_router(runtime_router(scheduler, require_tenant))
+    app.include_router(runtime_router(scheduler, require_tenant, settings.exec_default_timeout_s))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
-    app.include_router(ports_router(scheduler, store, Links(link_secret or secrets.token_bytes(32))))
+    app.state.links = Links(link_secret or secrets.token_bytes(32))  # the dashboard's port form too
+    app.include_router(ports_router(scheduler, store, app.state.links))
     app.include_router(images_router(scheduler, require_tenant))
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
@@ -162,6 +164,7 @@ def create_app(
         )
 
     document_errors(app)
+    document_port_proxy(app)
     return app
 
 

@@ -40,7 +40,11 @@ from .paths import check_workspace_path
 _ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
 
-def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
+def runtime_router(
+    scheduler: Any, require_tenant: Any, exec_default_timeout_s: float | None = None
+) -> APIRouter:
+    """``exec_default_timeout_s``: the timeout of a buffered exec that names none
+    (Settings.exec_default_timeout_s, PAL_EXEC_DEFAULT_TIMEOUT; None: no default)."""
     r = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
     Tenant = Annotated[str, Depends(require_tenant)]
 
@@ -105,6 +109,9 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     ) -> SnapshotStateOut:
         v = await scheduler.pause(tenant, vm_id, req)
         out = SnapshotStateOut.model_validate(v)
+        if req is not None and req.mode == "live":
+            # A live pause takes no snapshot: the VM's snapshotId is an older pause's.
+            out.snapshot_id = None
         view = await scheduler.live.view(v, measure=False)
         out.pause = PauseOut.model_validate(view) if view is not None else None
         return out
@@ -139,6 +146,8 @@ def runtime_router(scheduler: Any, require_tenant: Any) -> APIRouter:
     async def exec_(tenant: Tenant, vm_id: str, req: ExecRequest, request: Request) -> Any:
         if "text/event-stream" in request.headers.get("accept", ""):
             return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
+        if req.timeout_secs is None and exec_default_timeout_s:
+            req = req.model_copy(update={"timeout_secs": exec_default_timeout_s})
         return await buffered_exec(scheduler.exec_stream(tenant, vm_id, req))
 
     @r.get("/vms/{vm_id}/files", response_model=FileListOut)

@@ -13,14 +13,26 @@ import typer
 
 from pal.sizes import DEFAULT_MEMORY_MIB
 
+from . import help as cli_help
 from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
 from .vm import files_app, vm_app
 
+cli_help.install()
 app = typer.Typer(
-    name="pal", help="Pal: self-hostable microVM sandboxes for AI agents.", no_args_is_help=True
+    name="pal",
+    help="Pal: self-hostable microVM sandboxes for AI agents.",
+    no_args_is_help=True,
+    epilog=cli_help.examples(
+        "sudo pal up                                  # server + node on this machine",
+        "export PAL_API_KEY=$(sudo pal tenants create me -q)",
+        "VM=$(pal vm schedule -q)",
+        "pal vm exec $VM -- python3 -c 'print(42)'",
+        "pal vm pause $VM && pal vm resume $VM",
+        "pal vm rm $VM",
+    ),
 )
 tenants_app = typer.Typer(help="Tenants and their API keys (opens the store directly).", no_args_is_help=True)
 data_dir_app = typer.Typer(help="The data directory's loop-mounted file system.", no_args_is_help=True)
