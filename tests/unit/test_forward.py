@@ -20,7 +20,7 @@ from fastapi import FastAPI, WebSocket
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from pal.api.forward import ForwardToLeader
+from pal.api.forward import ForwardToLeader, forwarded_ok, forwarding_key
 from pal.config import Settings
 from pal.scheduler.scheduler import Scheduler
 from pal.server import control_plane_app
@@ -240,8 +240,15 @@ def leader_url() -> Iterator[str]:
         yield url
 
 
+KEY = forwarding_key(SECRET)
+
+
 def _follower(lease: FakeLeadership, failover_s: float = 5.0) -> Any:
-    return ForwardToLeader(_local_app(), lease.is_leader, lease.leader_url, failover_s=failover_s)
+    return ForwardToLeader(_local_app(), lease.is_leader, lease.leader_url, failover_s=failover_s, key=KEY)
+
+
+def _signed(value: str | None) -> bool:
+    return value is not None and forwarded_ok(KEY, value, "WEBSOCKET", "/ws")
 
 
 def test_websockets_reach_the_leader_both_ways(leader_url: str) -> None:
@@ -252,7 +259,8 @@ def test_websockets_reach_the_leader_both_ways(leader_url: str) -> None:
             ws_url, subprotocols=["pal.v1"], additional_headers={"Authorization": "Bearer k"}
         ) as ws:  # type: ignore[list-item]
             assert ws.subprotocol == "pal.v1"
-            assert json.loads(ws.recv()) == {"auth": "Bearer k", "forwarded": "1", "q": "42"}
+            who = json.loads(ws.recv())
+            assert who["auth"] == "Bearer k" and who["q"] == "42" and _signed(who["forwarded"])
             ws.send("hello")
             assert ws.recv() == "HELLO"
             ws.send(b"\x00\x01\xff")
@@ -271,7 +279,7 @@ def test_a_websocket_waits_for_the_new_leader_too(leader_url: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     lease = FakeLeadership([dead, dead, None, leader_url])
     with serve(_follower(lease)) as url, ws_connect(url.replace("http", "ws") + "/ws") as ws:  # type: ignore[arg-type]
-        assert json.loads(ws.recv())["forwarded"] == "1"
+        assert _signed(json.loads(ws.recv())["forwarded"])
     assert lease.log[-1] == leader_url
 
 

@@ -357,7 +357,7 @@ export interface paths {
         /**
          * 200 when this server can schedule VMs, else 503; details for the operator only
          * @description ``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-         *     with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+         *     with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
          *     key the server shows no internals (they are in its log under the request id).
          */
         get: operations["healthz_healthz_get"];
@@ -2270,6 +2270,15 @@ export interface operations {
             };
             /** @description body not sent as `Content-Type: application/json` */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
                 headers: {
                     [name: string]: unknown;
                 };
