@@ -96,7 +96,7 @@ def create_app(
     # Credentials a follower checks before it holds a large body (the dashboard adds its own).
     app.state.callers = Callers(store, settings)
     require_tenant = make_tenant_dependency(store)
-    budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output per tenant
+    budget = app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
     app.include_router(runtime_router(scheduler, require_tenant, budget))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
