@@ -567,7 +567,7 @@ export interface components {
             timedOut?: boolean | null;
             /**
              * Truncated
-             * @description true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise
+             * @description true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget (PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise
              */
             truncated?: boolean | null;
         };
