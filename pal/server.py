@@ -173,6 +173,8 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.store import Store
 
     prepare_data_dir(settings)
+    if not settings.admin_token:
+        log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
     settings.admin_token = operator.server_token(settings, replica=False)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
