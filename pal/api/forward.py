@@ -250,12 +250,12 @@ class ForwardToLeader:
             if not msg.get("more_body"):
                 break
         headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
-        headers.append(self._signed(scope))
         target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
 
         async def attempt(leader: str) -> httpx.Response:
+            signed = [*headers, self._signed(scope)]  # at each try: a failover may outlast one
             req = self._http.build_request(
-                scope["method"], leader.rstrip("/") + target, headers=headers, content=bytes(body)
+                scope["method"], leader.rstrip("/") + target, headers=signed, content=bytes(body)
             )
             try:
                 return await self._http.send(req, stream=True)
@@ -301,7 +301,6 @@ class ForwardToLeader:
             for k, v in scope["headers"]
             if k.decode("latin-1").lower() not in _WS_HANDSHAKE
         ]
-        headers.append(self._signed(scope))
         protocols = [
             p.strip()
             for k, v in scope["headers"]
@@ -320,7 +319,7 @@ class ForwardToLeader:
             try:
                 return await connect(
                     url,
-                    additional_headers=headers,
+                    additional_headers=[*headers, self._signed(scope)],  # signed at each try
                     subprotocols=protocols or None,  # type: ignore[arg-type]
                     origin=origin,  # type: ignore[arg-type]
                     compression=None,
