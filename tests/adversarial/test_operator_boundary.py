@@ -169,3 +169,16 @@ def test_pal_hosts_adds_names(tmp_path: Path) -> None:
             r = c.get("/v1/runtime/vms", headers={"Host": host, **_bearer(env.api_key)})
             assert r.status_code == status, (host, r.text)
     env.store.close()
+
+
+def test_replicas_share_a_token_derived_from_the_cluster_secret(tmp_path: Path) -> None:
+    """`pal server` has no data dir of its own: every replica derives the same token, the
+    CLI too where it has the secret; PAL_ADMIN_TOKEN wins; without either, no one opens."""
+    a = Settings(data_dir=tmp_path / "a", cluster_secret="s3cret")
+    b = Settings(data_dir=tmp_path / "b", cluster_secret="s3cret")
+    token = operator.server_token(a, replica=True)
+    assert token and token == operator.server_token(b, replica=True) == operator.client_token(b)
+    assert not (tmp_path / "a").exists()  # a replica writes nothing
+    assert token != operator.server_token(Settings(cluster_secret="other"), replica=True)
+    assert operator.server_token(Settings(cluster_secret="s3cret", admin_token="set"), replica=True) == "set"
+    assert operator.server_token(Settings(data_dir=tmp_path / "c"), replica=True) is None
