@@ -23,7 +23,7 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[SchedEnv, httpx.AsyncClient
     app = create_app(e.sched, e.store, e.settings)
     install_dashboard(app, e.sched, e.store, e.settings)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pal.test") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         yield e, c, key
     await e.sched.close()
     e.store.close()

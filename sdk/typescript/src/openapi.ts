@@ -357,7 +357,7 @@ export interface paths {
         /**
          * 200 when this server can schedule VMs, else 503; details for the operator only
          * @description ``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-         *     with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+         *     with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
          *     key the server shows no internals (they are in its log under the request id).
          */
         get: operations["healthz_healthz_get"];
@@ -615,7 +615,7 @@ export interface components {
             timedOut?: boolean | null;
             /**
              * Truncated
-             * @description true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise
+             * @description true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget (PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise
              */
             truncated?: boolean | null;
         };
@@ -2324,6 +2324,15 @@ export interface operations {
             };
             /** @description body not sent as `Content-Type: application/json` */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
                 headers: {
                     [name: string]: unknown;
                 };
