@@ -285,7 +285,7 @@ class _Exchange:
             names = {authority_name(hosts[0])}
             if b"://" in req.target:
                 names.add(authority_name(req.target.split(b"://", 1)[1].split(b"/", 1)[0]))
-            wrong = sorted(n for n in names if n != self.host)
+            wrong = sorted(n or "(an IP address)" for n in names if n != self.host)
             if wrong:
                 raise Refused(f"HTTP Host {wrong[0]} does not match the brokered name", wrong[0])
         except Refused as exc:

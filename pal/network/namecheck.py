@@ -23,10 +23,12 @@ permit on that port:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable
 
 from pal.network import sniff
+from pal.network.names import is_synthetic
 from pal.network.policy import DEFAULT_NAME_PORTS, Policy
 from pal.network.relay import Connection
 
@@ -51,12 +53,13 @@ class Refused(Exception):
         self.host = host
 
 
-def authority_name(raw: bytes) -> str:
-    """The host name of a Host value or a URL authority (``name[:port]``, no userinfo)."""
+def authority_name(raw: bytes) -> str | None:
+    """The host name of a Host value or a URL authority (``name[:port]``, no userinfo);
+    None for an IP literal in brackets (no name: judged like a missing one)."""
     if b"@" in raw:
         raise Refused("userinfo in a request's authority")
     if raw.startswith(b"["):
-        raise Refused("an IP literal as the requested host")
+        return None
     host = raw.rsplit(b":", 1)[0] if raw.count(b":") == 1 else raw
     try:
         name = host.decode("ascii").strip().lower().rstrip(".")
@@ -97,9 +100,9 @@ class _Head:
                 codings.extend(v.strip().lower() for v in value.split(b",") if v.strip())
             elif key == b"upgrade":
                 self.upgrade = True
-        if len(hosts) != 1:
-            raise Refused("a request without exactly one Host header")
-        self.names = [authority_name(hosts[0])]
+        if len(hosts) > 1:
+            raise Refused("a request with more than one Host header")
+        self.names = [authority_name(hosts[0]) if hosts else None]
         absolute = _ABSOLUTE.match(target)
         if absolute is not None:
             self.names.append(authority_name(absolute.group(1)))
@@ -116,7 +119,7 @@ class _Head:
 class NameCheck:
     """The guest's bytes of one connection, checked before they go up (see the module)."""
 
-    def __init__(self, port: int, permitted: Callable[[str], bool]) -> None:
+    def __init__(self, port: int, permitted: Callable[[str | None], bool]) -> None:
         self.strict = port in STRICT_PORTS
         self.permitted = permitted
         # first | head | body | chunk-size | chunk-data | chunk-end | trailer | 101? | opaque
@@ -151,10 +154,13 @@ class NameCheck:
         self._answer = bytearray()
 
     def _name(self, name: str | None, what: str) -> None:
+        """``name`` (None: none given) must be permitted: under an allow list a connection
+        that names nothing is refused, under a deny list it is judged by its address."""
+        if self.permitted(name):
+            return
         if name is None:
             raise Refused(f"{what} names no host")
-        if not self.permitted(name):
-            raise Refused(f"{what} {name} does not match the allowed name", name)
+        raise Refused(f"{what} {name} does not match the allowed name", name)
 
     def _first(self) -> bytes:
         data = bytes(self.buf)
@@ -290,7 +296,14 @@ def bind(
     """Check what ``conn`` says from now on, against the VM's policy in force (``policy``);
     a refusal is an ``egress_denied`` event (``denied``, gateway.VmGateway.denied) and a
     reset."""
-    check = NameCheck(port, lambda name: policy().host_permitted(name, port))
+    # A client that kept the synthetic address it resolved sends it as its Host: that
+    # address stands for exactly the name it was allowed as.
+    own = conn.dst[0] if is_synthetic(ipaddress.ip_address(conn.dst[0])) else None
+
+    def permitted(name: str | None) -> bool:
+        return (name is not None and name == own) or policy().host_permitted(name, port)
+
+    check = NameCheck(port, permitted)
 
     def up(data: bytes) -> bytes | None:
         try:

@@ -90,8 +90,9 @@ class Policy:
                 return e
         return None
 
-    def host_permitted(self, name: str, port: int) -> bool:
-        """May a connection to ``port`` name ``name`` (in its SNI or Host)?"""
+    def host_permitted(self, name: str | None, port: int) -> bool:
+        """May a connection to ``port`` name ``name`` (in its SNI or Host; None: it names
+        nothing, which an allow list's name rule cannot vouch for)?"""
         if self.mode == "allow":
             return self.domain_rule(name, port) is not None
         if self.mode == "deny":

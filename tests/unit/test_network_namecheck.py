@@ -12,7 +12,7 @@ from pal.network.namecheck import NameCheck, Refused
 
 
 def check(port: int = 80, allowed: tuple[str, ...] = ("pypi.org",)) -> NameCheck:
-    return NameCheck(port, lambda name: name in allowed)
+    return NameCheck(port, lambda name: name in allowed)  # None (no name): refused, as allow lists do
 
 
 def feed_all(c: NameCheck, data: bytes, step: int) -> bytes:
@@ -59,9 +59,9 @@ def test_a_head_is_held_until_it_is_whole() -> None:
     [
         (b"GET / HTTP/1.1\r\nHost: other.site\r\n\r\n", "does not match"),
         (b"GET http://other.site/ HTTP/1.1\r\nHost: pypi.org\r\n\r\n", "other.site does not match"),
-        (b"GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n", "exactly one Host"),
-        (b"GET / HTTP/1.1\r\nHost: pypi.org\r\nHost: other.site\r\n\r\n", "exactly one Host"),
-        (b"GET / HTTP/1.1\r\nHost: [::1]\r\n\r\n", "IP literal"),
+        (b"GET / HTTP/1.1\r\nUser-Agent: x\r\n\r\n", "names no host"),
+        (b"GET / HTTP/1.1\r\nHost: pypi.org\r\nHost: other.site\r\n\r\n", "more than one Host"),
+        (b"GET / HTTP/1.1\r\nHost: [::1]\r\n\r\n", "names no host"),
         (b"GET / HTTP/1.1\r\nHost: pypi.org\r\n other.site\r\n\r\n", "folded"),
         (b"GET / HTTP/1.1\r\nHost : pypi.org\r\n\r\n", "malformed header"),
         (b"CONNECT other.site:443 HTTP/1.1\r\nHost: pypi.org\r\n\r\n", "CONNECT"),
@@ -97,6 +97,21 @@ def test_tls_sni_must_be_the_allowed_name() -> None:
         with pytest.raises(ssl.SSLWantReadError):
             ctx.wrap_bio(inc, out).do_handshake()  # no server_hostname: no SNI
         check(443).feed(out.read())
+
+
+def test_under_a_deny_list_a_connection_that_names_nothing_is_judged_by_its_address() -> None:
+    """``curl https://<ip>`` sends no SNI; an HTTP/1.0 client may send no Host."""
+    deny = NameCheck(443, lambda name: name != "evil.test")
+    ctx = ssl.create_default_context()
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    with pytest.raises(ssl.SSLWantReadError):
+        ctx.wrap_bio(inc, out, server_hostname="203.0.113.9").do_handshake()  # an IP: no SNI
+    hello = out.read()
+    assert deny.feed(hello) == hello
+    deny = NameCheck(80, lambda name: name != "evil.test")
+    assert deny.feed(b"GET / HTTP/1.0\r\n\r\n") == b"GET / HTTP/1.0\r\n\r\n"
+    with pytest.raises(Refused, match="evil"):
+        deny.feed(b"GET / HTTP/1.0\r\nHost: evil.test\r\n\r\n")
 
 
 def test_other_protocols_pass_unchecked_only_on_ports_the_entry_names() -> None:

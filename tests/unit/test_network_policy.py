@@ -158,6 +158,7 @@ def test_what_a_connection_may_name_follows_the_policy() -> None:
     deny = Policy(EgressDeny(deny=["evil.test"]))
     assert deny.binds(None, 80) and deny.binds("fine.test", 443)
     assert deny.host_permitted("fine.test", 80) and not deny.host_permitted("evil.test", 80)
+    assert deny.host_permitted(None, 443) and not allow.host_permitted(None, 443)  # names nothing
     assert not Policy(EgressDeny(deny=["10.0.0.0/8"])).binds("x.test", 80)
     assert not Policy("open").binds("x.test", 80)
 
