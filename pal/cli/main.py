@@ -439,7 +439,8 @@ def bench_network(
 
     Download into the guest vs its own pipe, connection setup through the
     gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
-    first byte through a port, and a brokered HTTPS request vs a pass-through one."""
+    first byte through a port, a brokered HTTPS request vs a pass-through one, and the cost
+    of the SNI/Host checks and of the response redaction as ratios."""
     from pal import bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
