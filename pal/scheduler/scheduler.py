@@ -452,7 +452,7 @@ class Scheduler:
         rules = self.brokering.rules(vm.tenant_id, vm.secrets)
         if not rules:
             return {}
-        return {"brokered": rules, "tenant_ca": self.brokering.tenant_ca(vm.tenant_id)}
+        return {"brokered": rules, "tenant_ca": self.brokering.vm_ca(vm.tenant_id, rules)}
 
     def _protected_snapshots(self, vm: VmRecord) -> builtins.list[str]:
         """Snapshots of ``vm`` that live fork children still map (retention must keep them)."""
@@ -1247,7 +1247,10 @@ class Scheduler:
                 ev.vm_id,
                 tenant,
                 ev.kind,
-                reason=egress_reason(ev.name, ev.address, ev.port, ev.rule, ev.suppressed),
+                # secret_reflected (a brokered connection's audit) says what happened in its rule
+                reason=egress_reason(ev.name, ev.address, ev.port, ev.rule, ev.suppressed)
+                if ev.kind == "egress_denied"
+                else f"{ev.name}: {ev.rule}",
                 details=details,
                 at=datetime.fromtimestamp(ev.at, UTC),
             )
