@@ -155,7 +155,7 @@ class Resolver:
             answer = await resolver.resolve(qname, rdtype, search=False)
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer, dns.resolver.YXDOMAIN):
             return [], CACHE_S
-        except (dns.exception.DNSException, OSError):  # timeouts, every server failing
+        except Exception:  # timeouts, every server failing, an answer dnspython rejects
             return None, CACHE_S
         if answer.rrset is None:
             return [], CACHE_S
@@ -190,6 +190,11 @@ class _WarmServer(asyncio.DatagramProtocol):
 async def warm_up() -> None:
     """One lookup answered and one timed out, over loopback, before the gateway drops its
     privileges: dnspython imports its asyncio backend and record types lazily."""
+    import dns.rdata
+    import dns.rdataclass
+
+    for rdtype in ("A", "AAAA", "CNAME", "DNAME", "SOA"):  # what answers carry (imported lazily)
+        dns.rdata.get_rdata_class(dns.rdataclass.IN, dns.rdatatype.from_text(rdtype))
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(_WarmServer, local_addr=("127.0.0.1", 0))
     try:
