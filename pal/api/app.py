@@ -30,7 +30,10 @@ from .forward import ForwardToLeader
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
-from .ports import Links, ports_router
+from .port_host import create_ports_app
+from .port_links import Links
+from .port_origins import PortsHostDispatch, PortsOrigins
+from .ports import ports_router
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
 
@@ -90,7 +93,9 @@ def create_app(
     app.include_router(runtime_router(scheduler, require_tenant))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
-    app.include_router(ports_router(scheduler, store, Links(link_secret or secrets.token_bytes(32))))
+    links = Links(link_secret or secrets.token_bytes(32), store)
+    origins = PortsOrigins.from_settings(settings)
+    app.include_router(ports_router(scheduler, store, links, origins))
     app.include_router(images_router(scheduler, require_tenant))
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
@@ -119,6 +124,12 @@ def create_app(
             max_age=600,
         )
     app.add_middleware(RequestIdMiddleware)
+    # Outermost of all: a request whose Host names a VM port gets the ports proxy and
+    # nothing else, never the API or the dashboard (pal/api/port_origins.py). pal.server
+    # serves the same ports app on the ports listener.
+    app.state.ports_app = create_ports_app(scheduler, store, links, origins, settings.leader_lease_s + 2.0)
+    app.state.port_origins = origins
+    app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
     @app.get(
         "/healthz",

@@ -31,6 +31,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -88,8 +89,11 @@ class ForwardToLeader:
         is_leader: Callable[[], Awaitable[bool]],
         leader_url: Callable[[], Awaitable[str | None]],
         failover_s: float,
+        keep_host: bool = False,
     ) -> None:
         self.app = app
+        # A VM port's origin (pal/api/port_host.py) is named by the Host: the leader needs it.
+        self.keep_host = keep_host
         self.is_leader = is_leader
         self.leader_url = leader_url
         self.failover_s = failover_s
@@ -100,6 +104,7 @@ class ForwardToLeader:
             return True
         return (
             scope["type"] == "http"
+            and not self.keep_host  # a port's paths are the guest's, never Pal's reads
             and scope["method"] in ("GET", "HEAD")
             and any(p.match(scope["path"]) for p in LOCAL_READS)
         )
@@ -159,7 +164,12 @@ class ForwardToLeader:
                 return
             if not msg.get("more_body"):
                 break
-        headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
+        keep = {"host"} if self.keep_host else set()
+        headers = [
+            (k.decode(), v.decode())
+            for k, v in scope["headers"]
+            if k.decode().lower() not in _HOP or k.decode().lower() in keep
+        ]
         headers.append((FORWARDED, "1"))
         target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
 
@@ -225,11 +235,21 @@ class ForwardToLeader:
             "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""
         )
 
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), None)
+
         async def attempt(leader: str) -> Any:
             url = re.sub(r"^http", "ws", leader.rstrip("/")) + target
+            to: dict[str, Any] = {}
+            if self.keep_host and host:  # the port's name in the handshake, the leader's address
+                where = urlsplit(leader)
+                url = f"{'wss' if where.scheme == 'https' else 'ws'}://{host}{target}"
+                to = {"host": where.hostname, "port": where.port or (443 if where.scheme == "https" else 80)}
+                if where.scheme == "https":
+                    to["server_hostname"] = where.hostname
             try:
                 return await connect(
                     url,
+                    **to,
                     additional_headers=headers,
                     subprotocols=protocols or None,  # type: ignore[arg-type]
                     origin=origin,  # type: ignore[arg-type]

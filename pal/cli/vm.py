@@ -309,8 +309,18 @@ def port_url(
     port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
     expires_in: Annotated[int, typer.Option(help="seconds the link works")] = 3600,
 ) -> None:
-    """Print a signed link that opens PORT of the VM in a browser, without the API key."""
+    """Print a signed link that opens PORT of the VM in a browser, on the port's own origin,
+    without the API key ({url, expiresAt, linkId})."""
     print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
+
+
+@vm_app.command("port-url-revoke")
+def port_url_revoke(
+    vm_id: VmId,
+    link_id: Annotated[str, typer.Argument(help="the link's linkId (from pal vm port-url)")],
+) -> None:
+    """Revoke a port link: it opens nothing from now on."""
+    print_json(call(lambda: client().runtime.revoke_port_url(vm_id, link_id)))
 
 
 @vm_app.command("port-forward")
