@@ -130,7 +130,9 @@ def ports_listener_app(ports_app: ASGIApp, origins: PortsOrigins) -> ASGIApp:
     anything else (the dashboard, the API, a bare address) is 404 here."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and origins.parse(scope_host(scope)) is not None:
+        if scope["type"] not in ("http", "websocket"):
+            return  # served without a lifespan: nothing to start
+        if origins.parse(scope_host(scope)) is not None:
             await ports_app(scope, receive, send)
             return
         await _not_a_port(scope, send, origins)

@@ -309,8 +309,9 @@ def port_url(
     port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
     expires_in: Annotated[int, typer.Option(help="seconds the link works")] = 3600,
 ) -> None:
-    """Print a signed link that opens PORT of the VM in a browser, on the port's own origin,
-    without the API key ({url, expiresAt, linkId})."""
+    """Print a signed link that opens PORT of the VM on its own origin, without the API key.
+
+    Prints {url, expiresAt, linkId}; `pal vm port-url-revoke VM LINK_ID` ends it sooner."""
     print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
 
 
