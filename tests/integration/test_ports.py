@@ -168,6 +168,7 @@ def test_http_websocket_sse_links_and_errors(
         seen = {k.lower(): v for k, v in r.json()["headers"].items()}
         assert seen["cookie"] == "app=1" and seen["host"] == anon.headers["host"]
         assert "x-forwarded-prefix" not in seen  # the app is at the root of its origin
+        anon.cookies.clear()
         assert anon.get("/").status_code == 401  # no link, no key
     # Bound to this VM and port: another port's origin is 401 with it.
     with pal_server.ports_client(vm, 8001, timeout=60) as other:
