@@ -16,8 +16,9 @@ from pal import sizes
 from pal.spec import Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
-# The ports listener (VM ports on origins of their own), beside the API's default 8080.
-DEFAULT_PORTS_PORT = 8081
+# The ports listener (VM ports on origins of their own): beside the API's 8080 and a
+# node RPC's 8081 (a node may run on the same machine).
+DEFAULT_PORTS_PORT = 8082
 
 
 def env_log_level() -> str:

@@ -7,7 +7,7 @@ workers over each other. So a port is served under a host name of its own, as E2
 - by default ``http://{port}-{vm}.localhost:{PAL_PORTS_PORT}``: browsers and curl resolve
   every ``*.localhost`` name to loopback themselves, so nothing needs configuring;
 - with ``PAL_PORTS_DOMAIN`` (``ports.example.com``, ``https://ports.example.com`` or
-  ``http://ports.lan:8081``): ``https://{port}-{vm}.ports.example.com``, for a deployment
+  ``http://ports.lan:8082``): ``https://{port}-{vm}.ports.example.com``, for a deployment
   with a wildcard DNS name and certificate in front of Pal.
 
 Which requests belong to a port is decided here, by the ``Host`` header alone:

@@ -87,7 +87,7 @@ PortsPort = Annotated[
     typer.Option(
         "--ports-port",
         help="port of the ports listener: VM ports at http://{port}-{vmId}.localhost:PORTS_PORT "
-        "(default PAL_PORTS_PORT or 8081)",
+        "(default PAL_PORTS_PORT or 8082)",
     ),
 ]
 

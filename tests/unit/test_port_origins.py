@@ -93,7 +93,7 @@ def _vm(client: httpx.Client) -> str:
 
 
 def _host(vm: str, port: int = VM_PORT) -> str:
-    return f"{port}-{vm}.localhost:8081"
+    return f"{port}-{vm}.localhost:8082"
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -101,18 +101,18 @@ def _host(vm: str, port: int = VM_PORT) -> str:
 
 def test_port_names_parse_only_under_the_ports_domain() -> None:
     local = PortsOrigins.from_settings(Settings())
-    assert local.origin("vm-abc", 8000) == "http://8000-vm-abc.localhost:8081"
-    assert local.parse("8000-vm-abc.localhost:8081") == ("vm-abc", 8000)
+    assert local.origin("vm-abc", 8000) == "http://8000-vm-abc.localhost:8082"
+    assert local.parse("8000-vm-abc.localhost:8082") == ("vm-abc", 8000)
     assert local.parse(b"8000-VM-ABC.LOCALHOST.") == ("vm-abc", 8000)
     for other in (
         *("127.0.0.1:8080", "localhost:8080", "vm-abc.localhost", "0-vm-a.localhost", "70000-vm-a.localhost"),
-        *("8000-vm-a.localhost.evil.test", "x.8000-vm-a.localhost", "[::1]:8081", ""),
+        *("8000-vm-a.localhost.evil.test", "x.8000-vm-a.localhost", "[::1]:8082", ""),
     ):
         assert local.parse(other) is None, other
     real = PortsOrigins.from_settings(Settings(ports_domain="ports.example.com"))
     assert real.origin("vm-abc", 3000) == "https://3000-vm-abc.ports.example.com"
     assert real.parse("3000-vm-abc.ports.example.com") == ("vm-abc", 3000)
-    assert real.parse("3000-vm-abc.localhost:8081") is None
+    assert real.parse("3000-vm-abc.localhost:8082") is None
     lab = PortsOrigins.from_settings(Settings(ports_domain="http://ports.lan:9000"))
     assert lab.origin("vm-a", 80) == "http://80-vm-a.ports.lan:9000"
     for bad in ("10.0.0.1", "https://ports.example.com/x", "ftp://ports.example.com", "com"):
@@ -143,7 +143,7 @@ def test_a_ports_host_never_reaches_the_dashboard_or_the_api(env: ApiEnv) -> Non
 
 def test_the_ports_listener_serves_ports_only(env: ApiEnv) -> None:
     listener = ports_listener_app(env.app.state.ports_app, env.app.state.port_origins)
-    with _c(listener, "http://127.0.0.1:8081") as c:
+    with _c(listener, "http://127.0.0.1:8082") as c:
         for path in ("/runtime", "/runtime/login", "/v1/runtime/vms", "/healthz", "/"):
             r = c.get(path, headers={"Authorization": f"Bearer {env.key_a}"})
             assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_A_PORT", path
@@ -185,7 +185,7 @@ def test_a_link_opens_its_own_origin_and_sets_a_host_only_cookie(env: ApiEnv) ->
         assert link["url"].startswith(f"http://{_host(vm)}/?palToken=")
         token = link["url"].split("palToken=", 1)[1]
     own = {"Host": _host(vm)}
-    with _c(env.app, "http://127.0.0.1:8081") as anon:
+    with _c(env.app, "http://127.0.0.1:8082") as anon:
         r = anon.get(f"/page?palToken={token}&q=1", headers=own)
         assert r.status_code == 200 and r.json()["path"] == "/page?q=1"
         assert r.headers.get_list("set-cookie") == [
