@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.testclient import TestClient
+from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from pal.api.port_links import Links
 from pal.api.port_origins import PortsOrigins, ports_listener_app
@@ -305,3 +305,38 @@ def test_links_served_by_a_real_listener_pair(env: ApiEnv) -> None:
             assert r.status_code == 200 and _seen(r)["host"] == _host(vm)
             assert anon.get("/runtime/login").status_code == 404  # no dashboard here
         api.close()
+
+
+def test_a_websocket_on_a_ports_origin_takes_its_cookie_only_from_the_same_vm(
+    tmp_path: Path, guest_port: int
+) -> None:
+    """Browsers attach cookies to WebSocket handshakes of sibling origins and CORS does not
+    apply to them: the link cookie opens a WebSocket only for pages of the same VM."""
+    from websockets.sync.server import ServerConnection
+    from websockets.sync.server import serve as ws_serve
+
+    def echo(conn: ServerConnection) -> None:
+        for msg in conn:
+            conn.send(msg)
+
+    e = make_api(tmp_path)
+    with ws_serve(echo, "127.0.0.1", 0) as guest_ws:
+        threading.Thread(target=guest_ws.serve_forever, daemon=True).start()
+        e.manager.port_servers[VM_PORT] = guest_ws.socket.getsockname()[1]
+        with _c(e.app, "http://127.0.0.1:8080") as api:
+            api.headers["Authorization"] = f"Bearer {e.key_a}"
+            vm, other = _vm(api), _vm(api)
+            link = api.post(f"/v1/runtime/vms/{vm}/ports/{VM_PORT}/url", json={"expiresInSecs": 60}).json()
+            token = link["url"].split("palToken=", 1)[1]
+        client = _c(e.app, "ws://127.0.0.1:8082")
+        cookie = {"Host": _host(vm), "Cookie": f"pal_link={token}"}
+        for origin in (f"http://{_host(vm)}", f"http://{_host(vm, 3000)}"):
+            with client.websocket_connect("/ws", headers={**cookie, "Origin": origin}) as ws:
+                ws.send_text("hi")
+                assert ws.receive_text() == "hi"
+        for origin in (f"http://{_host(other)}", "http://127.0.0.1:8080", "https://evil.test"):
+            with pytest.raises(WebSocketDenialResponse) as refused:
+                with client.websocket_connect("/ws", headers={**cookie, "Origin": origin}):
+                    pass
+            assert refused.value.status_code == 403, origin
+        guest_ws.shutdown()
