@@ -27,6 +27,9 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from pal.errors import Unauthorized
 
 MAX_LINK_SECS = 7 * 24 * 3600
+# Link cookies of one request looked at (a page of a sibling origin may add more): the
+# port's own is among the first few a browser sends; more is only work for nothing.
+MAX_LINK_COOKIES = 8
 _ID = "pl-"
 
 
@@ -110,7 +113,7 @@ class Links:
         of another origin may have added cookies of the same name: they never displace a
         valid one); the last refusal when none does."""
         refused = Unauthorized("no port link")
-        for token in tokens:
+        for token in tokens[:MAX_LINK_COOKIES]:
             try:
                 return await self.tenant(token, vm_id, port)
             except Unauthorized as exc:
