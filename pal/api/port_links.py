@@ -27,9 +27,10 @@ from itsdangerous import BadSignature, URLSafeSerializer
 from pal.errors import Unauthorized
 
 MAX_LINK_SECS = 7 * 24 * 3600
-# Link cookies of one request looked at (a page of a sibling origin may add more): the
-# port's own is among the first few a browser sends; more is only work for nothing.
-MAX_LINK_COOKIES = 8
+# Link cookies of one request looked at: a page of a sibling origin may add some (each costs
+# an HMAC check; only one for this port reaches the store), but not make a request do
+# unbounded work. Tossing that many only denies the port to that browser, never opens it.
+MAX_LINK_COOKIES = 32
 _ID = "pl-"
 
 
