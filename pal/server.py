@@ -254,7 +254,14 @@ def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None],
 
 def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
     """The ports listener's socket (PAL_PORTS_PORT, on the API's address), bound before
-    anything starts so that a port in use is said at once."""
+    anything starts so that a port in use (or a PAL_PORTS_DOMAIN naming nothing) is said
+    at once."""
+    from pal.api.port_origins import PortsOrigins
+
+    try:
+        PortsOrigins.from_settings(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host.strip("[]"), settings.ports_port), family=family)

@@ -340,3 +340,16 @@ def test_a_websocket_on_a_ports_origin_takes_its_cookie_only_from_the_same_vm(
                     pass
             assert refused.value.status_code == 403, origin
         guest_ws.shutdown()
+
+
+def test_the_ports_listener_says_what_is_wrong_before_anything_starts(tmp_path: Path) -> None:
+    import socket
+
+    from pal.server import bind_ports_listener
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = Settings(data_dir=tmp_path, ports_port=taken.getsockname()[1])
+        with pytest.raises(SystemExit, match="--ports-port or PAL_PORTS_PORT"):
+            bind_ports_listener(busy, "127.0.0.1")
+    with pytest.raises(SystemExit, match="PAL_PORTS_DOMAIN"):
+        bind_ports_listener(Settings(data_dir=tmp_path, ports_domain="10.0.0.1"), "127.0.0.1")
