@@ -16,6 +16,9 @@ from pal import sizes
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
+# The ports listener (VM ports on origins of their own): beside the API's 8080 and a
+# node RPC's 8081 (a node may run on the same machine).
+DEFAULT_PORTS_PORT = 8082
 
 
 def env_log_level() -> str:
@@ -124,6 +127,13 @@ def _exec_default_timeout() -> float | None:
     return min(secs, MAX_EXEC_TIMEOUT_S) if secs else None
 
 
+def _ports_port_env() -> int:
+    port = _int_env("PAL_PORTS_PORT", DEFAULT_PORTS_PORT)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"PAL_PORTS_PORT must be a TCP port (1-65535), got {port}")
+    return port
+
+
 @dataclass
 class Settings:
     data_dir: Path = DEFAULT_DATA_DIR
@@ -166,6 +176,12 @@ class Settings:
     image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
     # PAL_CORS_ORIGINS=https://app.example,...: browser origins allowed to call the API
     cors_origins: list[str] = field(default_factory=list)
+    # PAL_PORTS_PORT / --ports-port: the ports listener, where each VM port has an origin of
+    # its own, http://{port}-{vm}.localhost:PORT (pal/api/port_origins.py)
+    ports_port: int = DEFAULT_PORTS_PORT
+    # PAL_PORTS_DOMAIN: ports.example.com (https) or http(s)://name[:port]: port links name
+    # {port}-{vm}.<that>, for a wildcard DNS name and TLS in front; unset = *.localhost
+    ports_domain: str | None = None
     # -- cluster (docs/deploy.md) --
     database_url: str | None = None  # PAL_DATABASE_URL / --database; unset = SQLite in the data dir
     # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
@@ -277,6 +293,8 @@ class Settings:
             ],
             image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
             cors_origins=[o.strip() for o in os.environ.get("PAL_CORS_ORIGINS", "").split(",") if o.strip()],
+            ports_port=_ports_port_env(),
+            ports_domain=os.environ.get("PAL_PORTS_DOMAIN") or None,
             database_url=os.environ.get("PAL_DATABASE_URL") or None,
             cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
             node_token=os.environ.get("PAL_NODE_TOKEN") or None,

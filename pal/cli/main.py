@@ -94,6 +94,23 @@ def main(
     mode.json_errors = json_errors
 
 
+PortsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--ports-port",
+        help="port of the ports listener: VM ports at http://{port}-{vmId}.localhost:PORTS_PORT "
+        "(default PAL_PORTS_PORT or 8082)",
+    ),
+]
+
+
+def _ports_port(settings: Any, ports_port: int | None) -> None:
+    if ports_port is not None:
+        if not 1 <= ports_port <= 65535:
+            raise typer.BadParameter(f"--ports-port must be 1-65535, got {ports_port}")
+        settings.ports_port = ports_port
+
+
 @app.command()
 def up(
     port: Annotated[int, typer.Option(help="TCP port")] = 8080,
@@ -101,9 +118,11 @@ def up(
     data_dir: DataDir = None,
     accel: Annotated[str | None, typer.Option(help="auto | kvm | tcg (default PAL_ACCEL or auto)")] = None,
     database: Database = None,
+    ports_port: PortsPort = None,
 ) -> None:
     """Run the server, runtime manager and store on this machine (until SIGTERM/Ctrl-C)."""
     settings = server_settings(data_dir)
+    _ports_port(settings, ports_port)
     _accel(settings, accel)
     if database:
         settings.database_url = database
@@ -120,11 +139,13 @@ def server(
     advertise_url: Annotated[
         str | None, typer.Option(help="URL other replicas reach this one at (default http://HOST:PORT)")
     ] = None,
+    ports_port: PortsPort = None,
 ) -> None:
     """Run a control-plane replica: API, scheduler, operator routes (nodes run `pal node`).
 
     Several replicas share one PostgreSQL; one leads, the others forward to it."""
     settings = server_settings(None)
+    _ports_port(settings, ports_port)
     if database:
         settings.database_url = database
     if not settings.database_url:

@@ -98,6 +98,7 @@ class LocalCluster:
         port = port or free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "pal.cli.main", "server", "--port", str(port), "--advertise-url", url]
+        argv += ["--ports-port", str(free_port())]  # each replica serves the VM ports too
         p = self._spawn(name, url, argv, self._env(), None)
         self.replicas[name] = p
         return p
