@@ -17,6 +17,7 @@ from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
+from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
 app.add_typer(node_app, name="node")
+app.add_typer(snapshots_app, name="snapshots")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
