@@ -20,7 +20,9 @@ def snapshots_rekey(
     ],
     old_key_file: Annotated[
         Path | None,
-        typer.Option("--old-key-file", help="the key to rewrap from (default: PAL_SNAPSHOT_ENCRYPTION_KEY_FILE)"),
+        typer.Option(
+            "--old-key-file", help="the key to rewrap from (default: PAL_SNAPSHOT_ENCRYPTION_KEY_FILE)"
+        ),
     ] = None,
     data_dir: Annotated[
         Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")

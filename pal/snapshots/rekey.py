@@ -38,9 +38,7 @@ def _name(ref: SnapshotRef) -> str:
     return crypt.snapshot_identity(ref)
 
 
-def rekey(
-    mirror: S3Mirror, old_key: bytes, new_key: bytes, log: logging.Logger | None = None
-) -> RekeyReport:
+def rekey(mirror: S3Mirror, old_key: bytes, new_key: bytes, log: logging.Logger | None = None) -> RekeyReport:
     """Rewrap the data key of every snapshot in the mirror's bucket from ``old_key`` to
     ``new_key``. A key.json under neither key, or that does not open, is reported in
     ``failed`` and left untouched."""

@@ -341,15 +341,20 @@ class S3Mirror:
             with SparseEncoder(path) as plain:
                 sealed = crypt.EncryptingReader(plain.read, data_key, crypt.artifact_identity(ref, name))
                 extra = {"Metadata": {S3_ENCODING_METADATA_KEY: ENCRYPTED_ENCODING}, **self._sse_args}
-                self._client.upload_fileobj(sealed, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer)
+                self._client.upload_fileobj(
+                    sealed, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer
+                )
                 return (plain.size, plain.digest), sealed.bytes_out
         if size > INLINE_SEAL_MAX_BYTES:
             with SparseEncoder(path) as stream:
                 extra = {"Metadata": {S3_ENCODING_METADATA_KEY: SPARSE_ENCODING}, **self._sse_args}
-                self._client.upload_fileobj(stream, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer)
+                self._client.upload_fileobj(
+                    stream, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer
+                )
                 return (stream.size, stream.digest), stream.bytes_out
         got = sparse_sha256(path)
-        self._client.upload_file(str(path), self.bucket, key, ExtraArgs=dict(self._sse_args), Config=self._transfer)
+        extra = dict(self._sse_args)
+        self._client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=self._transfer)
         return got, got[0]
 
     def _put_object(self, key: str, body: bytes) -> None:

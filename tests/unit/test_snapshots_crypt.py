@@ -56,7 +56,7 @@ def _chunks(sealed: bytes) -> list[bytes]:
 @pytest.mark.parametrize(
     "edit",
     [
-        pytest.param(lambda h, c: h + b"".join(c[:1] + [bytes([c[1][0] ^ 1]) + c[1][1:]] + c[2:]), id="flip"),
+        pytest.param(lambda h, c: h + b"".join([*c[:1], bytes([c[1][0] ^ 1]) + c[1][1:], *c[2:]]), id="flip"),
         pytest.param(lambda h, c: h + b"".join([c[1], c[0], *c[2:]]), id="reorder"),
         pytest.param(lambda h, c: h + b"".join(c[:2]), id="truncated-at-a-chunk-boundary"),
         pytest.param(lambda h, c: h + b"".join(c)[:-5], id="truncated-mid-chunk"),
