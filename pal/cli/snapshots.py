@@ -28,10 +28,11 @@ def snapshots_rekey(
         Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
     ] = None,
 ) -> None:
-    """Rotate the snapshot encryption key: rewrap the data key of every snapshot in the
-    bucket (S3_ENDPOINT, S3_BUCKET) under the new key. Only the small key.json objects are
-    rewritten, never the data. Re-run it after every node holds the new key, to catch the
-    snapshots uploaded under the old one meanwhile (docs/security.md)."""
+    """Rotate the snapshot encryption key: rewrap every data key in the bucket under a new key.
+
+    The bucket is S3_ENDPOINT/S3_BUCKET. Only the small key.json objects are rewritten,
+    never the data. Re-run it after every node holds the new key, to catch the snapshots
+    uploaded under the old one meanwhile (docs/security.md, "Snapshots at rest")."""
     from pal import keyfile
     from pal.errors import PalError
     from pal.snapshots.crypt import key_id
