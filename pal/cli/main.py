@@ -418,6 +418,21 @@ def bench_cluster(
     )
 
 
+@bench_app.command("s3")
+def bench_s3(
+    iterations: Annotated[int, typer.Option(help="resumes timed each way, encrypted and not")] = 5,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
+    from pal import bench_s3
+
+    bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
+
+
 @bench_app.command("network")
 def bench_network(
     iterations: Annotated[int, typer.Option(help="connections timed (p50/p90)")] = 100,
