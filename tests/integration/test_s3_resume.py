@@ -138,10 +138,11 @@ def holds(path: Path, marker: bytes) -> bool:
     fd = os.open(path, os.O_RDONLY)
     try:
         tail = b""
-        for _, block in data_blocks(fd, os.fstat(fd).st_size):
-            if marker in tail + bytes(block[: len(marker)]) or marker in block:
+        for _, view in data_blocks(fd, os.fstat(fd).st_size):
+            block = tail + bytes(view)  # bytes: `in` on a memoryview looks for one element
+            if marker in block:
                 return True
-            tail = bytes(block[-len(marker) :])
+            tail = block[-len(marker) :]
         return False
     finally:
         os.close(fd)

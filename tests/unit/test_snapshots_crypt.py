@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,34 @@ def test_rewrap_keeps_the_data_key_and_the_old_key_no_longer_opens_it() -> None:
     assert crypt.unwrap(body, new, REF) == dk
     with pytest.raises(crypt.SnapshotUnreadable):
         crypt.unwrap(body, KEY, REF)
+
+
+def test_a_node_encrypts_by_default_and_off_is_explicit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pal.config import Settings
+    from pal.snapshots.s3 import S3Mirror
+
+    data = tmp_path
+    for name in ("PAL_SNAPSHOT_ENCRYPTION", "PAL_S3_SSE", "PAL_SNAPSHOT_ENCRYPTION_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("S3_BUCKET", "pal-default")
+    settings = Settings.from_env(data)
+    mirror = S3Mirror.from_settings(settings)
+    assert mirror.encrypts and settings.s3_sse is None
+    key_file = data / "keys" / "snapshot-encryption.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_bytes()) == 32
+
+    monkeypatch.setenv("PAL_SNAPSHOT_ENCRYPTION", "off")
+    monkeypatch.setenv("PAL_S3_SSE", "aws:kms")
+    monkeypatch.setenv("PAL_S3_SSE_KMS_KEY_ID", "alias/pal")
+    settings = Settings.from_env(data)
+    mirror = S3Mirror.from_settings(settings)
+    assert not mirror.encrypts
+    assert mirror._sse_args == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/pal"}
+    for name, bad in (("PAL_SNAPSHOT_ENCRYPTION", "maybe"), ("PAL_S3_SSE", "aws:kms:dsse")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            Settings.from_env(data)
+        monkeypatch.delenv(name)
