@@ -1,9 +1,11 @@
 """`pal bench s3`: what encrypting snapshots for S3 costs (issue 23 item 7).
 
-Starts an S3 server (moto) and, once with ``PAL_SNAPSHOT_ENCRYPTION=on`` and once with
-``off``, a `pal up` on its own data dir (images and templates shared with the given data
-dir, as the tests do) that parks no QEMU (``PAL_PARKED_MAX=0``: every resume restores a
-snapshot into a new process). In each, one VM goes through N cycles of:
+Starts an S3 server (moto) and two `pal up`s at once, one with
+``PAL_SNAPSHOT_ENCRYPTION=on`` and one with ``off``, each on its own data dir (images and
+templates shared with the given data dir, as the tests do) and bucket, parking no QEMU
+(``PAL_PARKED_MAX=0``: every resume restores a snapshot into a new process). One VM in
+each goes through N cycles, the two servers' cycles alternating so that both see the same
+load, of:
 
 - pause, resume, first exec: a resume from the local snapshot (the baseline);
 - pause, wait until its upload is complete on S3 (meta.json, written last), delete the
@@ -55,45 +57,30 @@ def _object_bytes(s3: Any, bucket: str, vm: str, snap: str) -> int:
     return sum(int(k["Size"]) for k in keys if f"/{vm}/{snap}/" in k["Key"])
 
 
-def cycles(
-    api: Api, s3: Any, bucket: str, data_dir: Path, n: int, log: Callable[[str], None]
-) -> tuple[dict[str, list[float]], int]:
-    """N local and N from-S3 resumes of one VM; returns the samples and the bytes the last
-    snapshot takes in the bucket."""
-    res: dict[str, list[float]] = {key: [] for key, _ in ROWS}
-    vm = api.call("POST", "/v1/runtime/schedule", json={})["vmId"]
-    stored = 0
-    try:
-        api.exec_ok(vm)
-        for i in range(n):
-            api.call("POST", f"/v1/runtime/vms/{vm}/pause")
-            ms_r, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vm}/resume")
-            ms_e, _ = timed(api.exec_ok, vm)
-            res["resume_local"].append(ms_r + ms_e)
-            res["warm_exec"].append(timed(api.exec_ok, vm)[0])
+def one_cycle(api: Api, vm: str, s3: Any, bucket: str, data_dir: Path, res: dict[str, list[float]]) -> int:
+    """One local and one from-S3 resume of ``vm``, each followed by a warm exec; returns the
+    bytes its snapshot takes in the bucket."""
+    api.call("POST", f"/v1/runtime/vms/{vm}/pause")
+    ms_r, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vm}/resume")
+    ms_e, _ = timed(api.exec_ok, vm)
+    res["resume_local"].append(ms_r + ms_e)
+    res["warm_exec"].append(timed(api.exec_ok, vm)[0])
 
-            snap = api.call("POST", f"/v1/runtime/vms/{vm}/pause")["snapshotId"]
-            t0 = time.perf_counter()
-            while not _meta_on_s3(s3, bucket, vm, snap):
-                if time.perf_counter() - t0 > 600:
-                    raise TimeoutError(f"snapshot {snap} did not reach S3")
-                time.sleep(0.05)
-            res["upload"].append((time.perf_counter() - t0) * 1000)
-            stored = _object_bytes(s3, bucket, vm, snap)
-            for local in data_dir.glob(f"snapshots/*/{vm}/{snap}"):
-                shutil.rmtree(local)
-            ms_r, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vm}/resume")
-            ms_e, _ = timed(api.exec_ok, vm)
-            res["resume_s3"].append(ms_r + ms_e)
-            res["warm_exec"].append(timed(api.exec_ok, vm)[0])
-            log(
-                f"  cycle {i + 1}/{n}: local {res['resume_local'][-1]:.0f} ms, from S3 "
-                f"{res['resume_s3'][-1]:.0f} ms, upload {res['upload'][-1]:.0f} ms"
-            )
-    finally:
-        with contextlib.suppress(Exception):
-            api.call("DELETE", f"/v1/runtime/vms/{vm}")
-    return res, stored
+    snap = api.call("POST", f"/v1/runtime/vms/{vm}/pause")["snapshotId"]
+    t0 = time.perf_counter()
+    while not _meta_on_s3(s3, bucket, vm, snap):
+        if time.perf_counter() - t0 > 600:
+            raise TimeoutError(f"snapshot {snap} did not reach S3")
+        time.sleep(0.05)
+    res["upload"].append((time.perf_counter() - t0) * 1000)
+    stored = _object_bytes(s3, bucket, vm, snap)
+    for local in data_dir.glob(f"snapshots/*/{vm}/{snap}"):
+        shutil.rmtree(local)  # as on a node that never had it
+    ms_r, _ = timed(api.call, "POST", f"/v1/runtime/vms/{vm}/resume")
+    ms_e, _ = timed(api.exec_ok, vm)
+    res["resume_s3"].append(ms_r + ms_e)
+    res["warm_exec"].append(timed(api.exec_ok, vm)[0])
+    return stored
 
 
 def _run_dir(shared: Path, name: str) -> Path:
@@ -106,10 +93,8 @@ def _run_dir(shared: Path, name: str) -> Path:
     return run
 
 
-def run_mode(mode: str, shared: Path, s3srv: S3Server, n: int, log: Callable[[str], None]) -> dict[str, Any]:
-    bucket = f"pal-bench-{mode}-{uuid.uuid4().hex[:6]}"
-    run = _run_dir(shared, f"bs3-{mode}-{uuid.uuid4().hex[:6]}")
-    env = {
+def _env(mode: str, s3srv: S3Server, bucket: str) -> dict[str, str]:
+    return {
         "S3_ENDPOINT": s3srv.endpoint,
         "S3_BUCKET": bucket,
         "PAL_SNAPSHOT_ENCRYPTION": "on" if mode == "encrypted" else "off",
@@ -117,15 +102,42 @@ def run_mode(mode: str, shared: Path, s3srv: S3Server, n: int, log: Callable[[st
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",  # a loaded host must not fail the run
         **TEST_ENV,
     }
+
+
+def run_interleaved(shared: Path, s3srv: S3Server, n: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Both servers up at once, their cycles alternating (the order swapped every round), so
+    that each mode sees the same load: on a shared host, runs one after the other do not."""
     s3 = boto3.client("s3", endpoint_url=s3srv.endpoint, region_name="us-east-1")
+    tag = uuid.uuid4().hex[:6]
+    buckets = {mode: f"pal-bench-{mode}-{tag}" for mode in MODES}
+    runs = {mode: _run_dir(shared, f"bs3-{mode}-{tag}") for mode in MODES}
+    out: dict[str, Any] = {m: {"samples_ms": {k: [] for k, _ in ROWS}, "bucket_bytes": 0} for m in MODES}
     try:
-        with local_server(run, env) as (url, key):
-            log(f"{mode}: {n} cycles")
-            samples, stored = cycles(Api(url, key), s3, bucket, run, n, log)
-            accel = server_accel(url)
+        with contextlib.ExitStack() as stack:
+            apis = {}
+            for mode in MODES:
+                url, key = stack.enter_context(local_server(runs[mode], _env(mode, s3srv, buckets[mode])))
+                apis[mode] = Api(url, key)
+                out[mode]["accel"] = server_accel(url)
+            vms = {mode: apis[mode].call("POST", "/v1/runtime/schedule", json={})["vmId"] for mode in MODES}
+            for mode in MODES:
+                apis[mode].exec_ok(vms[mode])
+            for i in range(n):
+                for mode in MODES if i % 2 == 0 else tuple(reversed(MODES)):
+                    res = out[mode]["samples_ms"]
+                    args = (s3, buckets[mode], runs[mode], res)
+                    out[mode]["bucket_bytes"] = one_cycle(apis[mode], vms[mode], *args)
+                    log(
+                        f"  {i + 1}/{n} {mode}: local {res['resume_local'][-1]:.0f} ms, from S3"
+                        f" {res['resume_s3'][-1]:.0f} ms, upload {res['upload'][-1]:.0f} ms"
+                    )
+            for mode in MODES:
+                with contextlib.suppress(Exception):
+                    apis[mode].call("DELETE", f"/v1/runtime/vms/{vms[mode]}")
     finally:
-        shutil.rmtree(run, ignore_errors=True)
-    return {"samples_ms": samples, "bucket_bytes": stored, "accel": accel}
+        for run in runs.values():
+            shutil.rmtree(run, ignore_errors=True)
+    return out
 
 
 def _cell(v: list[float], unit: float) -> str:
@@ -144,8 +156,9 @@ def render(r: dict[str, Any]) -> str:
         f" average at start {r['load_start']}, at end {r['load_end']} (other work was running: the"
         " figures are for this load; compare the ratios).",
         "",
-        "One `pal up` per column (moto as S3 on the same machine, `PAL_PARKED_MAX=0`), one 256 MiB",
-        "VM each. p50 in ms, and in brackets as a multiple of the same server's warm exec.",
+        "One `pal up` per column, both up at once with their cycles alternating (moto as S3 on the",
+        "same machine, `PAL_PARKED_MAX=0`), one 256 MiB VM each. p50 in ms, and in brackets as a",
+        "multiple of the same server's warm exec.",
         "",
         "| measure | encrypted | not encrypted | encrypted ÷ not |",
         "|---|---:|---:|---:|",
@@ -155,8 +168,11 @@ def render(r: dict[str, Any]) -> str:
         ratio = (pct(a, 0.5) / we) / (pct(b, 0.5) / wp) if a and b and we and wp else float("nan")
         lines.append(f"| {label} | {_cell(a, we)} | {_cell(b, wp)} | {ratio:.2f} |")
     eb, pb = (r["modes"][k]["bucket_bytes"] for k in MODES)
+    over = [pct(x["resume_s3"], 0.5) / pct(x["resume_local"], 0.5) for x in (enc, plain)]
     lines += [
         f"| Bytes of one snapshot in the bucket | {eb / 1e6:.1f} MB | {pb / 1e6:.1f} MB | {eb / pb:.3f} |",
+        f"| Resume from S3 ÷ resume from the local snapshot | {over[0]:.2f} | {over[1]:.2f} |"
+        f" {over[0] / over[1]:.2f} |",
         "",
         "The ratio column divides the two columns' multiples of their own warm exec. Encryption adds",
         "AES-256-GCM over the sparse stream (1 MiB chunks, 16 bytes each) on upload and download, and",
@@ -175,7 +191,7 @@ def main(iterations: int, data_dir: Path | None, out_dir: Path, log: Callable[[s
     load_start = os.getloadavg()
     os.environ.update(TEST_ENV)
     with S3Server() as s3srv:
-        modes = {mode: run_mode(mode, settings.data_dir, s3srv, iterations, log) for mode in MODES}
+        modes = run_interleaved(settings.data_dir, s3srv, iterations, log)
     report = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "iterations": iterations,

@@ -36,3 +36,7 @@ def test_the_report_divides_by_each_runs_warm_exec() -> None:
     assert "3300 (33.0×)" in s3_row and "6000 (30.0×)" in s3_row and s3_row.endswith("| 1.10 |")
     assert rows[bench_s3.ROWS[1][1]].endswith("| 1.00 |")
     assert "1.010" in rows["Bytes of one snapshot in the bucket"]
+    assert (
+        rows["Resume from S3 ÷ resume from the local snapshot"]
+        == "| Resume from S3 ÷ resume from the local snapshot | 3.30 | 3.00 | 1.10 |"
+    )
