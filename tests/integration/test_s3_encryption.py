@@ -308,6 +308,11 @@ def test_rotation_rewraps_the_data_keys_only_and_the_old_key_no_longer_opens_the
 ) -> None:
     refs = [SnapshotRef(AV, "vm-1", f"snap-{i}", "t") for i in range(2)]
     contents = {ref: take(node_a, ref, b"m") for ref in refs}
+    old_node = node(tmp_path, s3_server, bucket, "old", enc_key=None)  # from before encryption
+    try:
+        take(old_node, SnapshotRef(AV, "vm-old", "snap-plain", "t"), b"m")
+    finally:
+        old_node.close()
     before = {ref: objects(node_a, ref) for ref in refs}
     keys = tmp_path / "keys"
     keys.mkdir(mode=0o700)
@@ -318,6 +323,7 @@ def test_rotation_rewraps_the_data_keys_only_and_the_old_key_no_longer_opens_the
     report = _rekey_cli(tmp_path, s3_server, bucket, old_file, new_file)
     new_key = new_file.read_bytes()
     assert report["rewrapped"] == 2 and report["failed"] == {}
+    assert report["unencrypted"] == [f"{AV}/vm-old/snap-plain"]
     assert report["newKeyId"] == crypt.key_id(new_key) and report["oldKeyId"] == crypt.key_id(ENC_KEY)
     for ref in refs:
         after = objects(node_a, ref)
