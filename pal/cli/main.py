@@ -18,6 +18,7 @@ from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
+from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 
 cli_help.install()
@@ -42,6 +43,7 @@ app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
 app.add_typer(node_app, name="node")
+app.add_typer(snapshots_app, name="snapshots")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
@@ -447,6 +449,21 @@ def bench_cluster(
         data_dir=data_dir,
         out_dir=out_dir,
     )
+
+
+@bench_app.command("s3")
+def bench_s3(
+    iterations: Annotated[int, typer.Option(help="resumes timed each way, encrypted and not")] = 5,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
+    from pal import bench_s3
+
+    bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
 
 @bench_app.command("network")
