@@ -100,7 +100,7 @@ PortsPort = Annotated[
     int | None,
     typer.Option(
         "--ports-port",
-        help="port of the ports listener: VM ports at http://{port}-{vmId}.localhost:PORTS_PORT "
+        help="port of the ports listener: VM ports at http://PORT-VM.localhost:PORTS_PORT "
         "(default PAL_PORTS_PORT or 8082)",
     ),
 ]
