@@ -160,27 +160,7 @@ class Reconciler:
             await t.transition(vid, A.FINISH_DELETE, reason="deleted")
             return "interrupted delete -> terminated"
         if state == S.DRAINING:  # a pause (operator or idle) was under way
-            complete = await self._snapshot_complete(vm, vm.snapshot_id)
-            if complete is None:
-                return None
-            if complete:
-                if live:
-                    await self.d.stop_quietly(vm)
-                by = "idle" if vm.marker == Marker.IDLE_PAUSING else "operator"
-                await t.transition(vid, A.FINISH_PAUSE, reason=vm.reason, paused_by=by, paused_at=utcnow())
-                return "interrupted pause completed -> paused"
-            if live:
-                await t.transition(
-                    vid,
-                    A.ROLL_BACK_PAUSE,
-                    reason="pause interrupted; still running",
-                    snapshot_id=None,
-                    paused_by=None,
-                    paused_at=None,
-                )
-                return "interrupted pause rolled back -> running"
-            await t.transition(vid, A.LOSE, reason="pause interrupted and no complete snapshot")
-            return "interrupted pause, VM gone -> failed"
+            return await self._fix_pause(vm, live)
         if state == S.SPAWNING and vm.marker == Marker.RESUMING:
             if _alive(alive, vm):
                 await t.transition(vid, A.COME_UP, paused_by=None, paused_at=None)
@@ -226,6 +206,32 @@ class Reconciler:
             await self.d.stop_quietly(vm)
             return f"stray QEMU of a {state.value} VM stopped"
         return None
+
+    async def _fix_pause(self, vm: VmRecord, live: bool) -> str | None:
+        """A snapshot pause that was under way (draining for a pause): completed if its
+        snapshot is, else rolled back to running (its QEMU runs) or lost."""
+        t, vid = self.d.transitions, vm.vm_id
+        complete = await self._snapshot_complete(vm, vm.snapshot_id)
+        if complete is None:
+            return None
+        if complete:
+            if live:
+                await self.d.stop_quietly(vm)
+            by = "idle" if vm.marker == Marker.IDLE_PAUSING else "operator"
+            await t.transition(vid, A.FINISH_PAUSE, reason=vm.reason, paused_by=by, paused_at=utcnow())
+            return "interrupted pause completed -> paused"
+        if live:
+            await t.transition(
+                vid,
+                A.ROLL_BACK_PAUSE,
+                reason="pause interrupted; still running",
+                snapshot_id=None,
+                paused_by=None,
+                paused_at=None,
+            )
+            return "interrupted pause rolled back -> running"
+        await t.transition(vid, A.LOSE, reason="pause interrupted and no complete snapshot")
+        return "interrupted pause, VM gone -> failed"
 
     async def _heartbeats(
         self, node_ids: Iterable[str | None], ask_silent: bool = False
@@ -393,6 +399,8 @@ class Reconciler:
             fixes.append(f"{vm.vm_id}: {what} but {reason} -> failed")
             log.warning("reconcile: %s %s but %s -> failed", vm.vm_id, what, reason)
         return fixes
+
+    # -- nodes -------------------------------------------------------------------------------
 
     async def lose_silent_nodes(self) -> list[str]:
         """Mark nodes silent for ``node_lost_after_s`` lost, and fail the VMs that hold a slot
