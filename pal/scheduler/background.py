@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pal.config import Settings
@@ -41,27 +41,17 @@ class LeaderChores:
     purge_deleted_tenants: Callable[[], Awaitable[Any]]
 
 
+@dataclass
 class Background:
-    def __init__(
-        self,
-        settings: Settings,
-        leader: Leadership,
-        nodes: NodePool,
-        clock: Callable[[], float],
-        reconciler: Reconciler,
-        sweeper: IdleSweeper,
-        chores: LeaderChores,
-        state: LeaderState,
-    ) -> None:
-        self.settings = settings
-        self.leader = leader
-        self.nodes = nodes
-        self.clock = clock
-        self.reconciler = reconciler
-        self.sweeper = sweeper
-        self.chores = chores
-        self.state = state
-        self._task: asyncio.Task[None] | None = None
+    settings: Settings
+    leader: Leadership
+    nodes: NodePool
+    clock: Callable[[], float]
+    reconciler: Reconciler
+    sweeper: IdleSweeper
+    chores: LeaderChores
+    state: LeaderState
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="pal-scheduler-loop")

@@ -8,6 +8,7 @@ DRAINING (scheduler:deleting); a repeated delete, or reconciliation, retries the
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pal import failpoints
 from pal.errors import BackendError
@@ -22,10 +23,10 @@ log = logging.getLogger(__name__)
 S, A = VmState, Action
 
 
+@dataclass(frozen=True)
 class Deleting:
-    def __init__(self, deps: Deps, books: SnapshotBooks) -> None:
-        self.d = deps
-        self.books = books
+    d: Deps
+    books: SnapshotBooks
 
     async def delete(self, tenant_id: str, vm_id: str) -> VmRecord:
         """Prerequisites: the tenant's VM (404); DELETE allowed (every state but

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pal.errors import Conflict, NotFound
@@ -30,12 +31,12 @@ def _suspend_action(vm: VmRecord) -> Action:
     return A.PAUSE if vm.marker == M.LIVE else A.IDLE_PAUSE
 
 
+@dataclass(frozen=True)
 class Draining:
-    def __init__(self, deps: Deps, pauses: PauseResume, books: SnapshotBooks, deleting: Deleting) -> None:
-        self.d = deps
-        self.pauses = pauses
-        self.books = books
-        self.deleting = deleting
+    d: Deps
+    pauses: PauseResume
+    books: SnapshotBooks
+    deleting: Deleting
 
     async def set_node_active(self, node_id: str) -> dict[str, Any]:
         """Undo a drain: the node takes new VMs again (a lost node must heartbeat instead)."""

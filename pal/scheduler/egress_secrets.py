@@ -6,6 +6,7 @@ Stored only once the node took them, so the row and the node never disagree.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pal.manager.models import BrokeredSet, EgressSet
 from pal.scheduler import states
@@ -22,10 +23,10 @@ EGRESS_CHANGED_EVENT = "egress_changed"
 SECRET_ROTATED_EVENT = "secret_rotated"
 
 
+@dataclass(frozen=True)
 class EgressAndSecrets:
-    def __init__(self, deps: Deps, brokering: SecretBroker) -> None:
-        self.d = deps
-        self.brokering = brokering
+    d: Deps
+    brokering: SecretBroker
 
     async def set_egress(self, tenant_id: str, vm_id: str, update: EgressUpdate) -> VmRecord:
         """Change a VM's egress policy.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pal.errors import InvalidRequest, PalError
@@ -40,10 +41,10 @@ def _check_port(port: int) -> None:
         raise InvalidRequest(f"port {port} is outside 1-65535")
 
 
+@dataclass(frozen=True)
 class ExecAndFiles:
-    def __init__(self, deps: Deps, waker: Waker) -> None:
-        self.d = deps
-        self.waker = waker
+    d: Deps
+    waker: Waker
 
     # -- exec ----------------------------------------------------------------------------------
 

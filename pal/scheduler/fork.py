@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pal import failpoints
@@ -62,11 +63,11 @@ def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
     )
 
 
+@dataclass(frozen=True)
 class Forking:
-    def __init__(self, deps: Deps, spawner: Spawner, books: SnapshotBooks) -> None:
-        self.d = deps
-        self.spawner = spawner
-        self.books = books
+    d: Deps
+    spawner: Spawner
+    books: SnapshotBooks
 
     async def fork(self, tenant_id: str, vm_id: str, count: int) -> ForkResult:
         """``count`` children of ``vm_id``.

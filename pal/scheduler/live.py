@@ -69,7 +69,12 @@ class LiveOps:
         self, vm_id: str, action: Action, *, offload: bool = False, reason: str
     ) -> VmRecord | None:
         """A live pause (caller holds the VM's operation lock). None: a wait pause found
-        nothing waiting (nothing changed)."""
+        nothing waiting (nothing changed).
+
+        Prerequisites: ``action`` (LIVE_PAUSE, IDLE_LIVE_PAUSE, WAIT_PAUSE) allowed: running,
+        or for LIVE_PAUSE also live-paused (the operator takes it over, or offloads it).
+        Success: paused with the action's live marker (the slot kept), the node first.
+        Failure: the node's error, nothing changed; failed if its QEMU turned out gone."""
         s = self.d
         t0 = time.perf_counter()
         vm = s.reload(vm_id)
@@ -122,7 +127,10 @@ class LiveOps:
     # ------------------------------------------------------------------ resume
 
     async def resume(self, vm_id: str, trigger: str, why: str | None = None) -> VmRecord:
-        """The same QEMU continues (caller holds the VM's operation lock)."""
+        """The same QEMU continues (caller holds the VM's operation lock).
+
+        Prerequisites: LIVE_RESUME allowed (live-paused, any live marker).
+        Success: running, the node first. Failure: 500; failed if its QEMU is gone."""
         s = self.d
         t0 = time.perf_counter()
         vm = s.reload(vm_id)
@@ -166,7 +174,9 @@ class LiveOps:
     async def wait_pause(self, vm_id: str) -> VmRecord | None:
         """The node says the VM is idle and waits on held I/O: pause it, unless it has no
         wait management or is no longer running (the node itself refuses while the guest
-        computes, a request is being handed to it, or nothing waits any more)."""
+        computes, a request is being handed to it, or nothing waits any more).
+
+        Prerequisites: wait management on, WAIT_PAUSE allowed (running); else None."""
         s = self.d
         async with s.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)
@@ -176,7 +186,9 @@ class LiveOps:
 
     async def wake(self, vm_id: str, trigger: str, why: str) -> VmRecord | None:
         """Resume a wait-paused VM for its data or its timer (an operator's pause and the
-        idle tier are not woken by those)."""
+        idle tier are not woken by those).
+
+        Prerequisites: marker live:wait and LIVE_RESUME allowed; else None."""
         s = self.d
         async with s.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)

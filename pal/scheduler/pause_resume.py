@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from pal import failpoints
@@ -38,17 +39,13 @@ MAX_RESUME_NODES = 3  # a resume tries at most this many nodes that turn out unr
 Spawn = Callable[[Coroutine[Any, Any, Any], str], None]
 
 
+@dataclass(frozen=True)
 class PauseResume:
-    """``spawn_chore``: runs a fire-and-forget node call (deps.Chores.spawn)."""
-
-    def __init__(
-        self, deps: Deps, spawner: Spawner, books: SnapshotBooks, live: LiveOps, spawn_chore: Spawn
-    ) -> None:
-        self.d = deps
-        self.spawner = spawner
-        self.books = books
-        self.live = live
-        self._spawn_chore = spawn_chore
+    d: Deps
+    spawner: Spawner
+    books: SnapshotBooks
+    live: LiveOps
+    spawn_chore: Spawn  # runs a fire-and-forget node call (deps.Chores.spawn)
 
     # -- the operator's ------------------------------------------------------------------------
 
@@ -93,10 +90,7 @@ class PauseResume:
         Prerequisites: IDLE_LIVE_PAUSE allowed (running), no request in flight, and
         ``still_idle`` of the fresh row. Success: paused (live:idle). None: skipped."""
         async with self.d.op_lock(vm_id):
-            vm = self.d.reload(vm_id)
-            if not states.allowed(S(vm.state), A.IDLE_LIVE_PAUSE, vm.marker):
-                return None
-            if self.d.locks.busy(vm_id) or not still_idle(vm):
+            if not self._still_idle(vm_id, A.IDLE_LIVE_PAUSE, still_idle):
                 return None
             return await self.live.pause(
                 vm_id, A.IDLE_LIVE_PAUSE, offload=True, reason="live-paused (idle; wakes on the next request)"
@@ -108,12 +102,17 @@ class PauseResume:
         Prerequisites: IDLE_PAUSE allowed (running, or an automatic live pause), no request
         in flight, ``still_idle``. Success: paused (snapshot, by idle). None: skipped."""
         async with self.d.op_lock(vm_id):
-            vm = self.d.reload(vm_id)
-            if not states.allowed(S(vm.state), A.IDLE_PAUSE, vm.marker):
-                return None
-            if self.d.locks.busy(vm_id) or not still_idle(vm):
+            if not self._still_idle(vm_id, A.IDLE_PAUSE, still_idle):
                 return None
             return await self.pause_locked(vm_id, A.IDLE_PAUSE, reason=IDLE_REASON)
+
+    def _still_idle(self, vm_id: str, action: Action, still_idle: Callable[[VmRecord], bool]) -> bool:
+        """Under the VM's lock, against the fresh row: the table allows ``action``, no
+        request is in flight, and the sweeper's ``still_idle`` holds."""
+        vm = self.d.reload(vm_id)
+        if not states.allowed(S(vm.state), action, vm.marker):
+            return False
+        return not self.d.locks.busy(vm_id) and still_idle(vm)
 
     # -- the locked steps ----------------------------------------------------------------------
 
@@ -259,7 +258,7 @@ class PauseResume:
             # It runs elsewhere now: its previous node lets go of its parked QEMU, if any.
             # In the background (that node may be the unreachable one this resume avoided),
             # best effort: a parked QEMU also goes when it is too old.
-            self._spawn_chore(self._let_go(old_node, vm_id), f"let-go-{vm_id}")
+            self.spawn_chore(self._let_go(old_node, vm_id), f"let-go-{vm_id}")
         running = await d.transitions.transition(
             vm_id,
             A.COME_UP,

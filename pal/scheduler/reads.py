@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -34,10 +35,10 @@ TERMINATED_VISIBLE = timedelta(hours=1)
 NODE_STATS_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
 class Reads:
-    def __init__(self, deps: Deps, spawner: Spawner) -> None:
-        self.d = deps
-        self.spawner = spawner
+    d: Deps
+    spawner: Spawner
 
     async def list_images(self, tenant_id: str) -> list[ImageInfo]:
         return await self.spawner.visible_images(tenant_id)

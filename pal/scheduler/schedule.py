@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pal import failpoints
 from pal.errors import PalError
@@ -19,11 +20,11 @@ from pal.store import VmRecord, utcnow
 A = Action
 
 
+@dataclass(frozen=True)
 class Scheduling:
-    def __init__(self, deps: Deps, spawner: Spawner, brokering: SecretBroker) -> None:
-        self.d = deps
-        self.spawner = spawner
-        self.brokering = brokering
+    d: Deps
+    spawner: Spawner
+    brokering: SecretBroker
 
     async def schedule(self, tenant_id: str, spec: AgentSpec) -> tuple[VmRecord, str]:
         """The running VM and how it started (`cold`, `template`).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pal.errors import PalError
@@ -34,11 +35,11 @@ LiveResume = Callable[[str, str, str], Awaitable[VmRecord]]
 SnapshotResume = Callable[[str, str], Awaitable[VmRecord]]
 
 
+@dataclass(frozen=True)
 class Waker:
-    def __init__(self, deps: Deps, live_resume: LiveResume, snapshot_resume: SnapshotResume) -> None:
-        self.d = deps
-        self._live_resume = live_resume
-        self._snapshot_resume = snapshot_resume
+    d: Deps
+    live_resume: LiveResume
+    snapshot_resume: SnapshotResume
 
     async def ensure_running(self, tenant_id: str, vm_id: str) -> None:
         """Prerequisites: the tenant's VM (404). Success: running (EXEC allowed), after a
@@ -53,13 +54,13 @@ class Waker:
             if states.allowed(S(vm.state), A.EXEC):
                 return
             if vm.state == S.PAUSED and vm.marker in AUTO_LIVE_MARKERS:
-                await self._live_resume(vm_id, "wake", "resumed for an exec or file request")
+                await self.live_resume(vm_id, "wake", "resumed for an exec or file request")
                 d.store.add_event(
                     vm_id, vm.tenant_id, AUTO_RESUME_EVENT, reason="live-resumed for an exec or file request"
                 )
                 return
             if vm.paused_by == "idle" and states.allowed(S(vm.state), A.RESUME, vm.marker):
-                await self._snapshot_resume(vm_id, "wake")
+                await self.snapshot_resume(vm_id, "wake")
                 d.store.add_event(
                     vm_id, vm.tenant_id, AUTO_RESUME_EVENT, reason="resumed for an exec or file request"
                 )
