@@ -86,6 +86,10 @@ class VmLocks:
             self.inflight[vm_id] = n
 
 
+# Runs a fire-and-forget node call in the background (:meth:`Chores.spawn`).
+SpawnChore = Callable[[Coroutine[Any, Any, Any], str], None]
+
+
 class Chores:
     """Fire-and-forget node calls (stray stops, a previous node letting go of a VM),
     cancelled when the scheduler closes."""

@@ -1,5 +1,5 @@
 """Snapshot pause and resume (docs/lifecycle.md): the operator's pause and resume, the idle
-sweeper's two tiers, and the locked steps that drain.py and exec_files.py (a wake) reuse.
+sweeper's two tiers, and the locked steps that drain.py and wake.py reuse.
 A live pause or resume is live.py's; the operator's entry points here route to it.
 
 Every operation checks its action against the table in states.py before any work, and
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from pal import failpoints
 from pal.errors import BackendError, Conflict, InsufficientStorage
 from pal.manager.client import UNREACHABLE
 from pal.manager.models import RestoreFrom, SnapshotRequest
 from pal.scheduler import states
-from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token
+from pal.scheduler.deps import Deps, SpawnChore, as_pal, new_snapshot_id, new_token
 from pal.scheduler.live import LiveOps, live_paused
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, spawn_details
@@ -36,8 +36,6 @@ SHUTDOWN_REASON = "suspended (server shutdown); wakes on the next request"
 DRAIN_REASON = "suspended (node draining); wakes on another node on the next request"
 MAX_RESUME_NODES = 3  # a resume tries at most this many nodes that turn out unreachable
 
-Spawn = Callable[[Coroutine[Any, Any, Any], str], None]
-
 
 @dataclass(frozen=True)
 class PauseResume:
@@ -45,7 +43,7 @@ class PauseResume:
     spawner: Spawner
     books: SnapshotBooks
     live: LiveOps
-    spawn_chore: Spawn  # runs a fire-and-forget node call (deps.Chores.spawn)
+    spawn_chore: SpawnChore
 
     # -- the operator's ------------------------------------------------------------------------
 

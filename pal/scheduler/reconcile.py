@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
 
 from pal.errors import Conflict, InvalidRequest, Unavailable
 from pal.manager.models import HeartbeatAck, LiveState, NodeHeartbeat, VmActivity
 from pal.scheduler import nodes as nodes_mod
-from pal.scheduler.deps import Deps
+from pal.scheduler.deps import Deps, SpawnChore
 from pal.scheduler.states import (
     FINAL,
     NEVER_STARTS,
@@ -73,7 +72,7 @@ class Reconciler:
         *,
         record_offload: Callable[[str, LiveState], bool],
         leader_since: Callable[[], float],
-        spawn_chore: Callable[[Coroutine[Any, Any, Any], str], None],
+        spawn_chore: SpawnChore,
     ) -> None:
         self.d = deps
         self._record_offload = record_offload
