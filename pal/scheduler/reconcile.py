@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from pal.errors import Conflict, InvalidRequest, Unavailable
@@ -61,26 +62,16 @@ def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
     return a is not None and (a.incarnation is None or a.incarnation == vm.incarnation)
 
 
+@dataclass
 class Reconciler:
-    """``record_offload``: live.py's one record of an offload (counted once however
-    reported); ``leader_since``: when this replica last became leader (its clock);
-    ``spawn_chore``: a fire-and-forget node call (deps.Chores.spawn)."""
-
-    def __init__(
-        self,
-        deps: Deps,
-        *,
-        record_offload: Callable[[str, LiveState], bool],
-        leader_since: Callable[[], float],
-        spawn_chore: SpawnChore,
-    ) -> None:
-        self.d = deps
-        self._record_offload = record_offload
-        self._leader_since = leader_since
-        self._spawn_chore = spawn_chore
-        # Nodes whose VMs the last reconciliation could not settle: settled when they
-        # answer again (reconcile_unanswered).
-        self.unreconciled_nodes: set[str | None] = set()
+    d: Deps
+    # live.py's one record of an offload (counted once however it is reported)
+    record_offload: Callable[[str, LiveState], bool]
+    leader_since: Callable[[], float]  # when this replica last became leader (its clock)
+    spawn_chore: SpawnChore
+    # Nodes whose VMs the last reconciliation could not settle: settled when they answer
+    # again (reconcile_unanswered).
+    unreconciled_nodes: set[str | None] = field(default_factory=set)
 
     async def node_heartbeat(self, hb: NodeHeartbeat) -> HeartbeatAck:
         """A remote node's pushed heartbeat (leader only: the record is a fenced write).
@@ -96,7 +87,7 @@ class Reconciler:
         rec = nodes.record(hb, url=hb.url)
         strays = self.stray_vms(hb.node_id, hb)
         if strays:
-            self._spawn_chore(self.stop_strays(hb.node_id, strays), f"strays-{hb.node_id}")
+            self.spawn_chore(self.stop_strays(hb.node_id, strays), f"strays-{hb.node_id}")
         return HeartbeatAck(node_id=hb.node_id, state=rec.state, stopping=[v for v, _ in strays])
 
     async def _snapshot_complete(self, vm: VmRecord, snapshot_id: str | None) -> bool | None:
@@ -117,7 +108,7 @@ class Reconciler:
             return None
         if a.live is not None and a.live.offloaded:
             # An offload whose notice died with a restart is counted here (once: live.py).
-            self._record_offload(vm.vm_id, a.live)
+            self.record_offload(vm.vm_id, a.live)
         if vm.state == S.RUNNING and a.live is not None:
             action = LIVE_ACTION[a.live.by]
             paused_at = datetime.fromtimestamp(a.live.since, UTC)
@@ -408,7 +399,7 @@ class Reconciler:
         Silence is counted from the later of the node's last heartbeat and the moment this
         replica became leader (heartbeats sent during a failover went nowhere)."""
         limit = self.d.settings.node_lost_after_s
-        since_lead = self.d.clock() - self._leader_since()
+        since_lead = self.d.clock() - self.leader_since()
         fixes: list[str] = []
         now = utcnow()
         for node in self.d.nodes.nodes():
