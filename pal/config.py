@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pal import sizes
-from pal.spec import Egress, WaitPause, parse_egress_default, parse_wait_pause_default
+from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
 
@@ -29,6 +29,10 @@ def armed_failpoint() -> str:
 
 
 FORK_COUNT_CEILING = 1000
+# A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT):
+# a command that never ends (waiting on a fifo, a prompt) must not hold a request open until
+# the VM is deleted. Streamed exec has no default: its reader sees the output and can stop it.
+EXEC_DEFAULT_TIMEOUT_S = 300.0
 
 
 def _int_env(name: str, default: int) -> int:
@@ -95,6 +99,15 @@ def _path_env(name: str) -> Path | None:
     return Path(raw) if raw and raw.strip() else None
 
 
+def _seccomp_env() -> bool:
+    raw = os.environ.get("PAL_SECCOMP", "required").strip().lower()
+    if raw in ("required", "on", "1", "yes", "true", ""):
+        return True
+    if raw in ("off", "0", "no", "false"):
+        return False
+    raise ValueError(f"PAL_SECCOMP must be 'required' or 'off', got {raw!r}")
+
+
 def _cgroups_env() -> bool:
     raw = os.environ.get("PAL_CGROUPS", "required").strip().lower()
     if raw in ("required", "on", "1", "yes", "true", ""):
@@ -102,6 +115,13 @@ def _cgroups_env() -> bool:
     if raw in ("off", "0", "no", "false"):
         return False
     raise ValueError(f"PAL_CGROUPS must be 'required' or 'off', got {raw!r}")
+
+
+def _exec_default_timeout() -> float | None:
+    secs = _float_env("PAL_EXEC_DEFAULT_TIMEOUT", EXEC_DEFAULT_TIMEOUT_S)
+    if secs < 0:
+        raise ValueError("PAL_EXEC_DEFAULT_TIMEOUT must be 0 (no default) or more")
+    return min(secs, MAX_EXEC_TIMEOUT_S) if secs else None
 
 
 @dataclass
@@ -127,7 +147,8 @@ class Settings:
     parked_max: int = 8
     parked_secs: float = 900.0  # PAL_PARKED_SECS: how long one is kept at most
     metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
-    # PAL_METRICS_TOKEN: bearer token for GET /metrics; unset = loopback clients only
+    # PAL_METRICS_TOKEN: a second bearer token for GET /metrics alone (a scraper's); the
+    # operator token (PAL_ADMIN_TOKEN, pal/operator.py) opens it too
     metrics_token: str | None = None
     # PAL_DASHBOARD_SECRET: signs dashboard sessions; unset = a random key kept in the data dir
     dashboard_secret: str | None = None
@@ -150,7 +171,12 @@ class Settings:
     # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
     cluster_secret: str | None = None
     node_token: str | None = None  # PAL_NODE_TOKEN (node): this node's token
-    admin_token: str | None = None  # PAL_ADMIN_TOKEN: operator routes; unset = loopback only
+    # PAL_ADMIN_TOKEN: the operator token (operator routes, /metrics, health details); unset =
+    # <data dir>/keys/operator.token (pal up) or derived from PAL_CLUSTER_SECRET (pal server)
+    admin_token: str | None = None
+    # PAL_HOSTS=pal.example.com,...: the names the API and dashboard answer as (the Host
+    # header; besides localhost, loopback addresses and the listen/advertised address)
+    hosts: list[str] = field(default_factory=list)
     node_heartbeat_interval_s: float = 5.0  # PAL_NODE_HEARTBEAT_INTERVAL
     node_lost_after_s: float = 30.0  # PAL_NODE_LOST_AFTER: a node silent this long has lost its VMs
     leader_lease_s: float = 5.0  # PAL_LEADER_LEASE: failover comes within about this long
@@ -159,8 +185,14 @@ class Settings:
     node_labels: dict[str, str] = field(default_factory=dict)  # PAL_NODE_LABELS "k=v,k2=v2"
     node_memory_mib: int = 0  # PAL_NODE_MEMORY_MIB: guest RAM to hand out; 0 = host RAM - 1 GiB
     cgroups: bool = True  # PAL_CGROUPS=off: VMs run without host limits (else fail closed)
+    seccomp: bool = True  # PAL_SECCOMP=off: QEMU runs without -sandbox (else fail closed)
+    # PAL_EXEC_BUFFER_MIB: output a tenant's buffered (non-streamed) execs may hold at once
+    # on an API server, in MiB of characters (pal/api/exec_budget.py)
+    exec_buffer_mib: int = 64
     # PAL_WAIT_PAUSE: waitPause of a VM whose spec has none (None: off)
     wait_pause_default: WaitPause | None = None
+    # PAL_EXEC_DEFAULT_TIMEOUT: seconds a buffered exec without timeoutSecs may run (0: none)
+    exec_default_timeout_s: float | None = EXEC_DEFAULT_TIMEOUT_S
 
     # PAL_SNAPSHOT_KEY_FILE: HMAC key authenticating snapshot meta.json (share it across a
     # cluster's control plane and nodes); default <data_dir>/keys/snapshot.key, made on first use
@@ -249,6 +281,7 @@ class Settings:
             cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
             node_token=os.environ.get("PAL_NODE_TOKEN") or None,
             admin_token=os.environ.get("PAL_ADMIN_TOKEN") or None,
+            hosts=[h.strip() for h in os.environ.get("PAL_HOSTS", "").split(",") if h.strip()],
             node_heartbeat_interval_s=max(0.5, _float_env("PAL_NODE_HEARTBEAT_INTERVAL", 5.0)),
             node_lost_after_s=max(2.0, _float_env("PAL_NODE_LOST_AFTER", 30.0)),
             leader_lease_s=max(1.0, _float_env("PAL_LEADER_LEASE", 5.0)),
@@ -259,7 +292,10 @@ class Settings:
             snapshot_key_file=_path_env("PAL_SNAPSHOT_KEY_FILE"),
             secrets_key_file=_path_env("PAL_SECRETS_KEY_FILE"),
             cgroups=_cgroups_env(),
+            seccomp=_seccomp_env(),
+            exec_buffer_mib=max(1, _int_env("PAL_EXEC_BUFFER_MIB", 64)),
             wait_pause_default=parse_wait_pause_default(os.environ.get("PAL_WAIT_PAUSE")),
+            exec_default_timeout_s=_exec_default_timeout(),
             log_level=env_log_level(),
             servers=[s.strip() for s in os.environ.get("PAL_SERVERS", "").split(",") if s.strip()],
         )

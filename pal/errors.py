@@ -78,6 +78,12 @@ class UnsupportedMediaType(PalError):
     status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
 
 
+class TooManyRequests(PalError):
+    """The tenant holds too much of a shared budget right now (buffered exec output)."""
+
+    status, code = 429, "RESOURCE_EXHAUSTED"
+
+
 class BackendError(PalError):
     """The VMM, guest or storage failed doing something that should have worked."""
 
@@ -122,6 +128,7 @@ _BY_STATUS: dict[int, type[PalError]] = {
     409: Conflict,
     413: TooLarge,
     415: UnsupportedMediaType,
+    429: TooManyRequests,
     500: BackendError,
     502: BadGateway,
     503: Unavailable,

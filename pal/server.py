@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
+from pal import operator
+from pal.api.hosts import WILDCARD_HOSTS
 from pal.config import Settings
 
 log = logging.getLogger("pal")
@@ -70,7 +72,12 @@ class Node:
     def _log_limits(self) -> None:
         from pal.errors import Unavailable
         from pal.vmm import cgroups
+        from pal.vmm.versions import qemu_supports_sandbox
 
+        if not self.settings.seccomp:
+            log.warning("PAL_SECCOMP=off: QEMU runs without its seccomp syscall filter (-sandbox)")
+        elif not qemu_supports_sandbox():
+            log.error("QEMU has no -sandbox (built without seccomp): no VM can start; see `pal doctor`")
         if not self.settings.cgroups:
             log.warning("PAL_CGROUPS=off: VMs run without host CPU, memory, pids and IO limits")
             return
@@ -166,6 +173,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.store import Store
 
     prepare_data_dir(settings)
+    if not settings.admin_token:
+        log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
+    settings.admin_token = operator.server_token(settings, replica=False)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
     await node.runtime.start_network()
@@ -191,18 +201,23 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     node.warm_default_template()
 
     async def health() -> dict[str, Any]:
+        from pal.errors import Unavailable
         from pal.images.paths import load_image
         from pal.vmm import cgroups
+        from pal.vmm.versions import qemu_supports_sandbox
 
         load_image(settings, "default")
         if settings.cgroups:
             cgroups.host()  # fail closed: no VM can start without its limits
+        if settings.seccomp and not qemu_supports_sandbox():
+            raise Unavailable("QEMU has no -sandbox (seccomp): no VM can start; see `pal doctor`")
         hb = await client.heartbeat()
         return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
 
     from pal.dashboard.session import load_secret
 
-    app = control_plane_app(scheduler, store, settings, health, load_secret(settings))
+    names = hosts(settings, host, local)
+    app = control_plane_app(scheduler, store, settings, health, load_secret(settings), names)
     api, api_task, stop = _serve_api(app, host, port)
     log.info(
         "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime",
@@ -253,9 +268,6 @@ def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
     asyncio.run(serve(settings, host, port))
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
-
-
 def advertised_url(host: str, port: int, advertise: str | None) -> str:
     """The URL the other replicas forward to this one at (it goes into the leader lease).
     Bound to every interface, this replica cannot know which address the others reach it
@@ -298,15 +310,24 @@ async def role(scheduler: Any) -> dict[str, Any]:
     return out
 
 
-def control_plane_app(scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes) -> Any:
+def hosts(settings: Settings, host: str, advertise: str | None) -> Any:
+    """The names the API and dashboard answer as (pal/api/hosts.py)."""
+    from pal.api.hosts import AllowedHosts
+
+    return AllowedHosts.for_server(settings, host, advertise)
+
+
+def control_plane_app(
+    scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes, allowed_hosts: Any = None
+) -> Any:
     """The control plane's app (`pal up` and every `pal server`): the REST API, operator
     routes and the dashboard, its sessions and port links signed with ``secret`` (replicas
-    share it). A follower forwards what it cannot answer itself, dashboard actions included
-    (pal/api/forward.py)."""
+    share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
+    what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
     from pal.dashboard.app import install_dashboard
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
+    app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
     install_dashboard(app, scheduler, store, settings, secret)
     return app
 
@@ -324,6 +345,9 @@ async def serve_control_plane(
     advertise = advertised_url(host, port, advertise)  # checked before anything starts
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
+    settings.admin_token = operator.server_token(settings, replica=True)
+    if settings.admin_token is None:
+        log.warning("no PAL_ADMIN_TOKEN or PAL_CLUSTER_SECRET: the operator's routes open for no one")
     store = Store.open(settings)
     scheduler = Scheduler(settings, store, leader=leadership(settings, store, host, port, advertise))
     await scheduler.start()
@@ -332,7 +356,7 @@ async def serve_control_plane(
         nodes = scheduler.node_views()
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
-    app = control_plane_app(scheduler, store, settings, health, link_secret)
+    app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
     api, api_task, stop = _serve_api(app, host, port)
     log.info(
         "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
@@ -356,8 +380,8 @@ def run_control_plane(settings: Settings, host: str, port: int, advertise: str |
     asyncio.run(serve_control_plane(settings, host, port, advertise))
 
 
-def jail_summary() -> str:
-    """How each QEMU is confined here (what `pal doctor` shows)."""
+def jail_summary(seccomp: bool = True) -> str:
+    """How each QEMU is confined here (what `pal doctor` shows); ``seccomp``: PAL_SECCOMP."""
     from pal.vmm.versions import qemu_supports_sandbox
 
     who = (
@@ -365,9 +389,10 @@ def jail_summary() -> str:
         if os.geteuid() == 0
         else f"NOT dropped: Pal runs as uid {os.geteuid()}, so QEMUs run as it"
     )
-    sandbox = (
-        "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
-        if qemu_supports_sandbox()
-        else "NO seccomp: this QEMU was built without -sandbox"
-    )
+    if not seccomp:
+        sandbox = "seccomp OFF (PAL_SECCOMP=off): QEMU runs without its syscall filter"
+    elif qemu_supports_sandbox():
+        sandbox = "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
+    else:
+        sandbox = "NO seccomp: this QEMU was built without -sandbox, so no VM starts (or set PAL_SECCOMP=off)"
     return f"{who}; {sandbox}; files as descriptors; minimal environment"

@@ -1,12 +1,13 @@
-"""What a caller asks of a sandbox: AgentSpec (schedule), ExecRequest, ForkRequest,
+"""What a caller asks of a sandbox: AgentSpec (schedule), ExecRequest, ProcessStartRequest, ForkRequest,
 PauseRequest, the egress policy (also PUT .../egress) and wait management (waitPause).
 
 The bottom of the package's layering (docs/internals.md, "Package layering": types shared
 across layers live in the lowest layer that needs them): the API takes these as request
 bodies (camelCase on the wire), the scheduler as its domain objects, the runtime manager gets
 ``ExecRequest`` as is. So validation rules are stated once, here. The only module of ``pal``
-it imports is ``pal.sizes`` (the default sizes and their bounds, one layer lower so that the
-CLI can show them without these models). The egress matcher (pal/network/policy.py)
+it imports are ``pal.sizes`` (the default sizes and their bounds, one layer lower so that the
+CLI can show them without these models) and ``pal.guest.protocol`` (the limits the guest
+enforces too: a process's journal and tag). The egress matcher (pal/network/policy.py)
 compiles the entries parsed here.
 
     egress = "none" | "open" | {"allow": [entry, ...]} | {"deny": [entry, ...]}
@@ -35,6 +36,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from pal import sizes
+from pal.guest import protocol as P
 
 IMAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -497,6 +499,9 @@ class AgentSpec(_Model):
         return v
 
 
+MAX_EXEC_TIMEOUT_S = 24 * 3600  # the ceiling of an exec's timeoutSecs (and of the default)
+
+
 class ExecRequest(_Model):
     command: str = Field(
         ..., min_length=1, max_length=MAX_PATH_CHARS, description="executable (path or name)"
@@ -508,7 +513,13 @@ class ExecRequest(_Model):
     cwd: str | None = Field(
         None, max_length=MAX_PATH_CHARS, description="working directory, default /workspace"
     )
-    timeout_secs: float | None = Field(None, gt=0, le=24 * 3600)
+    timeout_secs: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_EXEC_TIMEOUT_S,
+        description="kill the command after this long (`exitCode: 124, timedOut: true`); "
+        "a buffered exec without it gets the server's default (PAL_EXEC_DEFAULT_TIMEOUT, 300 s)",
+    )
     user: str | None = Field(
         None,
         description="`pal` (default: the image's workload user, whatever its name), `root`, "
@@ -576,3 +587,41 @@ class PauseRequest(_Model):
 
 class ForkRequest(_Model):
     count: int = Field(..., description="number of children, 1..PAL_MAX_FORK_COUNT")
+
+
+class Terminal(_Model):
+    """A process's terminal (PTY): its size in characters."""
+
+    cols: int = Field(80, ge=1, le=1000)
+    rows: int = Field(24, ge=1, le=1000)
+
+
+class ProcessStartRequest(ExecRequest):
+    """Body of POST .../processes: an exec request, plus what a process that outlives its
+    request needs (docs/processes.md)."""
+
+    stdin: bool = Field(False, description="keep a stdin pipe open for POST .../stdin")
+    pty: Terminal | None = Field(None, description="run on a terminal of this size (stdin included)")
+    tag: str = Field("", max_length=P.MAX_TAG_CHARS, description="free text to find the process by")
+    keep_awake: bool = Field(
+        False, description="while it runs, the VM is not idle-suspended (others pause with the VM)"
+    )
+    journal_bytes: int = Field(
+        P.JOURNAL_DEFAULT_BYTES,
+        ge=P.JOURNAL_MIN_BYTES,
+        le=P.JOURNAL_MAX_BYTES,
+        description="output kept for readers; past it the oldest goes and a reader sees a gap",
+    )
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, v: str) -> str:
+        if "\0" in v:
+            raise ValueError("must not contain a NUL byte")
+        return v
+
+
+class SignalRequest(_Model):
+    signal: Literal["INT", "TERM", "KILL", "HUP", "QUIT", "USR1", "USR2", "STOP", "CONT", "WINCH"] = Field(
+        ..., description="sent to the process's whole group"
+    )

@@ -138,6 +138,11 @@ class PalServer:
     def client(self, key: str, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
 
+    @property
+    def operator_token(self) -> str:
+        """The token `pal up` made in its data dir at first start (what the CLI reads)."""
+        return (self.data_dir / "keys" / "operator.token").read_text().strip()
+
     def log_tail(self, n: int = 60) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

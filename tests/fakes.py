@@ -244,7 +244,8 @@ class FakeManager:
         ``echo ARGS`` prints them (also as ``/bin/sh -c "echo ARGS"``); ``fail [CODE]``
         prints ``warn`` on stderr and exits CODE (1); ``true``; ``sleepy`` prints
         ``partial`` then times out; ``slow`` prints ``first``, waits for ``self.gate``,
-        prints ``second`` (``slow_cancelled`` is set when the caller goes away first)."""
+        prints ``second`` (``slow_cancelled`` is set when the caller goes away first); ``flood N
+        [hold]`` prints N characters, then (hold) waits for ``self.gate``."""
         self.calls.append(("exec", vm_id))
         if vm_id not in self.alive:
             raise PalError(f"VM {vm_id} is not running", status=409, code="FAILED_PRECONDITION")
@@ -266,6 +267,14 @@ class FakeManager:
         elif cmd == "sleepy":
             yield ExecEvent(type="stdout", data="partial")
             yield ExecEvent(type="error", code="ETIMEDOUT", message=f"killed after {req.timeout_secs}s")
+        elif cmd == "flood":  # flood N [hold]: N characters of stdout, then (hold) the gate
+            left = int(argv[0])
+            while left > 0:
+                yield ExecEvent(type="stdout", data="x" * min(left, 65536))
+                left -= 65536
+            if argv[1:] == ["hold"]:
+                await asyncio.to_thread(self.gate.wait, 30)
+            yield ExecEvent(type="exit", exit_code=0)
         elif cmd == "slow":
             try:
                 yield ExecEvent(type="stdout", data="first\n")

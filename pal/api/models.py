@@ -134,7 +134,9 @@ class SnapshotStateOut(_Out):
     """Answer of pause and resume."""
 
     vm_id: str
-    snapshot_id: str | None
+    snapshot_id: str | None = Field(
+        description="the snapshot this pause took, or this resume restored; null for a live pause"
+    )
     state: str
     pause: PauseOut | None = Field(default=None, description="paused: the kind of pause; absent otherwise")
     _omit_null = frozenset({"pause"})
@@ -161,7 +163,8 @@ class ExecOut(_Out):
     )
     truncated: bool | None = Field(
         default=None,
-        description="true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise",
+        description="true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget "
+        "(PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise",
     )
 
 

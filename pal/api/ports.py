@@ -38,6 +38,7 @@ from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_f
 from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
+from .port_listen import listening_stream
 from .wsrelay import relay
 
 log = logging.getLogger("pal.api.ports")
@@ -101,6 +102,14 @@ class Links:
         if exp <= now:
             raise Unauthorized("this port link has expired")
         return tenant
+
+
+def port_link(links: Links, base_url: str, tenant: str, vm_id: str, port: int, expires_in: int) -> PortUrlOut:
+    """The signed link to a VM's port (POST .../ports/{port}/url, and the dashboard's form)."""
+    expires_at = int(time.time()) + expires_in
+    token = links.sign(tenant, vm_id, port, expires_at)
+    url = f"{base_url.rstrip('/')}/v1/runtime/vms/{vm_id}/ports/{port}/?{TOKEN_PARAM}={token}"
+    return PortUrlOut(url=url, expires_at=expires_at)
 
 
 def _header_items(scope: MutableMapping[str, Any]) -> list[tuple[bytes, bytes]]:
@@ -329,11 +338,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         tenant, _ = await authorise(headers, b"", vm_id, port)
         check_port(port)
         await scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
-        expires_at = int(time.time()) + body.expires_in_secs
-        token = links.sign(tenant, vm_id, port, expires_at)
-        base = str(request.base_url).rstrip("/")
-        url = f"{base}/v1/runtime/vms/{vm_id}/ports/{port}/?{TOKEN_PARAM}={token}"
-        return PortUrlOut(url=url, expires_at=expires_at)
+        return port_link(links, str(request.base_url), tenant, vm_id, port, body.expires_in_secs)
 
     @r.api_route("/vms/{vm_id}/ports/{port}/{path:path}", methods=METHODS, include_in_schema=False)
     async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
@@ -352,7 +357,7 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
 
         stack = contextlib.AsyncExitStack()
         try:
-            stream = await stack.enter_async_context(scheduler.port_stream(tenant, vm_id, port))
+            stream = await listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
             conn = httpcore.AsyncHTTP11Connection(
                 origin=httpcore.Origin(b"http", b"guest", port), stream=_NetworkStream(stream)
             )

@@ -13,14 +13,26 @@ import typer
 
 from pal.sizes import DEFAULT_MEMORY_MIB
 
+from . import help as cli_help
 from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
 from .vm import files_app, vm_app
 
+cli_help.install()
 app = typer.Typer(
-    name="pal", help="Pal: self-hostable microVM sandboxes for AI agents.", no_args_is_help=True
+    name="pal",
+    help="Pal: self-hostable microVM sandboxes for AI agents.",
+    no_args_is_help=True,
+    epilog=cli_help.examples(
+        "sudo pal up                                  # server + node on this machine",
+        "export PAL_API_KEY=$(sudo pal tenants create me -q)",
+        "VM=$(pal vm schedule -q)",
+        "pal vm exec $VM -- python3 -c 'print(42)'",
+        "pal vm pause $VM && pal vm resume $VM",
+        "pal vm rm $VM",
+    ),
 )
 tenants_app = typer.Typer(help="Tenants and their API keys (opens the store directly).", no_args_is_help=True)
 data_dir_app = typer.Typer(help="The data directory's loop-mounted file system.", no_args_is_help=True)
@@ -427,7 +439,8 @@ def bench_network(
 
     Download into the guest vs its own pipe, connection setup through the
     gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
-    first byte through a port, and a brokered HTTPS request vs a pass-through one."""
+    first byte through a port, a brokered HTTPS request vs a pass-through one, and the cost
+    of the SNI/Host checks and of the response redaction as ratios."""
     from pal import bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)

@@ -13,11 +13,25 @@ from pal.guest.protocol import MAX_FILE_BYTES
 from pal.sdk import Client
 from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 
+from .help import examples
 from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_table
+from .stdin import piped_input
 
 FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
 
-vm_app = typer.Typer(help="Schedule, inspect, pause, resume, fork, exec in VMs.", no_args_is_help=True)
+vm_app = typer.Typer(
+    help="Schedule, inspect, pause, resume, fork, exec in VMs.",
+    no_args_is_help=True,
+    epilog=examples(
+        "VM=$(pal vm schedule --memory-mib 512 -q)",
+        "pal vm exec $VM -- /bin/sh -c 'echo hi; uname -r'",
+        "pal vm exec $VM --stream -- python3 train.py",
+        "pal vm pause $VM; pal vm resume $VM",
+        "pal vm fork $VM -n 3",
+        "pal vm ls --table",
+        "pal vm rm $VM",
+    ),
+)
 files_app = typer.Typer(
     help=f"Files under a VM's /workspace (any bytes, at most {FILE_LIMIT} each).", no_args_is_help=True
 )
@@ -30,13 +44,20 @@ def client() -> Client:
     return Client()
 
 
-VmId = Annotated[str, typer.Argument(help="VM id")]
+VmId = Annotated[str, typer.Argument(metavar="VM", help="VM id (vm-...)")]
 Allow = Annotated[list[str] | None, typer.Option(help="only this destination (repeatable)")]
 Deny = Annotated[list[str] | None, typer.Option(help="everything but this destination (repeatable)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM id")]
 
 
-@vm_app.command("schedule")
+@vm_app.command(
+    "schedule",
+    epilog=examples(
+        "VM=$(pal vm schedule -q)",
+        "pal vm schedule --memory-mib 1024 --vcpus 2 --idle-timeout 300",
+        "pal vm schedule --allow pypi.org --allow files.pythonhosted.org",
+    ),
+)
 def schedule(
     image: Annotated[str, typer.Option(help="guest image name")] = "default",
     vcpus: Annotated[int | None, typer.Option(help=f"virtual CPUs (default {DEFAULT_VCPUS})")] = None,
@@ -55,7 +76,7 @@ def schedule(
         typer.Option(help="pause while the guest idles waiting on the network (default: the server's)"),
     ] = None,
     secret: Annotated[list[str] | None, typer.Option(help="K=V env var for every exec (repeatable)")] = None,
-    cold: Annotated[bool, typer.Option(help="cold boot instead of a warm template")] = False,
+    cold: Annotated[bool, typer.Option("--cold", help="cold boot instead of a warm template")] = False,
     egress: Annotated[str | None, typer.Option(help="none | open (default: the server's)")] = None,
     allow: Allow = None,
     deny: Deny = None,
@@ -194,20 +215,52 @@ def events(vm_id: VmId) -> None:
     print_json(call(lambda: client().runtime.events(vm_id)))
 
 
-@vm_app.command("exec")
+@vm_app.command(
+    "exec",
+    epilog=examples(
+        "pal vm exec $VM -- ls -la /workspace",
+        "pal vm exec $VM --timeout 30 --env DEBUG=1 -- python3 job.py",
+        "pal vm exec $VM --stream -- /bin/sh -c 'for i in 1 2 3; do echo $i; sleep 1; done'",
+        "pal vm exec $VM --user root -- apt-get install -y curl",
+    ),
+)
 def exec_(
     vm_id: VmId,
-    command: Annotated[list[str], typer.Argument(help="executable and its arguments (after --)")],
-    stream: Annotated[bool, typer.Option(help="print output as it comes (SSE)")] = False,
-    env: Annotated[list[str] | None, typer.Option(help="K=V (repeatable)")] = None,
-    cwd: Annotated[str | None, typer.Option(help="working directory (default /workspace)")] = None,
-    timeout: Annotated[float | None, typer.Option(help="kill the command after N seconds")] = None,
+    command: Annotated[
+        list[str], typer.Argument(metavar="COMMAND", help="executable and its arguments (after --)")
+    ],
+    stream: Annotated[bool, typer.Option("--stream", help="print output as it comes (SSE)")] = False,
+    env: Annotated[
+        list[str] | None, typer.Option(metavar="K=V", help="environment variable (repeatable)")
+    ] = None,
+    cwd: Annotated[
+        str | None, typer.Option(metavar="DIR", help="working directory (default /workspace)")
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECS",
+            help="kill the command after SECS (buffered default: the server's PAL_EXEC_DEFAULT_TIMEOUT)",
+        ),
+    ] = None,
     user: Annotated[
         str | None,
         typer.Option(help="`root`, or the workload user (`pal`, or the image's USER; the default)"),
     ] = None,
 ) -> None:
-    """Run a command execve-style; exits with the command's exit status (124 on timeout)."""
+    """Run a command execve-style; exits with the command's exit status (124 on timeout).
+
+    The command gets no stdin yet: input piped or redirected into `pal vm exec` is refused
+    (exit status 2) rather than dropped; send data as a file (`pal files put`)."""
+    given = piped_input()
+    if given is not None:
+        fail(
+            f"stdin is {given} with data, but exec does not pass stdin to the command yet; "
+            "write the data to a file first (`pal files put VM PATH -`) and give the command "
+            "that file, or run with `< /dev/null`",
+            "STDIN_NOT_SUPPORTED",
+            status=2,
+        )
     exe, args = command[0], command[1:]
     envs = parse_pairs(env, "--env")
     rt = client().runtime
@@ -311,6 +364,30 @@ def port_url(
 ) -> None:
     """Print a signed link that opens PORT of the VM in a browser, without the API key."""
     print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
+
+
+@vm_app.command(
+    "port-wait",
+    epilog=examples(
+        "pal vm exec $VM -- sh -c 'setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null &'",
+        "pal vm port-wait $VM 8000 --timeout 60 && curl ...",
+    ),
+)
+def port_wait(
+    vm_id: VmId,
+    port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
+    timeout: Annotated[float, typer.Option(metavar="SECS", help="give up after SECS")] = 60,
+) -> None:
+    """Wait until a server in the VM listens on PORT (for scripts that just started one).
+
+    Exits 0 once a connection to the port opens (it is closed at once), 1 with
+    PORT_NOT_LISTENING after the timeout."""
+    import asyncio
+
+    from pal.sdk.portforward import wait_listening
+
+    took = call(lambda: asyncio.run(wait_listening(None, None, vm_id, port, timeout)))
+    print_json({"vmId": vm_id, "port": port, "listening": True, "waitedSecs": round(took, 1)})
 
 
 @vm_app.command("port-forward")

@@ -31,9 +31,11 @@ from pal.api.auth import tenant_for_key, tenant_for_key_hash
 from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS
 from pal.api.exec_stream import sse_exec
 from pal.api.paths import check_workspace_path
+from pal.api.ports import port_link
 from pal.config import Settings
 from pal.errors import InvalidRequest, PalError, TooLarge
-from pal.scheduler.states import VmState
+from pal.scheduler import states
+from pal.scheduler.states import Action, VmState
 from pal.spec import AgentSpec, ExecRequest
 from pal.store.store import hash_api_key
 
@@ -41,6 +43,7 @@ from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_s
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = MAX_FILE_BYTES + 64 * 1024  # one uploaded file plus the form's other fields
+PORT_LINK_SECS = 3600  # a port link made on a VM's page works this long (as `pal vm port-url`)
 STATES = tuple(s.value for s in VmState)
 # Words for the statuses a person meets on this page.
 STATUS_WORDS = {
@@ -113,6 +116,17 @@ def _egress(policy: Any) -> str:
         parts = [f"{k} {', '.join(map(str, v))}" for k, v in policy.items() if isinstance(v, list) and v]
         return "; ".join(parts) or json.dumps(policy)
     return str(policy)
+
+
+def _buttons(vm: Any) -> dict[str, bool]:
+    """Which of a VM's buttons its state allows: the scheduler's transition table decides
+    (states.py), so a button is enabled exactly when its action would not be a 409."""
+    st, marker = VmState(vm.state), vm.marker
+    return {
+        "pause": states.allowed(st, Action.PAUSE, marker),
+        "resume": states.allowed(st, Action.RESUME, marker) or states.allowed(st, Action.LIVE_RESUME, marker),
+        "delete": states.allowed(st, Action.DELETE, marker),
+    }
 
 
 def _error_words(exc: PalError) -> tuple[int, str]:
@@ -291,7 +305,8 @@ def dashboard_router(
         except PalError as exc:
             status, words = _error_words(exc)
             return render(request, "error.html", status=status, text=words)
-        return render(request, "detail.html", vm=vm, network=await scheduler.network(vm))
+        network = await scheduler.network(vm)
+        return render(request, "detail.html", vm=vm, network=network, buttons=_buttons(vm))
 
     @r.get("/{vm_id}/_state")
     async def state_fragment(request: Request, vm_id: str) -> Response:
@@ -299,7 +314,7 @@ def dashboard_router(
         vm = await scheduler.get(s.tenant_id, vm_id)
         children = [v for v in await scheduler.list(s.tenant_id) if v.parent_vm_id == vm_id]
         network = await scheduler.network(vm)
-        return render(request, "_state.html", vm=vm, children=children, network=network)
+        return render(request, "_state.html", vm=vm, children=children, network=network, buttons=_buttons(vm))
 
     @r.get("/{vm_id}/_timeline")
     async def timeline(request: Request, vm_id: str) -> Response:
@@ -356,6 +371,25 @@ def dashboard_router(
         ("delete", lambda v: f"Deleted ({v.state})."),
     ):
         r.add_api_route(f"/{{vm_id}}/{name}", simple_action(name, done), methods=["POST"], name=name)
+
+    @r.post("/{vm_id}/port-link")
+    async def open_port(request: Request, vm_id: str) -> Response:
+        s, form = await mutating(request)
+        try:
+            port = int(str(form.get("port") or ""))
+            if not 1 <= port <= 65535:
+                raise ValueError
+        except ValueError:
+            return message(request, _error_words(InvalidRequest("give a port from 1 to 65535"))[1], 400)
+        try:
+            await scheduler.get(s.tenant_id, vm_id)  # 404 for unknown and other tenants' VMs
+        except PalError as exc:
+            status, words = _error_words(exc)
+            return message(request, words, status)
+        links = request.app.state.links
+        link = port_link(links, str(request.base_url), s.tenant_id, vm_id, port, PORT_LINK_SECS)
+        expires = datetime.fromtimestamp(link.expires_at, UTC).strftime("%H:%M UTC")
+        return render(request, "_port_link.html", port=port, url=link.url, expires=expires)
 
     # -- files ---------------------------------------------------------------------------------
 

@@ -22,10 +22,7 @@ import os
 import socket
 import threading
 
-try:
-    from pal.guest import protocol as P
-except ImportError:  # in the guest, next to this file
-    import protocol as P  # type: ignore[no-redef]
+from pal.guest import protocol as P
 
 HEADER_MAX = 32
 SPLICE_CHUNK = 256 * 1024

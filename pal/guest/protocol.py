@@ -24,8 +24,35 @@ Host -> guest kinds (``k``):
             guest's wall clock as it answers, for the host's clock correction), then sends
             a heartbeat at once.
   exec      {tok, argv:[executable, args...], env:{}, cwd:str|None, timeout:float|None,
-            user:str|None}  -> ``out`` chunks, then ``exit`` or ``err``.
-  cancel    {target:int}  kill the exec whose request id is ``target``.
+            user:str|None}  -> ``started`` {pid}, ``out`` chunks, then ``exit`` or ``err``.
+            The command is a process (below): a host that loses the stream reads the rest
+            with ``pread``/``pattach`` by that pid.
+  cancel    {target:int}  kill the exec whose request id is ``target`` (an attach stream
+            is only detached).
+  detach    {target:int}  end the exec or attach stream ``target`` without touching its
+            process: the stream ends with ``ok`` {detached: true}.
+
+  Processes (every command is one; ``pid`` is the harness's own id, stable across
+  snapshots and forks; output is one journal of byte offsets shared by fd 1 and 2):
+  pstart    {tok, argv, env, cwd, user, timeout, stdin:bool, pty:{cols,rows}|null, tag:str,
+            keep_awake:bool, journal_bytes:int} -> ok {process}
+  plist     {tok}                  -> ok {processes:[process...]}
+  pget      {tok, pid}             -> ok {process}
+  pread     {tok, pid, from:int, max_bytes:int, wait_ms:int} -> ok {process, from, next,
+            gap, records:[{fd, o, n}]} + data (the records' bytes, in order; ``gap``: bytes
+            lost to the journal's bound before ``from``'s first kept byte)
+  pattach   {tok, pid, from:int}   -> ``gap`` {n}?, ``out`` {fd, o} chunks (``o``: the offset
+            after the chunk), then ``exit`` {code, timed_out} once the output is complete,
+            or ``ok`` {detached: true} on cancel/detach
+  pstdin    {tok, pid, eof:bool} + data -> ok {written:int} (fewer than sent: the process
+            read nothing for a while; send the rest again)
+  psignal   {tok, pid, signal:"INT"|...} -> ok {}   (to the process group)
+  presize   {tok, pid, cols, rows} -> ok {}
+  pwait     {tok, pid, timeout_ms} -> ok {process}  (once it exited, or at the timeout)
+  pdelete   {tok, pid}             -> ok {pid, deleted:true}  (killed first if running)
+  process   {pid, os_pid, argv, tag, user, cwd, pty:{cols,rows}|null, stdin:bool,
+            keep_awake, started_ms, ended_ms, running, exit_code, timed_out,
+            journal:{start, end, capacity}}
   ls        {tok, path}            -> ok {path, entries:[{name,type,size}], truncated}
   read      {tok, path, limit:int} -> ok {path, size, truncated} + data
   write     {tok, path} + data     -> ok {path, bytesWritten}
@@ -48,12 +75,14 @@ Guest -> host kinds:
   hb        id 0: {vm_id, incarnation, active:bool, last_activity_ms:int, boot_id, uptime_s,
             mem_total, mem_used, disk_total, disk_used}  (bytes; the guest's own view, for
             metrics only; each may be missing)
-  out       {fd: 1|2} + data
-  exit      {code:int}
+  started   {pid}  first message of an exec stream
+  out       {fd: 1|2, o:int} + data   (``o``: journal offset after this chunk)
+  gap       {n:int}  output lost to the journal's bound before the next chunk
+  exit      {code:int, timed_out:bool}
   ok        {result:{...}} (+ data for ``read``)
   err       {code: one of ERR_*, msg:str}
 
-Requests other than identify/ping/cancel/clock/probe must carry ``tok`` equal to the current
+Requests other than identify/ping/cancel/detach/clock/probe must carry ``tok`` equal to the current
 incarnation's token; otherwise the harness answers ``err`` with ERR_AUTH. A restored VM
 therefore refuses anything presenting a token frozen into its snapshot.
 """
@@ -71,6 +100,11 @@ WORKLOAD_USER = "pal"
 MAX_FILE_BYTES = 1024 * 1024  # files API limit (1 MiB)
 MAX_LINE_BYTES = 8 * 1024 * 1024  # a peer sending longer lines is broken; drop them
 MAX_CLOCK_ADJUST_NS = 60 * 10**9  # a clock correction beyond this is no read delay: ignored
+# A process's output journal (journal.py): its default size and the sizes a start may ask.
+JOURNAL_DEFAULT_BYTES = 8 * 1024 * 1024
+JOURNAL_MIN_BYTES = 64 * 1024
+JOURNAL_MAX_BYTES = 64 * 1024 * 1024
+MAX_TAG_CHARS = 256  # a process's tag
 
 # The guest's network, the same in every VM (each VM has its own namespace on the host):
 # a static address, and the host side of its NIC as gateway and DNS server.
@@ -98,6 +132,21 @@ K_OUT = "out"
 K_EXIT = "exit"
 K_OK = "ok"
 K_ERR = "err"
+# Processes (processes.py): start, look up, read, follow, feed, signal, forget.
+K_PSTART = "pstart"
+K_PLIST = "plist"
+K_PGET = "pget"
+K_PREAD = "pread"
+K_PATTACH = "pattach"
+K_PSTDIN = "pstdin"
+K_PSIGNAL = "psignal"
+K_PRESIZE = "presize"
+K_PWAIT = "pwait"
+K_PDELETE = "pdelete"
+K_DETACH = "detach"
+# Guest -> host, inside an exec or pattach stream.
+K_STARTED = "started"
+K_GAP = "gap"
 
 # Error codes carried in ``err`` replies; the host maps them to HTTP statuses.
 ERR_AUTH = "EAUTH"  # wrong or stale token
@@ -110,6 +159,8 @@ ERR_INVAL = "EINVAL"  # malformed request
 ERR_PERM = "EPERM"  # not executable / permission denied
 ERR_TIMEOUT = "ETIMEDOUT"  # exec exceeded timeout (process killed)
 ERR_IO = "EIO"  # anything else
+ERR_STATE = "ESTATE"  # the process is not in a state for this (exited, no stdin, no terminal)
+ERR_LIMIT = "ELIMIT"  # too many processes
 
 Message = dict[str, Any]
 

@@ -14,7 +14,7 @@ Layout::
 
     /.pal/init                 PID 1 after switch_root (a busybox sh script)
     /.pal/config.json          the image's exec defaults (ImageConfig), written per image
-    /.pal/harness/             harness.py, protocol.py, portrelay.py (+ __pycache__)
+    /.pal/harness/pal/guest/   the ``pal.guest`` package, whole (+ __pycache__)
     /.pal/bin/                 python3, resize2fs, busybox
     /.pal/lib/                 ld-linux-x86-64.so.2, the libraries, python3.11/ (stdlib)
 
@@ -35,8 +35,8 @@ from pal.images import initramfs
 
 BUNDLE_VERSION = 1
 PAL_DIR = ".pal"  # relative to the image root: /.pal
-GUEST_FILES = ("harness.py", "protocol.py", "portrelay.py")  # from pal/guest, installed to /.pal/harness
-GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"  # shipped whole as /.pal/harness/pal/guest
+HARNESS_DIR = "/.pal/harness"  # on sys.path in the guest: ``pal`` is an empty package there
 PYTHON_VERSION = "3.11"
 LOADER = "ld-linux-x86-64.so.2"
 # What the harness and its boot-time tools need from the Debian base system (paths in it).
@@ -67,16 +67,22 @@ INIT_SCRIPT = """#!/.pal/bin/busybox sh
 # and Python (none of the image's). -I: no environment, user site or script dir in sys.path;
 # -S: no site.py; -X utf8: the image may have no locales; -u: unbuffered.
 exec /.pal/lib/ld-linux-x86-64.so.2 --library-path /.pal/lib --inhibit-cache \\
-    /.pal/bin/python3 -I -S -X utf8 -u /.pal/harness/harness.py
+    /.pal/bin/python3 -I -S -X utf8 -u \\
+    -c 'import sys; sys.path.insert(0, "/.pal/harness"); from pal.guest.harness import main; sys.exit(main())'
 """
+
+
+def guest_files() -> list[Path]:
+    """Every module of the guest package: a new file ships without a list to update."""
+    return sorted(GUEST_DIR.glob("*.py"))
 
 
 def guest_files_hash() -> str:
     """Hash of the files Pal writes into /.pal itself (harness, protocol, init, recipe)."""
     h = hashlib.sha256(f"bundle-v{BUNDLE_VERSION}\n".encode())
     h.update(INIT_SCRIPT.encode())
-    for name in GUEST_FILES:
-        h.update(name.encode() + b"\0" + (GUEST_DIR / name).read_bytes())
+    for path in guest_files():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
@@ -149,7 +155,8 @@ def build(base_root: Path, dest: Path) -> None:
         shutil.rmtree(dest)
     (dest / "bin").mkdir(parents=True)
     (dest / "lib").mkdir()
-    (dest / "harness").mkdir()
+    package = dest / "harness" / "pal" / "guest"
+    package.mkdir(parents=True)
     dynload = _copy_stdlib(base_root / PYTHON_STDLIB, dest / "lib" / f"python{PYTHON_VERSION}")
     shutil.copy2(base_root / PYTHON_BINARY, dest / "bin/python3")
     for name, path in TOOLS.items():
@@ -162,17 +169,17 @@ def build(base_root: Path, dest: Path) -> None:
         raise RuntimeError(f"the base system's python has no {LOADER}")
     shutil.copyfile(initramfs.BUSYBOX, dest / "bin/busybox")
     (dest / "bin/busybox").chmod(0o755)
-    for name in GUEST_FILES:
-        shutil.copyfile(GUEST_DIR / name, dest / "harness" / name)
-        (dest / "harness" / name).chmod(0o644)
-    # Compiled now so the first boot does not pay for it (harness.py runs as __main__ and
-    # is compiled on each start; it is small).
-    for module in ("protocol.py", "portrelay.py"):
-        py_compile.compile(
-            str(dest / "harness" / module),
-            dfile=f"/.pal/harness/{module}",
-            doraise=True,
-        )
+    # ``pal`` in the guest is an empty package holding only ``guest``: nothing of the
+    # host's code (nor its imports) comes along.
+    (dest / "harness" / "pal" / "__init__.py").write_text("")
+    for path in [dest / "harness" / "pal" / "__init__.py", *guest_files()]:
+        target = package / path.name if path.parent == GUEST_DIR else path
+        if target != path:
+            shutil.copyfile(path, target)
+        target.chmod(0o644)
+        # Compiled now, so the first boot does not pay for it.
+        rel = target.relative_to(dest / "harness")
+        py_compile.compile(str(target), dfile=f"{HARNESS_DIR}/{rel}", doraise=True)
     (dest / "init").write_text(INIT_SCRIPT)
     (dest / "init").chmod(0o755)
     _check_runs(dest)
@@ -190,7 +197,9 @@ def _check_runs(dest: Path) -> None:
         "-I",
         "-S",
         "-c",
-        "import sys, ctypes, json, select, socket, subprocess, fcntl; print(sys.prefix)",
+        # The whole guest package imports: a module the trimmed stdlib lacks fails here.
+        f"import sys; sys.path.insert(0, {str(dest / 'harness')!r}); import pal.guest.harness; "
+        "print(sys.prefix)",
     ]
     out = subprocess.run(argv, capture_output=True, text=True, check=False, env={})
     if out.returncode != 0 or out.stdout.strip() != str(dest):

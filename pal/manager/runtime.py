@@ -238,6 +238,7 @@ class NodeRuntime:
             run_as=self.jail.identity(req.vm_id),
             groups=groups,
             cgroup_limits=self.settings.cgroups,
+            seccomp=self.settings.seccomp,
             vm_id=req.vm_id,
             vm_dir=vm_dir,
             image=image,

@@ -1,4 +1,5 @@
-"""The nodes' egress_denied events, pulled into the VMs' event logs by the leader's loop."""
+"""The nodes' egress events (egress_denied, and the secret_reflected audits of brokered
+connections), pulled into the VMs' event logs by the leader's loop."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ class EgressEvents:
                 ev.vm_id,
                 tenant,
                 ev.kind,
-                reason=egress_reason(ev.name, ev.address, ev.port, ev.rule, ev.suppressed),
+                # secret_reflected (a brokered connection's audit) says what happened in its rule
+                reason=egress_reason(ev.name, ev.address, ev.port, ev.rule, ev.suppressed)
+                if ev.kind == "egress_denied"
+                else f"{ev.name}: {ev.rule}",
                 details=details,
                 at=datetime.fromtimestamp(ev.at, UTC),
             )

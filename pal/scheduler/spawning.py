@@ -185,4 +185,4 @@ class Spawner:
         rules = self.brokering.rules(vm.tenant_id, vm.secrets)
         if not rules:
             return {}
-        return {"brokered": rules, "tenant_ca": self.brokering.tenant_ca(vm.tenant_id)}
+        return {"brokered": rules, "tenant_ca": self.brokering.vm_ca(vm.tenant_id, rules)}

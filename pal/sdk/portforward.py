@@ -52,6 +52,29 @@ async def open_tunnel(base_url: str, api_key: str | None, vm_id: str, port: int)
     return ws
 
 
+async def wait_listening(
+    base_url: str | None, api_key: str | None, vm_id: str, port: int, timeout: float
+) -> float:
+    """Wait until something listens on ``port`` in the VM (a tunnel to it opens, and is
+    closed at once); the seconds it took. PalApiError ``PORT_NOT_LISTENING`` after
+    ``timeout``, or at once for any other refusal (404, 409...)."""
+    url, key = _wire.resolve(base_url, api_key)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    delay = 0.2
+    while True:
+        try:
+            ws = await open_tunnel(url, key, vm_id, port)
+        except PalApiError as exc:
+            if exc.code != "PORT_NOT_LISTENING" or loop.time() - start + delay > timeout:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            continue
+        await ws.close()
+        return loop.time() - start
+
+
 async def _splice(ws: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     import websockets
 

@@ -181,6 +181,12 @@ def test_pause_resume_fork_events(user_env: dict[str, str], vms: list[str]) -> N
     res = pal(user_env, "files", "cat", vm_id, "state.txt")
     assert res.stdout == "before pause\n"
 
+    # A live pause takes no snapshot: it shows none (not the previous pause's).
+    live = pal_json(user_env, "vm", "pause", vm_id, "--live")
+    assert live["state"] == "paused" and live["pause"]["kind"] == "live", live
+    assert live["snapshotId"] is None, live
+    assert pal_json(user_env, "vm", "resume", vm_id)["state"] == "running"
+
     forked = pal_json(user_env, "vm", "fork", vm_id, "-n", "2")
     assert forked["sourceVmId"] == vm_id
     kids = [str(f["vmId"]) for f in forked["forks"]]
@@ -200,6 +206,71 @@ def test_pause_resume_fork_events(user_env: dict[str, str], vms: list[str]) -> N
     # the VM's history, oldest first: it ran, was paused, ran again (intermediate states aside)
     settled = [e["toState"] for e in events if e.get("toState") in ("running", "paused")]
     assert settled[:3] == ["running", "paused", "running"], events
+
+
+def exec_with_stdin(env: dict[str, str], stdin: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """`pal vm exec ARGS` with this stdin (a file object, a descriptor, or DEVNULL)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pal.cli.main", "--json", "vm", "exec", *args],
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=REPO,
+        timeout=300,
+    )
+
+
+def test_exec_refuses_piped_stdin_and_runs_without_one(
+    user_env: dict[str, str], vms: list[str], tmp_path: Path
+) -> None:
+    """Exec does not pass stdin yet: input piped in is refused (exit 2, saying why) rather
+    than dropped; a stdin that holds nothing (/dev/null, closed, empty, an idle pipe as
+    under CI) runs the command."""
+    vm_id = str(schedule(user_env, vms)["vmId"])
+    cmd = (vm_id, "--", "/bin/sh", "-c", "echo ran >> ran.txt; echo ran")
+
+    # `echo 'echo hi' | pal vm exec VM -- /bin/sh`: data waiting in a pipe
+    r, w = os.pipe()
+    os.write(w, b"echo hi\n")
+    os.close(w)
+    with os.fdopen(r, "rb") as piped:
+        res = exec_with_stdin(user_env, piped, *cmd)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert error_of(res)["code"] == "STDIN_NOT_SUPPORTED" and "stdin" in error_of(res)["message"]
+    # `pal vm exec VM -- sh < script.sh`: a file with data
+    script = tmp_path / "script.sh"
+    script.write_text("echo hi\n")
+    with script.open("rb") as f:
+        res = exec_with_stdin(user_env, f, *cmd)
+    assert res.returncode == 2 and error_of(res)["code"] == "STDIN_NOT_SUPPORTED", res
+    # neither ran the command
+    assert pal(user_env, "files", "cat", vm_id, "ran.txt").returncode != 0
+
+    # stdin that holds nothing: the command runs
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    r, w = os.pipe()
+    os.close(w)  # a pipe at its end (`true | pal vm exec ...`)
+    idle_r, idle_w = os.pipe()  # a CI runner's stdin: open, never written
+    try:
+        with empty.open("rb") as f, os.fdopen(r, "rb") as at_end, os.fdopen(idle_r, "rb") as idle:
+            for stdin in (subprocess.DEVNULL, f, at_end, idle):
+                res = exec_with_stdin(user_env, stdin, *cmd)
+                assert (res.returncode, res.stdout) == (0, "ran\n"), (stdin, res)
+    finally:
+        os.close(idle_w)
+    # closed: `pal vm exec ... <&-`
+    res = subprocess.run(
+        ["bash", "-c", 'exec "$@" <&-', "-", sys.executable, "-m", "pal.cli.main", "vm", "exec", *cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **user_env},
+        cwd=REPO,
+        timeout=300,
+    )
+    assert (res.returncode, res.stdout) == (0, "ran\n"), res
+    assert pal(user_env, "files", "cat", vm_id, "ran.txt").stdout == "ran\n" * 5
 
 
 def test_idle_timeout_suspends_and_exec_wakes(user_env: dict[str, str], vms: list[str]) -> None:
@@ -243,6 +314,19 @@ def test_errors_are_clear_and_non_zero(user_env: dict[str, str], vms: list[str])
     assert res.returncode != 0 and dead in error_of(res)["message"]
 
 
+def test_operator_commands_read_the_token_pal_up_made_in_its_data_dir(pal_server: PalServer) -> None:
+    """Root on the server's host needs nothing set; elsewhere (no token at hand) it is 401."""
+    token = pal_server.data_dir / "keys" / "operator.token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    here = {"PAL_URL": pal_server.url, "PAL_DATA_DIR": str(pal_server.data_dir), "PAL_ADMIN_TOKEN": ""}
+    listed = pal(here, "node", "ls")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert isinstance(json.loads(listed.stdout), list)
+    elsewhere = pal({**here, "PAL_DATA_DIR": str(pal_server.data_dir / "nowhere")}, "node", "ls")
+    assert elsewhere.returncode != 0
+    assert "UNAUTHENTICATED" in elsewhere.stdout + elsewhere.stderr
+
+
 def test_doctor_checks_the_host_store_server_and_manager(pal_server: PalServer) -> None:
     res = pal({}, "doctor", "--json", "--data-dir", str(pal_server.data_dir), "--url", pal_server.url)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -254,8 +338,9 @@ def test_doctor_checks_the_host_store_server_and_manager(pal_server: PalServer) 
     )
     assert announced, pal_server.log_tail()
     assert checks["accelerator"]["detail"].split()[0] == announced.group(1)
-    # /healthz shows its details only to the operator's token, which this server has none of
-    assert checks["manager"]["detail"] == "answers (set PAL_ADMIN_TOKEN for its details)"
+    # /healthz shows its details only to the operator's token, which doctor (root, on the
+    # server's host) reads from the data dir
+    assert checks["manager"]["detail"].startswith("answers (accel "), checks["manager"]
     assert checks["reflink"]["detail"].startswith("yes"), checks
     assert checks["data dir"]["detail"] == str(pal_server.data_dir)
     assert checks["store"]["detail"].startswith(str(pal_server.data_dir / "pal.db"))

@@ -2,9 +2,11 @@
 `pal up` with real microVMs. A person's session from sign-in to sign-out: schedule from the
 list page, a streamed command in the console, a CPU spike in the usage chart, upload and
 download, pause (state changes without a reload), resume, fork x2, the 402 message when the
-quota is full, delete (the list hides terminated VMs). Screenshots of the list and detail
-pages (laptop) and the list (phone) are written to PAL_DASHBOARD_SCREENSHOTS (default: the
-test's tmp dir; docs/images holds the committed ones)."""
+quota is full, delete (the list hides terminated VMs); the buttons a state allows, a long
+console output that keeps its first lines in view, and a port opened by a signed link.
+Screenshots of the list and detail pages (laptop) and the list (phone) are written to
+PAL_DASHBOARD_SCREENSHOTS (default: the test's tmp dir; docs/images holds the committed
+ones)."""
 
 from __future__ import annotations
 
@@ -115,9 +117,10 @@ def _session(server: PalServer, page: Page, shots: Path, tmp_path: Path) -> None
     page.click(f'a[href="/runtime/{vm}"]')
     expect(page.locator("#vm-state")).to_have_text("running")
 
-    # -- a 409 in words ----------------------------------------------------------------------------
-    page.click("#btn-resume")
-    expect(page.locator("#action-msg .msg.err")).to_contain_text("Not possible in this state (409)")
+    # -- only the actions the state allows are enabled (the scheduler's transition table) -----------
+    expect(page.locator("#btn-pause")).to_be_enabled()
+    expect(page.locator("#btn-resume")).to_be_disabled()
+    expect(page.locator("#btn-delete")).to_be_enabled()
 
     # -- the console streams output as it comes, then the exit code --------------------------------
     page.fill("#console-line", "for i in 1 2 3; do echo tick $i; sleep 1; done; echo oops >&2; exit 3")
@@ -128,6 +131,29 @@ def _session(server: PalServer, page: Page, shots: Path, tmp_path: Path) -> None
     expect(page.locator("#console-status")).to_have_text("exit code 3")
     expect(page.locator("#console-out .stderr")).to_have_text("oops\n")
     assert "tick 3" in page.locator("#console-out").inner_text()
+
+    # -- a long output keeps its first lines in view (the console does not jump to the end) ---------
+    page.fill("#console-line", "seq 1 300")
+    page.click("#console-run")
+    expect(page.locator("#console-status")).to_have_text("exit code 0")
+    out = page.locator("#console-out")
+    assert out.evaluate("el => el.scrollHeight > el.clientHeight"), "300 lines overflow the console"
+    assert out.evaluate("el => el.scrollTop") == 0
+    first, box = out.locator(".cmd").bounding_box(), out.bounding_box()
+    assert first and box, (first, box)
+    assert box["y"] <= first["y"] and first["y"] + first["height"] <= box["y"] + box["height"], (first, box)
+    # scrolled to the end by the reader, it follows new output there
+    page.fill("#console-line", "seq 1 300; sleep 2; echo the-end")
+    page.click("#console-run")
+    page.wait_for_function("() => document.getElementById('console-out').textContent.includes('\\n300\\n')")
+    out.evaluate("el => { el.scrollTop = el.scrollHeight; }")
+    expect(page.locator("#console-status")).to_have_text("exit code 0")
+    assert out.evaluate("el => el.scrollTop + el.clientHeight >= el.scrollHeight - 4"), "not following"
+
+    # a server for the port link below (started now: Python takes a while to start under TCG)
+    page.fill("#console-line", "setsid python3 -m http.server 8000 >/dev/null 2>&1 </dev/null & echo started")
+    page.click("#console-run")
+    expect(page.locator("#console-status")).to_have_text("exit code 0")
 
     # -- files: browse, upload, view, download --------------------------------------------------------
     page.click("#files-open")
@@ -145,6 +171,22 @@ def _session(server: PalServer, page: Page, shots: Path, tmp_path: Path) -> None
     target = tmp_path / "downloaded.txt"
     dl.value.save_as(target)
     assert target.read_bytes() == content
+
+    # -- a port: a signed link from the page opens the VM's server in a new tab ------------------------
+    page.fill("#port-number", "8000")
+    page.click("#port-open")
+    link = page.locator("#port-msg a#port-link")
+    expect(link).to_have_attribute("href", re.compile(rf"/v1/runtime/vms/{vm}/ports/8000/\?palToken="))
+    with page.context.expect_page() as opened:
+        link.click()
+    tab = opened.value
+    tab.wait_for_load_state()
+    for _ in range(60):  # a hang guard: the server may still be starting under TCG
+        if "notes.txt" in tab.content():
+            break
+        tab.reload()
+    expect(tab.locator("body")).to_contain_text("notes.txt")  # http.server lists /workspace
+    tab.close()
 
     # -- a CPU spike in the usage chart --------------------------------------------------------------
     # The idle guest first (its CPU settles after the restore and the commands above), then
@@ -177,12 +219,15 @@ def _session(server: PalServer, page: Page, shots: Path, tmp_path: Path) -> None
     page.click("#btn-pause")
     expect(page.locator("#vm-state")).to_have_text("paused", timeout=SLOW_MS)
     expect(page.locator("#action-msg .msg.ok")).to_contain_text("Paused")
+    expect(page.locator("#btn-pause")).to_be_disabled()
+    expect(page.locator("#btn-resume")).to_be_enabled()
     assert page.evaluate("window.__palNoReload === true")
     expect(page.locator("#snapshots table tbody tr")).to_have_count(1)
     expect(page.locator("#timeline")).to_contain_text("paused by operator")
 
     page.click("#btn-resume")
     expect(page.locator("#vm-state")).to_have_text("running", timeout=SLOW_MS)
+    expect(page.locator("#btn-resume")).to_be_disabled()
 
     # -- fork x2: two children appear ------------------------------------------------------------------
     page.fill("#fork-count", "2")

@@ -82,3 +82,68 @@ def count_test_cases(test_dir: Path) -> int:
     for f in sorted(test_dir.glob("*.*js")) + sorted(test_dir.glob("*.ts")):
         cases += len(re.findall(r"\b(?:test|it)\(\s*[\"'`]", f.read_text()))
     return cases
+
+
+def _npm(args: list[str], cwd: Path) -> str:
+    res = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{' '.join(args)} in {cwd} ({res.returncode}):\n{res.stdout}{res.stderr}"
+    return res.stdout
+
+
+def _project(where: Path, dependency: str) -> Path:
+    """A TypeScript project of a user's, outside the SDK's directory, that depends on the
+    SDK as the README says (``npm install <tarball>`` or ``npm install <sdk dir>``), with
+    the SDK's example as its source."""
+    where.mkdir()
+    (where / "package.json").write_text(json.dumps({"name": "my-agent", "private": True, "type": "module"}))
+    _npm(["npm", "install", "--no-audit", "--no-fund", dependency], where)
+    for name in ("quickstart.ts", "tsconfig.json"):
+        shutil.copy(SDK / "examples" / name, where / name)
+    # tsc of the SDK's pinned version (the project would `npm install -D typescript`)
+    _npm(["node", str(SDK / "node_modules" / "typescript" / "bin" / "tsc"), "-p", "tsconfig.json"], where)
+    return where
+
+
+def test_a_project_installs_the_packed_sdk_compiles_and_runs_the_example(
+    pal_server: PalServer, tenant_key: str, built: Path, tmp_path: Path
+) -> None:
+    """The README's path for another project: `npm pack` (its `prepare` builds dist), then
+    `npm install` of the tarball; the `.ts` example compiles with tsc against the installed
+    package's types and runs against a real server. Also the `file:` dependency path."""
+    del tenant_key, built
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    out = _npm(["npm", "pack", "--pack-destination", str(packed)], SDK)
+    tarball = packed / out.strip().splitlines()[-1]
+    assert tarball.name == f"pal-sandbox-sdk-{json.loads((SDK / 'package.json').read_text())['version']}.tgz"
+    listing = subprocess.run(["tar", "tzf", str(tarball)], capture_output=True, text=True, check=True).stdout
+    assert {"package/dist/index.js", "package/dist/index.d.ts", "package/package.json"} <= set(
+        listing.split()
+    ), listing
+
+    app = _project(tmp_path / "my-agent", str(tarball))
+    installed = app / "node_modules" / "@pal-sandbox" / "sdk"
+    assert not installed.is_symlink() and (installed / "dist" / "index.d.ts").exists()
+    key = pal_server.tenant("e2e-typescript-project", max_vms=1)
+    res = subprocess.run(
+        ["node", "dist/quickstart.js"],
+        cwd=app,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PAL_URL": pal_server.url, "PAL_API_KEY": key},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "exit 0: hello from Linux", lines
+    assert lines[1].startswith("paused, snapshot ") and "none" not in lines[1], lines
+    assert lines[2] == "exec while paused: 409 FAILED_PRECONDITION", lines
+    rest = ["after resume: kept across a pause", "stdout: a", "stdout: b", "stream exit 0"]
+    assert lines[3:] == rest, lines
+
+    # `npm install /path/to/pal/sdk/typescript` (a file: dependency, built by `npm ci` there)
+    linked = _project(tmp_path / "linked", str(SDK))
+    assert json.loads((linked / "package.json").read_text())["dependencies"]["@pal-sandbox/sdk"].startswith(
+        "file:"
+    )
+    assert (linked / "dist" / "quickstart.js").exists()

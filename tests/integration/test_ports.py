@@ -291,3 +291,65 @@ def test_port_traffic_keeps_a_vm_awake_then_an_idle_suspended_vm_wakes_for_a_por
             talker.join(DEADLINE_S)
         for v in [vm, *controls]:
             api.delete(f"/v1/runtime/vms/{v}")
+
+
+# A server that binds its port a while after it started (as `setsid server &` does under
+# TCG): it marks /workspace/started-PORT once running, then binds DELAY seconds later.
+LATE_SERVER = """
+import http.server, os, time
+port, delay = int(os.environ["PORT"]), float(os.environ["DELAY"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"late but there"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+open(f"started-{port}", "w").close()
+time.sleep(delay)
+http.server.HTTPServer(("0.0.0.0", port), H).serve_forever()
+"""
+
+
+def start_late_server(api: httpx.Client, vm: str, port: int, delay: float) -> None:
+    """Start LATE_SERVER in the background and return once it runs (not yet listening)."""
+    body = {
+        "command": "/bin/sh",
+        "argv": ["-c", 'setsid python3 -c "$APP" >/dev/null 2>&1 </dev/null & echo started'],
+        "env": {"APP": LATE_SERVER, "PORT": str(port), "DELAY": str(delay)},
+    }
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json=body)
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    deadline = time.time() + DEADLINE_S  # a hang guard: Python's start under TCG
+    marker = {"path": f"started-{port}"}
+    while api.get(f"/v1/runtime/vms/{vm}/files/content", params=marker).status_code != 200:
+        assert time.time() < deadline, "the late server never started"
+        time.sleep(0.2)
+
+
+def test_a_request_waits_for_a_server_that_is_still_starting(
+    pal_server: PalServer, tenant_key: str, api: httpx.Client, vm: str
+) -> None:
+    """Issue 28, the ports race: a request sent while the guest's server has not bound its
+    port yet waits for it (bounded), instead of answering 502 PORT_NOT_LISTENING at once;
+    and `pal vm port-wait` waits for one that takes longer."""
+    start_late_server(api, vm, 8002, 1.5)
+    # The server runs but binds only in 1.5 s: the proxy waits for it.
+    r = api.get(f"/v1/runtime/vms/{vm}/ports/8002/")
+    assert r.status_code == 200 and r.text == "late but there", r.text
+
+    # Longer than the proxy waits: `pal vm port-wait` returns once it listens.
+    start_late_server(api, vm, 8003, 8)
+    env = {**os.environ, "PAL_URL": pal_server.url, "PAL_API_KEY": tenant_key}
+    cli = [sys.executable, "-m", "pal.cli.main", "--json", "vm", "port-wait", vm]
+    res = subprocess.run([*cli, "8003", "--timeout", "300"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["listening"] is True
+    r = api.get(f"/v1/runtime/vms/{vm}/ports/8003/")
+    assert r.status_code == 200 and r.text == "late but there", r.text
+    # nothing ever listens: it gives up at its timeout, saying so
+    res = subprocess.run([*cli, "8009", "--timeout", "1"], capture_output=True, text=True, env=env)
+    assert res.returncode == 1, res
+    assert json.loads(res.stderr.strip().splitlines()[-1])["error"]["code"] == "PORT_NOT_LISTENING"

@@ -15,6 +15,7 @@ OTHER_READERS = {
     "cli/vm.py",  # client side, through the SDK
     "cli/nodes.py",  # client side: PAL_URL of the server it talks to
     "guest/harness.py",  # runs inside the VM
+    "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
     "bench.py",  # sets variables for the servers it starts
     "bench_network.py",
     "bench_cluster.py",

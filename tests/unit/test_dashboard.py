@@ -23,7 +23,7 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[SchedEnv, httpx.AsyncClient
     app = create_app(e.sched, e.store, e.settings)
     install_dashboard(app, e.sched, e.store, e.settings)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pal.test") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         yield e, c, key
     await e.sched.close()
     e.store.close()
@@ -208,3 +208,44 @@ async def test_a_session_ends_when_its_api_key_no_longer_opens_the_tenant(
     c.cookies.clear()
     c.cookies.update(copied)
     assert (await c.get("/runtime")).status_code == 303, "a copied cookie is no better"
+
+
+def _enabled(html: str) -> dict[str, bool]:
+    """Which of the VM's buttons are enabled in a page or fragment."""
+    out = {}
+    for name in ("pause", "resume", "delete"):
+        m = re.search(rf'<button[^>]*id="btn-{name}"[^>]*>', html, re.S)
+        assert m, html
+        out[name] = " disabled" not in m.group(0)
+    return out
+
+
+async def test_buttons_follow_the_transition_table_and_a_port_gets_a_signed_link(
+    env: tuple[SchedEnv, httpx.AsyncClient, str],
+) -> None:
+    _, c, key = env
+    token = await _sign_in(c, key)
+    hdr = {"X-CSRF-Token": token}
+    vm = re.search(r"(vm-[0-9a-f]+)", (await c.post("/runtime/schedule", headers=hdr)).text).group(1)  # type: ignore[union-attr]
+    assert _enabled((await c.get(f"/runtime/{vm}")).text) == {"pause": True, "resume": False, "delete": True}
+    await c.post(f"/runtime/{vm}/pause", headers=hdr)
+    paused = (await c.get(f"/runtime/{vm}/_state")).text
+    assert _enabled(paused) == {"pause": False, "resume": True, "delete": True}
+    await c.post(f"/runtime/{vm}/delete", headers=hdr)
+    gone = (await c.get(f"/runtime/{vm}/_state")).text
+    assert _enabled(gone) == {"pause": False, "resume": False, "delete": False}
+
+    # the port form: the REST route's signed link, for this VM and port
+    vm = re.search(r"(vm-[0-9a-f]+)", (await c.post("/runtime/schedule", headers=hdr)).text).group(1)  # type: ignore[union-attr]
+    forged = await c.post(f"/runtime/{vm}/port-link", data={"port": "8000"})
+    assert forged.status_code == 403
+    got = await c.post(f"/runtime/{vm}/port-link", data={"port": "8000", "csrf": token})
+    assert got.status_code == 200, got.text
+    url = re.search(r'id="port-link" href="([^"]+)"', got.text).group(1)  # type: ignore[union-attr]
+    assert url.startswith(f"{str(c.base_url).rstrip('/')}/v1/runtime/vms/{vm}/ports/8000/?palToken="), url
+    assert 'target="_blank"' in got.text and "noopener" in got.text
+    for bad in ("0", "65536", "http"):
+        r = await c.post(f"/runtime/{vm}/port-link", data={"port": bad, "csrf": token})
+        assert r.status_code == 400 and "port from 1 to 65535" in r.text, r.text
+    other = await c.post("/runtime/vm-" + "0" * 24 + "/port-link", data={"port": "80", "csrf": token})
+    assert other.status_code == 404

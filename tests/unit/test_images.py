@@ -132,8 +132,8 @@ def test_guest_files_hash_covers_harness_and_protocol(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     base = bundle.guest_files_hash()
-    for name in bundle.GUEST_FILES:
-        (tmp_path / name).write_bytes((bundle.GUEST_DIR / name).read_bytes())
+    for path in bundle.guest_files():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
     monkeypatch.setattr(bundle, "GUEST_DIR", tmp_path)
     assert bundle.guest_files_hash() == base
     (tmp_path / "protocol.py").write_bytes(b"# changed\n")

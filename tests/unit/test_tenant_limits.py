@@ -105,7 +105,9 @@ async def test_rotated_expired_and_removed_keys_are_refused_with_the_reason(tmp_
     store = api.sched.store
 
     async def status(key: str) -> tuple[int, str]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app), base_url="http://pal") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api.app), base_url="http://localhost"
+        ) as c:
             r = await c.get("/v1/runtime/vms", headers={"Authorization": f"Bearer {key}"})
             return r.status_code, (r.json().get("error") or {}).get("message", "")
 

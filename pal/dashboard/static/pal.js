@@ -44,6 +44,12 @@
     const stop = document.getElementById("console-stop");
     const input = document.getElementById("console-line");
     let abort = null;
+    // Follow new output only while the reader is at the bottom by their own scrolling: a
+    // command's first lines stay in view, and scrolling to the end follows like `tail -f`.
+    let follow = false;
+    out.addEventListener("scroll", function () {
+      follow = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+    });
 
     function say(text, cls) {
       status.textContent = text;
@@ -54,7 +60,7 @@
       if (cls) span.className = cls;
       span.textContent = text;
       out.appendChild(span);
-      out.scrollTop = out.scrollHeight;
+      if (follow) out.scrollTop = out.scrollHeight;
     }
 
     stop.addEventListener("click", function () {
@@ -66,6 +72,8 @@
       const line = input.value.trim();
       if (!line || abort) return;
       out.textContent = "";
+      out.scrollTop = 0;
+      follow = false;
       append("$ " + line + "\n", "cmd");
       say("running…");
       run.disabled = true;

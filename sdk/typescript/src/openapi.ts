@@ -357,7 +357,7 @@ export interface paths {
         /**
          * 200 when this server can schedule VMs, else 503; details for the operator only
          * @description ``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-         *     with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+         *     with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
          *     key the server shows no internals (they are in its log under the request id).
          */
         get: operations["healthz_healthz_get"];
@@ -389,6 +389,54 @@ export interface paths {
         head?: never;
         patch?: never;
         trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/ports/{port}/{path}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        get: operations["port_proxy_get"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        put: operations["port_proxy_put"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        post: operations["port_proxy_post"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        delete: operations["port_proxy_delete"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        options: operations["port_proxy_options"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        head: operations["port_proxy_head"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        patch: operations["port_proxy_patch"];
+        /**
+         * Reverse proxy to a server in the VM (any method; WebSocket upgrades too)
+         * @description Forwards the request to the server on `port` in the VM and streams its answer back. Authorise with the API key (never forwarded to the guest), a signed link's `?palToken=` (POST .../ports/{port}/url) or the cookie that link sets. Any method passes, including those OpenAPI cannot list (QUERY, WebDAV's PROPFIND, MKCOL, ...). An idle-suspended VM wakes; an operator-paused one is 409. See docs/ports.md.
+         */
+        trace: operations["port_proxy_trace"];
     };
 }
 export type webhooks = Record<string, never>;
@@ -567,7 +615,7 @@ export interface components {
             timedOut?: boolean | null;
             /**
              * Truncated
-             * @description true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise
+             * @description true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget (PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise
              */
             truncated?: boolean | null;
         };
@@ -592,7 +640,10 @@ export interface components {
              * @description working directory, default /workspace
              */
             cwd?: string | null;
-            /** Timeoutsecs */
+            /**
+             * Timeoutsecs
+             * @description kill the command after this long (`exitCode: 124, timedOut: true`); a buffered exec without it gets the server's default (PAL_EXEC_DEFAULT_TIMEOUT, 300 s)
+             */
             timeoutSecs?: number | null;
             /**
              * User
@@ -1172,7 +1223,10 @@ export interface components {
         SnapshotStateOut: {
             /** Vmid */
             vmId: string;
-            /** Snapshotid */
+            /**
+             * Snapshotid
+             * @description the snapshot this pause took, or this resume restored; null for a live pause
+             */
             snapshotId: string | null;
             /** State */
             state: string;
@@ -2277,6 +2331,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorOut"];
                 };
             };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
             /** @description backend cannot do it */
             503: {
                 headers: {
@@ -3343,6 +3406,602 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ReadyOut"];
+                };
+            };
+        };
+    };
+    port_proxy_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description any body, of any type and size, streamed to the guest's server as sent */
+        requestBody?: {
+            content: {
+                "*/*": unknown;
+            };
+        };
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description any body, of any type and size, streamed to the guest's server as sent */
+        requestBody?: {
+            content: {
+                "*/*": unknown;
+            };
+        };
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description any body, of any type and size, streamed to the guest's server as sent */
+        requestBody?: {
+            content: {
+                "*/*": unknown;
+            };
+        };
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_options: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_head: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_patch: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        /** @description any body, of any type and size, streamed to the guest's server as sent */
+        requestBody?: {
+            content: {
+                "*/*": unknown;
+            };
+        };
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
+                };
+            };
+        };
+    };
+    port_proxy_trace: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description VM id */
+                vm_id: string;
+                /** @description port of a server listening in the VM (on 0.0.0.0 or 127.0.0.1) */
+                port: number;
+                /** @description the path on the guest's server: the rest of the URL, slashes included (may be empty), with the query string minus `palToken` */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description nothing listens on the port (`PORT_NOT_LISTENING`, after waiting up to 5 s for a server still starting), or the guest's server closed or answered broken HTTP */
+            502: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the guest server's answer: its status, headers (minus hop-by-hop ones) and body, as it sent them */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "*/*": unknown;
                 };
             };
         };
