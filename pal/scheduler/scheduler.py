@@ -72,7 +72,6 @@ from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import placement, states
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.leader import Leadership, SingleProcessLeader
-from pal.scheduler.live import LIVE_PAUSED_CODE as LIVE_PAUSED
 from pal.scheduler.live import LiveOps, is_live_paused_error, live_paused
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.states import (
@@ -1322,9 +1321,6 @@ class Scheduler:
                         await self._ensure_running(tenant_id, vm_id)  # paused meanwhile: wake it
                         continue
                     raise
-                if first.type == "error" and first.code == LIVE_PAUSED and attempt < WAKE_RETRIES:
-                    await self._ensure_running(tenant_id, vm_id)
-                    continue
                 self.telemetry.first_exec_done(vm_id, time.perf_counter() - t0)
                 yield first
                 async for ev in events:

@@ -1,0 +1,88 @@
+"""Stop: a VM leaves this node. Its QEMU is killed (or, parked, discarded), whatever
+watched it forgets it, and what it held besides its QEMU is freed: its gateway state and
+network namespace, its uid, its files."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from pal.manager.fork import ForkMemory
+from pal.manager.live import LiveControl
+from pal.manager.metrics import MetricsBook
+from pal.manager.parked import Parking
+from pal.manager.ports import PortRoutes
+from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.vmnet import VmNetworking
+from pal.manager.waits import WaitWatcher
+from pal.vmm.jail import Jail
+
+
+class VmFiles:
+    """What a VM holds besides its QEMU (parked.ParkingHost)."""
+
+    def __init__(self, registry: VmRegistry, net: VmNetworking, jail: Jail) -> None:
+        self.registry = registry
+        self.net = net
+        self.jail = jail
+
+    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None:
+        """Gateway state, namespace, uid, files; returns the VM's final egress counters."""
+        counters = await self.net.release(vm_id)
+        self.jail.release(vm_id)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.registry.vm_dir(vm_id))
+        return counters
+
+
+@dataclass
+class StopDeps:
+    """Exactly what stopping needs: the registry and everything that watches a VM."""
+
+    registry: VmRegistry
+    files: VmFiles
+    parking: Parking
+    forks: ForkMemory
+    metrics: MetricsBook
+    ports: PortRoutes
+    waits: WaitWatcher
+    live: LiveControl
+
+
+class Stopper:
+    def __init__(self, deps: StopDeps) -> None:
+        self.d = deps
+
+    def runs_other_incarnation(self, vm_id: str, incarnation: int) -> bool:
+        """A stop order for ``incarnation`` must not stop a newer one (stray cleanup)."""
+        lv = self.d.registry.vms.get(vm_id)
+        return lv is not None and lv.incarnation != incarnation
+
+    def forget(self, vm_id: str) -> LiveVm | None:
+        """Take the VM out of the live ones (and everything that watches them)."""
+        lv = self.d.registry.vms.pop(vm_id, None)
+        self.d.metrics.stopped(vm_id)
+        self.d.ports.forget(vm_id)
+        self.d.waits.forget(vm_id)
+        if lv is not None:
+            self.d.live.forget(lv)
+        return lv
+
+    async def stop(self, vm_id: str) -> dict[str, Any] | None:
+        """Kill the VM and free its files and network; returns its final egress counters."""
+        lv = self.forget(vm_id)
+        if lv is not None:
+            await lv.channel.close()
+            await lv.qemu.kill()
+            if lv.mem_snapshot_id:
+                await self.d.forks.unmap(lv.mem_snapshot_id)
+        elif await self.d.parking.discard(vm_id):
+            return None
+        return await self.d.files.free_vm_files(vm_id)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(v) for v in list(self.d.registry.vms)), return_exceptions=True)
+        await self.d.parking.discard_all()
