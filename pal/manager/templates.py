@@ -1,7 +1,7 @@
 """Warm templates: a snapshot of a freshly booted VM per (image build, RAM, vCPUs, disk).
 
-A manager concern: the runtime builds them with its own spawn and capture and restores
-from them in ``NodeRuntime.spawn``.
+A manager concern: the node builds them with its own spawn and capture (through a
+:class:`TemplateHost`) and restores from them in spawn.py (restore.py picks the source).
 
 Booting is the slow part (seconds under TCG), so ``schedule`` restores from a template
 instead: the restored guest then takes its own identity (token, clock, RNG seed) and gets
