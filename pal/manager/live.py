@@ -66,13 +66,12 @@ class HeldNetwork(Protocol):
 
 
 @dataclass
-class LiveDeps:
-    """Exactly what live pauses need of the node."""
+class PauseDeps:
+    """What live pauses (and wait management, waits.py) need of the node."""
 
     registry: VmRegistry
     net: HeldNetwork
     notices: NoticeBoard
-    watch_waits: Callable[[LiveVm], None]  # a resumed VM that still waits is watched again
 
 
 async def probe(channel: HarnessChannel) -> dict[str, Any]:
@@ -84,11 +83,9 @@ async def probe(channel: HarnessChannel) -> dict[str, Any]:
 class LiveControl:
     """Pause, offload and resume of the node's live VMs (NodeRuntime delegates here)."""
 
-    def __init__(self, deps: LiveDeps) -> None:
-        self.registry = deps.registry
-        self.net = deps.net
-        self.notices = deps.notices
-        self.watch_waits = deps.watch_waits
+    def __init__(self, deps: PauseDeps, watch_waits: Callable[[LiveVm], None]) -> None:
+        self.registry, self.net, self.notices = deps.registry, deps.net, deps.notices
+        self.watch_waits = watch_waits  # a resumed VM that still waits is watched again
 
     # ------------------------------------------------------------------ state
 
@@ -353,9 +350,10 @@ class LiveControl:
         lv.op_lock."""
         await self._resume_locked(lv, running=running)
 
-    def forget(self, lv: LiveVm) -> None:
+    def forget(self, vm_id: str) -> None:
         """The VM is going away: stop its timers."""
-        if lv.live is not None:
+        lv = self.registry.vms.get(vm_id)
+        if lv is not None and lv.live is not None:
             lv.live.cancel_timers()
 
     # ------------------------------------------------------------------ after a restart

@@ -29,42 +29,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pal.config import Settings
+from pal.manager import models as m
 from pal.manager.adopt import AdoptDeps, Adopter
 from pal.manager.egress import Egress
 from pal.manager.exec_files import GuestCalls
 from pal.manager.fork import ForkMemory
 from pal.manager.guest_ports import GuestPorts
 from pal.manager.heartbeat import NodeIdentity, NodeReports, ReportDeps
-from pal.manager.live import LiveControl, LiveDeps
+from pal.manager.live import LiveControl, PauseDeps
 from pal.manager.metrics import MetricsBook
-from pal.manager.models import (
-    BrokeredSet,
-    EgressEvents,
-    EgressSet,
-    EgressSetResult,
-    ExecEvent,
-    FileDeleted,
-    FileList,
-    FileWritten,
-    ImageInfo,
-    LivePauseRequest,
-    LivePauseResult,
-    LiveResumeResult,
-    LiveState,
-    NodeHeartbeat,
-    NodeStats,
-    Notices,
-    SnapshotInfo,
-    SnapshotOwners,
-    SnapshotRequest,
-    SnapshotResult,
-    SnapshotStatus,
-    SpawnRequest,
-    SpawnResult,
-    VmMetrics,
-    WarmRequest,
-    WarmResult,
-)
 from pal.manager.notices import NoticeBoard
 from pal.manager.parked import Parking
 from pal.manager.ports import GuestConnection, PortRoutes
@@ -72,11 +45,11 @@ from pal.manager.restore import RestoreDeps, Restores
 from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
 from pal.manager.spawn import SpawnDeps, Spawner
-from pal.manager.stop import StopDeps, Stopper, VmFiles
+from pal.manager.stop import Stopper, VmFiles
 from pal.manager.templates import TemplateCache
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vmnet import VmNetworking
-from pal.manager.waits import WaitDeps, WaitWatcher
+from pal.manager.waits import WaitWatcher
 from pal.snapshots.store import SnapshotStore
 from pal.spec import ExecRequest
 from pal.vmm.accel import AccelInfo
@@ -89,6 +62,7 @@ class NodeRuntime:
         self.store = store
         self.accel = accel
         self.me = NodeIdentity(settings.node_name or os.uname().nodename, uuid.uuid4().hex, accel.name)
+        self.node_id, self.epoch = self.me.node_id, self.me.epoch  # epoch: this process's incarnation
         self.templates: TemplateCache | None = None  # set by the server (PAL_TEMPLATES=0: none)
         self.net = VmNetworking(settings)
         self.registry = VmRegistry(settings.vms_dir, self.net.seal_brokered)
@@ -100,13 +74,11 @@ class NodeRuntime:
         self.forks = ForkMemory(store, self.jail)
         self.files = VmFiles(reg, self.net, self.jail)
         self.parking = Parking(self.files, settings.parked_max, settings.parked_secs)
-        self.live = LiveControl(LiveDeps(reg, self.net, board, lambda lv: self.waits.watch(lv)))
-        self.waits = WaitWatcher(WaitDeps(reg, self.net, board, self.live.start_prefetch))
-        self.stopper = Stopper(
-            StopDeps(
-                reg, self.files, self.parking, self.forks, self.metrics, self.ports, self.waits, self.live
-            )
-        )
+        pausing = PauseDeps(reg, self.net, board)
+        self.live = LiveControl(pausing, lambda lv: self.waits.watch(lv))
+        self.waits = WaitWatcher(pausing, self.live.start_prefetch)
+        watchers = (self.live.forget, self.metrics.stopped, self.ports.forget, self.waits.forget)
+        self.stopper = Stopper(reg, self.files, self.parking, self.forks, watchers)
         restores = Restores(RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self))
         self.spawner = Spawner(
             SpawnDeps(settings, accel.name, reg, self.net, self.jail, self.forks, self.parking, restores)
@@ -129,14 +101,6 @@ class NodeRuntime:
         return self.registry.vms
 
     @property
-    def node_id(self) -> str:
-        return self.me.node_id
-
-    @property
-    def epoch(self) -> str:
-        return self.me.epoch
-
-    @property
     def url(self) -> str:
         return self.me.url
 
@@ -154,29 +118,29 @@ class NodeRuntime:
     async def settle_network(self) -> None:
         await self.egress.settle(self.parking.vms, self.live, self.waits)
 
-    async def heartbeat(self) -> NodeHeartbeat:
+    async def heartbeat(self) -> m.NodeHeartbeat:
         return await self.reports.heartbeat()
 
-    async def stats(self) -> NodeStats:
+    async def stats(self) -> m.NodeStats:
         return await self.reports.stats()
 
-    async def images(self) -> list[ImageInfo]:
+    async def images(self) -> list[m.ImageInfo]:
         return await self.reports.images()
 
-    async def warm(self, req: WarmRequest) -> WarmResult:
+    async def warm(self, req: m.WarmRequest) -> m.WarmResult:
         return await self.reports.warm(req)
 
-    async def notices(self, after: int, epoch: str, wait_s: float) -> Notices:
+    async def notices(self, after: int, epoch: str, wait_s: float) -> m.Notices:
         return await self.notices_board.wait(after, epoch, wait_s)
 
     async def run_sampler(self) -> None:
         await self.sampler.run()
 
-    def vm_metrics(self, vm_id: str) -> VmMetrics:
+    def vm_metrics(self, vm_id: str) -> m.VmMetrics:
         return self.sampler.vm_metrics(vm_id)
 
     # ------------------------------------------------------------------ a VM's life
-    async def spawn(self, req: SpawnRequest) -> SpawnResult:
+    async def spawn(self, req: m.SpawnRequest) -> m.SpawnResult:
         return await self.spawner.spawn(req)
 
     def runs_other_incarnation(self, vm_id: str, incarnation: int) -> bool:
@@ -191,20 +155,20 @@ class NodeRuntime:
     async def stop_all(self) -> None:
         await self.stopper.stop_all()
 
-    async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
+    async def snapshot(self, vm_id: str, req: m.SnapshotRequest) -> m.SnapshotResult:
         return await self.snapshots.snapshot(vm_id, req)
 
-    async def live_pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
+    async def live_pause(self, vm_id: str, req: m.LivePauseRequest) -> m.LivePauseResult:
         return await self.live.pause(vm_id, req)
 
-    async def live_resume(self, vm_id: str) -> LiveResumeResult:
+    async def live_resume(self, vm_id: str) -> m.LiveResumeResult:
         return await self.live.resume(vm_id)
 
-    async def live_status(self, vm_id: str) -> LiveState | None:
+    async def live_status(self, vm_id: str) -> m.LiveState | None:
         return await self.live.status(vm_id)
 
     # ------------------------------------------------------------------ snapshots kept
-    async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> SnapshotStatus:
+    async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> m.SnapshotStatus:
         return await self.snapshots.status(agent_version_id, vm_id, snapshot_id)
 
     async def ensure_uploaded(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
@@ -213,13 +177,13 @@ class NodeRuntime:
     async def delete_snapshot(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
         await self.snapshots.delete(agent_version_id, vm_id, snapshot_id)
 
-    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
+    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[m.SnapshotInfo]:
         return await self.snapshots.list(agent_version_id, vm_id)
 
     async def delete_vm_snapshots(self, agent_version_id: str, vm_id: str, keep: list[str]) -> list[str]:
         return await self.snapshots.delete_vm(agent_version_id, vm_id, keep)
 
-    async def snapshot_owners(self) -> SnapshotOwners:
+    async def snapshot_owners(self) -> m.SnapshotOwners:
         return await self.snapshots.owners()
 
     # ------------------------------------------------------------------ in the guest
@@ -228,19 +192,19 @@ class NodeRuntime:
         it before its stream starts, so the refusal has its status."""
         self.registry.running(vm_id)
 
-    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[m.ExecEvent]:
         return self.guest.exec_stream(vm_id, req)
 
-    async def list_files(self, vm_id: str, path: str) -> FileList:
+    async def list_files(self, vm_id: str, path: str) -> m.FileList:
         return await self.guest.list_files(vm_id, path)
 
     async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
         return await self.guest.read_file(vm_id, path)
 
-    async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten:
+    async def write_file(self, vm_id: str, path: str, data: bytes) -> m.FileWritten:
         return await self.guest.write_file(vm_id, path, data)
 
-    async def delete_file(self, vm_id: str, path: str) -> FileDeleted:
+    async def delete_file(self, vm_id: str, path: str) -> m.FileDeleted:
         return await self.guest.delete_file(vm_id, path)
 
     async def open_port(self, vm_id: str, port: int) -> GuestConnection:
@@ -250,14 +214,14 @@ class NodeRuntime:
         self.guest_ports.port_traffic(vm_id)
 
     # ------------------------------------------------------------------ egress
-    async def set_egress(self, vm_id: str, req: EgressSet) -> EgressSetResult:
+    async def set_egress(self, vm_id: str, req: m.EgressSet) -> m.EgressSetResult:
         return await self.egress.set_egress(vm_id, req)
 
-    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+    async def set_brokered(self, vm_id: str, req: m.BrokeredSet) -> None:
         await self.egress.set_brokered(vm_id, req)
 
     async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
         return await self.egress.counters(vm_id)
 
-    async def egress_events(self, after: int, epoch: str) -> EgressEvents:
+    async def egress_events(self, after: int, epoch: str) -> m.EgressEvents:
         return await self.egress.events(after, epoch)

@@ -7,17 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pal.manager.fork import ForkMemory
-from pal.manager.live import LiveControl
-from pal.manager.metrics import MetricsBook
 from pal.manager.parked import Parking
-from pal.manager.ports import PortRoutes
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vmnet import VmNetworking
-from pal.manager.waits import WaitWatcher
 from pal.vmm.jail import Jail
 
 
@@ -38,38 +34,28 @@ class VmFiles:
         return counters
 
 
-@dataclass
-class StopDeps:
-    """Exactly what stopping needs: the registry and everything that watches a VM."""
-
-    registry: VmRegistry
-    files: VmFiles
-    parking: Parking
-    forks: ForkMemory
-    metrics: MetricsBook
-    ports: PortRoutes
-    waits: WaitWatcher
-    live: LiveControl
-
-
 class Stopper:
-    def __init__(self, deps: StopDeps) -> None:
-        self.d = deps
+    def __init__(
+        self,
+        registry: VmRegistry,
+        files: VmFiles,
+        parking: Parking,
+        forks: ForkMemory,
+        watchers: Sequence[Callable[[str], object]],
+    ) -> None:
+        self.registry, self.files, self.parking, self.forks = registry, files, parking, forks
+        self.watchers = watchers  # what watches a live VM forgets it: metrics, ports, waits, live
 
     def runs_other_incarnation(self, vm_id: str, incarnation: int) -> bool:
         """A stop order for ``incarnation`` must not stop a newer one (stray cleanup)."""
-        lv = self.d.registry.vms.get(vm_id)
+        lv = self.registry.vms.get(vm_id)
         return lv is not None and lv.incarnation != incarnation
 
     def forget(self, vm_id: str) -> LiveVm | None:
         """Take the VM out of the live ones (and everything that watches them)."""
-        lv = self.d.registry.vms.pop(vm_id, None)
-        self.d.metrics.stopped(vm_id)
-        self.d.ports.forget(vm_id)
-        self.d.waits.forget(vm_id)
-        if lv is not None:
-            self.d.live.forget(lv)
-        return lv
+        for forget in self.watchers:
+            forget(vm_id)
+        return self.registry.vms.pop(vm_id, None)
 
     async def stop(self, vm_id: str) -> dict[str, Any] | None:
         """Kill the VM and free its files and network; returns its final egress counters."""
@@ -78,11 +64,11 @@ class Stopper:
             await lv.channel.close()
             await lv.qemu.kill()
             if lv.mem_snapshot_id:
-                await self.d.forks.unmap(lv.mem_snapshot_id)
-        elif await self.d.parking.discard(vm_id):
+                await self.forks.unmap(lv.mem_snapshot_id)
+        elif await self.parking.discard(vm_id):
             return None
-        return await self.d.files.free_vm_files(vm_id)
+        return await self.files.free_vm_files(vm_id)
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self.stop(v) for v in list(self.d.registry.vms)), return_exceptions=True)
-        await self.d.parking.discard_all()
+        await asyncio.gather(*(self.stop(v) for v in list(self.registry.vms)), return_exceptions=True)
+        await self.parking.discard_all()

@@ -29,34 +29,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from pal.manager.live import HeldNetwork, probe
-from pal.manager.notices import NoticeBoard
-from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.live import PauseDeps, probe
+from pal.manager.vm import LiveVm
 
 log = logging.getLogger(__name__)
 
 IDLE_MAX_BUSY = 0.2  # guest CPU busy fraction between the probes still counted idle
 
 
-@dataclass
-class WaitDeps:
-    """Exactly what wait management needs of the node."""
-
-    registry: VmRegistry
-    net: HeldNetwork
-    notices: NoticeBoard
-    prefetch: Callable[[LiveVm], object]  # live.LiveControl.start_prefetch
-
-
 class WaitWatcher:
-    def __init__(self, deps: WaitDeps) -> None:
-        self.registry = deps.registry
-        self.net = deps.net
-        self.notices = deps.notices
-        self.prefetch = deps.prefetch
+    def __init__(self, deps: PauseDeps, prefetch: Callable[[LiveVm], object]) -> None:
+        self.registry, self.net, self.notices = deps.registry, deps.net, deps.notices
+        self.prefetch = prefetch  # live.LiveControl.start_prefetch: while the scheduler decides
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ gateway events
