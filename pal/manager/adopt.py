@@ -18,7 +18,7 @@ from typing import Any
 from pal.config import Settings
 from pal.errors import BackendError
 from pal.ids import is_safe_id
-from pal.images.paths import image_for_restore
+from pal.images.paths import ImagePaths, image_for_restore
 from pal.manager.channel import HarnessChannel
 from pal.manager.fork import ForkMemory
 from pal.manager.vm import LivePause, LiveVm, VmRegistry
@@ -75,7 +75,9 @@ class Adopter:
         )
         return adopted, killed
 
-    def _spec(self, st: dict[str, Any], vm_dir: Path, run_as: tuple[int, int] | None) -> VmSpec:
+    def _spec(
+        self, st: dict[str, Any], vm_dir: Path, image: ImagePaths, run_as: tuple[int, int] | None
+    ) -> VmSpec:
         mem_path, mem_share = Path(st["memPath"]), bool(st["memShare"])
         groups: tuple[int, ...] = ()
         if run_as is not None:
@@ -83,7 +85,7 @@ class Adopter:
         return VmSpec(
             vm_id=st["vmId"],
             vm_dir=vm_dir,
-            image=image_for_restore(self.d.settings, st["image"], st.get("boot")),
+            image=image,
             vcpus=int(st["vcpus"]),
             memory_mib=int(st["memoryMib"]),
             disk_path=vm_dir / "disk",
@@ -103,7 +105,8 @@ class Adopter:
         run_as = tuple(st["runAs"]) if st.get("runAs") else None
         if st["vmId"] != vm_dir.name or not _is_qemu_of(pid, vm_dir, run_as[0] if run_as else None):
             return None
-        spec = self._spec(st, vm_dir, run_as)  # type: ignore[arg-type]
+        image = image_for_restore(self.d.settings, st["image"], st.get("boot"))
+        spec = self._spec(st, vm_dir, image, run_as)  # type: ignore[arg-type]
         egress = egress_from_json(st.get("egress", "none"))
         net_limits = dict(st.get("netLimits") or {})
         brokered = self.d.net.open_brokered(st["vmId"], st.get("brokered"), st.get("tenantCa"))
@@ -136,7 +139,7 @@ class Adopter:
             tenant_id=st["tenantId"],
             qemu=qemu,
             channel=channel,
-            image=spec.image,
+            image=image,
             incarnation=int(st["incarnation"]),
             token=st["token"],
             env=dict(st.get("env") or {}),

@@ -178,7 +178,7 @@ class NodeRuntime:
         await self.snapshots.delete(agent_version_id, vm_id, snapshot_id)
 
     async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[m.SnapshotInfo]:
-        return await self.snapshots.list(agent_version_id, vm_id)
+        return await self.snapshots.list_vm(agent_version_id, vm_id)
 
     async def delete_vm_snapshots(self, agent_version_id: str, vm_id: str, keep: list[str]) -> list[str]:
         return await self.snapshots.delete_vm(agent_version_id, vm_id, keep)

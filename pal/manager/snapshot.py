@@ -202,7 +202,7 @@ class Snapshots:
             raise Conflict(f"snapshot {snapshot_id} is mapped by a live fork")
         await asyncio.to_thread(self.d.store.delete, SnapshotRef(agent_version_id, vm_id, snapshot_id, ""))
 
-    async def list(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
+    async def list_vm(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
         """The VM's complete local snapshots, oldest first, with their artifact sizes."""
         store = self.d.store
 

@@ -38,9 +38,8 @@ class _Node:
 
 def _client(node: _Node) -> ManagerClient:
     client = ManagerClient(url="http://node")
-    client._http = httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=create_rpc_app(node)), base_url="http://node"
-    )  # type: ignore[arg-type]
+    app = create_rpc_app(node)  # type: ignore[arg-type]  (what the RPC calls of a node, no more)
+    client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
     return client
 
 
