@@ -38,7 +38,7 @@ class _Node:
 
 def _client(node: _Node) -> ManagerClient:
     client = ManagerClient(url="http://node")
-    app = create_rpc_app(node)  # type: ignore[arg-type]  (what the RPC calls of a node, no more)
+    app = create_rpc_app(node)  # type: ignore[arg-type]
     client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
     return client
 
