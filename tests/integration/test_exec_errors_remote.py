@@ -7,6 +7,7 @@ mapped once (pal/manager/guest_errors.py)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -29,8 +30,8 @@ SSE = {"Accept": "text/event-stream"}
 EXPECTED = {
     "missing VM": (404, "NOT_FOUND"),
     "missing executable": (400, "EXECUTABLE_NOT_FOUND"),
-    "bad cwd": (400, "INVALID_ARGUMENT"),
-    "bad cwd (SSE)": (400, "INVALID_ARGUMENT"),
+    "bad cwd": (400, "EXECUTABLE_NOT_FOUND"),  # the harness says ENOENT for a missing cwd
+    "bad cwd (SSE)": (200, "EXECUTABLE_NOT_FOUND"),  # a guest's error: an event of the stream
     "live-paused VM": (409, "FAILED_PRECONDITION"),
     "paused VM": (409, "FAILED_PRECONDITION"),
 }
@@ -76,12 +77,21 @@ def _error(r: httpx.Response) -> tuple[int, str]:
     return r.status_code, str(body.get("error", {}).get("code") if "error" in body else body)
 
 
-def _exec(
-    c: httpx.Client, vm: str, body: dict[str, Any], headers: dict[str, str] | None = None
-) -> tuple[int, str]:
-    r = c.post(f"/v1/runtime/vms/{vm}/exec", json=body, headers=headers or {})
+def _exec(c: httpx.Client, vm: str, body: dict[str, Any]) -> tuple[int, str]:
+    r = c.post(f"/v1/runtime/vms/{vm}/exec", json=body)
     assert r.status_code >= 400, f"{body} ran: {r.text}"
     return _error(r)
+
+
+def _sse(c: httpx.Client, vm: str, body: dict[str, Any]) -> tuple[int, str]:
+    """An SSE exec's status and its error's code (an error the guest reports after the
+    stream started comes as an `error` event of a 200 stream)."""
+    r = c.post(f"/v1/runtime/vms/{vm}/exec", json=body, headers=SSE)
+    if r.status_code >= 400:
+        return _error(r)
+    frames = [f for f in r.text.split("\n\n") if f.startswith("event: error")]
+    assert frames, f"{body} ran: {r.text}"
+    return r.status_code, str(json.loads(frames[0].split("data: ", 1)[1])["code"])
 
 
 def error_cases(c: httpx.Client) -> dict[str, tuple[int, str]]:
@@ -93,7 +103,7 @@ def error_cases(c: httpx.Client) -> dict[str, tuple[int, str]]:
     try:
         out["missing executable"] = _exec(c, vm, {"command": "/no/such/program"})
         out["bad cwd"] = _exec(c, vm, {"command": "/bin/true", "cwd": "/no/such/dir"})
-        out["bad cwd (SSE)"] = _exec(c, vm, {"command": "/bin/true", "cwd": "/no/such/dir"}, SSE)
+        out["bad cwd (SSE)"] = _sse(c, vm, {"command": "/bin/true", "cwd": "/no/such/dir"})
         r = c.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live", "offload": False})
         assert r.status_code == 200, r.text
         out["live-paused VM"] = _exec(c, vm, {"command": "/bin/true"})
