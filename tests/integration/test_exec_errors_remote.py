@@ -7,17 +7,22 @@ mapped once (pal/manager/guest_errors.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from pal.config import Settings
 from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, kill_qemus_under
+from pal.manager.auth import node_token
+from pal.manager.client import ManagerClient
+from pal.manager.models import LivePauseRequest
 from pal.store import Store
 from tests.conftest import TEST_DATA_DIR, PalServer
 from tests.s3server import S3Server
@@ -34,6 +39,8 @@ EXPECTED = {
     "bad cwd (SSE)": (200, "EXECUTABLE_NOT_FOUND"),  # a guest's error: an event of the stream
     "live-paused VM": (409, "FAILED_PRECONDITION"),
     "paused VM": (409, "FAILED_PRECONDITION"),
+    # Paused on the node behind the scheduler's back: the node's own 409, through its RPC.
+    "live-paused on the node": (409, "LIVE_PAUSED"),
 }
 
 
@@ -94,8 +101,25 @@ def _sse(c: httpx.Client, vm: str, body: dict[str, Any]) -> tuple[int, str]:
     return r.status_code, str(json.loads(frames[0].split("data: ", 1)[1])["code"])
 
 
-def error_cases(c: httpx.Client) -> dict[str, tuple[int, str]]:
-    """Each failing exec's (status, code), as the REST API answers it."""
+def _on_node(node: Callable[[], ManagerClient], vm: str, pause: bool) -> None:
+    """Live-pause (or resume) the VM on its node directly, the scheduler unaware."""
+
+    async def call() -> None:
+        client = node()
+        try:
+            if pause:
+                assert (await client.live_pause(vm, LivePauseRequest(by="operator"))).paused
+            else:
+                assert (await client.live_resume(vm)).resumed
+        finally:
+            await client.aclose()
+
+    asyncio.run(call())
+
+
+def error_cases(c: httpx.Client, node: Callable[[], ManagerClient]) -> dict[str, tuple[int, str]]:
+    """Each failing exec's (status, code), as the REST API answers it; ``node``: a client of
+    the RPC of the node the VM runs on."""
     out = {"missing VM": _exec(c, MISSING_VM, {"command": "/bin/true"})}
     r = c.post("/v1/runtime/schedule", json={})
     assert r.status_code == 200, r.text
@@ -104,6 +128,9 @@ def error_cases(c: httpx.Client) -> dict[str, tuple[int, str]]:
         out["missing executable"] = _exec(c, vm, {"command": "/no/such/program"})
         out["bad cwd"] = _exec(c, vm, {"command": "/bin/true", "cwd": "/no/such/dir"})
         out["bad cwd (SSE)"] = _sse(c, vm, {"command": "/bin/true", "cwd": "/no/such/dir"})
+        _on_node(node, vm, pause=True)
+        out["live-paused on the node"] = _exec(c, vm, {"command": "/bin/true"})
+        _on_node(node, vm, pause=False)
         r = c.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live", "offload": False})
         assert r.status_code == 200, r.text
         out["live-paused VM"] = _exec(c, vm, {"command": "/bin/true"})
@@ -121,13 +148,15 @@ def test_exec_errors_are_the_same_on_the_embedded_and_a_remote_node(
     pal_server: PalServer, tenant_key: str, remote: tuple[LocalCluster, str]
 ) -> None:
     cluster, remote_key = remote
+    socket = Settings(data_dir=pal_server.data_dir).manager_socket  # the embedded node's RPC
     with pal_server.client(tenant_key) as c:
-        embedded = error_cases(c)
+        embedded = error_cases(c, lambda: ManagerClient(socket))
     leader = cluster.wait_leader(30)
+    n1, token = cluster.nodes["n1"], node_token(cluster.secret, "n1")
     with httpx.Client(
         base_url=leader.url, headers={"Authorization": f"Bearer {remote_key}"}, timeout=300
     ) as c:
-        on_remote = error_cases(c)
+        on_remote = error_cases(c, lambda: ManagerClient(url=n1.url, token=token))
     print("embedded:", embedded, "\nremote:  ", on_remote)
     assert on_remote == embedded
     assert embedded == EXPECTED
