@@ -29,7 +29,7 @@ from pal.manager.api import RuntimeManager
 from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
 from pal.manager.tunnel import TunnelStream
 from pal.scheduler.deps import Deps
-from pal.scheduler.live import LIVE_PAUSED_CODE, is_live_paused_error
+from pal.scheduler.live import is_live_paused_error
 from pal.scheduler.wake import WAKE_RETRIES, Waker
 from pal.spec import ExecRequest
 
@@ -64,9 +64,6 @@ class ExecAndFiles:
                         await self.waker.ensure_running(tenant_id, vm_id)  # paused meanwhile: wake it
                         continue
                     raise
-                if first.type == "error" and first.code == LIVE_PAUSED_CODE and attempt < WAKE_RETRIES:
-                    await self.waker.ensure_running(tenant_id, vm_id)
-                    continue
                 d.telemetry.first_exec_done(vm_id, time.perf_counter() - t0)
                 yield first
                 async for ev in events:

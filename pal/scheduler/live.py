@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pal.errors import BackendError, PalError
+from pal.errors import BackendError, LivePaused, PalError
 from pal.manager.models import LivePauseRequest, LiveState, Notice
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import states
@@ -39,7 +39,6 @@ BY = {A.LIVE_PAUSE: "operator", A.IDLE_LIVE_PAUSE: "idle", A.WAIT_PAUSE: "wait"}
 WAIT_PAUSE_EVENT, WAIT_OFFLOAD_EVENT, WAIT_RESUME_EVENT = "wait_pause", "wait_offload", "wait_resume"
 LIVE_OFFLOAD_EVENT = "live_offload"  # an operator's or idle pause offloaded
 NOTICE_POLL_S = 20.0  # long poll of the node's notices
-LIVE_PAUSED_CODE = "LIVE_PAUSED"  # the node's answer to exec/files on a live-paused VM
 
 
 def live_paused(vm: VmRecord) -> bool:
@@ -337,4 +336,5 @@ class LiveOps:
 
 
 def is_live_paused_error(exc: BaseException) -> bool:
-    return isinstance(exc, PalError) and exc.code == LIVE_PAUSED_CODE
+    """The node's answer to exec/files/ports on a live-paused VM (the one check of it)."""
+    return isinstance(exc, PalError) and exc.code == LivePaused.code

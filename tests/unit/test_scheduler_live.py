@@ -347,7 +347,7 @@ async def test_a_failed_snapshot_of_a_live_paused_vm_leaves_it_running(env: Sche
     vm_id = await _vm(env)
     await env.sched.pause(env.tenant_id, vm_id, LIVE)
     env.manager.fail("snapshot", BackendError("disk full"))
-    env.manager.alive[vm_id].live = None  # the node continued it (runtime._capture_failed)
+    env.manager.alive[vm_id].live = None  # the node continued it (manager/snapshot.py capture_failed)
     with pytest.raises(BackendError, match="still running"):
         await env.sched.pause(env.tenant_id, vm_id)
     vm = _row(env, vm_id)
