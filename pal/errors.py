@@ -70,6 +70,13 @@ class Conflict(PalError):
     status, code = 409, "FAILED_PRECONDITION"
 
 
+class LivePaused(Conflict):
+    """Exec, files or ports on a VM whose vCPUs a live pause stopped: the scheduler wakes
+    it and asks again (the one definition of LIVE_PAUSED)."""
+
+    code = "LIVE_PAUSED"
+
+
 class TooLarge(PalError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 

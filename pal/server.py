@@ -172,6 +172,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
 
+    ports_sock = bind_ports_listener(settings, host)  # checked before anything starts
     prepare_data_dir(settings)
     if not settings.admin_token:
         log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
@@ -219,18 +220,21 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     names = hosts(settings, host, local)
     app = control_plane_app(scheduler, store, settings, health, load_secret(settings), names)
     api, api_task, stop = _serve_api(app, host, port)
+    ports, ports_task = _serve_ports(app, ports_sock)
     log.info(
-        "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime",
+        "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime; %s",
         host,
         port,
         settings.data_dir,
         node.accel.name,
         host,
         port,
+        _ports_line(app, ports_sock),
     )
     try:
         done, _ = await asyncio.wait(
-            {api_task, rpc_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+            {api_task, ports_task, rpc_task, asyncio.create_task(stop.wait())},
+            return_when=asyncio.FIRST_COMPLETED,
         )
         for t in done:
             if t is not stop and t.exception() is not None:
@@ -238,6 +242,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     finally:
         log.info("stopping: running VMs are suspended (they wake on their next request), the rest stopped")
         api.should_exit = True
+        ports.should_exit = True
         with contextlib.suppress(Exception):
             await scheduler.shutdown_vms()
         await scheduler.close()
@@ -247,7 +252,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.to_thread(node.store.close)
         node.runtime.notices_board.close()
         rpc.should_exit = True
-        await asyncio.gather(api_task, rpc_task, return_exceptions=True)
+        await asyncio.gather(api_task, ports_task, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
 
@@ -260,6 +265,41 @@ def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None],
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     return api, asyncio.create_task(api.serve(), name="api"), stop
+
+
+def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
+    """The ports listener's socket (PAL_PORTS_PORT, on the API's address), bound before
+    anything starts so that a port in use (or a PAL_PORTS_DOMAIN naming nothing) is said
+    at once."""
+    from pal.api.port_origins import PortsOrigins
+
+    try:
+        PortsOrigins.from_settings(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), settings.ports_port), family=family)
+    except OSError as exc:
+        raise SystemExit(
+            f"the ports listener cannot listen on {host}:{settings.ports_port}: {exc.strerror or exc} "
+            "(choose another with --ports-port or PAL_PORTS_PORT)"
+        ) from None
+
+
+def _serve_ports(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[None]]:
+    """Serve the ports listener: VM ports on their own origins, nothing else (never the
+    API or the dashboard: pal/api/port_origins.py)."""
+    from pal.api.port_origins import ports_listener_app
+
+    listener = ports_listener_app(app.state.ports_app, app.state.port_origins)
+    ports = _Server(uvicorn.Config(listener, log_level="warning", lifespan="off"))
+    return ports, asyncio.create_task(ports.serve(sockets=[sock]), name="ports")
+
+
+def _ports_line(app: Any, sock: socket.socket) -> str:
+    where = sock.getsockname()
+    return f"VM ports at {app.state.port_origins.pattern()} (listener {where[0]}:{where[1]})"
 
 
 def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
@@ -343,6 +383,7 @@ async def serve_control_plane(
     from pal.store import Store, redacted
 
     advertise = advertised_url(host, port, advertise)  # checked before anything starts
+    ports_sock = bind_ports_listener(settings, host)
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
     settings.admin_token = operator.server_token(settings, replica=True)
@@ -358,20 +399,25 @@ async def serve_control_plane(
 
     app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
     api, api_task, stop = _serve_api(app, host, port)
+    ports, ports_task = _serve_ports(app, ports_sock)
     log.info(
-        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
+        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime; %s",
         host,
         port,
         redacted(store.url),
+        _ports_line(app, ports_sock),
     )
     try:
-        await asyncio.wait({api_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {api_task, ports_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         # VMs live on the nodes: stopping a replica stops none of them; the lease is released
         # so another replica takes over at once.
         api.should_exit = True
+        ports.should_exit = True
         await scheduler.close()
-        await asyncio.gather(api_task, return_exceptions=True)
+        await asyncio.gather(api_task, ports_task, return_exceptions=True)
         store.close()
 
 

@@ -33,7 +33,10 @@ from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
 from .operator import is_operator
-from .ports import Links, ports_router
+from .port_host import create_ports_app
+from .port_links import Links
+from .port_origins import PortsHostDispatch, PortsOrigins
+from .ports import ports_router
 from .ports_openapi import document_port_proxy
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
@@ -102,8 +105,9 @@ def create_app(
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)
-    app.state.links = Links(shared)  # the dashboard's port form too
-    app.include_router(ports_router(scheduler, store, app.state.links))
+    app.state.links = links = Links(shared, store)  # the dashboard's port form too
+    origins = PortsOrigins.from_settings(settings)
+    app.include_router(ports_router(scheduler, store, links, origins))
     app.include_router(images_router(scheduler, require_tenant))
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
@@ -138,6 +142,20 @@ def create_app(
     # DNS-rebinding page (pal/api/hosts.py).
     app.add_middleware(HostCheckMiddleware, allowed=hosts or AllowedHosts.for_server(settings))
     app.add_middleware(RequestIdMiddleware)
+    # Outermost of all: a request whose Host names a VM port gets the ports proxy and
+    # nothing else, never the API or the dashboard (pal/api/port_origins.py). pal.server
+    # serves the same ports app on the ports listener.
+    app.state.ports_app = create_ports_app(
+        scheduler,
+        store,
+        links,
+        origins,
+        settings.leader_lease_s + 2.0,
+        forwarding_key=forwarding_key(shared),
+        known_caller=app.state.callers.known,
+    )
+    app.state.port_origins = origins
+    app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
     @app.get(
         "/healthz",

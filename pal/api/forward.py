@@ -40,6 +40,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -131,10 +132,13 @@ class ForwardToLeader:
         failover_s: float,
         key: bytes,
         known_caller: Callable[[Scope], Awaitable[bool]] | None = None,
+        keep_host: bool = False,
     ) -> None:
         """``key`` signs and checks ``X-Pal-Forwarded`` (:func:`forwarding_key`);
         ``known_caller(scope)``: the caller carries a credential (callers.py); None: nobody."""
         self.app = app
+        # A VM port's origin (pal/api/port_host.py) is named by the Host: the leader needs it.
+        self.keep_host = keep_host
         self.is_leader = is_leader
         self.leader_url = leader_url
         self.failover_s = failover_s
@@ -145,6 +149,7 @@ class ForwardToLeader:
     def _local(self, scope: Scope) -> bool:
         return (
             scope["type"] == "http"
+            and not self.keep_host  # a port's paths are the guest's, never Pal's reads
             and scope["method"] in ("GET", "HEAD")
             and any(p.match(scope["path"]) for p in LOCAL_READS)
         )
@@ -249,7 +254,12 @@ class ForwardToLeader:
                 return
             if not msg.get("more_body"):
                 break
-        headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
+        keep = {"host"} if self.keep_host else set()
+        headers = [
+            (k.decode(), v.decode())
+            for k, v in scope["headers"]
+            if k.decode().lower() not in _HOP or k.decode().lower() in keep
+        ]
         target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
 
         async def attempt(leader: str) -> httpx.Response:
@@ -314,11 +324,21 @@ class ForwardToLeader:
             "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""
         )
 
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), None)
+
         async def attempt(leader: str) -> Any:
             url = re.sub(r"^http", "ws", leader.rstrip("/")) + target
+            to: dict[str, Any] = {}
+            if self.keep_host and host:  # the port's name in the handshake, the leader's address
+                where = urlsplit(leader)
+                url = f"{'wss' if where.scheme == 'https' else 'ws'}://{host}{target}"
+                to = {"host": where.hostname, "port": where.port or (443 if where.scheme == "https" else 80)}
+                if where.scheme == "https":
+                    to["server_hostname"] = where.hostname
             try:
                 return await connect(
                     url,
+                    **to,
                     additional_headers=[*headers, self._signed(scope)],  # signed at each try
                     subprotocols=protocols or None,  # type: ignore[arg-type]
                     origin=origin,  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -394,3 +395,33 @@ async def test_a_follower_knows_operators_tenants_and_nodes_by_their_credentials
     assert not await callers.known(scope((auth, "Bearer guess")))
     assert not await callers.known(scope())
     env.store.close()
+
+
+def test_a_follower_forwards_a_ports_origin_with_its_host(replicas: Replicas) -> None:
+    """A VM port's origin is named by the Host: the follower forwards its requests and
+    WebSockets to the leader with that Host, and the leader answers them from the port."""
+    from websockets.sync.server import ServerConnection
+    from websockets.sync.server import serve as ws_serve
+
+    def echo(conn: ServerConnection) -> None:
+        for msg in conn:
+            conn.send(msg)
+
+    with ws_serve(echo, "127.0.0.1", 0) as guest:
+        threading.Thread(target=guest.serve_forever, daemon=True).start()
+        replicas.env.manager.port_servers[8000] = guest.socket.getsockname()[1]
+        with _api(replicas.follower_url, replicas.env.api_key) as c:
+            vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+            host = f"8000-{vm}.localhost:8082"
+            # The guest's WebSocket server answers plain HTTP with 426: the port answered.
+            r = c.get("/runtime/login", headers={"Host": host})
+            assert r.status_code == 426, r.text
+            port = int(replicas.follower_url.rsplit(":", 1)[1])
+            auth = {"Authorization": f"Bearer {replicas.env.api_key}"}
+            with ws_connect(f"ws://{host}/ws", address=("127.0.0.1", port), additional_headers=auth) as ws:
+                ws.send("hi")
+                assert ws.recv(timeout=30) == "hi"
+        guest.shutdown()
+    seen = replicas.leader.seen
+    assert ("GET", "/runtime/login", True) in seen  # the leader's ports app, not its dashboard
+    assert ("WS", "/ws", True) in seen

@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from pal.cli.main import app as cli
 from pal.config import Settings
 from pal.errors import QuotaExceeded
-from pal.scheduler import reconcile
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec
 from pal.store import Store
@@ -96,7 +95,7 @@ async def test_sweep_deletes_snapshots_of_vms_gone_during_a_crash(tmp_path: Path
     await env.sched.delete(env.tenant_id, gone)
     del env.manager.delete_vm_snapshots
     assert _snaps_of(env, gone)
-    fixes = await reconcile.sweep_snapshots(env.sched)
+    fixes = await env.sched.reconciler.sweep_snapshots()
     assert len(fixes) == 2 and not _snaps_of(env, gone) and not _snaps_of(env, "vm-0123456789abcdef0123")
     assert _snaps_of(env, keep)  # a live VM's snapshot stays
 

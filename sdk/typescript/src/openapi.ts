@@ -254,9 +254,26 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** A signed link that opens the port without the API key, until it expires */
+        /** A signed link that opens the port on its own origin without the API key, until it expires */
         post: operations["port_url_v1_runtime_vms__vm_id__ports__port__url_post"];
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/port-links/{link_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke a port link: it opens nothing from now on, on every replica */
+        delete: operations["revoke_link_v1_runtime_vms__vm_id__port_links__link_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -1137,11 +1154,21 @@ export interface components {
                 [key: string]: string;
             };
         };
+        /** PortLinkRevokedOut */
+        PortLinkRevokedOut: {
+            /** Linkid */
+            linkId: string;
+            /**
+             * Revoked
+             * @description true: the link opens nothing from now on (revoking again is fine)
+             */
+            revoked: boolean;
+        };
         /** PortUrlOut */
         PortUrlOut: {
             /**
              * Url
-             * @description opens the port without an API key (bound to this VM and port)
+             * @description opens the port on its own origin without an API key (this VM and port only)
              */
             url: string;
             /**
@@ -1149,6 +1176,11 @@ export interface components {
              * @description unix seconds
              */
             expiresAt: number;
+            /**
+             * Linkid
+             * @description revokes this link: DELETE /v1/runtime/vms/{id}/port-links/{linkId}
+             */
+            linkId: string;
         };
         /** PortUrlRequest */
         PortUrlRequest: {
@@ -3022,6 +3054,56 @@ export interface operations {
             };
             /** @description body not sent as `Content-Type: application/json` */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    revoke_link_v1_runtime_vms__vm_id__port_links__link_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                link_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PortLinkRevokedOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };
