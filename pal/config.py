@@ -8,6 +8,7 @@ tests/conftest.py.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,79 @@ def _egress_dns_env() -> bool:
     if raw not in ("host", "static"):
         raise ValueError(f"PAL_EGRESS_DNS must be 'host' or 'static', got {raw!r}")
     return raw == "host"
+
+
+def parse_nameservers(raw: str | None) -> list[tuple[str, int]]:
+    """PAL_EGRESS_NAMESERVERS: ``ip``, ``ip:port``, ``[ipv6]:port``, comma-separated."""
+    out: list[tuple[str, int]] = []
+    for part in (p.strip() for p in (raw or "").split(",")):
+        if not part:
+            continue
+        host, port = part, 53
+        try:
+            if part.startswith("["):
+                host, _, rest = part[1:].partition("]")
+                port = int(rest[1:]) if rest.startswith(":") else 53
+            elif part.count(":") == 1:
+                host, _, num = part.partition(":")
+                port = int(num)
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r} is not ip[:port]") from exc
+        if not 1 <= port <= 65535:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r}: port outside 1-65535")
+        out.append((host, port))
+    return out
+
+
+@dataclass(frozen=True)
+class NetBudgets:
+    """The ceilings on what a spec may ask of the network (checked at schedule: a 400 that
+    names the field; pal/scheduler/ceilings.py) and the egress gateway's node totals
+    (pal/network/budgets.py)."""
+
+    max_connections: int = 4096  # PAL_MAX_CONNECTIONS: ceiling of limits.maxConnections
+    max_buffer_bytes: int = 64 << 20  # PAL_MAX_BUFFER_BYTES: ceiling of waitPause.maxBufferBytes
+    # PAL_MAX_EGRESS_MBPS: ceiling of limits.egressMbps, also the rate of a VM that asks none
+    max_egress_mbps: int | None = None
+    node_buffer_bytes: int = 1 << 30  # PAL_GATEWAY_MAX_BUFFER_BYTES: all VMs' buffered bytes
+    # PAL_GATEWAY_MAX_CONNECTIONS: all VMs' connections (None: what the descriptor limit allows)
+    node_connections: int | None = None
+    # PAL_EGRESS_NAMESERVERS=ip[:port],...: the gateway's name servers (None: resolv.conf's)
+    nameservers: str | None = None
+
+    @classmethod
+    def from_env(cls) -> NetBudgets:
+        mbps = _int_env("PAL_MAX_EGRESS_MBPS", 0)
+        conns = _int_env("PAL_GATEWAY_MAX_CONNECTIONS", 0)
+        out = cls(
+            max_connections=_int_env("PAL_MAX_CONNECTIONS", cls.max_connections),
+            max_buffer_bytes=_int_env("PAL_MAX_BUFFER_BYTES", cls.max_buffer_bytes),
+            max_egress_mbps=mbps or None,
+            node_buffer_bytes=_int_env("PAL_GATEWAY_MAX_BUFFER_BYTES", cls.node_buffer_bytes),
+            node_connections=conns or None,
+            nameservers=os.environ.get("PAL_EGRESS_NAMESERVERS") or None,
+        )
+        parse_nameservers(out.nameservers)  # a malformed entry fails at start, naming it
+        for name, value, low in (
+            ("PAL_MAX_CONNECTIONS", out.max_connections, 1),
+            ("PAL_MAX_BUFFER_BYTES", out.max_buffer_bytes, 64 * 1024),
+            ("PAL_MAX_EGRESS_MBPS", out.max_egress_mbps or 1, 1),
+            ("PAL_GATEWAY_MAX_BUFFER_BYTES", out.node_buffer_bytes, 1 << 20),
+            ("PAL_GATEWAY_MAX_CONNECTIONS", out.node_connections or 1, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        return out
+
+    def gateway_json(self) -> dict[str, object]:
+        """What the egress gateway takes (its ``configure`` message)."""
+        return {
+            "nameservers": self.nameservers,
+            "nodeBufferBytes": self.node_buffer_bytes,
+            "nodeConnections": self.node_connections,
+            "maxBufferBytes": self.max_buffer_bytes,
+        }
 
 
 def _path_env(name: str) -> Path | None:
@@ -201,6 +275,7 @@ class Settings:
     # PAL_EGRESS_CA_BUNDLE: PEM file of CAs the gateway trusts (besides the system store) when
     # it connects upstream for a brokered secret (a private or test CA)
     egress_ca_bundle: Path | None = None
+    net_budgets: NetBudgets = field(default_factory=NetBudgets)  # PAL_MAX_*, PAL_GATEWAY_MAX_*
     image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
     # PAL_CORS_ORIGINS=https://app.example,...: browser origins allowed to call the API
     cors_origins: list[str] = field(default_factory=list)
@@ -329,6 +404,7 @@ class Settings:
             egress_allow_internal=[
                 p.strip() for p in os.environ.get("PAL_EGRESS_ALLOW_INTERNAL", "").split(",") if p.strip()
             ],
+            net_budgets=NetBudgets.from_env(),
             image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
             cors_origins=[o.strip() for o in os.environ.get("PAL_CORS_ORIGINS", "").split(",") if o.strip()],
             ports_port=_ports_port_env(),
