@@ -14,6 +14,7 @@ import type {
   FileBytes,
   FileList,
   FileText,
+  FileDeleted,
   FileWritten,
   ForkOptions,
   ForkResult,
@@ -21,6 +22,8 @@ import type {
   JsonOf,
   Method,
   PathWith,
+  PortLink,
+  SecretRotated,
   Snapshot,
   SnapshotState,
   Vm,
@@ -301,6 +304,32 @@ export class Runtime {
       params: { vm_id: vmId },
       query: { path },
       body,
+    });
+  }
+
+  /** Remove a file or symlink under /workspace (not a directory). */
+  deleteFile(vmId: string, path: string): Promise<FileDeleted> {
+    return this.client.json("delete", "/v1/runtime/vms/{vm_id}/files/content", {
+      params: { vm_id: vmId },
+      query: { path },
+    });
+  }
+
+  /** A brokered secret's new value; the VM's next request carries it (the guest, which holds
+   * only the placeholder, is not touched). `applied` is `"now"` or `"next start"`. */
+  rotateSecret(vmId: string, name: string, value: string): Promise<SecretRotated> {
+    return this.client.json("put", "/v1/runtime/vms/{vm_id}/secrets/{name}", {
+      params: { vm_id: vmId, name },
+      json: { value },
+    });
+  }
+
+  /** A signed link to the server on `port` in the VM (`{url, expiresAt}`) that opens it
+   * without the API key until it expires (default one hour); bound to this VM and port. */
+  portUrl(vmId: string, port: number, options: { expiresInSecs?: number } = {}): Promise<PortLink> {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/ports/{port}/url", {
+      params: { vm_id: vmId, port: String(port) },
+      json: { expiresInSecs: options.expiresInSecs ?? 3600 },
     });
   }
 
