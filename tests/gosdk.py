@@ -32,7 +32,8 @@ def go_program(where: Path, source: str) -> Path:
     """Build ``source`` (a ``package main``) in a module of its own at ``where`` that requires
     the SDK by its import path (replaced by the checkout); ``go vet`` it too. The binary."""
     (where / "go.mod").write_text(
-        f"module example.com/quickstart\n\ngo 1.19\n\nrequire {MODULE} v0.0.0\n\nreplace {MODULE} => {GO_SDK}\n"
+        "module example.com/quickstart\n\ngo 1.19\n\n"
+        f"require {MODULE} v0.0.0\n\nreplace {MODULE} => {GO_SDK}\n"
     )
     (where / "main.go").write_text(source)
     env = {**os.environ, **go_env()}

@@ -98,7 +98,9 @@ func needVM(t *testing.T, st *contract) {
 	}
 }
 
-func shell(line string) ExecRequest { return ExecRequest{Command: "/bin/sh", Argv: []string{"-c", line}} }
+func shell(line string) ExecRequest {
+	return ExecRequest{Command: "/bin/sh", Argv: []string{"-c", line}}
+}
 
 func scenarioSchedule(t *testing.T, ctx context.Context, st *contract) {
 	vm, err := st.c.Runtime.Schedule(ctx, AgentSpec{})
@@ -217,7 +219,7 @@ func scenarioFilesBytes(t *testing.T, ctx context.Context, st *contract) {
 		t.Fatalf("%+v", d)
 	}
 	_, err = st.c.Runtime.ReadFile(ctx, st.vm, "contract/bin.dat")
-	expectAPIError(t, err, ErrNotFound, 404, "NOT_FOUND")
+	expectAPIError(t, err, ErrNotFound, 404, "FILE_NOT_FOUND")
 }
 
 func scenarioPauseResume(t *testing.T, ctx context.Context, st *contract) {

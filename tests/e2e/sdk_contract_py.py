@@ -96,7 +96,7 @@ def files_bytes(st: State) -> None:
     assert rt.delete_file(vm, "contract/bin.dat")["deleted"] is True
     with pytest.raises(NotFoundError) as nf:
         rt.read_file_bytes(vm, "contract/bin.dat")
-    expect_error(nf, 404, "NOT_FOUND")
+    expect_error(nf, 404, "FILE_NOT_FOUND")
 
 
 def pause_resume(st: State) -> None:
@@ -136,8 +136,9 @@ def errors(st: State) -> None:
     with pytest.raises(NotFoundError) as nf:
         rt.get("vm-does-not-exist")
     expect_error(nf, 404, "NOT_FOUND")
-    with Client(st.client.base_url, "pal_not_a_key") as stranger, pytest.raises(AuthenticationError) as unauth:
-        stranger.runtime.list()
+    with Client(st.client.base_url, "pal_not_a_key") as stranger:
+        with pytest.raises(AuthenticationError) as unauth:
+            stranger.runtime.list()
     expect_error(unauth, 401, "UNAUTHENTICATED")
     with pytest.raises(BadRequestError) as bad:
         rt.read_file(vm, "../etc/passwd")

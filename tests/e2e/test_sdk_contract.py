@@ -35,7 +35,8 @@ def _tenant(server: PalServer, name: str) -> str:
 
 
 def _run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
-    res = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=1200, env={**os.environ, **env})
+    full_env = {**os.environ, **env}
+    res = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=1200, env=full_env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"{' '.join(args)} failed ({res.returncode}):\n{out}"
     return out

@@ -93,7 +93,7 @@ const scenarios = {
     const list = await rt.listFiles(st.vm, "contract");
     assert.ok(list.entries.some((e) => e.name === "bin.dat" && e.type === "file" && e.size === 256), JSON.stringify(list));
     assert.equal((await rt.deleteFile(st.vm, "contract/bin.dat")).deleted, true);
-    await expectError(rt.readFileBytes(st.vm, "contract/bin.dat"), NotFoundError, 404, "NOT_FOUND");
+    await expectError(rt.readFileBytes(st.vm, "contract/bin.dat"), NotFoundError, 404, "FILE_NOT_FOUND");
   },
 
   async "pause-resume"() {

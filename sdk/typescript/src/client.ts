@@ -89,8 +89,7 @@ export class Pal {
 
   /** GET /healthz: `{ok, ...}` (ok is false when the server cannot schedule VMs). */
   async health(): Promise<{ ok: boolean; [k: string]: unknown }> {
-    const resp = await this.send("/healthz", "GET", {}, true);
-    return (await resp.json()) as { ok: boolean };
+    return (await this.json("get", "/healthz")) as { ok: boolean; [k: string]: unknown };
   }
 
   /** GET /v1/images: the images this tenant may schedule (`image` in a schedule request). */
