@@ -134,8 +134,10 @@ func (c *Client) doJSON(ctx context.Context, k call, out interface{}) error {
 		return wrapTransport(err, c.baseURL)
 	}
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-			return err
+		var syntax *json.SyntaxError
+		var typ *json.UnmarshalTypeError
+		if !errors.As(err, &syntax) && !errors.As(err, &typ) {
+			return wrapTransport(err, c.baseURL) // the connection broke (or ctx ended) mid-answer
 		}
 		return &APIError{Status: resp.StatusCode, Code: "BAD_RESPONSE", Message: "cannot decode the answer: " + err.Error(),
 			RequestID: resp.Header.Get(requestIDHdr)}
