@@ -285,12 +285,22 @@ def server_accel(url: str, token: str | None = None) -> str:
     return str(r.json().get("accel", "unknown"))
 
 
-@contextlib.contextmanager
-def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PAL_LOG_LEVEL": "WARNING", "PAL_ADMIN_TOKEN": OPERATOR_TOKEN, **(extra_env or {})}
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    port, ports_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "PAL_LOG_LEVEL": "WARNING",
+        "PAL_ADMIN_TOKEN": OPERATOR_TOKEN,
+        "PAL_PORTS_PORT": str(ports_port),  # beside whatever else runs here
+        **(extra_env or {}),
+    }
     pal = [sys.executable, "-m", "pal.cli.main"]
     proc = subprocess.Popen([*pal, "up", "--port", str(port), "--data-dir", str(data_dir)], env=env)
     try:

@@ -18,7 +18,12 @@ address opened) and measures, through the public API and the node's own files:
   other way a relay could have gone);
 - brokered secrets: the latency of an HTTPS request whose secret the gateway inserts (TLS
   terminated and re-made by the gateway) against a pass-through HTTPS request to the same
-  kind of server, from the same guest client.
+  kind of server, from the same guest client, and the download throughput of both (the
+  brokered one searched for reflected values, redact.py);
+- the SNI/Host checks (namecheck.py): the same clients in a VM allowed by name (every
+  request's Host and the SNI checked) against a VM with ``open`` egress (nothing checked),
+  alternated in the same run; and the response redaction's own CPU per GiB, against the
+  gateway's whole relay CPU per GiB of the same run.
 Writes JSON and docs/benchmarks/network.md. Every target destination is on loopback.
 """
 
@@ -409,6 +414,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         *_ports_lines(r.get("ports"), p),
         *_brokered_lines(r.get("brokered"), p),
+        *_checks_lines(r, p),
         "Raw figures: `network.json` next to this file.",
         "",
     ]
@@ -439,7 +445,57 @@ def _tls_servers(tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _brokered(api: Api, tls: dict[str, Any], iterations: int) -> dict[str, Any]:
+def _download(api: Api, vm: str, url: str, extra: str = "") -> float:
+    out = _sh(api, vm, f"curl -sS -o /dev/null -w '%{{speed_download}}' {extra} {url}")
+    return _mbps(out["stdout"])
+
+
+def _name_checks(api: Api, tls: dict[str, Any], port: int, iterations: int, size_mib: int) -> dict[str, Any]:
+    """The same clients in an ``open`` VM (the baseline: nothing checked) and in a VM whose
+    allow list names the servers (SNI and every Host checked), alternated."""
+    tls_port = tls["ports"][PASS_NAME]
+    specs = {
+        "open": {"egress": "open"},
+        "checked": {"egress": {"allow": [f"{NAME}:{port}", f"{PASS_NAME}:{tls_port}"]}},
+    }
+    vms = {k: api.call("POST", "/v1/runtime/schedule", json=spec)["vmId"] for k, spec in specs.items()}
+    out: dict[str, dict[str, Any]] = {k: {"download_mbs": []} for k in vms}
+    try:
+        for vm in vms.values():
+            files = (("setup.py", SETUP_CLIENT), ("https.py", GUEST_HTTPS), ("both.pem", tls["ca"]))
+            for name, text in files:
+                api.call("PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": name}, content=text)
+            _sh(api, vm, f"curl -sS -o /dev/null http://{NAME}:{port}/bytes/1048576")  # warm up
+        n = size_mib * 1024 * 1024
+        for _ in range(3):
+            for k, vm in vms.items():
+                out[k]["download_mbs"].append(_download(api, vm, f"http://{NAME}:{port}/bytes/{n}"))
+        for k, vm in vms.items():
+            out[k]["setup_ms"] = json.loads(
+                _sh(api, vm, f"python3 setup.py {NAME} {port} {iterations}")["stdout"]
+            )
+            url = f"https://{PASS_NAME}:{tls_port}/hello"
+            out[k]["https_ms"] = json.loads(_sh(api, vm, f"python3 https.py {url} {iterations} x")["stdout"])
+        return out
+    finally:
+        for vm in vms.values():
+            api.call("DELETE", f"/v1/runtime/vms/{vm}")
+
+
+def _redaction_cpu(size_mib: int) -> float:
+    """CPU seconds per GiB of the response redaction alone (64 KiB pieces, one value)."""
+    from pal.network.redact import Redactor, pairs_of
+
+    r = Redactor(pairs_of([("bench-secret-value-0123456789", "pal-brokered-bench_key-x")]))
+    n = max(1, size_mib // 4) * 1024 * 1024
+    t = time.process_time()
+    for _ in range(n // len(BLOCK)):
+        r.feed(BLOCK)
+    r.flush()
+    return (time.process_time() - t) / (n / 2**30)
+
+
+def _brokered(api: Api, tls: dict[str, Any], iterations: int, size_mib: int) -> dict[str, Any]:
     secret = {"value": "bench-secret", "brokered": {"hosts": [BROKERED_NAME], "header": "X-Bench-Key"}}
     vm = api.call("POST", "/v1/runtime/schedule", json={"secrets": {"BENCH_KEY": secret}})["vmId"]
     try:
@@ -447,11 +503,16 @@ def _brokered(api: Api, tls: dict[str, Any], iterations: int) -> dict[str, Any]:
         for name, text in files:
             api.call("PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": name}, content=text)
         _sh(api, vm, "cat bench-ca.pem /etc/ssl/certs/pal-brokered-ca.pem > both.pem")
-        out = {}
+        out: dict[str, Any] = {"brokered_download_mbs": [], "passthrough_download_mbs": []}
         for name, label in ((BROKERED_NAME, "brokered_ms"), (PASS_NAME, "passthrough_ms")):
             url = f"https://{name}:{tls['ports'][name]}/hello"
             got = _sh(api, vm, f'python3 https.py {url} {iterations} "$BENCH_KEY"')["stdout"]
             out[label] = json.loads(got)
+        n = size_mib * 1024 * 1024
+        for _ in range(3):  # the brokered body is searched for the value as it streams
+            for name, label in ((BROKERED_NAME, "brokered"), (PASS_NAME, "passthrough")):
+                url = f"https://{name}:{tls['ports'][name]}/bytes/{n}"
+                out[f"{label}_download_mbs"].append(_download(api, vm, url, "--cacert both.pem"))
         return out
     finally:
         api.call("DELETE", f"/v1/runtime/vms/{vm}")
@@ -461,6 +522,16 @@ def _brokered_lines(b: dict[str, Any] | None, p: Any) -> list[str]:
     if not b:
         return []
     br, pt = b["brokered_ms"], b["passthrough_ms"]
+    downloads = []
+    if b.get("brokered_download_mbs"):
+        bd, pd = (
+            statistics.median(b["brokered_download_mbs"]),
+            statistics.median(b["passthrough_download_mbs"]),
+        )
+        downloads = [
+            f"| download (curl, median of 3): brokered / passed through | "
+            f"{bd:.1f} / {pd:.1f} MB/s, {bd / pd:.2f}× |"
+        ]
     return [
         "## Brokered secrets",
         "",
@@ -476,8 +547,40 @@ def _brokered_lines(b: dict[str, Any] | None, p: Any) -> list[str]:
         f"| passed through | {p(pt, 0.5)} / {p(pt, 0.9)} ms |",
         f"| added by brokering (p50 − p50), ratio | {pct(br, 0.5) - pct(pt, 0.5):.2f} ms, "
         f"{pct(br, 0.5) / pct(pt, 0.5):.2f}× |",
+        *downloads,
         "",
     ]
+
+
+def _checks_lines(r: dict[str, Any], p: Any) -> list[str]:
+    c = r.get("name_checks")
+    if not c:
+        return []
+    o, k = c["open"], c["checked"]
+    lines = [
+        "## SNI/Host checks and response redaction",
+        "",
+        "The same guest clients in a VM whose allow list names the servers (each request's `Host` "
+        "and each TLS SNI checked, namecheck.py) against a VM with `open` egress (nothing checked), "
+        "alternated in the same run. The redaction (redact.py) searches every brokered response "
+        "body for the values put in: its CPU alone, on the host, against the gateway's whole relay "
+        "CPU per GiB measured above.",
+        "",
+        "| measure | open (baseline) | checked | ratio |",
+        "|---|---|---|---|",
+    ]
+    for key, what in (("setup_ms", "HTTP connection setup p50"), ("https_ms", "HTTPS request p50")):
+        a, b = pct(o[key], 0.5), pct(k[key], 0.5)
+        lines.append(f"| {what} | {a:.2f} ms | {b:.2f} ms | **{b / a:.2f}×** |")
+    a, b = statistics.median(o["download_mbs"]), statistics.median(k["download_mbs"])
+    lines.append(f"| download (median of 3) | {a:.1f} MB/s | {b:.1f} MB/s | **{b / a:.2f}×** |")
+    if r.get("redaction_cpu_s_per_gib") is not None:
+        red, relay = r["redaction_cpu_s_per_gib"], r["gateway_cpu_s_per_gib"]
+        lines.append(
+            f"| CPU per GiB: relay (baseline) / redaction | {relay:.2f} s | {red:.2f} s "
+            f"| **{red / relay:.2f}×** |"
+        )
+    return [*lines, ""]
 
 
 def _ports_lines(ports: dict[str, Any] | None, p: Any) -> list[str]:
@@ -540,7 +643,10 @@ def main(iterations: int, size_mib: int, data_dir: Path | None, out_dir: Path) -
         wait_template(api, DEFAULT_MEMORY_MIB)
         results = run(api, data_dir, port, iterations, size_mib, log)
         log(f"brokered secrets: {iterations} HTTPS requests brokered and passed through")
-        results["brokered"] = _brokered(api, tls, iterations)
+        results["brokered"] = _brokered(api, tls, iterations, size_mib)
+        log(f"SNI/Host checks: open vs allowed by name, x{iterations}, and the redaction's CPU")
+        results["name_checks"] = _name_checks(api, tls, port, iterations, size_mib)
+        results["redaction_cpu_s_per_gib"] = _redaction_cpu(size_mib)
         info = machine()
         info["accel"] = server_accel(url)
     server.shutdown()

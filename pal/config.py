@@ -16,6 +16,9 @@ from pal import sizes
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
+# The ports listener (VM ports on origins of their own): beside the API's 8080 and a
+# node RPC's 8081 (a node may run on the same machine).
+DEFAULT_PORTS_PORT = 8082
 
 
 def env_log_level() -> str:
@@ -99,6 +102,36 @@ def _path_env(name: str) -> Path | None:
     return Path(raw) if raw and raw.strip() else None
 
 
+def _seccomp_env() -> bool:
+    raw = os.environ.get("PAL_SECCOMP", "required").strip().lower()
+    if raw in ("required", "on", "1", "yes", "true", ""):
+        return True
+    if raw in ("off", "0", "no", "false"):
+        return False
+    raise ValueError(f"PAL_SECCOMP must be 'required' or 'off', got {raw!r}")
+
+
+S3_SSE_MODES = ("AES256", "aws:kms")
+
+
+def _s3_sse_env() -> str | None:
+    raw = os.environ.get("PAL_S3_SSE", "").strip()
+    if raw in ("", "off", "none"):
+        return None
+    if raw not in S3_SSE_MODES:
+        raise ValueError(f"PAL_S3_SSE must be one of {', '.join(S3_SSE_MODES)} or off, got {raw!r}")
+    return raw
+
+
+def _snapshot_encryption_env() -> bool:
+    raw = os.environ.get("PAL_SNAPSHOT_ENCRYPTION", "on").strip().lower()
+    if raw in ("on", "1", "yes", "true", ""):
+        return True
+    if raw in ("off", "0", "no", "false"):
+        return False
+    raise ValueError(f"PAL_SNAPSHOT_ENCRYPTION must be 'on' or 'off', got {raw!r}")
+
+
 def _cgroups_env() -> bool:
     raw = os.environ.get("PAL_CGROUPS", "required").strip().lower()
     if raw in ("required", "on", "1", "yes", "true", ""):
@@ -115,6 +148,13 @@ def _exec_default_timeout() -> float | None:
     return min(secs, MAX_EXEC_TIMEOUT_S) if secs else None
 
 
+def _ports_port_env() -> int:
+    port = _int_env("PAL_PORTS_PORT", DEFAULT_PORTS_PORT)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"PAL_PORTS_PORT must be a TCP port (1-65535), got {port}")
+    return port
+
+
 @dataclass
 class Settings:
     data_dir: Path = DEFAULT_DATA_DIR
@@ -128,6 +168,13 @@ class Settings:
     s3_endpoint: str | None = None  # S3_ENDPOINT
     s3_bucket: str | None = None  # S3_BUCKET
     s3_region: str = "us-east-1"  # AWS_DEFAULT_REGION
+    # PAL_SNAPSHOT_ENCRYPTION=off: upload snapshots to S3 unencrypted (default on: encrypted
+    # on the node before upload, docs/security.md "Snapshots at rest")
+    snapshot_encryption: bool = True
+    # PAL_S3_SSE=AES256|aws:kms: S3 server-side encryption asked for on every object written;
+    # PAL_S3_SSE_KMS_KEY_ID: the KMS key of aws:kms (unset: the bucket's default)
+    s3_sse: str | None = None
+    s3_sse_kms_key_id: str | None = None
     xfs_image_size_gib: int = 64  # PAL_XFS_IMAGE_GIB: loop XFS for a non-reflink data dir
     templates: bool = True  # PAL_TEMPLATES=0 disables warm templates (always cold boot)
     # PAL_TEMPLATE_SIZES: sizes (256m-1c-2048d,...) that get a template on first use; * = any
@@ -138,7 +185,8 @@ class Settings:
     parked_max: int = 8
     parked_secs: float = 900.0  # PAL_PARKED_SECS: how long one is kept at most
     metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
-    # PAL_METRICS_TOKEN: bearer token for GET /metrics; unset = loopback clients only
+    # PAL_METRICS_TOKEN: a second bearer token for GET /metrics alone (a scraper's); the
+    # operator token (PAL_ADMIN_TOKEN, pal/operator.py) opens it too
     metrics_token: str | None = None
     # PAL_DASHBOARD_SECRET: signs dashboard sessions; unset = a random key kept in the data dir
     dashboard_secret: str | None = None
@@ -156,12 +204,23 @@ class Settings:
     image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
     # PAL_CORS_ORIGINS=https://app.example,...: browser origins allowed to call the API
     cors_origins: list[str] = field(default_factory=list)
+    # PAL_PORTS_PORT / --ports-port: the ports listener, where each VM port has an origin of
+    # its own, http://{port}-{vm}.localhost:PORT (pal/api/port_origins.py)
+    ports_port: int = DEFAULT_PORTS_PORT
+    # PAL_PORTS_DOMAIN: ports.example.com (https) or http(s)://name[:port]: port links name
+    # {port}-{vm}.<that>, for a wildcard DNS name and TLS in front; unset = *.localhost
+    ports_domain: str | None = None
     # -- cluster (docs/deploy.md) --
     database_url: str | None = None  # PAL_DATABASE_URL / --database; unset = SQLite in the data dir
     # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
     cluster_secret: str | None = None
     node_token: str | None = None  # PAL_NODE_TOKEN (node): this node's token
-    admin_token: str | None = None  # PAL_ADMIN_TOKEN: operator routes; unset = loopback only
+    # PAL_ADMIN_TOKEN: the operator token (operator routes, /metrics, health details); unset =
+    # <data dir>/keys/operator.token (pal up) or derived from PAL_CLUSTER_SECRET (pal server)
+    admin_token: str | None = None
+    # PAL_HOSTS=pal.example.com,...: the names the API and dashboard answer as (the Host
+    # header; besides localhost, loopback addresses and the listen/advertised address)
+    hosts: list[str] = field(default_factory=list)
     node_heartbeat_interval_s: float = 5.0  # PAL_NODE_HEARTBEAT_INTERVAL
     node_lost_after_s: float = 30.0  # PAL_NODE_LOST_AFTER: a node silent this long has lost its VMs
     leader_lease_s: float = 5.0  # PAL_LEADER_LEASE: failover comes within about this long
@@ -170,6 +229,10 @@ class Settings:
     node_labels: dict[str, str] = field(default_factory=dict)  # PAL_NODE_LABELS "k=v,k2=v2"
     node_memory_mib: int = 0  # PAL_NODE_MEMORY_MIB: guest RAM to hand out; 0 = host RAM - 1 GiB
     cgroups: bool = True  # PAL_CGROUPS=off: VMs run without host limits (else fail closed)
+    seccomp: bool = True  # PAL_SECCOMP=off: QEMU runs without -sandbox (else fail closed)
+    # PAL_EXEC_BUFFER_MIB: output a tenant's buffered (non-streamed) execs may hold at once
+    # on an API server, in MiB of characters (pal/api/exec_budget.py)
+    exec_buffer_mib: int = 64
     # PAL_WAIT_PAUSE: waitPause of a VM whose spec has none (None: off)
     wait_pause_default: WaitPause | None = None
     # PAL_EXEC_DEFAULT_TIMEOUT: seconds a buffered exec without timeoutSecs may run (0: none)
@@ -181,6 +244,9 @@ class Settings:
     # PAL_SECRETS_KEY_FILE: key encrypting secrets in the store (every control plane replica
     # needs the same one); default <data_dir>/keys/secrets.key, made on first use
     secrets_key_file: Path | None = None
+    # PAL_SNAPSHOT_ENCRYPTION_KEY_FILE: key wrapping the data keys of snapshots in S3 (share
+    # it across the nodes of a bucket); default <data_dir>/keys/snapshot-encryption.key
+    snapshot_encryption_key_file: Path | None = None
     log_level: str = "INFO"  # PAL_LOG_LEVEL: the server's log level
     servers: list[str] = field(default_factory=list)  # PAL_SERVERS (node): control-plane URLs
 
@@ -207,6 +273,10 @@ class Settings:
     @property
     def snapshot_key_path(self) -> Path:
         return self.snapshot_key_file or (self.keys_dir / "snapshot.key")
+
+    @property
+    def snapshot_encryption_key_path(self) -> Path:
+        return self.snapshot_encryption_key_file or (self.keys_dir / "snapshot-encryption.key")
 
     @property
     def secrets_key_path(self) -> Path:
@@ -239,6 +309,9 @@ class Settings:
             s3_endpoint=os.environ.get("S3_ENDPOINT") or None,
             s3_bucket=os.environ.get("S3_BUCKET") or None,
             s3_region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+            snapshot_encryption=_snapshot_encryption_env(),
+            s3_sse=_s3_sse_env(),
+            s3_sse_kms_key_id=os.environ.get("PAL_S3_SSE_KMS_KEY_ID") or None,
             xfs_image_size_gib=_int_env("PAL_XFS_IMAGE_GIB", 64),
             templates=os.environ.get("PAL_TEMPLATES", "1") not in ("0", "false", "no"),
             template_sizes=parse_template_sizes(os.environ.get("PAL_TEMPLATE_SIZES")),
@@ -258,10 +331,13 @@ class Settings:
             ],
             image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
             cors_origins=[o.strip() for o in os.environ.get("PAL_CORS_ORIGINS", "").split(",") if o.strip()],
+            ports_port=_ports_port_env(),
+            ports_domain=os.environ.get("PAL_PORTS_DOMAIN") or None,
             database_url=os.environ.get("PAL_DATABASE_URL") or None,
             cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
             node_token=os.environ.get("PAL_NODE_TOKEN") or None,
             admin_token=os.environ.get("PAL_ADMIN_TOKEN") or None,
+            hosts=[h.strip() for h in os.environ.get("PAL_HOSTS", "").split(",") if h.strip()],
             node_heartbeat_interval_s=max(0.5, _float_env("PAL_NODE_HEARTBEAT_INTERVAL", 5.0)),
             node_lost_after_s=max(2.0, _float_env("PAL_NODE_LOST_AFTER", 30.0)),
             leader_lease_s=max(1.0, _float_env("PAL_LEADER_LEASE", 5.0)),
@@ -271,7 +347,10 @@ class Settings:
             node_memory_mib=max(0, _int_env("PAL_NODE_MEMORY_MIB", 0)),
             snapshot_key_file=_path_env("PAL_SNAPSHOT_KEY_FILE"),
             secrets_key_file=_path_env("PAL_SECRETS_KEY_FILE"),
+            snapshot_encryption_key_file=_path_env("PAL_SNAPSHOT_ENCRYPTION_KEY_FILE"),
             cgroups=_cgroups_env(),
+            seccomp=_seccomp_env(),
+            exec_buffer_mib=max(1, _int_env("PAL_EXEC_BUFFER_MIB", 64)),
             wait_pause_default=parse_wait_pause_default(os.environ.get("PAL_WAIT_PAUSE")),
             exec_default_timeout_s=_exec_default_timeout(),
             log_level=env_log_level(),

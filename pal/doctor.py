@@ -15,8 +15,11 @@ from pathlib import Path
 import httpx
 
 from pal.config import Settings
+from pal.operator import client_token
 
 log = logging.getLogger("pal.doctor")
+# Where the operator token comes from (pal/operator.py), said when doctor has none.
+NO_TOKEN = "run as root on the server's host, or set PAL_ADMIN_TOKEN"
 
 
 @dataclass
@@ -81,6 +84,13 @@ def host_checks(settings: Settings) -> list[Check]:
             "network", True, f"tap + nftables per VM; default egress {default}; internal open: {internal}"
         )
 
+    def jail() -> Check:
+        """Failed when VMs cannot start for want of seccomp; informative otherwise."""
+        from pal.vmm.versions import qemu_supports_sandbox
+
+        blocked = settings.seccomp and not qemu_supports_sandbox()
+        return Check("jail", False if blocked else None, jail_summary(settings.seccomp))
+
     s3 = f"{settings.s3_endpoint} bucket {settings.s3_bucket}" if settings.s3_enabled else "off"
     return [
         Check("data dir", settings.data_dir.is_dir(), str(settings.data_dir)),
@@ -91,7 +101,7 @@ def host_checks(settings: Settings) -> list[Check]:
             "cgroups",
             lambda: Check("cgroups", None, cgroups.describe(settings.cgroups, _existing(settings.data_dir))),
         ),
-        _run("jail", lambda: Check("jail", None, jail_summary())),
+        _run("jail", jail),
         _run("image", image),
         _run("network", network),
         Check("snapshots", None, f"{settings.snapshots_root}; S3 mirror {s3}"),
@@ -120,7 +130,7 @@ def store_check(settings: Settings) -> Check:
 def server_checks(url: str, token: str | None = None) -> list[Check]:
     """The server at ``url`` and, through its /healthz report, the runtime manager. The
     report's details (accelerator, what failed) come only with the operator's ``token``
-    (PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN); without it doctor says where they are."""
+    (pal/operator.py, or PAL_METRICS_TOKEN); without it doctor says where they are."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         resp = httpx.get(f"{url.rstrip('/')}/healthz", headers=headers, timeout=10)
@@ -136,12 +146,12 @@ def server_checks(url: str, token: str | None = None) -> list[Check]:
         detail = (
             f"answers (accel {report.get('accel')}, {report.get('vms')} VMs live)"
             if detailed
-            else "answers (set PAL_ADMIN_TOKEN for its details)"
+            else f"answers (its details need the operator token: {NO_TOKEN})"
         )
         return [server, Check("manager", True, detail)]
     why = report.get("error") or report.get("image") or f"/healthz answered {resp.status_code}"
     if not detailed:
-        why = f"{why} (set PAL_ADMIN_TOKEN to see why, or read the server log)"
+        why = f"{why} (the operator token shows why: {NO_TOKEN}; or read the server log)"
     return [server, Check("manager", False, f"not healthy: {why}")]
 
 
@@ -149,5 +159,5 @@ def run(settings: Settings, url: str) -> list[Check]:
     return [
         *host_checks(settings),
         _run("store", lambda: store_check(settings)),
-        *server_checks(url, settings.admin_token or settings.metrics_token),
+        *server_checks(url, client_token(settings) or settings.metrics_token),
     ]

@@ -70,12 +70,25 @@ class Conflict(PalError):
     status, code = 409, "FAILED_PRECONDITION"
 
 
+class LivePaused(Conflict):
+    """Exec, files or ports on a VM whose vCPUs a live pause stopped: the scheduler wakes
+    it and asks again (the one definition of LIVE_PAUSED)."""
+
+    code = "LIVE_PAUSED"
+
+
 class TooLarge(PalError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 
 
 class UnsupportedMediaType(PalError):
     status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
+
+
+class TooManyRequests(PalError):
+    """The tenant holds too much of a shared budget right now (buffered exec output)."""
+
+    status, code = 429, "RESOURCE_EXHAUSTED"
 
 
 class BackendError(PalError):
@@ -122,6 +135,7 @@ _BY_STATUS: dict[int, type[PalError]] = {
     409: Conflict,
     413: TooLarge,
     415: UnsupportedMediaType,
+    429: TooManyRequests,
     500: BackendError,
     502: BadGateway,
     503: Unavailable,

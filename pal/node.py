@@ -19,6 +19,7 @@ import signal
 import httpx
 import uvicorn
 
+from pal.api.callers import NODE_HEADER
 from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.manager.models import HeartbeatAck
@@ -47,7 +48,10 @@ class Heartbeats:
         for i in range(len(self.servers)):
             url = self.servers[(self._next + i) % len(self.servers)]
             try:
-                resp = await self._http.post(url + "/v1/nodes/heartbeat", json=body)
+                # X-Pal-Node: a follower checks the token before it holds the body (forward.py).
+                resp = await self._http.post(
+                    url + "/v1/nodes/heartbeat", json=body, headers={NODE_HEADER: hb.node_id}
+                )
             except httpx.HTTPError as exc:
                 log.warning("heartbeat to %s failed: %s", url, exc)
                 continue

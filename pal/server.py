@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
+from pal import operator
+from pal.api.hosts import WILDCARD_HOSTS
 from pal.config import Settings
 
 log = logging.getLogger("pal")
@@ -70,7 +72,12 @@ class Node:
     def _log_limits(self) -> None:
         from pal.errors import Unavailable
         from pal.vmm import cgroups
+        from pal.vmm.versions import qemu_supports_sandbox
 
+        if not self.settings.seccomp:
+            log.warning("PAL_SECCOMP=off: QEMU runs without its seccomp syscall filter (-sandbox)")
+        elif not qemu_supports_sandbox():
+            log.error("QEMU has no -sandbox (built without seccomp): no VM can start; see `pal doctor`")
         if not self.settings.cgroups:
             log.warning("PAL_CGROUPS=off: VMs run without host CPU, memory, pids and IO limits")
             return
@@ -165,7 +172,11 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
 
+    ports_sock = bind_ports_listener(settings, host)  # checked before anything starts
     prepare_data_dir(settings)
+    if not settings.admin_token:
+        log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
+    settings.admin_token = operator.server_token(settings, replica=False)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
     await node.runtime.start_network()
@@ -191,31 +202,39 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     node.warm_default_template()
 
     async def health() -> dict[str, Any]:
+        from pal.errors import Unavailable
         from pal.images.paths import load_image
         from pal.vmm import cgroups
+        from pal.vmm.versions import qemu_supports_sandbox
 
         load_image(settings, "default")
         if settings.cgroups:
             cgroups.host()  # fail closed: no VM can start without its limits
+        if settings.seccomp and not qemu_supports_sandbox():
+            raise Unavailable("QEMU has no -sandbox (seccomp): no VM can start; see `pal doctor`")
         hb = await client.heartbeat()
         return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
 
     from pal.dashboard.session import load_secret
 
-    app = control_plane_app(scheduler, store, settings, health, load_secret(settings))
+    names = hosts(settings, host, local)
+    app = control_plane_app(scheduler, store, settings, health, load_secret(settings), names)
     api, api_task, stop = _serve_api(app, host, port)
+    ports, ports_task = _serve_ports(app, ports_sock)
     log.info(
-        "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime",
+        "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime; %s",
         host,
         port,
         settings.data_dir,
         node.accel.name,
         host,
         port,
+        _ports_line(app, ports_sock),
     )
     try:
         done, _ = await asyncio.wait(
-            {api_task, rpc_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+            {api_task, ports_task, rpc_task, asyncio.create_task(stop.wait())},
+            return_when=asyncio.FIRST_COMPLETED,
         )
         for t in done:
             if t is not stop and t.exception() is not None:
@@ -223,6 +242,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     finally:
         log.info("stopping: running VMs are suspended (they wake on their next request), the rest stopped")
         api.should_exit = True
+        ports.should_exit = True
         with contextlib.suppress(Exception):
             await scheduler.shutdown_vms()
         await scheduler.close()
@@ -232,7 +252,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.to_thread(node.store.close)
         node.runtime.notices_board.close()
         rpc.should_exit = True
-        await asyncio.gather(api_task, rpc_task, return_exceptions=True)
+        await asyncio.gather(api_task, ports_task, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
 
@@ -247,13 +267,45 @@ def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None],
     return api, asyncio.create_task(api.serve(), name="api"), stop
 
 
+def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
+    """The ports listener's socket (PAL_PORTS_PORT, on the API's address), bound before
+    anything starts so that a port in use (or a PAL_PORTS_DOMAIN naming nothing) is said
+    at once."""
+    from pal.api.port_origins import PortsOrigins
+
+    try:
+        PortsOrigins.from_settings(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), settings.ports_port), family=family)
+    except OSError as exc:
+        raise SystemExit(
+            f"the ports listener cannot listen on {host}:{settings.ports_port}: {exc.strerror or exc} "
+            "(choose another with --ports-port or PAL_PORTS_PORT)"
+        ) from None
+
+
+def _serve_ports(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[None]]:
+    """Serve the ports listener: VM ports on their own origins, nothing else (never the
+    API or the dashboard: pal/api/port_origins.py)."""
+    from pal.api.port_origins import ports_listener_app
+
+    listener = ports_listener_app(app.state.ports_app, app.state.port_origins)
+    ports = _Server(uvicorn.Config(listener, log_level="warning", lifespan="off"))
+    return ports, asyncio.create_task(ports.serve(sockets=[sock]), name="ports")
+
+
+def _ports_line(app: Any, sock: socket.socket) -> str:
+    where = sock.getsockname()
+    return f"VM ports at {app.state.port_origins.pattern()} (listener {where[0]}:{where[1]})"
+
+
 def run(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
     secure_umask()
     _logging(settings)
     asyncio.run(serve(settings, host, port))
-
-
-WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
 
 
 def advertised_url(host: str, port: int, advertise: str | None) -> str:
@@ -298,15 +350,24 @@ async def role(scheduler: Any) -> dict[str, Any]:
     return out
 
 
-def control_plane_app(scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes) -> Any:
+def hosts(settings: Settings, host: str, advertise: str | None) -> Any:
+    """The names the API and dashboard answer as (pal/api/hosts.py)."""
+    from pal.api.hosts import AllowedHosts
+
+    return AllowedHosts.for_server(settings, host, advertise)
+
+
+def control_plane_app(
+    scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes, allowed_hosts: Any = None
+) -> Any:
     """The control plane's app (`pal up` and every `pal server`): the REST API, operator
     routes and the dashboard, its sessions and port links signed with ``secret`` (replicas
-    share it). A follower forwards what it cannot answer itself, dashboard actions included
-    (pal/api/forward.py)."""
+    share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
+    what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
     from pal.dashboard.app import install_dashboard
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=secret)
+    app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
     install_dashboard(app, scheduler, store, settings, secret)
     return app
 
@@ -322,8 +383,12 @@ async def serve_control_plane(
     from pal.store import Store, redacted
 
     advertise = advertised_url(host, port, advertise)  # checked before anything starts
+    ports_sock = bind_ports_listener(settings, host)
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
+    settings.admin_token = operator.server_token(settings, replica=True)
+    if settings.admin_token is None:
+        log.warning("no PAL_ADMIN_TOKEN or PAL_CLUSTER_SECRET: the operator's routes open for no one")
     store = Store.open(settings)
     scheduler = Scheduler(settings, store, leader=leadership(settings, store, host, port, advertise))
     await scheduler.start()
@@ -332,22 +397,27 @@ async def serve_control_plane(
         nodes = scheduler.node_views()
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
-    app = control_plane_app(scheduler, store, settings, health, link_secret)
+    app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
     api, api_task, stop = _serve_api(app, host, port)
+    ports, ports_task = _serve_ports(app, ports_sock)
     log.info(
-        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime",
+        "Pal control plane on http://%s:%d (store %s); dashboard at /runtime; %s",
         host,
         port,
         redacted(store.url),
+        _ports_line(app, ports_sock),
     )
     try:
-        await asyncio.wait({api_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {api_task, ports_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         # VMs live on the nodes: stopping a replica stops none of them; the lease is released
         # so another replica takes over at once.
         api.should_exit = True
+        ports.should_exit = True
         await scheduler.close()
-        await asyncio.gather(api_task, return_exceptions=True)
+        await asyncio.gather(api_task, ports_task, return_exceptions=True)
         store.close()
 
 
@@ -356,8 +426,8 @@ def run_control_plane(settings: Settings, host: str, port: int, advertise: str |
     asyncio.run(serve_control_plane(settings, host, port, advertise))
 
 
-def jail_summary() -> str:
-    """How each QEMU is confined here (what `pal doctor` shows)."""
+def jail_summary(seccomp: bool = True) -> str:
+    """How each QEMU is confined here (what `pal doctor` shows); ``seccomp``: PAL_SECCOMP."""
     from pal.vmm.versions import qemu_supports_sandbox
 
     who = (
@@ -365,9 +435,10 @@ def jail_summary() -> str:
         if os.geteuid() == 0
         else f"NOT dropped: Pal runs as uid {os.geteuid()}, so QEMUs run as it"
     )
-    sandbox = (
-        "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
-        if qemu_supports_sandbox()
-        else "NO seccomp: this QEMU was built without -sandbox"
-    )
+    if not seccomp:
+        sandbox = "seccomp OFF (PAL_SECCOMP=off): QEMU runs without its syscall filter"
+    elif qemu_supports_sandbox():
+        sandbox = "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
+    else:
+        sandbox = "NO seccomp: this QEMU was built without -sandbox, so no VM starts (or set PAL_SECCOMP=off)"
     return f"{who}; {sandbox}; files as descriptors; minimal environment"

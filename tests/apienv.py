@@ -32,8 +32,12 @@ class ApiEnv:
         return self.sched.manager
 
 
-def make_api(tmp: Path, *, max_vms: int = 2, health: Any = None, ready: Any = None) -> ApiEnv:
+def make_api(
+    tmp: Path, *, max_vms: int = 2, health: Any = None, ready: Any = None, hosts: tuple[str, ...] = ()
+) -> ApiEnv:
+    """``hosts``: names the API answers as besides the loopback ones (PAL_HOSTS)."""
     env = make_env(tmp, max_vms=max_vms)
+    env.settings.hosts = list(hosts)
     _, key_b = env.store.create_tenant("bob", max_vms)
     app = create_app(env.sched, env.store, env.settings, health=health, ready=ready)
     return ApiEnv(app, env, env.api_key, key_b)

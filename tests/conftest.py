@@ -126,7 +126,22 @@ class PalServer:
     data_dir: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    ports_port: int = 0  # the ports listener: {port}-{vm}.localhost:ports_port
     keys: dict[str, str] = field(default_factory=dict)
+
+    def port_origin(self, vm: str, port: int) -> str:
+        """A VM port's own origin, as a browser (or curl) reaches it."""
+        return f"http://{port}-{vm}.localhost:{self.ports_port}"
+
+    def ports_client(self, vm: str, port: int, key: str | None = None, timeout: float = 300) -> httpx.Client:
+        """A client of the VM port's own origin. glibc does not resolve ``*.localhost`` here
+        (notes: origins-on-these-hosts.md), so it connects to 127.0.0.1 and names the port in
+        ``Host``, as a browser's request would."""
+        headers = {"Host": f"{port}-{vm}.localhost:{self.ports_port}"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        base = f"http://127.0.0.1:{self.ports_port}"
+        return httpx.Client(base_url=base, headers=headers, timeout=timeout)
 
     def tenant(self, name: str, max_vms: int = 20) -> str:
         """Create a tenant through the CLI (as an operator would) and return its API key."""
@@ -137,6 +152,11 @@ class PalServer:
 
     def client(self, key: str, timeout: float = 300) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
+
+    @property
+    def operator_token(self) -> str:
+        """The token `pal up` made in its data dir at first start (what the CLI reads)."""
+        return (self.data_dir / "keys" / "operator.token").read_text().strip()
 
     def log_tail(self, n: int = 60) -> str:
         with contextlib.suppress(OSError):
@@ -166,7 +186,7 @@ def start_server(
         link = run_dir / shared
         if not link.exists():
             link.symlink_to(TEST_DATA_DIR / shared)
-    port = free_port()
+    port, ports_port = free_port(), free_port()
     log_path = run_dir / "server.log"
     env = {
         **os.environ,
@@ -183,6 +203,9 @@ def start_server(
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
         # The default size and the one tests/integration/test_templates.py grows a disk with.
         "PAL_TEMPLATE_SIZES": "256m-1c-2048d,192m-1c-3072d",
+        # The ports listener (VM ports on origins of their own): never the default 8081,
+        # which servers of other tests (or people) on this machine may hold.
+        "PAL_PORTS_PORT": str(ports_port),
         **(extra_env or {}),
     }
     with open(log_path, "ab") as logf:
@@ -193,7 +216,13 @@ def start_server(
             env=env,
             cwd=REPO,
         )
-    server = PalServer(url=f"http://127.0.0.1:{port}", data_dir=run_dir, proc=proc, log_path=log_path)
+    server = PalServer(
+        url=f"http://127.0.0.1:{port}",
+        data_dir=run_dir,
+        proc=proc,
+        log_path=log_path,
+        ports_port=int((extra_env or {}).get("PAL_PORTS_PORT") or ports_port),
+    )
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:

@@ -101,6 +101,29 @@ class _Failure:
     kill: bool
 
 
+class LoopbackStream:
+    """A TunnelStream's interface over a plain loopback TCP connection."""
+
+    route = "direct"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def read(self, max_bytes: int = 65536) -> bytes:
+        return await self.reader.read(max_bytes)
+
+    async def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def write_eof(self) -> None:
+        if self.writer.can_write_eof():
+            self.writer.write_eof()
+
+    async def aclose(self) -> None:
+        self.writer.close()
+
+
 class FakeManager:
     """A node in memory: ``alive`` VMs, ``snapshots`` (key -> complete), scripted failures.
 
@@ -132,6 +155,8 @@ class FakeManager:
         self.url = ""  # a remote node's RPC URL (its heartbeat says where it is)
         self.region = ""
         self.labels: dict[str, str] = {}
+        # guest port -> a server on 127.0.0.1 that plays the guest's (open_port connects to it)
+        self.port_servers: dict[int, int] = {}
         self.templates: list[WarmTemplate] = []
         self.gate = threading.Event()
         self.slow_done = False
@@ -244,7 +269,8 @@ class FakeManager:
         ``echo ARGS`` prints them (also as ``/bin/sh -c "echo ARGS"``); ``fail [CODE]``
         prints ``warn`` on stderr and exits CODE (1); ``true``; ``sleepy`` prints
         ``partial`` then times out; ``slow`` prints ``first``, waits for ``self.gate``,
-        prints ``second`` (``slow_cancelled`` is set when the caller goes away first)."""
+        prints ``second`` (``slow_cancelled`` is set when the caller goes away first); ``flood N
+        [hold]`` prints N characters, then (hold) waits for ``self.gate``."""
         self.calls.append(("exec", vm_id))
         if vm_id not in self.alive:
             raise PalError(f"VM {vm_id} is not running", status=409, code="FAILED_PRECONDITION")
@@ -266,6 +292,14 @@ class FakeManager:
         elif cmd == "sleepy":
             yield ExecEvent(type="stdout", data="partial")
             yield ExecEvent(type="error", code="ETIMEDOUT", message=f"killed after {req.timeout_secs}s")
+        elif cmd == "flood":  # flood N [hold]: N characters of stdout, then (hold) the gate
+            left = int(argv[0])
+            while left > 0:
+                yield ExecEvent(type="stdout", data="x" * min(left, 65536))
+                left -= 65536
+            if argv[1:] == ["hold"]:
+                await asyncio.to_thread(self.gate.wait, 30)
+            yield ExecEvent(type="exit", exit_code=0)
         elif cmd == "slow":
             try:
                 yield ExecEvent(type="stdout", data="first\n")
@@ -418,6 +452,17 @@ class FakeManager:
         return EgressEvents(
             events=[e for e in self.egress_log if e.seq > after], seq=self.egress_seq, epoch=self.egress_epoch
         )
+
+    async def open_port(self, vm_id: str, port: int) -> LoopbackStream:
+        """A byte stream to ``port_servers[port]`` on loopback, as the node's tunnel is one
+        to the guest's server; 502 when nothing plays that port."""
+        from pal.errors import BadGateway
+
+        self.calls.append(("open_port", vm_id))
+        if vm_id not in self.alive or port not in self.port_servers:
+            raise BadGateway(f"nothing is listening on port {port} in VM {vm_id}")
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port_servers[port])
+        return LoopbackStream(reader, writer)
 
     async def heartbeat(self) -> NodeHeartbeat:
         self.calls.append(("heartbeat", ""))

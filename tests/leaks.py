@@ -22,7 +22,7 @@ from pathlib import Path
 from pal.config import Settings
 from pal.localcluster.processes import qemu_pids_under
 from pal.network import netns
-from pal.scheduler.states import holds_slot, is_live_paused
+from pal.scheduler.states import has_live_qemu, holds_slot, is_live_paused
 from pal.snapshots.layout import FORK_MEM_DIRNAME, STAGING_DIRNAME
 from pal.snapshots.local import LocalTier
 from pal.store import Store, VmRecord
@@ -75,7 +75,7 @@ def cgroup_parents() -> list[Path]:
 
 
 def is_live(vm: VmRecord) -> bool:
-    return vm.state == "running" or is_live_paused(vm.state, vm.marker)
+    return has_live_qemu(vm.state, vm.marker)
 
 
 def is_parked(settings: Settings, vm: VmRecord) -> bool:

@@ -85,6 +85,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.upstream.received.append(got)
             digests = {k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in got.items()}
             self._send(json.dumps(digests).encode(), "application/json")
+        elif path == "/reflect":
+            # A careless upstream: every request header back, as response headers (an echo,
+            # CORS from Origin, the request id, a redirect built from Host) and as the body.
+            got = dict(self.headers.items())
+            self.upstream.received.append(got)
+            body = json.dumps(got).encode()
+            self.send_response(200)
+            for k, v in got.items():
+                self.send_header(f"X-Echo-{k}", v)
+            self.send_header("Access-Control-Allow-Origin", got.get("Origin", ""))
+            self.send_header("X-Request-Id", got.get("X-Request-Id", ""))
+            self.send_header("Content-Location", f"https://{got.get('Host', '')}/reflected")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         elif path == "/time":
             # The host's wall clock, for a guest measuring its own clock against it.
             self._send(repr(time.time()).encode())

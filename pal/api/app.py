@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import logging
 import secrets
@@ -25,12 +24,19 @@ import pal
 from pal.config import Settings
 
 from .auth import make_tenant_dependency
+from .callers import Callers
 from .errors import document_errors, install_error_handlers
-from .forward import ForwardToLeader
+from .exec_budget import MIB, ExecBudget
+from .forward import ForwardToLeader, forwarding_key
+from .hosts import AllowedHosts, HostCheckMiddleware
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
-from .ports import Links, ports_router
+from .operator import is_operator
+from .port_host import create_ports_app
+from .port_links import Links
+from .port_origins import PortsHostDispatch, PortsOrigins
+from .ports import ports_router
 from .ports_openapi import document_port_proxy
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
@@ -49,6 +55,7 @@ def create_app(
     health: HealthCheck | None = None,
     link_secret: bytes | None = None,
     ready: HealthCheck | None = None,
+    hosts: AllowedHosts | None = None,
 ) -> FastAPI:
     """The REST API over ``scheduler``; ``store`` resolves API keys to tenants.
 
@@ -58,6 +65,9 @@ def create_app(
     waits for; default: pal/scheduler/readiness.py on ``scheduler``'s nodes): /readyz
     answers 200 when the server is healthy and ready to schedule at full speed, else 503.
     Served with a lifespan (uvicorn), the app logs once when it becomes ready.
+
+    ``hosts``: the names it answers as (pal/api/hosts.py; default: loopback names and
+    ``PAL_HOSTS``). ``settings.admin_token`` is the operator token in effect (pal/operator.py).
     """
     if ready is None and getattr(scheduler, "nodes", None) is not None:
 
@@ -87,23 +97,31 @@ def create_app(
     app.state.store = store
     app.state.settings = settings
     install_error_handlers(app)
+    # Credentials a follower checks before it holds a large body (the dashboard adds its own).
+    app.state.callers = Callers(store, settings)
     require_tenant = make_tenant_dependency(store)
-    app.include_router(runtime_router(scheduler, require_tenant, settings.exec_default_timeout_s))
+    budget = app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
+    app.include_router(runtime_router(scheduler, require_tenant, budget, settings.exec_default_timeout_s))
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
-    app.state.links = Links(link_secret or secrets.token_bytes(32))  # the dashboard's port form too
-    app.include_router(ports_router(scheduler, store, app.state.links))
+    shared = link_secret or secrets.token_bytes(32)
+    app.state.links = links = Links(shared, store)  # the dashboard's port form too
+    origins = PortsOrigins.from_settings(settings)
+    app.include_router(ports_router(scheduler, store, links, origins))
     app.include_router(images_router(scheduler, require_tenant))
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
     leader = getattr(scheduler, "leader", None)
     if leader is not None:
         # Followers forward what they cannot answer from the store (pal/api/forward.py).
+        # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
         app.add_middleware(
             ForwardToLeader,
             is_leader=leader.is_leader,
             leader_url=leader.leader_url,
             failover_s=settings.leader_lease_s + 2.0,
+            key=forwarding_key(shared),
+            known_caller=app.state.callers.known,
         )
 
     # Outermost last: every request gets its id first, then the body limit applies.
@@ -120,7 +138,24 @@ def create_app(
             allow_credentials=False,
             max_age=600,
         )
+    # Before anything reads the request or forwards it: a name this server is not is a
+    # DNS-rebinding page (pal/api/hosts.py).
+    app.add_middleware(HostCheckMiddleware, allowed=hosts or AllowedHosts.for_server(settings))
     app.add_middleware(RequestIdMiddleware)
+    # Outermost of all: a request whose Host names a VM port gets the ports proxy and
+    # nothing else, never the API or the dashboard (pal/api/port_origins.py). pal.server
+    # serves the same ports app on the ports listener.
+    app.state.ports_app = create_ports_app(
+        scheduler,
+        store,
+        links,
+        origins,
+        settings.leader_lease_s + 2.0,
+        forwarding_key=forwarding_key(shared),
+        known_caller=app.state.callers.known,
+    )
+    app.state.port_origins = origins
+    app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
     @app.get(
         "/healthz",
@@ -130,7 +165,7 @@ def create_app(
     )
     async def healthz(request: Request) -> JSONResponse:
         """``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-        with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+        with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
         key the server shows no internals (they are in its log under the request id)."""
         if health is None:
             return JSONResponse({"ok": True})
@@ -143,7 +178,7 @@ def create_app(
             report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         ok = bool(report.get("ok"))
         report["ok"] = ok
-        shown = report if _operator_key(request, settings) else {"ok": ok}
+        shown = report if is_operator(request, settings) else {"ok": ok}
         return JSONResponse(shown, status_code=200 if ok else 503, headers={"Cache-Control": "no-store"})
 
     @app.get(
@@ -158,7 +193,7 @@ def create_app(
         report = await _readiness(health, ready)
         is_ready = bool(report.get("ready"))
         report["ready"] = is_ready
-        shown = report if _operator_key(request, settings) else {"ready": is_ready}
+        shown = report if is_operator(request, settings) else {"ready": is_ready}
         return JSONResponse(
             shown, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"}
         )
@@ -166,17 +201,6 @@ def create_app(
     document_errors(app)
     document_port_proxy(app)
     return app
-
-
-def _operator_key(request: Request, settings: Settings) -> bool:
-    """The request carries the operator's admin or metrics token."""
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        return False
-    return any(
-        tok and hmac.compare_digest(given.strip().encode(), tok.encode())
-        for tok in (settings.admin_token, settings.metrics_token)
-    )
 
 
 async def _readiness(health: HealthCheck | None, ready: HealthCheck | None) -> dict[str, Any]:

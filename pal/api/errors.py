@@ -44,6 +44,7 @@ _DESCRIPTIONS = {
     409: "wrong lifecycle state",
     413: "body too large",
     415: "body not sent as `Content-Type: application/json`",
+    429: "the tenant holds its whole budget of this right now",
     502: "the sandbox's own server is not there or broke",
     503: "backend cannot do it",
     504: "the sandbox did not answer in time",

@@ -22,6 +22,7 @@ from pal.manager.guest_errors import to_pal_error
 from pal.manager.models import ExecEvent
 
 from .errors import error_response, public_error
+from .exec_budget import ExecBudget, Lease, LeasedJSON
 from .models import ExecOut
 
 TIMEOUT_EXIT_CODE = 124
@@ -39,19 +40,25 @@ def _is_timeout(ev: ExecEvent) -> bool:
 
 
 class _Capped:
-    """One output stream of a buffered exec, kept up to BUFFERED_OUTPUT_MAX characters: a
-    command printing without end must not grow the server's memory without end (stream
-    it with SSE to get everything)."""
+    """One output stream of a buffered exec, kept up to BUFFERED_OUTPUT_MAX characters and
+    as far as the tenant's budget has room (exec_budget.py): a command printing without
+    end must not grow the server's memory without end (stream it with SSE to get
+    everything)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease: Lease | None = None) -> None:
         self.parts: list[str] = []
         self.size = 0
         self.cut = False
+        self.lease = lease
 
     def add(self, data: str) -> None:
         room = BUFFERED_OUTPUT_MAX - self.size
         if len(data) > room:
             data, self.cut = data[: max(room, 0)], True
+        if self.lease is not None and data:
+            granted = self.lease.take(len(data))
+            if granted < len(data):
+                data, self.cut = data[:granted], True
         self.parts.append(data)
         self.size += len(data)
 
@@ -64,8 +71,10 @@ def _out(code: int, out: _Capped, err: _Capped, timed_out: bool | None = None) -
     return ExecOut(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out, truncated=cut)
 
 
-async def buffered_exec(events: AsyncIterator[ExecEvent]) -> ExecOut:
-    stdout, stderr = _Capped(), _Capped()
+async def buffered_exec(events: AsyncIterator[ExecEvent], lease: Lease | None = None) -> ExecOut:
+    """The exec's answer once it ends; its output counted against ``lease`` (the tenant's
+    budget), which the caller releases once the answer is sent."""
+    stdout, stderr = _Capped(lease), _Capped(lease)
     try:
         async for ev in events:
             if ev.type == "stdout":
@@ -81,6 +90,20 @@ async def buffered_exec(events: AsyncIterator[ExecEvent]) -> ExecOut:
     finally:
         await _aclose(events)
     raise PalError("exec stream ended without an exit status", code="GUEST_ERROR", status=503)
+
+
+async def budgeted_exec(
+    budget: ExecBudget, tenant: str, open_events: Callable[[], AsyncIterator[ExecEvent]]
+) -> LeasedJSON:
+    """A buffered exec under ``tenant``'s budget: 429 before anything runs when the budget
+    is all held; the memory counted until the answer is sent."""
+    lease = budget.lease(tenant)
+    try:
+        out = await buffered_exec(open_events(), lease)
+    except BaseException:
+        lease.release()
+        raise
+    return LeasedJSON(out.model_dump(mode="json", by_alias=True, exclude_none=True), lease)
 
 
 def sse_frame(event: str, data: dict[str, Any]) -> bytes:

@@ -11,7 +11,14 @@ is forwarded like the API: its pages and actions run on the leader.
 
 A forwarded request carries ``X-Pal-Forwarded``; a replica never forwards one again (a
 replica that lost the lead meanwhile answers 503 NOT_LEADER through the store's fencing
-instead of looping).
+instead of looping). The header is signed, so only a replica can send it: an HMAC, under a
+key derived from the secret the replicas share, of the method, the path and the time
+(``v1.<unix seconds>.<hex>``, good for ``FORWARDED_MAX_AGE_S``). A request with a header
+that does not verify is refused (403) by every replica.
+
+A follower holds a request body before it forwards it; it holds more than
+``UNAUTHENTICATED_BODY_MAX`` only of a caller it knows (callers.py): an anonymous caller
+with a larger body gets 401 before the rest of it is read.
 
 During a failover there is briefly no leader, or the lease still names a leader that died:
 the follower waits for a leader and retries a request the leader never received (its
@@ -25,22 +32,27 @@ told so (503) and decides.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
-from pal.errors import NotLeader, PalError, TooLarge
+from pal.errors import Forbidden, NotLeader, PalError, TooLarge, Unauthorized
 
+from .callers import UNAUTHENTICATED_BODY_MAX
 from .wsrelay import relay
 
 log = logging.getLogger(__name__)
 
 FORWARDED = "x-pal-forwarded"
+FORWARDED_MAX_AGE_S = 60  # clock skew between replicas plus the time a forward takes
 # Reads a follower answers from the store (method, path pattern).
 LOCAL_READS = [
     re.compile(p)
@@ -75,6 +87,36 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+def forwarding_key(shared_secret: bytes) -> bytes:
+    """The key that signs ``X-Pal-Forwarded``, from the secret every replica has."""
+    return hmac.new(shared_secret, b"pal-forwarded", hashlib.sha256).digest()
+
+
+def _mac(key: bytes, method: str, path: str, ts: int) -> str:
+    return hmac.new(key, f"{method}\n{path}\n{ts}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign_forwarded(key: bytes, method: str, path: str, now: float | None = None) -> str:
+    ts = int(time.time() if now is None else now)
+    return f"v1.{ts}.{_mac(key, method, path, ts)}"
+
+
+def forwarded_ok(key: bytes, value: str, method: str, path: str, now: float | None = None) -> bool:
+    """``value`` is a replica's signature of this method and path, made recently."""
+    version, _, rest = value.partition(".")
+    raw_ts, _, mac = rest.partition(".")
+    if version != "v1" or not raw_ts.isdigit():
+        return False
+    ts = int(raw_ts)
+    if abs((time.time() if now is None else now) - ts) > FORWARDED_MAX_AGE_S:
+        return False
+    return hmac.compare_digest(mac.encode(), _mac(key, method, path, ts).encode())
+
+
+def _method(scope: Scope) -> str:
+    return str(scope.get("method") or "GET") if scope["type"] == "http" else "WEBSOCKET"
+
+
 class _NeverReached(Exception):
     """The leader did not take the connection: nothing was sent, sending again is safe."""
 
@@ -88,24 +130,57 @@ class ForwardToLeader:
         is_leader: Callable[[], Awaitable[bool]],
         leader_url: Callable[[], Awaitable[str | None]],
         failover_s: float,
+        key: bytes,
+        known_caller: Callable[[Scope], Awaitable[bool]] | None = None,
+        keep_host: bool = False,
     ) -> None:
+        """``key`` signs and checks ``X-Pal-Forwarded`` (:func:`forwarding_key`);
+        ``known_caller(scope)``: the caller carries a credential (callers.py); None: nobody."""
         self.app = app
+        # A VM port's origin (pal/api/port_host.py) is named by the Host: the leader needs it.
+        self.keep_host = keep_host
         self.is_leader = is_leader
         self.leader_url = leader_url
         self.failover_s = failover_s
+        self.key = key
+        self.known_caller = known_caller
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     def _local(self, scope: Scope) -> bool:
-        if any(k.decode().lower() == FORWARDED for k, _ in scope.get("headers", [])):
-            return True
         return (
             scope["type"] == "http"
+            and not self.keep_host  # a port's paths are the guest's, never Pal's reads
             and scope["method"] in ("GET", "HEAD")
             and any(p.match(scope["path"]) for p in LOCAL_READS)
         )
 
+    def _forwarded(self, scope: Scope) -> bool | None:
+        """None: no ``X-Pal-Forwarded``; else whether a replica signed it."""
+        value = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == FORWARDED.encode()), None
+        )
+        if value is None:
+            return None
+        return forwarded_ok(self.key, value, _method(scope), scope["path"])
+
+    def _signed(self, scope: Scope) -> tuple[str, str]:
+        return (FORWARDED, sign_forwarded(self.key, _method(scope), scope["path"]))
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or self._local(scope) or await self.is_leader():
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        forwarded = self._forwarded(scope)
+        if forwarded is False:
+            err = Forbidden(
+                "X-Pal-Forwarded is sent by control-plane replicas only, and this one does not verify"
+            )
+            if scope["type"] == "http":
+                await _error(send, err)
+            else:
+                await _refuse(scope, send, err.status, err.to_body())
+            return
+        if forwarded or self._local(scope) or await self.is_leader():
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
             await self._forward_http(scope, receive, send)
@@ -149,23 +224,48 @@ class ForwardToLeader:
 
     # -- HTTP --------------------------------------------------------------------------------
 
+    async def _body_limit(self, scope: Scope) -> int | PalError:
+        """How much of this request's body the follower may hold, or the error that refuses it
+        before a byte is read (an anonymous caller whose body may pass the small bound)."""
+        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        chunked = any(k.lower() == b"transfer-encoding" for k, _ in scope["headers"])
+        declared = int(length) if length is not None and length.isdigit() else None
+        small = declared is not None and declared <= UNAUTHENTICATED_BODY_MAX
+        if small or (declared is None and not chunked):
+            return MAX_FORWARDED_BODY
+        if self.known_caller is not None and await self.known_caller(scope):
+            return MAX_FORWARDED_BODY
+        if declared is not None:
+            return _anonymous_too_big()
+        return UNAUTHENTICATED_BODY_MAX
+
     async def _forward_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = await self._body_limit(scope)
+        if isinstance(limit, PalError):
+            await _error(send, limit)
+            return
         body = bytearray()
         while True:
             msg = await receive()
             body += msg.get("body", b"")
-            if len(body) > MAX_FORWARDED_BODY:
-                await _error(send, TooLarge("request body too large"))
+            if len(body) > limit:
+                tiny = limit == UNAUTHENTICATED_BODY_MAX
+                await _error(send, _anonymous_too_big() if tiny else TooLarge("request body too large"))
                 return
             if not msg.get("more_body"):
                 break
-        headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k.decode().lower() not in _HOP]
-        headers.append((FORWARDED, "1"))
+        keep = {"host"} if self.keep_host else set()
+        headers = [
+            (k.decode(), v.decode())
+            for k, v in scope["headers"]
+            if k.decode().lower() not in _HOP or k.decode().lower() in keep
+        ]
         target = scope["path"] + ("?" + scope["query_string"].decode() if scope.get("query_string") else "")
 
         async def attempt(leader: str) -> httpx.Response:
+            signed = [*headers, self._signed(scope)]  # at each try: a failover may outlast one
             req = self._http.build_request(
-                scope["method"], leader.rstrip("/") + target, headers=headers, content=bytes(body)
+                scope["method"], leader.rstrip("/") + target, headers=signed, content=bytes(body)
             )
             try:
                 return await self._http.send(req, stream=True)
@@ -211,7 +311,6 @@ class ForwardToLeader:
             for k, v in scope["headers"]
             if k.decode("latin-1").lower() not in _WS_HANDSHAKE
         ]
-        headers.append((FORWARDED, "1"))
         protocols = [
             p.strip()
             for k, v in scope["headers"]
@@ -225,12 +324,22 @@ class ForwardToLeader:
             "?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else ""
         )
 
+        host = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), None)
+
         async def attempt(leader: str) -> Any:
             url = re.sub(r"^http", "ws", leader.rstrip("/")) + target
+            to: dict[str, Any] = {}
+            if self.keep_host and host:  # the port's name in the handshake, the leader's address
+                where = urlsplit(leader)
+                url = f"{'wss' if where.scheme == 'https' else 'ws'}://{host}{target}"
+                to = {"host": where.hostname, "port": where.port or (443 if where.scheme == "https" else 80)}
+                if where.scheme == "https":
+                    to["server_hostname"] = where.hostname
             try:
                 return await connect(
                     url,
-                    additional_headers=headers,
+                    **to,
+                    additional_headers=[*headers, self._signed(scope)],  # signed at each try
                     subprotocols=protocols or None,  # type: ignore[arg-type]
                     origin=origin,  # type: ignore[arg-type]
                     compression=None,
@@ -272,6 +381,13 @@ class ForwardToLeader:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def _anonymous_too_big() -> PalError:
+    return Unauthorized(
+        f"a request body over {UNAUTHENTICATED_BODY_MAX} bytes needs credentials this replica can check "
+        "(an API key, the operator token, a dashboard session): send them first"
+    )
 
 
 def _lost_midway() -> PalError:

@@ -163,7 +163,8 @@ class ExecOut(_Out):
     )
     truncated: bool | None = Field(
         default=None,
-        description="true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise",
+        description="true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget "
+        "(PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise",
     )
 
 

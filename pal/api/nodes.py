@@ -1,5 +1,5 @@
 """Cluster routes: nodes' heartbeats (node token) and the operator's node commands
-(``PAL_ADMIN_TOKEN``, or loopback clients when it is unset).
+(the operator token: pal/api/operator.py).
 
 - ``POST /v1/nodes/heartbeat``: a `pal node` registers and heartbeats (body: the node
   RPC's ``NodeHeartbeat``); ``Authorization: Bearer <its node token>``.
@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Request
@@ -23,31 +21,7 @@ from pal.manager.models import NodeHeartbeat
 
 from .body import require_json
 from .errors import error_responses
-
-
-def _loopback(request: Request) -> bool:
-    host = request.client.host if request.client else None
-    try:
-        return bool(host) and ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
-
-
-def check_admin(request: Request, settings: Settings) -> None:
-    """401/403 unless the caller is the operator: ``PAL_ADMIN_TOKEN`` when set (needed in a
-    cluster: a follower forwards requests, so the leader sees the follower's address),
-    else a loopback client."""
-    token = settings.admin_token
-    if token:
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized("send 'Authorization: Bearer <PAL_ADMIN_TOKEN>'")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Forbidden("this token does not open the operator's routes")
-        return
-    if not _loopback(request):
-        raise Forbidden("operator routes answer loopback clients only; set PAL_ADMIN_TOKEN")
+from .operator import require_operator
 
 
 def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
@@ -71,7 +45,7 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
 
     @r.get("", summary="Nodes, their capacity and health (operator)")
     async def list_nodes(request: Request) -> JSONResponse:
-        check_admin(request, settings)
+        require_operator(request, settings)
         return JSONResponse({"nodes": scheduler.node_views()})
 
     @r.post(
@@ -81,7 +55,7 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
         responses=error_responses(404, 415, 503),
     )
     async def drain(node_id: str, request: Request, body: dict[str, Any] | None = Body(None)) -> JSONResponse:
-        check_admin(request, settings)
+        require_operator(request, settings)
         migrate = bool((body or {}).get("migrate", False))
         return JSONResponse(await scheduler.drain_node(node_id, migrate=migrate))
 
@@ -91,7 +65,7 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
         responses=error_responses(404, 503),
     )
     async def activate(node_id: str, request: Request) -> JSONResponse:
-        check_admin(request, settings)
+        require_operator(request, settings)
         return JSONResponse(await scheduler.set_node_active(node_id))
 
     return r

@@ -1,6 +1,13 @@
 """Ports: `/v1/runtime/vms/{id}/ports/{port}/{path}` reverse-proxies HTTP and WebSockets to a
 server listening inside the VM (docs/ports.md); `/v1/runtime/vms/{id}/tunnel/{port}` is a raw
-byte stream over a WebSocket (`pal vm port-forward`); `POST .../ports/{port}/url` signs a link.
+byte stream over a WebSocket (`pal vm port-forward`); `POST .../ports/{port}/url` signs a link
+to the port's own origin (port_origins.py, served by port_host.py) and
+`DELETE .../port-links/{linkId}` revokes one (port_links.py).
+
+This path route on the API's origin is for programmatic clients (SDKs, curl, the CLI): what
+it returns is sent with ``Content-Security-Policy: sandbox`` and without
+``Service-Worker-Allowed``, so a browser that opens it runs no script of the guest's in the
+API's origin (docs/ports.md, "Origins").
 
 Each request goes control plane -> node (a WebSocket on the node RPC carrying the TCP
 stream, manager/tunnel.py) -> guest. The HTTP/1.1 exchange with the guest's server is
@@ -8,9 +15,8 @@ httpcore's (the client half of httpx) over that stream, and the WebSocket one is
 ``websockets`` client's, so nothing here parses HTTP by hand.
 
 Authorisation: the tenant's API key (``Authorization: Bearer``, never forwarded to the
-guest), or a signed link (``?palToken=``) bound to one VM and port, which also sets a
-cookie scoped to that port's path so a browser's later requests (assets, fetches) carry
-it. An expired or foreign link is 401.
+guest), or a signed link's token (``?palToken=``) bound to one VM and port. No cookie is
+set or read on this origin. An expired, foreign or revoked link is 401.
 """
 
 from __future__ import annotations
@@ -21,31 +27,36 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Mapping, MutableMapping
-from http.cookies import SimpleCookie
 from typing import Any
 
 import httpcore
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from itsdangerous import BadSignature, URLSafeSerializer
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from starlette.background import BackgroundTask
 
 from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
+from pal.store.store import hash_api_key
 
 from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
+from .port_links import MAX_LINK_SECS, Links, is_link_id
 from .port_listen import listening_stream
+from .port_origins import PortsOrigins
 from .wsrelay import relay
 
 log = logging.getLogger("pal.api.ports")
 
 TOKEN_PARAM = "palToken"
 LINK_COOKIE = "pal_link"
-MAX_LINK_SECS = 7 * 24 * 3600
+# Guest content on the API's origin: a browser renders it in a unique opaque origin, with no
+# scripts, forms, popups or storage of that origin (CSP Level 2 "sandbox", no tokens).
+SANDBOX_CSP = (b"content-security-policy", b"sandbox")
+# Would let a guest's script widen a service worker's scope to the whole origin.
+NEVER_FROM_GUEST = {b"service-worker-allowed"}
 PREFIX = "/v1/runtime/vms/{vm_id}/ports/{port}"
 # Any method a guest's server may speak: HTTP's own (RFC 9110) and WebDAV's (RFC 4918,
 # 3253, 5323); Starlette routes need them listed.
@@ -77,39 +88,27 @@ class PortUrlRequest(_Model):
 
 
 class PortUrlOut(_Model):
-    url: str = Field(description="opens the port without an API key (bound to this VM and port)")
+    url: str = Field(
+        description="opens the port on its own origin without an API key (this VM and port only)"
+    )
     expires_at: int = Field(description="unix seconds")
+    link_id: str = Field(description="revokes this link: DELETE /v1/runtime/vms/{id}/port-links/{linkId}")
 
 
-class Links:
-    """Signed, expiring links to one VM's port (HMAC with the server's secret)."""
-
-    def __init__(self, secret: bytes) -> None:
-        self._signer = URLSafeSerializer(secret, salt="pal-port-link")
-
-    def sign(self, tenant_id: str, vm_id: str, port: int, expires_at: int) -> str:
-        return str(self._signer.dumps({"t": tenant_id, "v": vm_id, "p": port, "e": expires_at}))
-
-    def tenant(self, token: str, vm_id: str, port: int, now: float) -> str:
-        """The tenant a valid link for this VM and port was made by; Unauthorized otherwise."""
-        try:
-            data = self._signer.loads(token)
-            tenant, vm, p, exp = str(data["t"]), str(data["v"]), int(data["p"]), int(data["e"])
-        except (BadSignature, KeyError, TypeError, ValueError):
-            raise Unauthorized("invalid port link") from None
-        if vm != vm_id or p != port:
-            raise Unauthorized("this link is for another VM or port")
-        if exp <= now:
-            raise Unauthorized("this port link has expired")
-        return tenant
+class PortLinkRevokedOut(_Model):
+    link_id: str
+    revoked: bool = Field(description="true: the link opens nothing from now on (revoking again is fine)")
 
 
-def port_link(links: Links, base_url: str, tenant: str, vm_id: str, port: int, expires_in: int) -> PortUrlOut:
-    """The signed link to a VM's port (POST .../ports/{port}/url, and the dashboard's form)."""
-    expires_at = int(time.time()) + expires_in
-    token = links.sign(tenant, vm_id, port, expires_at)
-    url = f"{base_url.rstrip('/')}/v1/runtime/vms/{vm_id}/ports/{port}/?{TOKEN_PARAM}={token}"
-    return PortUrlOut(url=url, expires_at=expires_at)
+def port_link(
+    links: Links, origins: PortsOrigins, tenant: str, key_hash: str, vm_id: str, port: int, expires_in: int
+) -> PortUrlOut:
+    """The signed link to a VM's port, on the port's own origin (POST .../ports/{port}/url,
+    and the dashboard's form); ``key_hash``: the API key it is made with (rotating the key
+    ends it)."""
+    link = links.sign(tenant, vm_id, port, int(time.time()) + expires_in, key_hash)
+    url = f"{origins.origin(vm_id, port)}/?{TOKEN_PARAM}={links.token(link)}"
+    return PortUrlOut(url=url, expires_at=link.expires_at, link_id=link.link_id)
 
 
 def _header_items(scope: MutableMapping[str, Any]) -> list[tuple[bytes, bytes]]:
@@ -135,15 +134,18 @@ def _query_without_token(query: bytes) -> tuple[bytes, str | None]:
     return b"&".join(kept), token
 
 
-def _cookie_token(headers: list[tuple[bytes, bytes]]) -> str | None:
-    raw = _get(headers, b"cookie")
-    if not raw:
-        return None
-    jar: SimpleCookie = SimpleCookie()
-    with contextlib.suppress(Exception):
-        jar.load(raw.decode("latin-1"))
-    morsel = jar.get(LINK_COOKIE)
-    return morsel.value if morsel else None
+def cookie_tokens(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """Every ``pal_link`` cookie's value, in the order sent (a browser may send several of
+    one name: the port's own and any another origin managed to add)."""
+    out = []
+    for k, v in headers:
+        if k.lower() != b"cookie":
+            continue
+        for part in v.split(b";"):
+            name, eq, value = part.strip().partition(b"=")
+            if eq and name == LINK_COOKIE.encode() and value:
+                out.append(value.strip(b'"').decode("latin-1"))
+    return out
 
 
 def _strip_link_cookie(value: bytes) -> bytes:
@@ -151,11 +153,13 @@ def _strip_link_cookie(value: bytes) -> bytes:
     return b";".join(parts).strip()
 
 
-def _target(raw_path: bytes, query: bytes) -> bytes:
-    """The path inside the guest: what follows /v1/runtime/vms/{id}/ports/{port}."""
-    parts = raw_path.split(b"/", 7)
-    target = b"/" + (parts[7] if len(parts) > 7 else b"")
-    return target + (b"?" + query if query else b"")
+def _target(raw_path: bytes, query: bytes, *, under_prefix: bool = True) -> bytes:
+    """The path inside the guest: what follows /v1/runtime/vms/{id}/ports/{port} (the path
+    route), or the whole path (a port's own origin)."""
+    if under_prefix:
+        parts = raw_path.split(b"/", 7)
+        raw_path = b"/" + (parts[7] if len(parts) > 7 else b"")
+    return raw_path + (b"?" + query if query else b"")
 
 
 def client_scheme(scope: Mapping[str, Any]) -> str:
@@ -203,22 +207,30 @@ def forwarded_headers(
         (b"x-forwarded-for", xff),
         (b"x-forwarded-host", host),
         (b"x-forwarded-proto", scheme.encode()),
-        (b"x-forwarded-prefix", prefix.encode()),
     ]
+    if prefix:  # the path route: where the app is mounted (its own origin: at the root)
+        out.append((b"x-forwarded-prefix", prefix.encode()))
     return out
 
 
-def _response_headers(raw: list[tuple[bytes, bytes]], prefix: str) -> list[tuple[bytes, bytes]]:
-    """The guest's response headers minus hop-by-hop ones; its cookies are kept under this
-    port's path (a guest must not set cookies for Pal's other pages, nor for a domain)."""
+def _response_headers(
+    raw: list[tuple[bytes, bytes]], prefix: str, *, sandbox: bool
+) -> list[tuple[bytes, bytes]]:
+    """The guest's response headers minus hop-by-hop ones. Its cookies never name a
+    ``Domain`` (a guest must not set cookies for Pal's pages or another port's origin) and,
+    on the path route, stay under this port's path. ``sandbox`` (the API's origin): no
+    ``Service-Worker-Allowed``, and ``Content-Security-Policy: sandbox`` added to whatever
+    policy the guest sent (every policy a response carries applies)."""
     out = []
     for k, v in raw:
         name = k.lower()
-        if name.decode("latin-1") in HOP_BY_HOP:
+        if name.decode("latin-1") in HOP_BY_HOP or (sandbox and name in NEVER_FROM_GUEST):
             continue
         if name == b"set-cookie":
             v = _scope_cookie(v, prefix)
         out.append((k, v))
+    if sandbox:
+        out.append(SANDBOX_CSP)
     return out
 
 
@@ -293,110 +305,86 @@ async def socket_bridge(stream: TunnelStream) -> tuple[socket.socket, asyncio.Ta
     return theirs, asyncio.create_task(pump())
 
 
-def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
+async def key_tenant(store: Any, headers: list[tuple[bytes, bytes]]) -> tuple[str, str] | None:
+    """(tenant id, key hash) of a Pal API key in ``Authorization``; None without one;
+    Unauthorized for a key that opens no tenant."""
+    auth = (_get(headers, b"authorization") or b"").decode("latin-1")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.startswith("pal_"):
+        return None
+    tenant = await tenant_for_key(store, key.strip())
+    if tenant is None:
+        raise Unauthorized("invalid API key")
+    return str(tenant.id), hash_api_key(key.strip())
+
+
+def check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise InvalidRequest(f"port {port} is outside 1-65535")
+
+
+MISSING_CREDENTIALS = (
+    "missing API key: send 'Authorization: Bearer <apiKey>' or open a signed link (POST .../ports/{port}/url)"
+)
+
+
+def ports_router(scheduler: Any, store: Any, links: Links, origins: PortsOrigins) -> APIRouter:
     r = APIRouter(prefix="/v1/runtime", tags=["ports"])
 
-    async def authorise(
-        headers: list[tuple[bytes, bytes]], query: bytes, vm_id: str, port: int
-    ) -> tuple[str, str | None]:
-        """(tenant, the token of a link given in the query, to be kept as a cookie). The key
-        first; else ?palToken=; else the link cookie."""
-        auth = (_get(headers, b"authorization") or b"").decode("latin-1")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() == "bearer" and key.startswith("pal_"):
-            tenant = await tenant_for_key(store, key.strip())
-            if tenant is None:
-                raise Unauthorized("invalid API key")
-            return str(tenant.id), None
+    async def authorise(headers: list[tuple[bytes, bytes]], query: bytes, vm_id: str, port: int) -> str:
+        """The tenant: the key first, else a link's ``?palToken=`` (cookies are not read on
+        the API's origin)."""
+        by_key = await key_tenant(store, headers)
+        if by_key is not None:
+            return by_key[0]
         _, token = _query_without_token(query)
-        if token is not None:
-            return links.tenant(token, vm_id, port, time.time()), token
-        cookie = _cookie_token(headers)
-        if cookie is None:
-            raise Unauthorized(
-                "missing API key: send 'Authorization: Bearer <apiKey>' or open a signed link "
-                "(POST .../ports/{port}/url)"
-            )
-        return links.tenant(cookie, vm_id, port, time.time()), None
-
-    def check_port(port: int) -> None:
-        if not 1 <= port <= 65535:
-            raise InvalidRequest(f"port {port} is outside 1-65535")
+        if token is None:
+            raise Unauthorized(MISSING_CREDENTIALS)
+        return await links.tenant(token, vm_id, port)
 
     @r.post(
         "/vms/{vm_id}/ports/{port}/url",
         response_model=PortUrlOut,
-        summary="A signed link that opens the port without the API key, until it expires",
+        summary="A signed link that opens the port on its own origin without the API key, until it expires",
         dependencies=[Depends(require_json)],
         responses=error_responses(400, 401, 404, 413, 415),
     )
     async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request) -> PortUrlOut:
-        headers = _header_items(request.scope)
-        auth = (_get(headers, b"authorization") or b"").decode("latin-1")
-        if not auth.lower().startswith(API_KEY_PREFIX):
+        by_key = await key_tenant(store, _header_items(request.scope))
+        if by_key is None:
             raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
-        tenant, _ = await authorise(headers, b"", vm_id, port)
+        tenant, key_hash = by_key
         check_port(port)
         await scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
-        return port_link(links, str(request.base_url), tenant, vm_id, port, body.expires_in_secs)
+        return port_link(links, origins, tenant, key_hash, vm_id, port, body.expires_in_secs)
+
+    @r.delete(
+        "/vms/{vm_id}/port-links/{link_id}",
+        response_model=PortLinkRevokedOut,
+        summary="Revoke a port link: it opens nothing from now on, on every replica",
+        responses=error_responses(400, 401, 404),
+    )
+    async def revoke_link(vm_id: str, link_id: str, request: Request) -> PortLinkRevokedOut:
+        by_key = await key_tenant(store, _header_items(request.scope))
+        if by_key is None:
+            raise Unauthorized("revoking a link needs the API key: send 'Authorization: Bearer <apiKey>'")
+        if not is_link_id(link_id):
+            raise InvalidRequest(
+                f"{link_id[:40]!r} is not a link id (POST .../ports/{{port}}/url gives linkId)"
+            )
+        await scheduler.get(by_key[0], vm_id)  # 404 for unknown and other tenants' VMs
+        await links.revoke(by_key[0], link_id)
+        return PortLinkRevokedOut(link_id=link_id, revoked=True)
 
     @r.api_route("/vms/{vm_id}/ports/{port}/{path:path}", methods=METHODS, include_in_schema=False)
     async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
         scope = request.scope
-        headers = _header_items(scope)
         query, _ = _query_without_token(scope.get("query_string") or b"")
-        tenant, token = await authorise(headers, scope.get("query_string") or b"", vm_id, port)
+        tenant = await authorise(_header_items(scope), scope.get("query_string") or b"", vm_id, port)
         check_port(port)
         prefix = PREFIX.format(vm_id=vm_id, port=port)
-        client = request.client.host if request.client else ""
-        fwd = forwarded_headers(headers, client=client, scheme=client_scheme(scope), prefix=prefix)
-        method = request.method.encode()
-        has_body = _get(headers, b"content-length") not in (None, b"0") or _get(headers, b"transfer-encoding")
-        if has_body and _get(headers, b"content-length") is None:
-            fwd.append((b"transfer-encoding", b"chunked"))
-
-        stack = contextlib.AsyncExitStack()
-        try:
-            stream = await listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
-            conn = httpcore.AsyncHTTP11Connection(
-                origin=httpcore.Origin(b"http", b"guest", port), stream=_NetworkStream(stream)
-            )
-            stack.push_async_callback(conn.aclose)
-            target = _target(scope["raw_path"], query)
-            req = httpcore.Request(
-                method,
-                httpcore.URL(scheme=b"http", host=b"guest", port=port, target=target),
-                headers=fwd,
-                content=request.stream() if has_body else None,
-                extensions={"timeout": {"read": None, "write": None}},
-            )
-            try:
-                resp = await conn.handle_async_request(req)
-            except httpcore.ProtocolError as exc:
-                raise BadGateway(f"the server on port {port} answered with broken HTTP: {exc}") from None
-            except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
-                raise BadGateway(
-                    f"the server on port {port} closed the connection without answering ({exc})"
-                ) from None
-        except BaseException:
-            await stack.aclose()
-            raise
-        stack.push_async_callback(resp.aclose)
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.stream:  # type: ignore[union-attr]
-                    yield chunk
-            except (httpcore.NetworkError, httpcore.ProtocolError, OSError) as exc:
-                log.info("VM %s port %d: response cut short: %s", vm_id, port, exc)
-            finally:
-                await stack.aclose()
-
-        out = StreamingResponse(body(), status_code=resp.status, background=BackgroundTask(stack.aclose))
-        out.raw_headers = _response_headers(resp.headers, prefix)
-        if token is not None:  # a link opened in a browser: its next requests carry the cookie
-            out.raw_headers.append((b"set-cookie", _link_cookie(token, prefix, client_scheme(scope))))
-        return out
+        target = _target(scope["raw_path"], query)
+        return await proxy_http(scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True)
 
     @r.websocket("/vms/{vm_id}/ports/{port}/{path:path}")
     async def proxy_ws(ws: WebSocket, vm_id: str, port: int, path: str) -> None:
@@ -404,20 +392,21 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
         headers = _header_items(scope)
         query, _ = _query_without_token(scope.get("query_string") or b"")
         try:
-            tenant, _token = await authorise(headers, scope.get("query_string") or b"", vm_id, port)
+            tenant = await authorise(headers, scope.get("query_string") or b"", vm_id, port)
             check_port(port)
             stream = await scheduler.open_port(tenant, vm_id, port)
         except PalError as exc:
             await _refuse(ws, exc)
             return
-        await _proxy_websocket(ws, stream, headers, query, vm_id, port)
+        prefix = PREFIX.format(vm_id=vm_id, port=port)
+        await proxy_websocket(ws, stream, headers, _target(scope["raw_path"], query), port, prefix)
 
     @r.websocket("/vms/{vm_id}/tunnel/{port}")
     async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
         """A raw TCP stream to the port (manager/tunnel.py's framing): `pal vm port-forward`."""
         headers = _header_items(ws.scope)
         try:
-            tenant, _ = await authorise(headers, ws.scope.get("query_string") or b"", vm_id, port)
+            tenant = await authorise(headers, ws.scope.get("query_string") or b"", vm_id, port)
             check_port(port)
             stream = await scheduler.open_port(tenant, vm_id, port)
         except PalError as exc:
@@ -440,9 +429,77 @@ def ports_router(scheduler: Any, store: Any, links: Links) -> APIRouter:
     return r
 
 
-def _link_cookie(token: str, prefix: str, scheme: str) -> bytes:
+async def proxy_http(
+    scheduler: Any,
+    request: Request,
+    tenant: str,
+    vm_id: str,
+    port: int,
+    target: bytes,
+    *,
+    prefix: str,
+    sandbox: bool,
+    set_cookie: bytes | None = None,
+) -> Response:
+    """Send the request to the guest's server on ``port`` and stream its answer back.
+    ``prefix``: where the port is mounted ("" on its own origin); ``sandbox``: the API's
+    origin (see :func:`_response_headers`); ``set_cookie``: a link cookie to set."""
+    scope = request.scope
+    headers = _header_items(scope)
+    client = request.client.host if request.client else ""
+    fwd = forwarded_headers(headers, client=client, scheme=client_scheme(scope), prefix=prefix)
+    method = request.method.encode()
+    has_body = _get(headers, b"content-length") not in (None, b"0") or _get(headers, b"transfer-encoding")
+    if has_body and _get(headers, b"content-length") is None:
+        fwd.append((b"transfer-encoding", b"chunked"))
+
+    stack = contextlib.AsyncExitStack()
+    try:
+        stream = await listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
+        conn = httpcore.AsyncHTTP11Connection(
+            origin=httpcore.Origin(b"http", b"guest", port), stream=_NetworkStream(stream)
+        )
+        stack.push_async_callback(conn.aclose)
+        req = httpcore.Request(
+            method,
+            httpcore.URL(scheme=b"http", host=b"guest", port=port, target=target),
+            headers=fwd,
+            content=request.stream() if has_body else None,
+            extensions={"timeout": {"read": None, "write": None}},
+        )
+        try:
+            resp = await conn.handle_async_request(req)
+        except httpcore.ProtocolError as exc:
+            raise BadGateway(f"the server on port {port} answered with broken HTTP: {exc}") from None
+        except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
+            raise BadGateway(
+                f"the server on port {port} closed the connection without answering ({exc})"
+            ) from None
+    except BaseException:
+        await stack.aclose()
+        raise
+    stack.push_async_callback(resp.aclose)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.stream:  # type: ignore[union-attr]
+                yield chunk
+        except (httpcore.NetworkError, httpcore.ProtocolError, OSError) as exc:
+            log.info("VM %s port %d: response cut short: %s", vm_id, port, exc)
+        finally:
+            await stack.aclose()
+
+    out = StreamingResponse(body(), status_code=resp.status, background=BackgroundTask(stack.aclose))
+    out.raw_headers = _response_headers(resp.headers, prefix, sandbox=sandbox)
+    if set_cookie is not None:
+        out.raw_headers.append((b"set-cookie", set_cookie))
+    return out
+
+
+def link_cookie(token: str, scheme: str) -> bytes:
+    """The link's cookie on the port's own origin: host-only (no Domain), httpOnly."""
     secure = "; Secure" if scheme == "https" else ""
-    return f"{LINK_COOKIE}={token}; Path={prefix}/; HttpOnly; SameSite=Lax{secure}".encode()
+    return f"{LINK_COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax{secure}".encode()
 
 
 async def _refuse(ws: WebSocket, exc: PalError) -> None:
@@ -454,20 +511,19 @@ async def _refuse(ws: WebSocket, exc: PalError) -> None:
     await ws.close(code=4000 + exc.status, reason=exc.message[:120])
 
 
-async def _proxy_websocket(
+async def proxy_websocket(
     ws: WebSocket,
     stream: TunnelStream,
     headers: list[tuple[bytes, bytes]],
-    query: bytes,
-    vm_id: str,
+    target: bytes,
     port: int,
+    prefix: str,
 ) -> None:
     """Open the same WebSocket to the guest's server over the tunnel, accept the client's
     with the subprotocol the guest chose, then relay messages both ways until one closes."""
     import websockets
     from websockets.asyncio.client import connect
 
-    prefix = PREFIX.format(vm_id=vm_id, port=port)
     client = ws.client.host if ws.client else ""
     host = (_get(headers, b"host") or b"guest").decode("latin-1")
     skip = {"host", "origin", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions"}
@@ -489,7 +545,7 @@ async def _proxy_websocket(
     try:
         try:
             guest = await connect(
-                f"ws://{host}{_target(ws.scope['raw_path'], query).decode('latin-1')}",
+                f"ws://{host}{target.decode('latin-1')}",
                 sock=sock,
                 additional_headers=extra,
                 subprotocols=protocols or None,  # type: ignore[arg-type]

@@ -1,11 +1,10 @@
 """`GET /metrics`: the operator's Prometheus endpoint (prometheus_client text format).
 
 Who may read it: it is an operator endpoint, never a tenant's. It names every tenant id
-and the node's totals, so a tenant API key does not open it. With ``PAL_METRICS_TOKEN``
-set, a request must carry ``Authorization: Bearer <that token>`` (from anywhere); without
-it only clients on the loopback interface are answered (``pal up`` listens on 127.0.0.1,
-where a local Prometheus or node agent scrapes it). Behind a reverse proxy on the same
-host every request comes from loopback: set the token there.
+and the node's totals, so a tenant API key does not open it. A request must carry
+``Authorization: Bearer <token>`` with the operator token (pal/operator.py) or
+``PAL_METRICS_TOKEN`` (a scraper's, which opens nothing else). No client is trusted for
+its address: loopback included (pal/api/operator.py).
 
 Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemetry``):
 
@@ -21,8 +20,6 @@ Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemet
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,8 +29,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pal.config import Settings
-from pal.errors import Forbidden, Unauthorized
 from pal.scheduler.views import OperatorStats
+
+from .operator import require_metrics_reader
 
 
 class _StatsCollector(Collector):
@@ -84,36 +82,12 @@ class _StatsCollector(Collector):
         yield from (up, info, live, snap, s3q, seals)
 
 
-def _is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_operator(request: Request, settings: Settings) -> None:
-    """401/403 unless the caller is the operator (token, or loopback without a token)."""
-    token = settings.metrics_token
-    if token:
-        auth = request.headers.get("authorization", "")
-        scheme, _, given = auth.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized("send 'Authorization: Bearer <PAL_METRICS_TOKEN>' for /metrics")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Forbidden("/metrics is the operator's endpoint; this token does not open it")
-        return
-    if not _is_loopback(request.client.host if request.client else None):
-        raise Forbidden("/metrics answers loopback clients only; set PAL_METRICS_TOKEN to scrape remotely")
-
-
 def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:
     r = APIRouter()
 
     @r.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
-        check_operator(request, settings)
+        require_metrics_reader(request, settings)
         stats = await scheduler.operator_stats()
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_StatsCollector(stats))

@@ -14,7 +14,8 @@ from pal.spec import AgentSpec, EgressUpdate, ExecRequest, ForkRequest, PauseReq
 
 from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
 from .errors import error_responses
-from .exec_stream import buffered_exec, sse_exec
+from .exec_budget import ExecBudget
+from .exec_stream import budgeted_exec, sse_exec
 from .models import (
     EventListOut,
     EventOut,
@@ -41,9 +42,10 @@ _ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
 
 def runtime_router(
-    scheduler: Any, require_tenant: Any, exec_default_timeout_s: float | None = None
+    scheduler: Any, require_tenant: Any, budget: ExecBudget, exec_default_timeout_s: float | None = None
 ) -> APIRouter:
-    """``exec_default_timeout_s``: the timeout of a buffered exec that names none
+    """``budget``: the tenants' buffered exec output on this server (exec_budget.py);
+    ``exec_default_timeout_s``: the timeout of a buffered exec that names none
     (Settings.exec_default_timeout_s, PAL_EXEC_DEFAULT_TIMEOUT; None: no default)."""
     r = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
     Tenant = Annotated[str, Depends(require_tenant)]
@@ -140,7 +142,7 @@ def runtime_router(
         response_model=ExecOut,
         response_model_exclude_none=True,
         summary="Run a command (execve-style); `Accept: text/event-stream` streams it",
-        responses={200: {"content": {"text/event-stream": {}}}, **json_errors},
+        responses={200: {"content": {"text/event-stream": {}}}, **json_errors, **error_responses(429)},
         dependencies=json_body,
     )
     async def exec_(tenant: Tenant, vm_id: str, req: ExecRequest, request: Request) -> Any:
@@ -148,7 +150,7 @@ def runtime_router(
             return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
         if req.timeout_secs is None and exec_default_timeout_s:
             req = req.model_copy(update={"timeout_secs": exec_default_timeout_s})
-        return await buffered_exec(scheduler.exec_stream(tenant, vm_id, req))
+        return await budgeted_exec(budget, tenant, lambda: scheduler.exec_stream(tenant, vm_id, req))
 
     @r.get("/vms/{vm_id}/files", response_model=FileListOut)
     async def list_files(tenant: Tenant, vm_id: str, path: str = "") -> FileListOut:

@@ -18,6 +18,7 @@ from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
+from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 
 cli_help.install()
@@ -42,6 +43,7 @@ app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
 app.add_typer(node_app, name="node")
+app.add_typer(snapshots_app, name="snapshots")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
@@ -94,6 +96,23 @@ def main(
     mode.json_errors = json_errors
 
 
+PortsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--ports-port",
+        help="port of the ports listener: VM ports at http://PORT-VM.localhost:PORTS_PORT "
+        "(default PAL_PORTS_PORT or 8082)",
+    ),
+]
+
+
+def _ports_port(settings: Any, ports_port: int | None) -> None:
+    if ports_port is not None:
+        if not 1 <= ports_port <= 65535:
+            raise typer.BadParameter(f"--ports-port must be 1-65535, got {ports_port}")
+        settings.ports_port = ports_port
+
+
 @app.command()
 def up(
     port: Annotated[int, typer.Option(help="TCP port")] = 8080,
@@ -101,9 +120,11 @@ def up(
     data_dir: DataDir = None,
     accel: Annotated[str | None, typer.Option(help="auto | kvm | tcg (default PAL_ACCEL or auto)")] = None,
     database: Database = None,
+    ports_port: PortsPort = None,
 ) -> None:
     """Run the server, runtime manager and store on this machine (until SIGTERM/Ctrl-C)."""
     settings = server_settings(data_dir)
+    _ports_port(settings, ports_port)
     _accel(settings, accel)
     if database:
         settings.database_url = database
@@ -120,11 +141,13 @@ def server(
     advertise_url: Annotated[
         str | None, typer.Option(help="URL other replicas reach this one at (default http://HOST:PORT)")
     ] = None,
+    ports_port: PortsPort = None,
 ) -> None:
     """Run a control-plane replica: API, scheduler, operator routes (nodes run `pal node`).
 
     Several replicas share one PostgreSQL; one leads, the others forward to it."""
     settings = server_settings(None)
+    _ports_port(settings, ports_port)
     if database:
         settings.database_url = database
     if not settings.database_url:
@@ -428,6 +451,21 @@ def bench_cluster(
     )
 
 
+@bench_app.command("s3")
+def bench_s3(
+    iterations: Annotated[int, typer.Option(help="resumes timed each way, encrypted and not")] = 5,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
+    from pal import bench_s3
+
+    bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
+
+
 @bench_app.command("network")
 def bench_network(
     iterations: Annotated[int, typer.Option(help="connections timed (p50/p90)")] = 100,
@@ -439,7 +477,8 @@ def bench_network(
 
     Download into the guest vs its own pipe, connection setup through the
     gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
-    first byte through a port, and a brokered HTTPS request vs a pass-through one."""
+    first byte through a port, a brokered HTTPS request vs a pass-through one, and the cost
+    of the SNI/Host checks and of the response redaction as ratios."""
     from pal import bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)

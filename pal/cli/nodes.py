@@ -1,7 +1,8 @@
 """`pal node`: run this machine's node agent, and the operator's node commands.
 
 ``pal node --server URL ...`` (no subcommand) runs the node. ``ls``, ``drain`` and
-``activate`` talk to a control-plane replica (``PAL_URL``) with ``PAL_ADMIN_TOKEN``;
+``activate`` talk to a control-plane replica (``PAL_URL``) with the operator token
+(``PAL_ADMIN_TOKEN``, else ``<data dir>/keys/operator.token``: pal/operator.py);
 ``token`` derives a node's token from ``PAL_CLUSTER_SECRET`` (run it where the secret is).
 """
 
@@ -83,13 +84,20 @@ def _admin(method: str, path: str, body: Any = None) -> Any:
 
     url = os.environ.get("PAL_URL", "http://127.0.0.1:8080").rstrip("/")
     from pal.config import Settings
+    from pal.operator import client_token
 
-    token = Settings.from_env().admin_token
+    token = client_token(Settings.from_env())
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         resp = httpx.request(method, url + path, json=body, headers=headers, timeout=600)
     except httpx.HTTPError as exc:
         fail(f"cannot reach {url}: {exc}", "UNAVAILABLE")
+    if resp.status_code == 401 and not token:
+        fail(
+            "no operator token at hand: run this as root on the server's host (it reads "
+            "<data dir>/keys/operator.token; PAL_DATA_DIR if not /var/lib/pal), or set PAL_ADMIN_TOKEN",
+            "UNAUTHENTICATED",
+        )
     if resp.status_code >= 400:
         try:
             err = resp.json()["error"]

@@ -362,7 +362,9 @@ def port_url(
     port: Annotated[int, typer.Argument(help="port of a server inside the VM")],
     expires_in: Annotated[int, typer.Option(help="seconds the link works")] = 3600,
 ) -> None:
-    """Print a signed link that opens PORT of the VM in a browser, without the API key."""
+    """Print a signed link that opens PORT of the VM on its own origin, without the API key.
+
+    Prints {url, expiresAt, linkId}; `pal vm port-url-revoke VM LINK_ID` ends it sooner."""
     print_json(call(lambda: client().runtime.port_url(vm_id, port, expires_in)))
 
 
@@ -388,6 +390,15 @@ def port_wait(
 
     took = call(lambda: asyncio.run(wait_listening(None, None, vm_id, port, timeout)))
     print_json({"vmId": vm_id, "port": port, "listening": True, "waitedSecs": round(took, 1)})
+
+
+@vm_app.command("port-url-revoke")
+def port_url_revoke(
+    vm_id: VmId,
+    link_id: Annotated[str, typer.Argument(help="the link's linkId (from pal vm port-url)")],
+) -> None:
+    """Revoke a port link: it opens nothing from now on."""
+    print_json(call(lambda: client().runtime.revoke_port_url(vm_id, link_id)))
 
 
 @vm_app.command("port-forward")

@@ -386,8 +386,10 @@ def dashboard_router(
         except PalError as exc:
             status, words = _error_words(exc)
             return message(request, words, status)
-        links = request.app.state.links
-        link = port_link(links, str(request.base_url), s.tenant_id, vm_id, port, PORT_LINK_SECS)
+        state = request.app.state
+        link = port_link(
+            state.links, state.port_origins, s.tenant_id, s.key_hash, vm_id, port, PORT_LINK_SECS
+        )
         expires = datetime.fromtimestamp(link.expires_at, UTC).strftime("%H:%M UTC")
         return render(request, "_port_link.html", port=port, url=link.url, expires=expires)
 

@@ -71,9 +71,11 @@ class LocalCluster:
             "PAL_CLUSTER_SECRET": self.secret,
             "PAL_ADMIN_TOKEN": self.admin_token,
             "PAL_DATABASE_URL": self.database_url,
-            # One snapshot HMAC key for every node (snapshots move between them through S3)
+            # One snapshot HMAC key and encryption key for every node (snapshots move between
+            # them through S3)
             # and one secrets key for every replica (they share the store).
             "PAL_SNAPSHOT_KEY_FILE": str(self.base / "keys" / "snapshot.key"),
+            "PAL_SNAPSHOT_ENCRYPTION_KEY_FILE": str(self.base / "keys" / "snapshot-encryption.key"),
             "PAL_SECRETS_KEY_FILE": str(self.base / "keys" / "secrets.key"),
             **self.extra_env,
             **(extra or {}),
@@ -98,6 +100,7 @@ class LocalCluster:
         port = port or free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "pal.cli.main", "server", "--port", str(port), "--advertise-url", url]
+        argv += ["--ports-port", str(free_port())]  # each replica serves the VM ports too
         p = self._spawn(name, url, argv, self._env(), None)
         self.replicas[name] = p
         return p

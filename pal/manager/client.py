@@ -149,7 +149,11 @@ class ManagerClient:
                     self._raise_for(resp)
                 async for line in resp.aiter_lines():
                     if line.strip():
-                        yield ExecEvent.model_validate(json.loads(line))
+                        ev = ExecEvent.model_validate(json.loads(line))
+                        if ev.type == "error" and ev.status is not None:
+                            # The node's own error, as if it came before the stream.
+                            raise from_wire(ev.status, ev.code or "", ev.message or "")
+                        yield ev
         except httpx.TransportError as exc:
             raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
 

@@ -28,18 +28,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pal.errors import Conflict
 from pal.guest import protocol as p
 from pal.manager import guest_clock
 from pal.manager import guest_input as gi
+from pal.manager.channel import HarnessChannel
 from pal.manager.models import LivePauseRequest, LivePauseResult, LiveResumeResult, LiveState
+from pal.manager.notices import NoticeBoard
+from pal.manager.vm import LivePause, LiveVm, VmRegistry
+from pal.manager.vm_states import VmPhase, check_move
 from pal.vmm import offload
-
-if TYPE_CHECKING:
-    from pal.manager.runtime import LiveVm, NodeRuntime
 
 log = logging.getLogger(__name__)
 
@@ -48,67 +50,42 @@ PROBE_TIMEOUT_S = 2.0
 CLOCK_TIMEOUT_S = 5.0
 FILES_DRAIN_S = 10.0
 PREFETCH_WAIT_S = 2.0  # a resume waits this long at most for the working set
-LIVE_PAUSED = "LIVE_PAUSED"  # error code of exec/file calls that meet a live-paused VM
 # A guest's timer this close is not worth a pause: it would wake at once.
 MIN_TIMER_MS = 20
 WAITING = "wait"  # the one kind of pause that data and the guest's timers wake
 
 
+class HeldNetwork(Protocol):
+    """What a live pause asks of the egress gateway (vmnet.VmNetworking)."""
+
+    async def hold(self, vm_id: str, *, if_waiting: bool = False) -> dict[str, Any]: ...
+
+    async def deliver(self, vm_id: str) -> int: ...
+
+    async def wait_state(self, vm_id: str | None = None) -> dict[str, Any]: ...
+
+
 @dataclass
-class LivePause:
-    """One live pause of one VM (persisted in its state.json)."""
+class PauseDeps:
+    """What live pauses (and wait management, waits.py) need of the node."""
 
-    by: str  # operator | idle | wait
-    since: float  # unix seconds
-    offloaded: bool = False
-    offload_ms: float | None = None
-    resident_after: int | None = None  # bytes of guest RAM resident after the offload
-    freed: int = 0  # bytes the offload handed back
-    working_set: list[tuple[int, int]] = field(default_factory=list)  # to prefetch on resume
-    offload_at: float | None = None  # unix seconds: an offload is due then
-    wake_at: float | None = None  # unix seconds: the guest's own timer
-    tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
-    prefetch: asyncio.Task[int] | None = field(default=None, repr=False)
-    port_woken: bool = field(default=False, repr=False)  # a wake for port traffic was posted
+    registry: VmRegistry
+    net: HeldNetwork
+    notices: NoticeBoard
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "by": self.by,
-            "since": self.since,
-            "offloaded": self.offloaded,
-            "offloadMs": self.offload_ms,
-            "residentAfter": self.resident_after,
-            "freed": self.freed,
-            "workingSet": [list(r) for r in self.working_set],
-            "offloadAt": self.offload_at,
-            "wakeAt": self.wake_at,
-        }
 
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> LivePause:
-        return cls(
-            by=str(raw.get("by") or "operator"),
-            since=float(raw.get("since") or time.time()),
-            offloaded=bool(raw.get("offloaded")),
-            offload_ms=raw.get("offloadMs"),
-            resident_after=raw.get("residentAfter"),
-            freed=int(raw.get("freed") or 0),
-            working_set=[(int(a), int(b)) for a, b in raw.get("workingSet") or []],
-            offload_at=raw.get("offloadAt"),
-            wake_at=raw.get("wakeAt"),
-        )
-
-    def cancel_timers(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        self.tasks.clear()
+async def probe(channel: HarnessChannel) -> dict[str, Any]:
+    """The guest's own view of its load (runnable tasks, CPU ticks, its nearest timer)."""
+    reply, _ = await channel.request({"k": p.K_PROBE}, timeout=PROBE_TIMEOUT_S)
+    return gi.probe(reply)
 
 
 class LiveControl:
     """Pause, offload and resume of the node's live VMs (NodeRuntime delegates here)."""
 
-    def __init__(self, rt: NodeRuntime) -> None:
-        self.rt = rt
+    def __init__(self, deps: PauseDeps, watch_waits: Callable[[LiveVm], None]) -> None:
+        self.registry, self.net, self.notices = deps.registry, deps.net, deps.notices
+        self.watch_waits = watch_waits  # a resumed VM that still waits is watched again
 
     # ------------------------------------------------------------------ state
 
@@ -134,7 +111,7 @@ class LiveControl:
 
     async def status(self, vm_id: str) -> LiveState | None:
         """The VM's live pause with its resident guest RAM measured now (None: running)."""
-        lv = self.rt._live(vm_id)
+        lv = self.registry.live(vm_id)
         if lv.live is None:
             return None
         resident: int | None = None
@@ -143,22 +120,18 @@ class LiveControl:
                 resident = await asyncio.to_thread(offload.resident_bytes, lv.qemu.pid, lv.qemu.mem_path)
         ready, buffered = False, 0
         with contextlib.suppress(Exception):
-            ws = await self.rt.net.wait_state(vm_id)
+            ws = await self.net.wait_state(vm_id)
             ready, buffered = bool(ws.get("ready")), int(ws.get("buffered") or 0)
         return self.state(lv, ready=ready, resident=resident, buffered=buffered)
 
     # ------------------------------------------------------------------ pause
-
-    async def probe(self, lv: LiveVm) -> dict[str, Any]:
-        reply, _ = await lv.channel.request({"k": p.K_PROBE}, timeout=PROBE_TIMEOUT_S)
-        return gi.probe(reply)
 
     async def pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
         """Prerequisites: the VM is live on this node. Success: its vCPUs are stopped, its
         connections held, the pause recorded in state.json (``paused`` False: an
         ``if_waiting`` pause found nothing waiting, or the guest busy; nothing changed).
         Failure: the VM runs as before (connections delivered again)."""
-        lv = self.rt._live(vm_id)
+        lv = self.registry.live(vm_id)
         async with lv.op_lock:
             t0 = time.perf_counter()
             if lv.live is not None:  # already live-paused: the operator takes it over / offloads it
@@ -168,7 +141,7 @@ class LiveControl:
                 if req.offload and not lv.live.offloaded:
                     await self._offload(lv)
                 self._arm(lv)
-                self.rt._write_state(lv)
+                self.registry.write_state(lv)
                 return LivePauseResult(paused=True, pause_ms=_ms(t0), state=self.state(lv))
             if lv.files_in_flight:
                 if req.by != "operator":  # an automatic pause never holds up a request
@@ -177,29 +150,30 @@ class LiveControl:
                     await asyncio.wait_for(lv.files_idle.wait(), FILES_DRAIN_S)
                 except TimeoutError:
                     raise Conflict(f"VM {vm_id}: file requests did not finish; try again") from None
-            held = await self.rt.net.hold(vm_id, if_waiting=req.if_waiting)
+            held = await self.net.hold(vm_id, if_waiting=req.if_waiting)
             if not held.get("held"):
                 return LivePauseResult(paused=False, pause_ms=_ms(t0))
             timer_ms: int | None = None
             try:
                 if req.by == WAITING:
                     try:
-                        pr = await self.probe(lv)
+                        pr = await probe(lv.channel)
                     except Exception as exc:  # a silent guest is not a reason to keep it running
                         log.info("VM %s: no probe before a live pause (%s)", vm_id, exc)
                         pr = None
                     if pr is not None:
                         if pr["runnable"] > 0:  # it computes after all
-                            await self.rt.net.deliver(vm_id)
+                            await self.net.deliver(vm_id)
                             return LivePauseResult(paused=False, pause_ms=_ms(t0))
                         timer_ms = pr["timer_ms"]
                         if timer_ms is not None and timer_ms < MIN_TIMER_MS:
-                            await self.rt.net.deliver(vm_id)
+                            await self.net.deliver(vm_id)
                             return LivePauseResult(paused=False, pause_ms=_ms(t0))
+                check_move(lv, VmPhase.LIVE_PAUSED)
                 await lv.qemu.pause()
             except BaseException:
                 with contextlib.suppress(Exception):
-                    await self.rt.net.deliver(vm_id)
+                    await self.net.deliver(vm_id)
                 raise
             now = time.time()
             lv.live = LivePause(by=req.by, since=now)
@@ -208,13 +182,13 @@ class LiveControl:
             if req.offload_after_ms is not None and not req.offload:
                 lv.live.offload_at = now + req.offload_after_ms / 1000
             pause_ms = _ms(t0)
-            self.rt._write_state(lv)
+            self.registry.write_state(lv)
             if req.by == WAITING:
                 # Data that came between the hold and the stop made the gateway say "ready"
                 # while the VM was not paused yet (the watcher ignored it): wake it now.
                 with contextlib.suppress(Exception):
-                    if (await self.rt.net.wait_state(vm_id)).get("ready"):
-                        self.rt.notices_board.post(vm_id, "wake", reason="data (during the pause)")
+                    if (await self.net.wait_state(vm_id)).get("ready"):
+                        self.notices.post(vm_id, "wake", reason="data (during the pause)")
             if req.offload:
                 await self._offload(lv)
             self._arm(lv)
@@ -229,11 +203,12 @@ class LiveControl:
         pid = lv.qemu.pid
         if live is None or pid is None or live.offloaded:
             return
+        check_move(lv, VmPhase.OFFLOADED)
         res = await asyncio.to_thread(offload.offload, pid, lv.qemu.mem_path)
         live.offloaded, live.offload_at = True, None
         live.offload_ms, live.resident_after, live.freed = res.ms, res.resident_after, res.freed
         live.working_set = res.working_set
-        self.rt._write_state(lv)
+        self.registry.write_state(lv)
         log.info(
             "VM %s offloaded in %.0f ms: %d MiB freed, %d MiB still resident %s",
             lv.vm_id,
@@ -242,7 +217,7 @@ class LiveControl:
             res.resident_after // MIB,
             res.phases_ms,
         )
-        self.rt.notices_board.post(
+        self.notices.post(
             lv.vm_id,
             "offloaded",
             ms=round(res.ms, 1),
@@ -264,7 +239,7 @@ class LiveControl:
     async def _wake_later(self, lv: LiveVm, at: float) -> None:
         await asyncio.sleep(max(0.0, at - time.time()))
         if lv.live is not None and lv.live.by == WAITING:
-            self.rt.notices_board.post(lv.vm_id, "wake", reason="timer")
+            self.notices.post(lv.vm_id, "wake", reason="timer")
 
     def _arm(self, lv: LiveVm) -> None:
         """(Re)start the timers a live pause has: its offload, the guest's deadline."""
@@ -289,7 +264,7 @@ class LiveControl:
         """Prerequisites: the VM is live on this node. Success: its vCPUs run, its wall
         clock is the host's, the gateway delivered what it held (``resumed`` False: it
         was not live-paused; nothing changed). Failure: QEMU died (the caller loses it)."""
-        lv = self.rt._live(vm_id)
+        lv = self.registry.live(vm_id)
         async with lv.op_lock:
             return await self._resume_locked(lv)
 
@@ -297,6 +272,7 @@ class LiveControl:
         live = lv.live
         if live is None:
             return LiveResumeResult(resumed=False)
+        check_move(lv, VmPhase.RUNNING)
         t0 = time.perf_counter()
         live.cancel_timers()
         phases: dict[str, float] = {}
@@ -315,7 +291,7 @@ class LiveControl:
         phases["clock"] = _ms(t0)
         buffered = 0
         try:
-            buffered = await self.rt.net.deliver(lv.vm_id)
+            buffered = await self.net.deliver(lv.vm_id)
         except Exception as exc:
             log.warning("VM %s: the gateway did not deliver what it held: %s", lv.vm_id, exc)
         phases["deliver"] = _ms(t0)
@@ -323,10 +299,10 @@ class LiveControl:
         lv.live = None
         # Woken while a connection still waits (a timer, a request)? Watch it again: no new
         # "waiting" edge will come for a connection that never stopped waiting.
-        self.rt.waits.watch(lv)
+        self.watch_waits(lv)
         lv.live_paused_ms_total += paused_ms
         lv.resumed_at = time.monotonic()
-        self.rt._write_state(lv)
+        self.registry.write_state(lv)
         res = LiveResumeResult(
             resumed=True,
             resume_ms=_ms(t0),
@@ -374,9 +350,10 @@ class LiveControl:
         lv.op_lock."""
         await self._resume_locked(lv, running=running)
 
-    def forget(self, lv: LiveVm) -> None:
+    def forget(self, vm_id: str) -> None:
         """The VM is going away: stop its timers."""
-        if lv.live is not None:
+        lv = self.registry.vms.get(vm_id)
+        if lv is not None and lv.live is not None:
             lv.live.cancel_timers()
 
     # ------------------------------------------------------------------ after a restart
@@ -385,11 +362,11 @@ class LiveControl:
         """A restarted manager: re-arm every adopted live pause (offload, timer), and post
         a wake for each wait pause whose held data (or timer) came while nobody watched."""
         try:
-            states = await self.rt.net.wait_state()
+            states = await self.net.wait_state()
         except Exception as exc:
             log.warning("gateway wait states unknown after a restart: %s", exc)
             states = {}
-        for lv in list(self.rt.vms.values()):
+        for lv in list(self.registry.vms.values()):
             if lv.live is None:
                 continue
             self._arm(lv)
@@ -397,15 +374,9 @@ class LiveControl:
             if lv.live.by != WAITING:
                 continue
             if st.get("ready"):
-                self.rt.notices_board.post(lv.vm_id, "wake", reason=f"data ({st.get('ready')})")
+                self.notices.post(lv.vm_id, "wake", reason=f"data ({st.get('ready')})")
             elif lv.live.wake_at is not None and lv.live.wake_at <= time.time():
-                self.rt.notices_board.post(lv.vm_id, "wake", reason="timer")
-
-    def require_running(self, lv: LiveVm) -> None:
-        if lv.live is not None:
-            raise Conflict(
-                f"VM {lv.vm_id} is live-paused (by {lv.live.by}): resume it first", code=LIVE_PAUSED
-            )
+                self.notices.post(lv.vm_id, "wake", reason="timer")
 
 
 def _ms(t0: float) -> float:

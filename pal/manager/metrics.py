@@ -1,6 +1,6 @@
 """Per-VM resource samples kept on the node: the last 15 minutes, one sample every 5 s.
 
-The runtime manager owns the VMs, so it samples them (``NodeRuntime.run_sampler``) and
+The runtime manager owns the VMs, so it samples them (sampling.py ``Sampler.run``) and
 serves the series over its RPC (``GET /vms/{id}/metrics``). Where each figure comes from:
 
 - ``cpuPct``: CPU time of the VM's cgroup (v2 ``cpu.stat`` usage_usec, v1
@@ -13,7 +13,7 @@ serves the series over its RPC (``GET /vms/{id}/metrics``). Where each figure co
 - ``diskUsedBytes``, ``diskTotalBytes``: the guest harness's heartbeat, ``statvfs`` of the
   guest's /workspace file system.
 - ``netRxBytes``, ``netTxBytes``: the node's network counters when a network provider
-  reports them (``NodeRuntime.net_counters``), else null.
+  reports them (``Sampler.net_counters``: the gateway's), else null.
 - ``livePausedMs``: time live-paused in the interval, once live pause exists; else null.
 
 Guest figures are what the guest says about itself: they are shown for that VM only and

@@ -289,6 +289,10 @@ class ExecEvent(_Model):
     exit_code: int | None = None
     code: str | None = None
     message: str | None = None
+    # An error of the node (not of the guest) after the stream started: the status it
+    # answers with. The client raises it as that error (client.py); a guest's error code
+    # comes without one and is mapped by guest_errors.py.
+    status: int | None = None
 
 
 class FileList(_Model):

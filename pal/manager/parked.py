@@ -33,12 +33,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from pal.errors import InsufficientStorage
+from pal.manager import admission
+from pal.manager.vm import LiveVm
 from pal.vmm import offload
-
-if TYPE_CHECKING:
-    from pal.manager.runtime import LiveVm, NodeRuntime
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,25 @@ class ParkedVm:
             await asyncio.shield(task)
 
 
+class _Network(Protocol):
+    async def unregister(self, vm_id: str) -> dict[str, Any] | None: ...
+
+
+class ParkingHost(Protocol):
+    """Exactly what parking needs of the node: the gateway (a parked VM leaves it) and
+    the freeing of what a discarded one held (stop.Stopper.free_vm_files)."""
+
+    @property
+    def net(self) -> _Network: ...
+
+    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None: ...
+
+
 class Parking:
     """The node's parked processes (NodeRuntime delegates here)."""
 
-    def __init__(self, rt: NodeRuntime, capacity: int, max_age_s: float) -> None:
-        self.rt = rt
+    def __init__(self, host: ParkingHost, capacity: int, max_age_s: float) -> None:
+        self.host = host
         self.capacity = capacity
         self.max_age_s = max_age_s
         self.vms: dict[str, ParkedVm] = {}
@@ -91,7 +105,7 @@ class Parking:
         guest RAM handed back OFFLOAD_DELAY_S later in the background (the pause does not
         wait for that); returns its final egress counters."""
         vm_id = lv.vm_id
-        counters = await self.rt.net.unregister(vm_id)
+        counters = await self.host.net.unregister(vm_id)
         pv = ParkedVm(lv, snapshot_id, time.monotonic())
         self.vms[vm_id] = pv
         pv.offloading = asyncio.create_task(self._offload(pv), name=f"park-offload-{vm_id}")
@@ -151,6 +165,16 @@ class Parking:
         for vm_id, _ in by_age[: max(0, len(by_age) - keep)]:
             await self.discard(vm_id)
 
+    async def admit_memory(self, need_mib: int, what: str) -> None:
+        """507 unless the host has the memory; parked processes go first to make room."""
+        try:
+            admission.check_memory(need_mib, what)
+        except InsufficientStorage:
+            if not self.vms:
+                raise
+            await self.evict(keep=0)
+            admission.check_memory(need_mib, what)
+
     async def park_failed(self, pv: ParkedVm) -> None:
         """A parked process taken for a resume could not continue: gone for good."""
         await pv.settled()
@@ -164,4 +188,4 @@ class Parking:
             await lv.channel.close()
         with contextlib.suppress(Exception):
             await lv.qemu.kill()
-        await self.rt.free_vm_files(lv.vm_id)
+        await self.host.free_vm_files(lv.vm_id)

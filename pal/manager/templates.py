@@ -1,7 +1,7 @@
 """Warm templates: a snapshot of a freshly booted VM per (image build, RAM, vCPUs, disk).
 
-A manager concern: the runtime builds them with its own spawn and capture and restores
-from them in ``NodeRuntime.spawn``.
+A manager concern: the node builds them with its own spawn and capture (through a
+:class:`TemplateHost`) and restores from them in spawn.py (restore.py picks the source).
 
 Booting is the slow part (seconds under TCG), so ``schedule`` restores from a template
 instead: the restored guest then takes its own identity (token, clock, RNG seed) and gets
@@ -25,22 +25,19 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
 from pal.manager import admission
-from pal.manager.models import SpawnRequest
+from pal.manager.models import ExecEvent, SpawnRequest
 from pal.sizes import DEFAULT_TEMPLATE_SIZES, size_name
 from pal.spec import ExecRequest
 
 if TYPE_CHECKING:
     from pal.config import Settings
-
-if TYPE_CHECKING:  # runtime.py imports this module
-    from pal.manager.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +45,20 @@ COMPLETE = "template.json"
 # What a first exec runs (pal bench: /bin/true; agents: a shell), run once before capture.
 PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (("/bin/true",), ("/bin/sh", "-c", "true"))
 PRIME_TIMEOUT_S = 60.0  # a hang guard: an image whose shell never returns still gets its template
+
+
+class TemplateHost(Protocol):
+    """Exactly what a template build needs of the node (NodeRuntime is one): its own
+    spawn, exec and stop, and the VM it spawned (its channel and QEMU, to capture)."""
+
+    @property
+    def vms(self) -> Mapping[str, Any]: ...
+
+    async def spawn(self, req: SpawnRequest) -> Any: ...
+
+    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    async def stop(self, vm_id: str) -> Any: ...
 
 
 class TemplateCache:
@@ -108,7 +119,7 @@ class TemplateCache:
 
     def ensure_in_background(
         self,
-        runtime: NodeRuntime,
+        runtime: TemplateHost,
         image: ImagePaths,
         memory_mib: int,
         vcpus: int,
@@ -129,7 +140,7 @@ class TemplateCache:
 
     async def build(
         self,
-        runtime: NodeRuntime,
+        runtime: TemplateHost,
         image: ImagePaths,
         memory_mib: int,
         vcpus: int,
@@ -149,7 +160,7 @@ class TemplateCache:
 
     async def _build(
         self,
-        runtime: NodeRuntime,
+        runtime: TemplateHost,
         image: ImagePaths,
         key: str,
         memory_mib: int,
@@ -208,7 +219,7 @@ class TemplateCache:
             shutil.rmtree(staging, ignore_errors=True)
 
     @staticmethod
-    async def _prime(runtime: NodeRuntime, vm_id: str) -> list[str]:
+    async def _prime(runtime: TemplateHost, vm_id: str) -> list[str]:
         """Run what a first exec runs once before the capture, so every VM restored from the
         template starts past the first-exec work of its harness and kernel (what one exec
         leaves behind in the guest: measured under TCG, a schedule's first exec took 146-152

@@ -28,10 +28,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    from pal.manager.runtime import LiveVm, NodeRuntime
+from pal.manager.live import PauseDeps, probe
+from pal.manager.vm import LiveVm
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +40,23 @@ IDLE_MAX_BUSY = 0.2  # guest CPU busy fraction between the probes still counted 
 
 
 class WaitWatcher:
-    def __init__(self, rt: NodeRuntime) -> None:
-        self.rt = rt
+    def __init__(self, deps: PauseDeps, prefetch: Callable[[LiveVm], object]) -> None:
+        self.registry, self.net, self.notices = deps.registry, deps.net, deps.notices
+        self.prefetch = prefetch  # live.LiveControl.start_prefetch: while the scheduler decides
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ gateway events
 
     def on_gateway_event(self, ev: dict[str, Any]) -> None:
         vm_id, kind = str(ev.get("vmId") or ""), ev.get("ev")
-        lv = self.rt.vms.get(vm_id)
+        lv = self.registry.vms.get(vm_id)
         if lv is None:
             return
         if kind == "waiting":
             self.watch(lv)
         elif kind == "ready" and lv.live is not None and lv.live.by == "wait":
-            self.rt.notices_board.post(vm_id, "wake", reason=f"data ({ev.get('reason')})")
-            self.rt.live.start_prefetch(lv)  # while the scheduler decides
+            self.notices.post(vm_id, "wake", reason=f"data ({ev.get('reason')})")
+            self.prefetch(lv)  # while the scheduler decides
 
     def watch(self, lv: LiveVm) -> None:
         if lv.wait is None or lv.live is not None:
@@ -71,26 +73,26 @@ class WaitWatcher:
     async def start(self) -> None:
         """After a (re)start: watch the running VMs whose connections already wait."""
         try:
-            states = await self.rt.net.wait_state()
+            states = await self.net.wait_state()
         except Exception as exc:
             log.warning("gateway wait states unknown: %s", exc)
             return
         for vm_id, st in states.items():
-            lv = self.rt.vms.get(vm_id)
+            lv = self.registry.vms.get(vm_id)
             if lv is not None and st.get("waiting") and not st.get("held"):
                 self.watch(lv)
 
     # ------------------------------------------------------------------ the check
 
     async def _waiting(self, vm_id: str) -> bool:
-        st = await self.rt.net.wait_state(vm_id)
+        st = await self.net.wait_state(vm_id)
         return bool(st.get("waiting")) and not st.get("held")
 
     async def _watch(self, lv: LiveVm) -> None:
         try:
             while self._current(lv) and lv.wait is not None:
                 if await self.idle_and_waiting(lv, lv.wait.after_ms / 1000):
-                    self.rt.notices_board.post(lv.vm_id, "wait-ready")
+                    self.notices.post(lv.vm_id, "wait-ready")
                     # The scheduler pauses it (or not: an exec in flight); look again after
                     # one more window unless it did.
                     await asyncio.sleep(lv.wait.after_ms / 1000)
@@ -106,17 +108,17 @@ class WaitWatcher:
                     del self._tasks[lv.vm_id]
 
     def _current(self, lv: LiveVm) -> bool:
-        return self.rt.vms.get(lv.vm_id) is lv and lv.live is None and not lv.qemu.exited.is_set()
+        return self.registry.vms.get(lv.vm_id) is lv and lv.live is None and not lv.qemu.exited.is_set()
 
     async def idle_and_waiting(self, lv: LiveVm, window_s: float) -> bool:
         """Probe, wait ``window_s``, probe: is the guest idle all along and does one of its
         connections still wait on its upstream?"""
         t0_mono, t0_ms = time.monotonic(), int(time.time() * 1000)
-        first = await self.rt.live.probe(lv)
+        first = await probe(lv.channel)
         await asyncio.sleep(window_s)
         if not self._current(lv) or not await self._waiting(lv.vm_id):
             return False
-        second = await self.rt.live.probe(lv)
+        second = await probe(lv.channel)
         ticks = second["cpu_total"] - first["cpu_total"]
         busy = (second["cpu_busy"] - first["cpu_busy"]) / ticks if ticks > 0 else 0.0
         quiet_host = lv.last_output_mono < t0_mono and lv.last_activity_ms < t0_ms

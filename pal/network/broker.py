@@ -10,9 +10,13 @@ limits, hold/release) carries the guest's bytes to one end of a socketpair inste
 the upstream; :func:`serve` holds the other end, where it is a TLS server with a leaf
 certificate for the name signed by the tenant's CA (ca.py), and talks HTTP/1.1 (h11, ALPN
 http/1.1 only) to a TLS client connection to the upstream, verified against the system
-store plus ``PAL_EGRESS_CA_BUNDLE``. Each request's headers are rewritten
-(:meth:`Rules.rewrite`); bodies stream through unchanged. An upgraded connection (101) is
-relayed as bytes from then on.
+store plus ``PAL_EGRESS_CA_BUNDLE``. Each request must name the connection's host (its
+``Host`` and an absolute target's authority; otherwise 421 and an ``egress_denied`` event),
+and its headers are rewritten (:meth:`Rules.rewrite`: the value goes into the configured
+header only); request bodies stream through unchanged. Each response is searched for the
+values injected and they are replaced by their placeholders (redact.py; a
+``secret_reflected`` event says so). An upgraded connection (101) is relayed as bytes from
+then on, unsearched.
 
 The value exists only in this process's memory and the node's: it is never logged.
 """
@@ -26,12 +30,15 @@ import os
 import socket
 import ssl
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import h11
 
+from pal.network import redact
 from pal.network.ca import Issuer
+from pal.network.namecheck import Refused, authority_name
 
 log = logging.getLogger("pal.gateway.broker")
 
@@ -39,6 +46,13 @@ READ = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 30.0
 MAX_CONTEXTS = 256  # leaf certificates kept per tenant CA
 MAX_HEADER_BYTES = 64 * 1024
+# Without a configured ``header`` the placeholder is replaced in these request headers only:
+# credential headers, which upstreams do not echo the way they echo Origin or Referer.
+DEFAULT_HEADERS = (b"authorization", b"x-api-key")
+SECRET_REFLECTED = "secret_reflected"
+EGRESS_DENIED = "egress_denied"
+# (event kind, host, rule) of this VM: gateway.VmGateway.denied
+Audit = Callable[[str, str | None, str], None]
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,18 @@ class Rules:
         return [r for r in self.rules if host and r.matches(host)]
 
     def rewrite(self, host: str, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """The headers with this host's secrets in: each placeholder replaced by its value,
-        and each named header set to its format."""
+        """The headers with this host's secrets in, only where configured: a rule's
+        ``header`` is set to its format (the guest's own value of it dropped); a rule
+        without one has its placeholder replaced in :data:`DEFAULT_HEADERS`. A placeholder
+        anywhere else (Host, Origin, Referer, a custom header an upstream may reflect)
+        goes out as the placeholder."""
         rules = self.for_host(host)
         out = []
         for k, v in headers:
-            for r in rules:
-                if r.placeholder.encode() in v:
-                    v = v.replace(r.placeholder.encode(), r.value.encode())
+            if k.lower() in DEFAULT_HEADERS:
+                for r in rules:
+                    if r.header is None and r.placeholder.encode() in v:
+                        v = v.replace(r.placeholder.encode(), r.value.encode())
             out.append((k, v))
         for r in rules:
             if r.header:
@@ -100,6 +118,10 @@ class Rules:
                 out = [(k, v) for k, v in out if k.lower() != name]
                 out.append((r.header.encode(), r.format.replace("{value}", r.value).encode()))
         return out
+
+    def redaction(self, host: str) -> list[redact.Pair]:
+        """What to cut out of this host's responses: each value, back to its placeholder."""
+        return redact.pairs_of((r.value, r.placeholder) for r in self.for_host(host))
 
 
 class Tls:
@@ -197,11 +219,15 @@ class _Exchange:
         up: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         host: str,
         rules: Rules,
+        audit: Audit,
     ) -> None:
         self.g_reader, self.g_writer = guest
         self.u_reader, self.u_writer = up
         self.host = host
         self.rules = rules
+        self.audit = audit
+        self.pairs: list[redact.Pair] = []  # the values sent with the current request
+        self.head_only = False  # the current request is a HEAD: its answer has no body
         self.g = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.u = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
 
@@ -228,8 +254,14 @@ class _Exchange:
             assert isinstance(req, h11.Request)
             if self.g.they_are_waiting_for_100_continue:
                 await self._to_guest(h11.InformationalResponse(status_code=100, headers=[]))
-            headers = [(k, v) for k, v in req.headers.raw_items() if k.lower() != b"expect"]
-            headers = self.rules.rewrite(self.host, headers)
+            if not await self._names_its_host(req):
+                return
+            drop = (b"expect", b"accept-encoding")
+            headers = [(k, v) for k, v in req.headers.raw_items() if k.lower() not in drop]
+            # Bodies are searched for reflected values (redact.py): ask for them uncompressed.
+            headers = [*self.rules.rewrite(self.host, headers), (b"Accept-Encoding", b"identity")]
+            self.pairs = self.rules.redaction(self.host)
+            self.head_only = req.method.upper() == b"HEAD"
             await self._to_up(h11.Request(method=req.method, target=req.target, headers=headers))
             while not isinstance(ev := await self._event(self.g, self.g_reader), h11.EndOfMessage):
                 await self._to_up(ev)
@@ -242,12 +274,47 @@ class _Exchange:
             self.g.start_next_cycle()
             self.u.start_next_cycle()
 
+    async def _names_its_host(self, req: h11.Request) -> bool:
+        """Does the request name the host this connection was brokered for (its Host and an
+        absolute target)? Otherwise the guest gets 421 and the connection ends: a request
+        for another site on the same address never carries the value there."""
+        hosts = [v for k, v in req.headers.raw_items() if k.lower() == b"host"]
+        try:
+            if len(hosts) != 1:
+                raise Refused("a request without exactly one Host header")
+            names = {authority_name(hosts[0])}
+            if b"://" in req.target:
+                names.add(authority_name(req.target.split(b"://", 1)[1].split(b"/", 1)[0]))
+            wrong = sorted(n or "(an IP address)" for n in names if n != self.host)
+            if wrong:
+                raise Refused(f"HTTP Host {wrong[0]} does not match the brokered name", wrong[0])
+        except Refused as exc:
+            self.audit(EGRESS_DENIED, exc.host or self.host, str(exc))
+            body = b"this connection is for " + self.host.encode() + b" only\n"
+            out = [(b"Content-Length", str(len(body)).encode()), (b"Connection", b"close")]
+            await self._to_guest(h11.Response(status_code=421, headers=out))
+            await self._to_guest(h11.Data(data=body))
+            await self._to_guest(h11.EndOfMessage())
+            return False
+        return True
+
+    def _redacted(self, headers: list[tuple[bytes, bytes]], where: str) -> list[tuple[bytes, bytes]]:
+        out, hits = redact.redact_headers(headers, self.pairs)
+        if hits:
+            self._reflected(where)
+        return out
+
+    def _reflected(self, where: str) -> None:
+        names = ", ".join(r.name for r in self.rules.for_host(self.host))
+        rule = f"{names} reflected in the {where}; replaced by the placeholder"
+        self.audit(SECRET_REFLECTED, self.host, rule)
+
     async def _response(self) -> bool:
         while True:
             resp = await self._event(self.u, self.u_reader)
             if isinstance(resp, h11.ConnectionClosed):
                 raise ConnectionError("the upstream closed without answering")
-            headers = list(resp.headers.raw_items())
+            headers = self._redacted(list(resp.headers.raw_items()), "response headers")
             if isinstance(resp, h11.InformationalResponse):
                 if resp.status_code == 101:
                     await self._to_guest(h11.InformationalResponse(status_code=101, headers=headers))
@@ -255,13 +322,36 @@ class _Exchange:
                     return True
                 await self._to_guest(h11.InformationalResponse(status_code=resp.status_code, headers=headers))
                 continue
+            body = self._body_redactor(resp.status_code, headers)
+            if body is not None:  # its length changes with each value cut out: re-framed
+                headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
             out = h11.Response(status_code=resp.status_code, headers=headers, reason=resp.reason)
             await self._to_guest(out)
             break
         while not isinstance(ev := await self._event(self.u, self.u_reader), h11.EndOfMessage):
+            if body is not None and isinstance(ev, h11.Data):
+                ev = h11.Data(data=body.feed(ev.data))
+                if not ev.data:
+                    continue  # all of it kept back: it may begin a value
             await self._to_guest(ev)
-        await self._to_guest(ev)
+        if body is not None:
+            if rest := body.flush():
+                await self._to_guest(h11.Data(data=rest))
+            if body.hits:
+                self._reflected("response body")
+        trailers = self._redacted(list(ev.headers.raw_items()), "response trailers")
+        await self._to_guest(h11.EndOfMessage(headers=trailers))
         return False
+
+    def _body_redactor(self, status: int, headers: list[tuple[bytes, bytes]]) -> redact.Redactor | None:
+        """A body to search: one that exists, and is not compressed (a compressed body is
+        relayed as it is: the gateway asked for identity, an upstream may ignore that)."""
+        if not self.pairs or self.head_only or status in (204, 304):
+            return None
+        codings = [v.strip().lower() for k, v in headers if k.lower() == b"content-encoding"]
+        if any(c not in (b"", b"identity") for c in codings):
+            return None
+        return redact.Redactor(self.pairs)
 
     async def _switch(self) -> None:
         """After a 101: raw bytes both ways, starting with what h11 already read."""
@@ -284,6 +374,7 @@ async def serve(
     server_ctx: ssl.SSLContext,
     upstream_ctx: ssl.SSLContext,
     vm_id: str,
+    audit: Audit | None = None,
 ) -> None:
     """Terminate the guest's TLS on ``sock`` and broker its requests to ``host:port``."""
     writers: list[asyncio.StreamWriter] = []
@@ -299,7 +390,7 @@ async def serve(
         writers.append(guest[1])
         up = await _connect_upstream(addrs, port, host, upstream_ctx)
         writers.append(up[1])
-        await _Exchange(guest, up, host, rules).run()
+        await _Exchange(guest, up, host, rules, audit or (lambda *_: None)).run()
     except (h11.ProtocolError, ssl.SSLError, OSError, ConnectionError, TimeoutError) as exc:
         # No header or value in the message: only what failed.
         log.info("VM %s brokered connection to %s:%d ended: %s", vm_id, host, port, type(exc).__name__)

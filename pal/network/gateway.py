@@ -46,7 +46,8 @@ import dns.rdatatype
 import dns.rrset
 
 from pal.config import env_log_level
-from pal.network import broker, sniff
+from pal.network import broker, namecheck, sniff
+from pal.network.broker import EGRESS_DENIED
 from pal.network.names import NameTable, is_synthetic
 from pal.network.policy import INTERNAL_RULE, Address, InternalGuard, Policy, parse_static_names
 from pal.network.relay import READ_LIMIT, Connection, GuestSide, TokenBucket, UpstreamSide, reset
@@ -193,8 +194,11 @@ class VmGateway:
 
     # -- events ------------------------------------------------------------------------------
 
-    def denied(self, *, name: str | None, address: str | None, port: int | None, rule: str) -> None:
-        self.counters["refused"] += 1
+    def denied(
+        self, *, name: str | None, address: str | None, port: int | None, rule: str, kind: str = EGRESS_DENIED
+    ) -> None:
+        if kind == EGRESS_DENIED:  # else an audit event of a brokered connection (broker.py)
+            self.counters["refused"] += 1
         now = time.monotonic()
         self._ev_tokens = min(EVENT_BURST, self._ev_tokens + (now - self._ev_at) * EVENT_RATE_PER_S)
         self._ev_at = now
@@ -204,7 +208,7 @@ class VmGateway:
         self._ev_tokens -= 1
         ev: dict[str, Any] = {
             "vmId": self.vm_id,
-            "kind": "egress_denied",
+            "kind": kind,
             "name": name,
             "address": address,
             "port": port,
@@ -322,6 +326,8 @@ class VmGateway:
             conn.reset()
             return
         conn.name, conn.rule, conn.state = name, verdict.rule, "connecting"
+        if policy.binds(name, port):  # its SNI and every Host must match (namecheck.py)
+            namecheck.bind(conn, port, lambda: self.policy, self.denied)
         if name is not None and self.issuer is not None and self.rules.for_host(name):
             if await self._starts_with_tls(conn):
                 await self._broker(conn, name, port, allowed, policy)
@@ -413,6 +419,9 @@ class VmGateway:
                 server_ctx=server_ctx,
                 upstream_ctx=self.gw.tls.upstream,
                 vm_id=self.vm_id,
+                audit=lambda kind, host, rule: self.denied(
+                    kind=kind, name=host, address=addrs[0], port=port, rule=rule
+                ),
             )
         )
         self._brokering.add(task)

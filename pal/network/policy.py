@@ -2,8 +2,10 @@
 
 Decisions:
 - ``name_allowed(name)``: may this name be resolved at all (DNS)? A name is resolvable when
-  some connection to it could be allowed (an allow rule for it, on any port; or it is not
-  denied on every port).
+  some connection *by that name* could be allowed: under an allow list, a domain entry
+  matches it (network entries never make a name resolvable: otherwise every name, and with
+  it ``<data>.attacker.example``, would reach the host's resolver); under a deny list, it
+  is not denied on every port.
 - ``decide(name, addresses, port)``: which of the candidate addresses may this connection
   go to? ``name`` is what the guest asked for (its DNS query, TLS SNI or HTTP Host) or None
   for a bare IP; ``addresses`` are the addresses the gateway resolved itself for that name
@@ -11,6 +13,11 @@ Decisions:
 - Internal destinations (not globally routable, or the host's own addresses) are removed
   afterwards under every policy unless the operator's PAL_EGRESS_ALLOW_INTERNAL lists
   them (:class:`InternalGuard`); a tenant's policy can never reach them.
+- ``host_permitted(name, port)`` / ``binds(name, port)``: what a connection may *say* (TLS
+  SNI, HTTP Host) once it was allowed by its name (namecheck.py).
+
+An allow-list domain entry without a port allows :data:`DEFAULT_NAME_PORTS` only (HTTP and
+HTTPS); other ports must be listed. A deny-list entry without a port denies every port.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 NONE_RULE = "egress none"
 NOT_ALLOWED_RULE = "not in the allow list"
 INTERNAL_RULE = "internal address (PAL_EGRESS_ALLOW_INTERNAL)"
+DEFAULT_NAME_PORTS = (80, 443)  # an allow-list name entry without a port
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,13 @@ def _domain_matches(entry: EgressEntry, name: str) -> bool:
 
 def _port_ok(entry: EgressEntry, port: int | None) -> bool:
     return entry.port is None or port is None or entry.port == port
+
+
+def _name_port_ok(entry: EgressEntry, port: int | None) -> bool:
+    """An allow-list name entry: its port, or HTTP and HTTPS when it names none."""
+    if port is None:
+        return True
+    return port == entry.port if entry.port is not None else port in DEFAULT_NAME_PORTS
 
 
 def _unmapped(a: Address) -> Address:
@@ -69,10 +84,29 @@ class Policy:
     def domain_rule(self, name: str | None, port: int | None) -> EgressEntry | None:
         if name is None:
             return None
+        port_ok = _name_port_ok if self.mode == "allow" else _port_ok
         for e in self.domains:
-            if _domain_matches(e, name) and _port_ok(e, port):
+            if _domain_matches(e, name) and port_ok(e, port):
                 return e
         return None
+
+    def host_permitted(self, name: str | None, port: int) -> bool:
+        """May a connection to ``port`` name ``name`` (in its SNI or Host; None: it names
+        nothing, which an allow list's name rule cannot vouch for)?"""
+        if self.mode == "allow":
+            return self.domain_rule(name, port) is not None
+        if self.mode == "deny":
+            return self.domain_rule(name, port) is None
+        return self.mode == "open"
+
+    def binds(self, name: str | None, port: int) -> bool:
+        """Must what this allowed connection says (SNI, every Host) be checked? Under an
+        allow list when a name rule allowed it (a network rule allows the address whatever
+        it is called); under a deny list with name entries, always (a connection to an
+        address not denied must not name a denied host)."""
+        if self.mode == "allow":
+            return self.domain_rule(name, port) is not None
+        return self.mode == "deny" and bool(self.domains)
 
     def _net_rule(self, addr: Address, port: int | None) -> EgressEntry | None:
         a = _unmapped(addr)
@@ -89,8 +123,7 @@ class Policy:
         if self.mode == "open":
             return True, "open"
         if self.mode == "allow":
-            if self.domain_rule(name, None) is not None or self.networks:
-                # With network rules the name may resolve into an allowed network.
+            if self.domain_rule(name, None) is not None:
                 return True, "allow"
             return False, NOT_ALLOWED_RULE
         for e in self.domains:  # deny: refused only when denied on every port

@@ -134,6 +134,11 @@ class Connection:
         self._on_waiting = on_waiting
         self._on_held = on_held
         self._was_waiting = False
+        # Checks of what the connection says (namecheck.py): the guest's bytes pass
+        # ``inspect_up`` before they go up (it returns what may go now; None: it reset the
+        # connection); the upstream's are shown to ``inspect_down``.
+        self.inspect_up: Callable[[bytes], bytes | None] | None = None
+        self.inspect_down: Callable[[bytes], None] | None = None
 
     # -- what the node can ask --------------------------------------------------------------
 
@@ -233,6 +238,8 @@ class Connection:
             transport.write_eof()
 
     def upstream_data(self, data: bytes) -> None:
+        if self.inspect_down is not None:
+            self.inspect_down(data)
         if self.held:
             self._held_data += data
             full = len(self._held_data) >= self.max_buffer
@@ -265,6 +272,11 @@ class Connection:
 
     def _send_up(self, data: bytes) -> None:
         assert self.upstream is not None
+        if self.inspect_up is not None:
+            checked = self.inspect_up(data)
+            if not checked or self.state == "closed":
+                return
+            data = checked
         self.upstream.write(data)
         self.bytes_up += len(data)
         self.last_up = time.monotonic()

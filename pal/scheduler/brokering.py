@@ -30,7 +30,7 @@ from pal import keyfile
 from pal.config import Settings
 from pal.errors import InvalidRequest, NotFound
 from pal.manager.models import BrokeredRule, TenantCa
-from pal.network.ca import new_ca
+from pal.network.ca import constrained, new_ca
 from pal.secretbox import SecretBox
 from pal.spec import BrokeredSecret
 from pal.store import Store
@@ -136,6 +136,13 @@ class SecretBroker:
             stored = self.store.add_tenant_ca(tenant_id, cert, self.box.seal(key, context))
         cert, sealed = stored
         return TenantCa(cert=cert, key=self.box.open(sealed, context))
+
+    def vm_ca(self, tenant_id: str, rules: list[BrokeredRule]) -> TenantCa:
+        """The tenant's CA as one VM uses it: its certificate name-constrained to the VM's
+        brokered hosts (pal/network/ca.py), the key as is."""
+        ca = self.tenant_ca(tenant_id)
+        hosts = [h for r in rules for h in r.hosts]
+        return TenantCa(cert=constrained(ca.cert, ca.key, hosts), key=ca.key)
 
     def _legacy_ca(self, tenant_id: str) -> tuple[str, str] | None:
         cert_path = self.legacy_ca_dir / f"{tenant_id}.pem"

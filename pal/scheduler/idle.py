@@ -12,7 +12,7 @@ upstream that never answers would otherwise keep its QEMU and its slot forever, 
 arriving (the gateway holds no byte for it), it takes the snapshot tier too. Which VMs
 may take which tier is the transition table's word (IDLE_LIVE_PAUSE, IDLE_PAUSE).
 
-A request wakes either tier transparently (scheduler._ensure_running).
+A request wakes either tier transparently (wake.py).
 
 Each sweep polls the node heartbeat itself (the reference reads a 30 s-old node heartbeat
 and trails the timeout by up to ~40 s; polling here bounds the lag to one sweep interval
@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from pal.manager.models import VmActivity
 from pal.scheduler import states
+from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, Marker, VmState
 from pal.store import VmRecord
-
-if TYPE_CHECKING:
-    from pal.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +61,20 @@ def idle_for_ms(vm: VmRecord, activity: VmActivity | None, now_ms: int, bound_s:
     return now_ms - last_active_ms(vm, activity, now_ms, bound_s)
 
 
+class IdleSuspender(Protocol):
+    """The two tiers (pause_resume.py): each re-checks ``still_idle`` under the VM's lock."""
+
+    async def idle_pause(self, vm_id: str, *, still_idle: Callable[[VmRecord], bool]) -> VmRecord | None: ...
+
+    async def idle_live_pause(
+        self, vm_id: str, *, still_idle: Callable[[VmRecord], bool]
+    ) -> VmRecord | None: ...
+
+
 class IdleSweeper:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.sched = scheduler
+    def __init__(self, deps: Deps, suspender: IdleSuspender) -> None:
+        self.d = deps
+        self.suspender = suspender
 
     @staticmethod
     def may_sweep(vm: VmRecord) -> tuple[bool, bool]:
@@ -84,9 +94,9 @@ class IdleSweeper:
             return None
         if activity is None or not activity.alive:
             return None  # not ours to judge: the reconciler handles VMs that are gone
-        if activity.has_active_exec or self.sched.inflight.get(vm.vm_id, 0):
+        if activity.has_active_exec or self.d.locks.busy(vm.vm_id):
             return None
-        now = self.sched.now_ms()
+        now = self.d.now_ms()
         if to_snapshot and idle_for_ms(vm, activity, now) > vm.idle_timeout_secs * 1000:
             return "snapshot"
         live_after = vm.idle_live_pause_secs
@@ -100,7 +110,7 @@ class IdleSweeper:
         if vm.marker != Marker.LIVE_WAIT:
             return False
         try:
-            st = await self.sched.node(vm).live_status(vm.vm_id)
+            st = await self.d.node(vm).live_status(vm.vm_id)
         except Exception as exc:
             log.warning("idle sweep: wait state of %s unknown: %s", vm.vm_id, exc)
             return True  # not knowing is no reason to cut a connection
@@ -113,17 +123,17 @@ class IdleSweeper:
         """One tick: move every idle VM to the tier it is due for; returns the ids moved."""
         candidates = [
             vm
-            for vm in self.sched.store.list_vms(states=[VmState.RUNNING, VmState.PAUSED])
+            for vm in self.d.store.list_vms(states=[VmState.RUNNING, VmState.PAUSED])
             if any(self.may_sweep(vm))
         ]
         if not candidates:
             return []
         by_id: dict[str, VmActivity] = {}
         for node_id in sorted({vm.node_id or "" for vm in candidates}):
-            if self.sched.nodes.silent(node_id or None):
+            if self.d.nodes.silent(node_id or None):
                 continue
             try:  # each node's own report, fresh (not its last pushed heartbeat)
-                hb = await self.sched.nodes.client(node_id or None).heartbeat()
+                hb = await self.d.nodes.client(node_id or None).heartbeat()
             except Exception as exc:
                 log.warning("idle sweep: node %s did not answer: %s", node_id, exc)
                 continue
@@ -139,9 +149,9 @@ class IdleSweeper:
             still = functools.partial(self._recheck, activity, want)
             try:
                 if want == "live":
-                    done = await self.sched.idle_live_pause(vm.vm_id, still_idle=still)
+                    done = await self.suspender.idle_live_pause(vm.vm_id, still_idle=still)
                 else:
-                    done = await self.sched.idle_pause(vm.vm_id, still_idle=still)
+                    done = await self.suspender.idle_pause(vm.vm_id, still_idle=still)
             except Exception as exc:
                 log.warning("idle suspend of %s failed: %s", vm.vm_id, exc)
                 continue

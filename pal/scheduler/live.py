@@ -19,18 +19,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from pal.errors import BackendError, PalError
+from pal.errors import BackendError, LivePaused, PalError
 from pal.manager.models import LivePauseRequest, LiveState, Notice
+from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import states
+from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, Marker, VmState
 from pal.scheduler.views import add_live_stats, count_offload
 from pal.spec import WaitPause
 from pal.store import VmRecord, utcnow
-
-if TYPE_CHECKING:
-    from pal.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 S, A, M = VmState, Action, Marker
@@ -39,7 +39,6 @@ BY = {A.LIVE_PAUSE: "operator", A.IDLE_LIVE_PAUSE: "idle", A.WAIT_PAUSE: "wait"}
 WAIT_PAUSE_EVENT, WAIT_OFFLOAD_EVENT, WAIT_RESUME_EVENT = "wait_pause", "wait_offload", "wait_resume"
 LIVE_OFFLOAD_EVENT = "live_offload"  # an operator's or idle pause offloaded
 NOTICE_POLL_S = 20.0  # long poll of the node's notices
-LIVE_PAUSED_CODE = "LIVE_PAUSED"  # the node's answer to exec/files on a live-paused VM
 
 
 def live_paused(vm: VmRecord) -> bool:
@@ -51,8 +50,11 @@ def wait_rule(vm: VmRecord) -> WaitPause | None:
 
 
 class LiveOps:
-    def __init__(self, sched: Scheduler) -> None:
-        self.s = sched
+    """``is_leader``: whether this replica leads now (only the leader acts on notices)."""
+
+    def __init__(self, deps: Deps, is_leader: Callable[[], Awaitable[bool]]) -> None:
+        self.d = deps
+        self._is_leader = is_leader
         self._notices: asyncio.Task[None] | None = None
         self._pollers: dict[str, asyncio.Task[None]] = {}  # node id -> its notices' long poll
         self._handling: set[asyncio.Task[Any]] = set()
@@ -66,10 +68,15 @@ class LiveOps:
         self, vm_id: str, action: Action, *, offload: bool = False, reason: str
     ) -> VmRecord | None:
         """A live pause (caller holds the VM's operation lock). None: a wait pause found
-        nothing waiting (nothing changed)."""
-        s = self.s
+        nothing waiting (nothing changed).
+
+        Prerequisites: ``action`` (LIVE_PAUSE, IDLE_LIVE_PAUSE, WAIT_PAUSE) allowed: running,
+        or for LIVE_PAUSE also live-paused (the operator takes it over, or offloads it).
+        Success: paused with the action's live marker (the slot kept), the node first.
+        Failure: the node's error, nothing changed; failed if its QEMU turned out gone."""
+        s = self.d
         t0 = time.perf_counter()
-        vm = s._reload(vm_id)
+        vm = s.reload(vm_id)
         states.check(vm_id, vm.state, action, vm.marker)
         by = BY[action]
         wait = wait_rule(vm)
@@ -104,25 +111,28 @@ class LiveOps:
             )
         if res.state is not None:
             if self.record_offload(vm_id, res.state):
-                paused = s._reload(vm_id)
+                paused = s.reload(vm_id)
             if action == A.LIVE_PAUSE:
                 self._answers[vm_id] = res.state
         s.telemetry.live_pause.labels(by=by).observe(time.perf_counter() - t0)
         return paused
 
     async def _lost_if_gone(self, vm: VmRecord, reason: str) -> None:
-        if await self.s.is_alive(vm, vm.incarnation) is False:
-            await self.s.stop_quietly(vm)
+        if await self.d.is_alive(vm, vm.incarnation) is False:
+            await self.d.stop_quietly(vm)
             with contextlib.suppress(Exception):
-                await self.s.transitions.transition(vm.vm_id, A.LOSE, reason=reason)
+                await self.d.transitions.transition(vm.vm_id, A.LOSE, reason=reason)
 
     # ------------------------------------------------------------------ resume
 
     async def resume(self, vm_id: str, trigger: str, why: str | None = None) -> VmRecord:
-        """The same QEMU continues (caller holds the VM's operation lock)."""
-        s = self.s
+        """The same QEMU continues (caller holds the VM's operation lock).
+
+        Prerequisites: LIVE_RESUME allowed (live-paused, any live marker).
+        Success: running, the node first. Failure: 500; failed if its QEMU is gone."""
+        s = self.d
         t0 = time.perf_counter()
-        vm = s._reload(vm_id)
+        vm = s.reload(vm_id)
         states.check(vm_id, vm.state, A.LIVE_RESUME, vm.marker)
         try:
             res = await s.node(vm).live_resume(vm_id)
@@ -163,8 +173,10 @@ class LiveOps:
     async def wait_pause(self, vm_id: str) -> VmRecord | None:
         """The node says the VM is idle and waits on held I/O: pause it, unless it has no
         wait management or is no longer running (the node itself refuses while the guest
-        computes, a request is being handed to it, or nothing waits any more)."""
-        s = self.s
+        computes, a request is being handed to it, or nothing waits any more).
+
+        Prerequisites: wait management on, WAIT_PAUSE allowed (running); else None."""
+        s = self.d
         async with s.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)
             if vm is None or not vm.wait_pause or not states.allowed(S(vm.state), A.WAIT_PAUSE, vm.marker):
@@ -173,8 +185,10 @@ class LiveOps:
 
     async def wake(self, vm_id: str, trigger: str, why: str) -> VmRecord | None:
         """Resume a wait-paused VM for its data or its timer (an operator's pause and the
-        idle tier are not woken by those)."""
-        s = self.s
+        idle tier are not woken by those).
+
+        Prerequisites: marker live:wait and LIVE_RESUME allowed; else None."""
+        s = self.d
         async with s.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)
             # The table allows a live resume of any live pause; data and timers wake only
@@ -192,7 +206,7 @@ class LiveOps:
         once however many reports of it come (views.count_offload). The one place an
         offload is recorded; the caller holds the VM's operation lock, so this
         read-modify-write of the counters never crosses a pause's or a resume's."""
-        s = self.s
+        s = self.d
         vm = s.store.get_vm(vm_id)
         if vm is None or not st.offloaded:
             return False
@@ -223,7 +237,7 @@ class LiveOps:
             freed_mib=n.freed_mib or 0,
             resident_mib=n.resident_mib,
         )
-        async with self.s.op_lock(n.vm_id):
+        async with self.d.op_lock(n.vm_id):
             self.record_offload(n.vm_id, st)
 
     # ------------------------------------------------------------------ notices
@@ -245,9 +259,7 @@ class LiveOps:
     async def _watch_nodes(self) -> None:
         """One long poll per node that may hold live VMs (embedded or remote, not lost);
         the set is refreshed every tick."""
-        from pal.scheduler import nodes as nodes_mod
-
-        s = self.s
+        s = self.d
         while True:
             try:
                 ids = set(s.nodes.local_ids()) | {
@@ -265,11 +277,11 @@ class LiveOps:
 
     async def _notice_loop(self, node_id: str) -> None:
         """Act on one node's notices as they come (leader only)."""
-        s = self.s
+        s = self.d
         seq, epoch = 0, ""
         while True:
             try:
-                if not await s.leader.is_leader():
+                if not await self._is_leader():
                     await asyncio.sleep(s.settings.idle_sweep_interval_s)
                     continue
                 got = await s.nodes.client(node_id).notices(seq, epoch, NOTICE_POLL_S)
@@ -313,7 +325,7 @@ class LiveOps:
         st: LiveState | None = None if measure else answered
         if st is None:
             with contextlib.suppress(Exception):
-                st = await self.s.node(vm).live_status(vm.vm_id)
+                st = await self.d.node(vm).live_status(vm.vm_id)
         return {
             "kind": "live",
             "by": vm.paused_by,
@@ -324,4 +336,5 @@ class LiveOps:
 
 
 def is_live_paused_error(exc: BaseException) -> bool:
-    return isinstance(exc, PalError) and exc.code == LIVE_PAUSED_CODE
+    """The node's answer to exec/files/ports on a live-paused VM (the one check of it)."""
+    return isinstance(exc, PalError) and exc.code == LivePaused.code

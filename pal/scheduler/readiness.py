@@ -10,9 +10,12 @@ as it is healthy: there is nothing to wait for.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pal.sizes import DEFAULT_MEMORY_MIB, size_name
+
+if TYPE_CHECKING:
+    from pal.scheduler.nodes import NodePool
 
 DEFAULT_IMAGE = "default"
 
@@ -52,7 +55,14 @@ def cluster_readiness(nodes: Iterable[Any]) -> dict[str, Any]:
     return node_readiness([], templates=True)
 
 
-async def readiness(scheduler: Any, *, templates: bool) -> dict[str, Any]:
+class WithNodes(Protocol):
+    """What readiness reads of the scheduler: its node pool."""
+
+    @property
+    def nodes(self) -> NodePool: ...
+
+
+async def readiness(scheduler: WithNodes, *, templates: bool) -> dict[str, Any]:
     """This server's readiness. With embedded nodes (`pal up`) their live heartbeat is
     asked (a template that just finished counts at once); a control plane of remote nodes
     judges their last heartbeats. ``templates``: this server's PAL_TEMPLATES (an embedded

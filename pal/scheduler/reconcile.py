@@ -11,9 +11,9 @@ Every fix goes through the one transition function.
   lost its VMs: the ones holding a slot there become FAILED ("node lost"), releasing their
   slots exactly once (the transition function's books); its PAUSED VMs stay resumable
   elsewhere (their snapshots are in S3).
-- ``stray_vms``: what a node that heartbeats runs but must not (a VM failed, deleted,
-  paused or moved meanwhile, or an older incarnation): stopped by (id, incarnation), so
-  a VM never runs twice.
+- ``node_heartbeat`` (a remote node's push) and ``stray_vms``: what a node that heartbeats
+  runs but must not (a VM failed, deleted, paused or moved meanwhile, or an older
+  incarnation): stopped by (id, incarnation), so a VM never runs twice.
 
 Live pauses have no in-between state: the node acts first and records each one in the
 VM's state.json, so its word is the truth (pal/scheduler/live.py). A RUNNING row whose
@@ -26,18 +26,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
-from pal.errors import Unavailable
-from pal.manager.models import NodeHeartbeat, VmActivity
+from pal.errors import Conflict, InvalidRequest, Unavailable
+from pal.manager.models import HeartbeatAck, LiveState, NodeHeartbeat, VmActivity
 from pal.scheduler import nodes as nodes_mod
-from pal.scheduler.states import FINAL, NEVER_STARTS, Action, Marker, VmState, holds_slot, is_live_paused
+from pal.scheduler.deps import Deps, SpawnChore
+from pal.scheduler.states import (
+    FINAL,
+    NEVER_STARTS,
+    Action,
+    Marker,
+    VmState,
+    has_live_qemu,
+    holds_slot,
+    is_live_paused,
+)
 from pal.store import VmRecord, utcnow
-
-if TYPE_CHECKING:
-    from pal.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 S = VmState
@@ -45,20 +52,9 @@ A = Action
 # The node's word for who live-paused a VM -> the action that records it.
 LIVE_ACTION = {"operator": A.LIVE_PAUSE, "idle": A.IDLE_LIVE_PAUSE, "wait": A.WAIT_PAUSE}
 
-
-async def _snapshot_complete(sched: Scheduler, vm: VmRecord, snapshot_id: str | None) -> bool | None:
-    """True/False, or None when the manager could not tell (then we change nothing)."""
-    if not snapshot_id or not vm.agent_version_id:
-        return False
-    try:
-        st = await sched.node(vm).snapshot_status(vm.agent_version_id, vm.vm_id, snapshot_id)
-    except Exception as exc:
-        log.warning("snapshot status of %s/%s unknown: %s", vm.vm_id, snapshot_id, exc)
-        return None
-    return st.complete
-
-
 STALE_HEARTBEATS = 6  # heartbeat periods without one before a harness counts as gone (5 s x 6)
+NODE_LOST_REASON = "node lost"
+LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
 
 
 def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
@@ -66,58 +62,151 @@ def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
     return a is not None and (a.incarnation is None or a.incarnation == vm.incarnation)
 
 
-async def _fix_live(sched: Scheduler, vm: VmRecord, a: VmActivity | None) -> str | None:
-    """A live VM's pause as its node reports it (``a``: fresh, alive, this incarnation)."""
-    t = sched.transitions
-    if a is None:
-        return None
-    if a.live is not None and a.live.offloaded:
-        # An offload whose notice died with a restart is counted here (once: live.py).
-        sched.live.record_offload(vm.vm_id, a.live)
-    if vm.state == S.RUNNING and a.live is not None:
-        action = LIVE_ACTION[a.live.by]
-        paused_at = datetime.fromtimestamp(a.live.since, UTC)
-        await t.transition(
-            vm.vm_id, action, reason="live pause found on the node", paused_by=a.live.by, paused_at=paused_at
-        )
-        return f"live-paused on the node (by {a.live.by}) -> paused"
-    if is_live_paused(vm.state, vm.marker) and a.live is None:
-        await t.transition(
-            vm.vm_id,
-            A.LIVE_RESUME,
-            reason="running on the node",
-            paused_by=None,
-            paused_at=None,
-            last_activity_unix_ms=sched.now_ms(),
-        )
-        return "live-paused but running on the node -> running"
-    return None
+@dataclass
+class Reconciler:
+    d: Deps
+    # live.py's one record of an offload (counted once however it is reported)
+    record_offload: Callable[[str, LiveState], bool]
+    leader_since: Callable[[], float]  # when this replica last became leader (its clock)
+    spawn_chore: SpawnChore
+    # Nodes whose VMs the last reconciliation could not settle: settled when they answer
+    # again (reconcile_unanswered).
+    unreconciled_nodes: set[str | None] = field(default_factory=set)
 
+    async def node_heartbeat(self, hb: NodeHeartbeat) -> HeartbeatAck:
+        """A remote node's pushed heartbeat (leader only: the record is a fenced write).
+        Registers or refreshes the node, and stops what it runs but must not (a VM declared
+        lost while it was away, an older incarnation...): a VM never runs twice.
 
-async def _fix(sched: Scheduler, vm: VmRecord, alive: dict[str, VmActivity]) -> str | None:
-    """Settle one VM (caller holds its operation lock). Returns a description of the fix."""
-    t = sched.transitions
-    state, vid = S(vm.state), vm.vm_id
-    live = vid in alive
-    if (state == S.RUNNING or is_live_paused(state, vm.marker)) and _alive(alive, vm):
-        return await _fix_live(sched, vm, alive.get(vid))
-    if is_live_paused(state, vm.marker):
-        if live:  # a stale incarnation is running: it is not the VM we think it is
-            await sched.stop_quietly(vm)
-        await t.transition(vid, A.LOSE, reason="its QEMU is gone (it was live-paused)")
-        return "live-paused but gone -> failed"
-    if state == S.DRAINING and vm.marker == Marker.DELETING:
-        if not await sched.stop_quietly(vm):
+        Prerequisites: an http(s) URL (400), not the embedded node's id (409)."""
+        nodes = self.d.nodes
+        if not hb.url.startswith(("http://", "https://")):
+            raise InvalidRequest("a node's heartbeat must carry the http(s) URL of its RPC")
+        if nodes.is_local(hb.node_id):
+            raise Conflict(f"node id {hb.node_id} is the embedded node's")
+        rec = nodes.record(hb, url=hb.url)
+        strays = self.stray_vms(hb.node_id, hb)
+        if strays:
+            self.spawn_chore(self.stop_strays(hb.node_id, strays), f"strays-{hb.node_id}")
+        return HeartbeatAck(node_id=hb.node_id, state=rec.state, stopping=[v for v, _ in strays])
+
+    async def _snapshot_complete(self, vm: VmRecord, snapshot_id: str | None) -> bool | None:
+        """True/False, or None when the manager could not tell (then we change nothing)."""
+        if not snapshot_id or not vm.agent_version_id:
+            return False
+        try:
+            st = await self.d.node(vm).snapshot_status(vm.agent_version_id, vm.vm_id, snapshot_id)
+        except Exception as exc:
+            log.warning("snapshot status of %s/%s unknown: %s", vm.vm_id, snapshot_id, exc)
             return None
-        await t.transition(vid, A.FINISH_DELETE, reason="deleted")
-        return "interrupted delete -> terminated"
-    if state == S.DRAINING:  # a pause (operator or idle) was under way
-        complete = await _snapshot_complete(sched, vm, vm.snapshot_id)
+        return st.complete
+
+    async def _fix_live(self, vm: VmRecord, a: VmActivity | None) -> str | None:
+        """A live VM's pause as its node reports it (``a``: fresh, alive, this incarnation)."""
+        t = self.d.transitions
+        if a is None:
+            return None
+        if a.live is not None and a.live.offloaded:
+            # An offload whose notice died with a restart is counted here (once: live.py).
+            self.record_offload(vm.vm_id, a.live)
+        if vm.state == S.RUNNING and a.live is not None:
+            action = LIVE_ACTION[a.live.by]
+            paused_at = datetime.fromtimestamp(a.live.since, UTC)
+            await t.transition(
+                vm.vm_id,
+                action,
+                reason="live pause found on the node",
+                paused_by=a.live.by,
+                paused_at=paused_at,
+            )
+            return f"live-paused on the node (by {a.live.by}) -> paused"
+        if is_live_paused(vm.state, vm.marker) and a.live is None:
+            await t.transition(
+                vm.vm_id,
+                A.LIVE_RESUME,
+                reason="running on the node",
+                paused_by=None,
+                paused_at=None,
+                last_activity_unix_ms=self.d.now_ms(),
+            )
+            return "live-paused but running on the node -> running"
+        return None
+
+    async def _fix(self, vm: VmRecord, alive: dict[str, VmActivity]) -> str | None:
+        """Settle one VM (caller holds its operation lock). Returns a description of the fix."""
+        t = self.d.transitions
+        state, vid = S(vm.state), vm.vm_id
+        live = vid in alive
+        if has_live_qemu(state, vm.marker) and _alive(alive, vm):
+            return await self._fix_live(vm, alive.get(vid))
+        if is_live_paused(state, vm.marker):
+            if live:  # a stale incarnation is running: it is not the VM we think it is
+                await self.d.stop_quietly(vm)
+            await t.transition(vid, A.LOSE, reason="its QEMU is gone (it was live-paused)")
+            return "live-paused but gone -> failed"
+        if state == S.DRAINING and vm.marker == Marker.DELETING:
+            if not await self.d.stop_quietly(vm):
+                return None
+            await t.transition(vid, A.FINISH_DELETE, reason="deleted")
+            return "interrupted delete -> terminated"
+        if state == S.DRAINING:  # a pause (operator or idle) was under way
+            return await self._fix_pause(vm, live)
+        if state == S.SPAWNING and vm.marker == Marker.RESUMING:
+            if _alive(alive, vm):
+                await t.transition(vid, A.COME_UP, paused_by=None, paused_at=None)
+                return "interrupted resume came up -> running"
+            if live:
+                await self.d.stop_quietly(vm)
+            await t.transition(vid, A.ROLL_BACK_RESUME, reason="resume interrupted; resumable again")
+            return "interrupted resume -> paused"
+        if state == S.SPAWNING and vm.marker == Marker.FORKING:
+            # A fork's children come up in one transaction (fork.py, _spawn_children): one
+            # still spawning means that commit never happened, so none of them is kept.
+            if live:
+                await self.d.stop_quietly(vm)
+            await t.transition(
+                vid, A.FAIL_SPAWN, reason="fork interrupted (control plane restarted); not kept"
+            )
+            return "interrupted fork child -> failed"
+        if state == S.SPAWNING:
+            if _alive(alive, vm):
+                await t.transition(vid, A.COME_UP)
+                return "interrupted spawn came up -> running"
+            if live:
+                await self.d.stop_quietly(vm)
+            await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted during spawn")
+            return "interrupted spawn -> failed"
+        if state == S.PENDING:
+            await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted before placement")
+            return "pending -> failed"
+        if state == S.RUNNING and not _alive(alive, vm):
+            if live:  # a stale incarnation is running: it is not the VM we think it is
+                await self.d.stop_quietly(vm)
+            await t.transition(vid, A.LOSE, reason="QEMU exited")
+            return "running but gone -> failed"
+        if state == S.PAUSED:
+            if live:
+                await self.d.stop_quietly(vm)  # a paused VM has no process; this one is stray
+            complete = await self._snapshot_complete(vm, vm.snapshot_id)
+            if complete is False:
+                await t.transition(vid, A.LOSE, reason="its snapshot is missing or incomplete")
+                return "paused without a complete snapshot -> failed"
+            return None
+        if state in (S.FAILED, S.TERMINATED) and live:
+            await self.d.stop_quietly(vm)
+            return f"stray QEMU of a {state.value} VM stopped"
+        return None
+
+    async def _fix_pause(self, vm: VmRecord, live: bool) -> str | None:
+        """A snapshot pause that was under way (draining for a pause): completed if its
+        snapshot is, else rolled back to running (its QEMU runs) or lost."""
+        t, vid = self.d.transitions, vm.vm_id
+        complete = await self._snapshot_complete(vm, vm.snapshot_id)
         if complete is None:
             return None
         if complete:
             if live:
-                await sched.stop_quietly(vm)
+                await self.d.stop_quietly(vm)
             by = "idle" if vm.marker == Marker.IDLE_PAUSING else "operator"
             await t.transition(vid, A.FINISH_PAUSE, reason=vm.reason, paused_by=by, paused_at=utcnow())
             return "interrupted pause completed -> paused"
@@ -133,339 +222,287 @@ async def _fix(sched: Scheduler, vm: VmRecord, alive: dict[str, VmActivity]) -> 
             return "interrupted pause rolled back -> running"
         await t.transition(vid, A.LOSE, reason="pause interrupted and no complete snapshot")
         return "interrupted pause, VM gone -> failed"
-    if state == S.SPAWNING and vm.marker == Marker.RESUMING:
-        if _alive(alive, vm):
-            await t.transition(vid, A.COME_UP, paused_by=None, paused_at=None)
-            return "interrupted resume came up -> running"
-        if live:
-            await sched.stop_quietly(vm)
-        await t.transition(vid, A.ROLL_BACK_RESUME, reason="resume interrupted; resumable again")
-        return "interrupted resume -> paused"
-    if state == S.SPAWNING and vm.marker == Marker.FORKING:
-        # A fork's children come up in one transaction (scheduler._spawn_children): one
-        # still spawning means that commit never happened, so none of them is kept.
-        if live:
-            await sched.stop_quietly(vm)
-        await t.transition(vid, A.FAIL_SPAWN, reason="fork interrupted (control plane restarted); not kept")
-        return "interrupted fork child -> failed"
-    if state == S.SPAWNING:
-        if _alive(alive, vm):
-            await t.transition(vid, A.COME_UP)
-            return "interrupted spawn came up -> running"
-        if live:
-            await sched.stop_quietly(vm)
-        await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted during spawn")
-        return "interrupted spawn -> failed"
-    if state == S.PENDING:
-        await t.transition(vid, A.FAIL_SPAWN, reason="control plane restarted before placement")
-        return "pending -> failed"
-    if state == S.RUNNING and not _alive(alive, vm):
-        if live:  # a stale incarnation is running: it is not the VM we think it is
-            await sched.stop_quietly(vm)
-        await t.transition(vid, A.LOSE, reason="QEMU exited")
-        return "running but gone -> failed"
-    if state == S.PAUSED:
-        if live:
-            await sched.stop_quietly(vm)  # a paused VM has no process; this one is stray
-        complete = await _snapshot_complete(sched, vm, vm.snapshot_id)
-        if complete is False:
-            await t.transition(vid, A.LOSE, reason="its snapshot is missing or incomplete")
-            return "paused without a complete snapshot -> failed"
-        return None
-    if state in (S.FAILED, S.TERMINATED) and live:
-        await sched.stop_quietly(vm)
-        return f"stray QEMU of a {state.value} VM stopped"
-    return None
 
-
-async def _heartbeats(
-    sched: Scheduler, node_ids: Iterable[str | None], ask_silent: bool = False
-) -> dict[str | None, NodeHeartbeat]:
-    """The heartbeat of each node that answers. Lost nodes are not asked; silent ones only
-    with ``ask_silent`` (a new leader: heartbeats sent during the failover went nowhere, so
-    a node's silence says nothing yet)."""
-    out: dict[str | None, NodeHeartbeat] = {}
-    for node_id in sorted(set(node_ids), key=lambda n: n or ""):
-        if sched.nodes.state_of(node_id) == nodes_mod.LOST:
-            continue
-        if sched.nodes.silent(node_id) and not ask_silent:
-            continue
-        try:
-            out[node_id] = await sched.nodes.client(node_id).heartbeat()
-        except Exception as exc:
-            log.warning("node %s did not answer its heartbeat: %s", node_id, exc)
-    return out
-
-
-async def reconcile_all(sched: Scheduler, only: set[str | None] | None = None) -> list[str]:
-    """Settle every VM whose node answers (``only``: the VMs of these nodes); returns a log
-    of the fixes (also logged). The nodes that did not answer are left in
-    ``sched.unreconciled_nodes``: their VMs are settled when they answer again
-    (``reconcile_unanswered``), or by node-loss detection if they never do."""
-    try:
-        await sched.nodes.register_local()
-    except Exception as exc:
-        raise Unavailable(
-            f"cannot reconcile: the runtime manager did not answer its heartbeat: {exc}"
-        ) from exc
-    only_local = sched.nodes.local_ids()[0] if len(sched.nodes.local_ids()) == 1 else None
-    rows = sched.store.list_vms()
-    known = {vm.vm_id for vm in rows}
-    if only is not None:
-        # A row from before nodes existed belongs to the embedded node.
-        rows = [vm for vm in rows if (vm.node_id or only_local) in only]
-        node_ids: set[str | None] = set(only)
-    else:
-        node_ids = {vm.node_id for vm in rows if vm.node_id}
-        node_ids |= set(sched.nodes.local_ids())
-        node_ids |= {n.node_id for n in sched.nodes.nodes()}
-    beats = await _heartbeats(sched, node_ids, ask_silent=True)
-    if not beats and sched.nodes.local_ids() and only is None:
-        raise Unavailable("cannot reconcile: the runtime manager did not answer its heartbeat")
-    fixes: list[str] = []
-    unanswered: set[str | None] = set()
-    for vm in rows:
-        hb = beats.get(vm.node_id or only_local)
-        if hb is None and vm.state != S.PENDING and holds_slot(vm.state, vm.marker):
-            unanswered.add(vm.node_id or only_local)
-            continue  # its node does not answer: settled when it does, or when it is lost
-        alive = {a.vm_id: a for a in hb.vms if a.alive} if hb is not None else {}
-        async with sched.op_lock(vm.vm_id):
-            # One fix may lead to another (an interrupted snapshot of a live-paused VM
-            # rolls back to running, and the node says it is live-paused).
-            for _ in range(3):
-                fresh = sched.store.get_vm(vm.vm_id)
-                if fresh is None:
-                    break
-                try:
-                    fix = await _fix(sched, fresh, alive)
-                except Exception as exc:
-                    log.error("reconcile of %s failed: %s", vm.vm_id, exc)
-                    break
-                if not fix:
-                    break
-                fixes.append(f"{vm.vm_id}: {fix}")
-    kept = sched.unreconciled_nodes - node_ids if only is not None else set()
-    sched.unreconciled_nodes = kept | unanswered
-    for node_id, hb in beats.items():
-        for a in hb.vms:
-            if a.alive and a.vm_id not in known:
-                await _stop_on(sched, node_id, a.vm_id, None)
-                fixes.append(f"{a.vm_id}: unknown VM on node {node_id} stopped")
-    fixes.extend(await fix_slots(sched))
-    for f in fixes:
-        log.warning("reconcile: %s", f)
-    return fixes
-
-
-async def reconcile_unanswered(sched: Scheduler) -> list[str]:
-    """Every tick: settle the VMs of nodes that did not answer the last ``reconcile_all``
-    once they heartbeat again (a VM mid-fork on a node that was silent during a failover
-    would otherwise stay spawning forever). Lost nodes drop out: node loss settles them."""
-    pending = sched.unreconciled_nodes
-    lost = {n for n in pending if sched.nodes.state_of(n) == nodes_mod.LOST}
-    sched.unreconciled_nodes = pending - lost
-    ready = {n for n in sched.unreconciled_nodes if not sched.nodes.silent(n)}
-    return await reconcile_all(sched, only=ready) if ready else []
-
-
-async def _stop_on(sched: Scheduler, node_id: str | None, vm_id: str, incarnation: int | None) -> bool:
-    try:
-        await sched.nodes.client(node_id).stop(vm_id, incarnation)
-        return True
-    except Exception as exc:
-        log.warning("stop of %s on %s failed: %s", vm_id, node_id, exc)
-        return False
-
-
-async def fix_slots(sched: Scheduler) -> list[str]:
-    """Make ``holds_slot`` agree with the state (states.holds_slot) for every row."""
-    fixes = []
-    for vm in sched.store.list_vms():
-        should = holds_slot(vm.state, vm.marker)
-        if vm.holds_slot != should and await sched.transitions.repair_slot(vm.vm_id):
-            fixes.append(f"{vm.vm_id}: slot {'reserved' if should else 'released'} ({vm.state})")
-    return fixes
-
-
-async def reconcile_light(sched: Scheduler) -> list[str]:
-    """A live VM (running or live-paused) whose QEMU died, or a RUNNING one whose harness
-    went silent (no heartbeat for STALE_HEARTBEATS periods: spec's "stale after 30 s"),
-    -> FAILED, its QEMU stopped; a live pause the row and the node disagree on is settled
-    by the node's word. Rows are read before the heartbeat, and each is re-checked under
-    its lock (with a fresh look at the node), so a VM that changed meanwhile is left alone."""
-    rows = [
-        vm
-        for vm in sched.store.list_vms(states=[S.RUNNING, S.PAUSED])
-        if vm.state == S.RUNNING or is_live_paused(vm.state, vm.marker)
-    ]
-    if not rows:
-        return []
-    beats = await _heartbeats(sched, {vm.node_id for vm in rows})
-    stale_ms = int(sched.settings.heartbeat_interval_s * STALE_HEARTBEATS * 1000)
-    now = sched.now_ms()
-    fixes = []
-    for vm in rows:
-        hb = beats.get(vm.node_id)
-        if hb is None:
-            continue  # its node did not answer: node-loss detection decides
-        alive = {a.vm_id: a for a in hb.vms if a.alive}
-        a = alive.get(vm.vm_id)
-        if _alive(alive, vm) and a is not None and (vm.state == S.RUNNING) != (a.live is None):
-            async with sched.op_lock(vm.vm_id):
-                fresh = sched.store.get_vm(vm.vm_id)
-                if fresh is None or (fresh.state, fresh.incarnation, fresh.node_id) != (
-                    vm.state,
-                    vm.incarnation,
-                    vm.node_id,
-                ):
-                    continue
-                now_hb = await sched.node(fresh).heartbeat()
-                fix = await _fix_live(
-                    sched, fresh, next((x for x in now_hb.vms if x.vm_id == vm.vm_id), None)
-                )
-            if fix:
-                fixes.append(f"{vm.vm_id}: {fix}")
-                log.warning("reconcile: %s %s", vm.vm_id, fix)
-            continue
-        silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
-        stale = vm.state == S.RUNNING and silent_ms > stale_ms
-        if _alive(alive, vm) and not stale:
-            continue
-        reason = f"harness silent for {silent_ms // 1000} s" if stale else "QEMU exited"
-        async with sched.op_lock(vm.vm_id):
-            fresh = sched.store.get_vm(vm.vm_id)
-            if (
-                fresh is None
-                or (fresh.state, fresh.marker) != (vm.state, vm.marker)
-                or fresh.incarnation != vm.incarnation
-                or fresh.node_id != vm.node_id
-            ):
+    async def _heartbeats(
+        self, node_ids: Iterable[str | None], ask_silent: bool = False
+    ) -> dict[str | None, NodeHeartbeat]:
+        """The heartbeat of each node that answers. Lost nodes are not asked; silent ones only
+        with ``ask_silent`` (a new leader: heartbeats sent during the failover went nowhere, so
+        a node's silence says nothing yet)."""
+        out: dict[str | None, NodeHeartbeat] = {}
+        for node_id in sorted(set(node_ids), key=lambda n: n or ""):
+            if self.d.nodes.state_of(node_id) == nodes_mod.LOST:
                 continue
-            if vm.vm_id in alive:
-                await sched.stop_quietly(vm)
-            await sched.transitions.transition(vm.vm_id, A.LOSE, reason=reason)
-        what = "running" if vm.state == S.RUNNING else "live-paused"
-        fixes.append(f"{vm.vm_id}: {what} but {reason} -> failed")
-        log.warning("reconcile: %s %s but %s -> failed", vm.vm_id, what, reason)
-    return fixes
-
-
-# -- nodes ---------------------------------------------------------------------------------
-
-NODE_LOST_REASON = "node lost"
-LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
-
-
-async def lose_silent_nodes(sched: Scheduler) -> list[str]:
-    """Mark nodes silent for ``node_lost_after_s`` lost, and fail the VMs that hold a slot
-    on a lost node. Idempotent: a VM busy in another operation is retried next tick.
-
-    Silence is counted from the later of the node's last heartbeat and the moment this
-    replica became leader (heartbeats sent during a failover went nowhere)."""
-    limit = sched.settings.node_lost_after_s
-    since_lead = sched.clock() - sched.leader_since
-    fixes: list[str] = []
-    now = utcnow()
-    for node in sched.nodes.nodes():
-        if node.state == nodes_mod.LOST or sched.nodes.is_local(node.node_id):
-            continue
-        silent = min((now - node.last_seen_at).total_seconds(), since_lead)
-        if silent > limit and sched.store.set_node_state(node.node_id, nodes_mod.LOST, expect=node.state):
-            log.error("node %s silent for %.0f s: lost; its running VMs fail", node.node_id, silent)
-            fixes.append(f"node {node.node_id}: lost")
-    lost = {n.node_id for n in sched.nodes.nodes() if n.state == nodes_mod.LOST}
-    if not lost:
-        return fixes
-    victims = [vm for vm in sched.occupying() if vm.node_id in lost]
-    results = await asyncio.gather(*(_lose(sched, vm) for vm in victims))
-    fixes.extend(f for f in results if f)
-    return fixes
-
-
-async def _lose(sched: Scheduler, vm: VmRecord) -> str | None:
-    lock = sched.op_lock(vm.vm_id)
-    try:
-        await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
-    except TimeoutError:
-        return None
-    try:
-        fresh = sched.store.get_vm(vm.vm_id)
-        if fresh is None or fresh.node_id != vm.node_id or not holds_slot(fresh.state, fresh.marker):
-            return None
-        state, t = S(fresh.state), sched.transitions
-        if state == S.DRAINING and fresh.marker == Marker.DELETING:
-            await t.transition(vm.vm_id, A.FINISH_DELETE, reason="deleted (its node was lost)")
-        elif state == S.PENDING:
-            await t.transition(vm.vm_id, A.FAIL_SPAWN, reason=NODE_LOST_REASON)
-        else:
-            await t.transition(vm.vm_id, A.LOSE, reason=NODE_LOST_REASON)
-        log.error("VM %s on lost node %s: %s -> failed", vm.vm_id, vm.node_id, state.value)
-        return f"{vm.vm_id}: {state.value} on lost node {vm.node_id} -> failed"
-    except Exception as exc:
-        log.error("failing VM %s of a lost node failed: %s", vm.vm_id, exc)
-        return None
-    finally:
-        lock.release()
-
-
-def stray_vms(sched: Scheduler, node_id: str, hb: NodeHeartbeat) -> list[tuple[str, int | None]]:
-    """(vm id, incarnation) of the QEMUs ``node_id`` runs that the store does not place
-    there as a live VM of that incarnation: to be stopped."""
-    out = []
-    for a in hb.vms:
-        if not a.alive:
-            continue
-        vm = sched.store.get_vm(a.vm_id)
-        legit = (
-            vm is not None
-            and vm.node_id == node_id
-            and holds_slot(vm.state, vm.marker)  # a live-paused VM's QEMU belongs there too
-            and (a.incarnation is None or a.incarnation == vm.incarnation)
-        )
-        if not legit:
-            out.append((a.vm_id, a.incarnation))
-    return out
-
-
-async def stop_strays(sched: Scheduler, node_id: str, strays: list[tuple[str, int | None]]) -> None:
-    for vm_id, incarnation in strays:
-        if await _stop_on(sched, node_id, vm_id, incarnation):
-            log.warning("stopped stray VM %s (incarnation %s) on node %s", vm_id, incarnation, node_id)
-
-
-async def sweep_snapshots(sched: Scheduler) -> list[str]:
-    """Delete snapshots no VM owns any more: those of terminated VMs (a delete cut short by
-    a crash or an unreachable node) and of VMs whose row is gone (a removed tenant), on
-    every node that answers and in S3. Snapshots a live VM maps (a fork child's) stay.
-
-    Each node's list is read *before* the VM rows, so a VM made meanwhile (its row exists
-    before its first snapshot) is never taken for an orphan."""
-    owners: dict[str, list[tuple[str, str]]] = {}
-    for node_id in sched.nodes.reachable_ids():
-        try:
-            owners[node_id] = list((await sched.nodes.client(node_id).snapshot_owners()).vms)
-        except Exception as exc:
-            log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
-    rows = {vm.vm_id: vm for vm in sched.store.list_vms()}
-    mapped = sorted(
-        {v.mem_snapshot_id for v in rows.values() if v.state not in NEVER_STARTS and v.mem_snapshot_id}
-    )
-    fixes = []
-    for node_id, vms in owners.items():
-        for agent_version_id, vm_id in vms:
-            vm = rows.get(vm_id)
-            if vm is not None and vm.state not in FINAL:
+            if self.d.nodes.silent(node_id) and not ask_silent:
                 continue
             try:
-                gone = await sched.nodes.client(node_id).delete_vm_snapshots(agent_version_id, vm_id, mapped)
+                out[node_id] = await self.d.nodes.client(node_id).heartbeat()
             except Exception as exc:
-                log.warning("snapshot sweep: could not delete those of %s on %s: %s", vm_id, node_id, exc)
+                log.warning("node %s did not answer its heartbeat: %s", node_id, exc)
+        return out
+
+    async def reconcile_all(self, only: set[str | None] | None = None) -> list[str]:
+        """Settle every VM whose node answers (``only``: the VMs of these nodes); returns a log
+        of the fixes (also logged). The nodes that did not answer are left in
+        ``self.unreconciled_nodes``: their VMs are settled when they answer again
+        (``reconcile_unanswered``), or by node-loss detection if they never do."""
+        try:
+            await self.d.nodes.register_local()
+        except Exception as exc:
+            raise Unavailable(
+                f"cannot reconcile: the runtime manager did not answer its heartbeat: {exc}"
+            ) from exc
+        only_local = self.d.nodes.local_ids()[0] if len(self.d.nodes.local_ids()) == 1 else None
+        rows = self.d.store.list_vms()
+        known = {vm.vm_id for vm in rows}
+        if only is not None:
+            # A row from before nodes existed belongs to the embedded node.
+            rows = [vm for vm in rows if (vm.node_id or only_local) in only]
+            node_ids: set[str | None] = set(only)
+        else:
+            node_ids = {vm.node_id for vm in rows if vm.node_id}
+            node_ids |= set(self.d.nodes.local_ids())
+            node_ids |= {n.node_id for n in self.d.nodes.nodes()}
+        beats = await self._heartbeats(node_ids, ask_silent=True)
+        if not beats and self.d.nodes.local_ids() and only is None:
+            raise Unavailable("cannot reconcile: the runtime manager did not answer its heartbeat")
+        fixes: list[str] = []
+        unanswered: set[str | None] = set()
+        for vm in rows:
+            hb = beats.get(vm.node_id or only_local)
+            if hb is None and vm.state != S.PENDING and holds_slot(vm.state, vm.marker):
+                unanswered.add(vm.node_id or only_local)
+                continue  # its node does not answer: settled when it does, or when it is lost
+            alive = {a.vm_id: a for a in hb.vms if a.alive} if hb is not None else {}
+            async with self.d.op_lock(vm.vm_id):
+                # One fix may lead to another (an interrupted snapshot of a live-paused VM
+                # rolls back to running, and the node says it is live-paused).
+                for _ in range(3):
+                    fresh = self.d.store.get_vm(vm.vm_id)
+                    if fresh is None:
+                        break
+                    try:
+                        fix = await self._fix(fresh, alive)
+                    except Exception as exc:
+                        log.error("reconcile of %s failed: %s", vm.vm_id, exc)
+                        break
+                    if not fix:
+                        break
+                    fixes.append(f"{vm.vm_id}: {fix}")
+        kept = self.unreconciled_nodes - node_ids if only is not None else set()
+        self.unreconciled_nodes = kept | unanswered
+        for node_id, hb in beats.items():
+            for a in hb.vms:
+                if a.alive and a.vm_id not in known:
+                    await self._stop_on(node_id, a.vm_id, None)
+                    fixes.append(f"{a.vm_id}: unknown VM on node {node_id} stopped")
+        fixes.extend(await self.fix_slots())
+        for f in fixes:
+            log.warning("reconcile: %s", f)
+        return fixes
+
+    async def reconcile_unanswered(self) -> list[str]:
+        """Every tick: settle the VMs of nodes that did not answer the last ``reconcile_all``
+        once they heartbeat again (a VM mid-fork on a node that was silent during a failover
+        would otherwise stay spawning forever). Lost nodes drop out: node loss settles them."""
+        pending = self.unreconciled_nodes
+        lost = {n for n in pending if self.d.nodes.state_of(n) == nodes_mod.LOST}
+        self.unreconciled_nodes = pending - lost
+        ready = {n for n in self.unreconciled_nodes if not self.d.nodes.silent(n)}
+        return await self.reconcile_all(only=ready) if ready else []
+
+    async def _stop_on(self, node_id: str | None, vm_id: str, incarnation: int | None) -> bool:
+        try:
+            await self.d.nodes.client(node_id).stop(vm_id, incarnation)
+            return True
+        except Exception as exc:
+            log.warning("stop of %s on %s failed: %s", vm_id, node_id, exc)
+            return False
+
+    async def fix_slots(self) -> list[str]:
+        """Make ``holds_slot`` agree with the state (states.holds_slot) for every row."""
+        fixes = []
+        for vm in self.d.store.list_vms():
+            should = holds_slot(vm.state, vm.marker)
+            if vm.holds_slot != should and await self.d.transitions.repair_slot(vm.vm_id):
+                fixes.append(f"{vm.vm_id}: slot {'reserved' if should else 'released'} ({vm.state})")
+        return fixes
+
+    async def reconcile_light(self) -> list[str]:
+        """A live VM (running or live-paused) whose QEMU died, or a RUNNING one whose harness
+        went silent (no heartbeat for STALE_HEARTBEATS periods: spec's "stale after 30 s"),
+        -> FAILED, its QEMU stopped; a live pause the row and the node disagree on is settled
+        by the node's word. Rows are read before the heartbeat, and each is re-checked under
+        its lock (with a fresh look at the node), so a VM that changed meanwhile is left alone."""
+        rows = [
+            vm
+            for vm in self.d.store.list_vms(states=[S.RUNNING, S.PAUSED])
+            if has_live_qemu(vm.state, vm.marker)
+        ]
+        if not rows:
+            return []
+        beats = await self._heartbeats({vm.node_id for vm in rows})
+        stale_ms = int(self.d.settings.heartbeat_interval_s * STALE_HEARTBEATS * 1000)
+        now = self.d.now_ms()
+        fixes = []
+        for vm in rows:
+            hb = beats.get(vm.node_id)
+            if hb is None:
+                continue  # its node did not answer: node-loss detection decides
+            alive = {a.vm_id: a for a in hb.vms if a.alive}
+            a = alive.get(vm.vm_id)
+            if _alive(alive, vm) and a is not None and (vm.state == S.RUNNING) != (a.live is None):
+                async with self.d.op_lock(vm.vm_id):
+                    fresh = self.d.store.get_vm(vm.vm_id)
+                    if fresh is None or (fresh.state, fresh.incarnation, fresh.node_id) != (
+                        vm.state,
+                        vm.incarnation,
+                        vm.node_id,
+                    ):
+                        continue
+                    now_hb = await self.d.node(fresh).heartbeat()
+                    fix = await self._fix_live(
+                        fresh, next((x for x in now_hb.vms if x.vm_id == vm.vm_id), None)
+                    )
+                if fix:
+                    fixes.append(f"{vm.vm_id}: {fix}")
+                    log.warning("reconcile: %s %s", vm.vm_id, fix)
                 continue
-            if vm is not None:
-                sched.store.update_vm(vm_id, snapshot_bytes=0)
-            if gone:
-                fixes.append(f"{vm_id}: {len(gone)} snapshot(s) of a {'terminated' if vm else 'removed'} VM")
-    for f in fixes:
-        log.warning("sweep: %s", f)
-    return fixes
+            silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
+            stale = vm.state == S.RUNNING and silent_ms > stale_ms
+            if _alive(alive, vm) and not stale:
+                continue
+            reason = f"harness silent for {silent_ms // 1000} s" if stale else "QEMU exited"
+            async with self.d.op_lock(vm.vm_id):
+                fresh = self.d.store.get_vm(vm.vm_id)
+                if (
+                    fresh is None
+                    or (fresh.state, fresh.marker) != (vm.state, vm.marker)
+                    or fresh.incarnation != vm.incarnation
+                    or fresh.node_id != vm.node_id
+                ):
+                    continue
+                if vm.vm_id in alive:
+                    await self.d.stop_quietly(vm)
+                await self.d.transitions.transition(vm.vm_id, A.LOSE, reason=reason)
+            what = "running" if vm.state == S.RUNNING else "live-paused"
+            fixes.append(f"{vm.vm_id}: {what} but {reason} -> failed")
+            log.warning("reconcile: %s %s but %s -> failed", vm.vm_id, what, reason)
+        return fixes
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    async def lose_silent_nodes(self) -> list[str]:
+        """Mark nodes silent for ``node_lost_after_s`` lost, and fail the VMs that hold a slot
+        on a lost node. Idempotent: a VM busy in another operation is retried next tick.
+
+        Silence is counted from the later of the node's last heartbeat and the moment this
+        replica became leader (heartbeats sent during a failover went nowhere)."""
+        limit = self.d.settings.node_lost_after_s
+        since_lead = self.d.clock() - self.leader_since()
+        fixes: list[str] = []
+        now = utcnow()
+        for node in self.d.nodes.nodes():
+            if node.state == nodes_mod.LOST or self.d.nodes.is_local(node.node_id):
+                continue
+            silent = min((now - node.last_seen_at).total_seconds(), since_lead)
+            if silent > limit and self.d.store.set_node_state(
+                node.node_id, nodes_mod.LOST, expect=node.state
+            ):
+                log.error("node %s silent for %.0f s: lost; its running VMs fail", node.node_id, silent)
+                fixes.append(f"node {node.node_id}: lost")
+        lost = {n.node_id for n in self.d.nodes.nodes() if n.state == nodes_mod.LOST}
+        if not lost:
+            return fixes
+        victims = [vm for vm in self.d.occupying() if vm.node_id in lost]
+        results = await asyncio.gather(*(self._lose(vm) for vm in victims))
+        fixes.extend(f for f in results if f)
+        return fixes
+
+    async def _lose(self, vm: VmRecord) -> str | None:
+        lock = self.d.op_lock(vm.vm_id)
+        try:
+            await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
+        except TimeoutError:
+            return None
+        try:
+            fresh = self.d.store.get_vm(vm.vm_id)
+            if fresh is None or fresh.node_id != vm.node_id or not holds_slot(fresh.state, fresh.marker):
+                return None
+            state, t = S(fresh.state), self.d.transitions
+            if state == S.DRAINING and fresh.marker == Marker.DELETING:
+                await t.transition(vm.vm_id, A.FINISH_DELETE, reason="deleted (its node was lost)")
+            elif state == S.PENDING:
+                await t.transition(vm.vm_id, A.FAIL_SPAWN, reason=NODE_LOST_REASON)
+            else:
+                await t.transition(vm.vm_id, A.LOSE, reason=NODE_LOST_REASON)
+            log.error("VM %s on lost node %s: %s -> failed", vm.vm_id, vm.node_id, state.value)
+            return f"{vm.vm_id}: {state.value} on lost node {vm.node_id} -> failed"
+        except Exception as exc:
+            log.error("failing VM %s of a lost node failed: %s", vm.vm_id, exc)
+            return None
+        finally:
+            lock.release()
+
+    def stray_vms(self, node_id: str, hb: NodeHeartbeat) -> list[tuple[str, int | None]]:
+        """(vm id, incarnation) of the QEMUs ``node_id`` runs that the store does not place
+        there as a live VM of that incarnation: to be stopped."""
+        out = []
+        for a in hb.vms:
+            if not a.alive:
+                continue
+            vm = self.d.store.get_vm(a.vm_id)
+            legit = (
+                vm is not None
+                and vm.node_id == node_id
+                and holds_slot(vm.state, vm.marker)  # a live-paused VM's QEMU belongs there too
+                and (a.incarnation is None or a.incarnation == vm.incarnation)
+            )
+            if not legit:
+                out.append((a.vm_id, a.incarnation))
+        return out
+
+    async def stop_strays(self, node_id: str, strays: list[tuple[str, int | None]]) -> None:
+        for vm_id, incarnation in strays:
+            if await self._stop_on(node_id, vm_id, incarnation):
+                log.warning("stopped stray VM %s (incarnation %s) on node %s", vm_id, incarnation, node_id)
+
+    async def sweep_snapshots(self) -> list[str]:
+        """Delete snapshots no VM owns any more: those of terminated VMs (a delete cut short by
+        a crash or an unreachable node) and of VMs whose row is gone (a removed tenant), on
+        every node that answers and in S3. Snapshots a live VM maps (a fork child's) stay.
+
+        Each node's list is read *before* the VM rows, so a VM made meanwhile (its row exists
+        before its first snapshot) is never taken for an orphan."""
+        owners: dict[str, list[tuple[str, str]]] = {}
+        for node_id in self.d.nodes.reachable_ids():
+            try:
+                owners[node_id] = list((await self.d.nodes.client(node_id).snapshot_owners()).vms)
+            except Exception as exc:
+                log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
+        rows = {vm.vm_id: vm for vm in self.d.store.list_vms()}
+        mapped = sorted(
+            {v.mem_snapshot_id for v in rows.values() if v.state not in NEVER_STARTS and v.mem_snapshot_id}
+        )
+        fixes = []
+        for node_id, vms in owners.items():
+            for agent_version_id, vm_id in vms:
+                vm = rows.get(vm_id)
+                if vm is not None and vm.state not in FINAL:
+                    continue
+                try:
+                    gone = await self.d.nodes.client(node_id).delete_vm_snapshots(
+                        agent_version_id, vm_id, mapped
+                    )
+                except Exception as exc:
+                    log.warning("snapshot sweep: could not delete those of %s on %s: %s", vm_id, node_id, exc)
+                    continue
+                if vm is not None:
+                    self.d.store.update_vm(vm_id, snapshot_bytes=0)
+                if gone:
+                    fixes.append(
+                        f"{vm_id}: {len(gone)} snapshot(s) of a {'terminated' if vm else 'removed'} VM"
+                    )
+        for f in fixes:
+            log.warning("sweep: %s", f)
+        return fixes

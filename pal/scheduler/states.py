@@ -228,6 +228,14 @@ def is_live_paused(state: VmState | str, marker: str = "") -> bool:
     return VmState(state) == S.PAUSED and marker in LIVE_MARKERS
 
 
+def has_live_qemu(state: VmState | str, marker: str = "") -> bool:
+    """Whether a VM in ``state`` carrying ``marker`` has a live QEMU on its node: running,
+    or live-paused (vCPUs stopped). The one rule for "ask the node, not the row": egress
+    and secret changes apply at once, a fork snapshots it, a drain suspends it, its
+    counters are the node's, reconciliation checks its QEMU."""
+    return VmState(state) == S.RUNNING or is_live_paused(state, marker)
+
+
 class IllegalTransition(Conflict):
     """An action the table does not allow in the VM's state (409)."""
 

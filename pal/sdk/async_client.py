@@ -180,10 +180,13 @@ class AsyncRuntime:
         return list((await self._json("GET", f"/vms/{vm_id}/snapshots"))["snapshots"])
 
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
-        """A signed link to the server on ``port`` in the VM (``{url, expiresAt}``) that opens
-        it without the API key until it expires; bound to this VM and port."""
+        """See :meth:`pal.sdk.client.Runtime.port_url`."""
         body = {"expiresInSecs": expires_in_secs}
         return dict(await self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+
+    async def revoke_port_url(self, vm_id: str, link_id: str) -> dict[str, Any]:
+        """See :meth:`pal.sdk.client.Runtime.revoke_port_url`."""
+        return dict(await self._json("DELETE", f"/vms/{vm_id}/port-links/{link_id}"))
 
     async def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
         """A brokered secret's new value; the VM's next request carries it (the guest, which

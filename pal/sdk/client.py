@@ -183,10 +183,16 @@ class Runtime:
         return list(self._json("GET", f"/vms/{vm_id}/snapshots")["snapshots"])
 
     def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
-        """A signed link to the server on ``port`` in the VM (``{url, expiresAt}``) that opens
-        it without the API key until it expires; bound to this VM and port."""
+        """A signed link that opens the server on ``port`` in the VM on the port's own origin
+        (``{url, expiresAt, linkId}``), without the API key, until it expires or is revoked;
+        bound to this VM and port."""
         body = {"expiresInSecs": expires_in_secs}
         return dict(self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+
+    def revoke_port_url(self, vm_id: str, link_id: str) -> dict[str, Any]:
+        """Revoke a link ``port_url`` made (its ``linkId``): it opens nothing from now on.
+        ``pal tenants rotate-key`` ends all of the tenant's links at once."""
+        return dict(self._json("DELETE", f"/vms/{vm_id}/port-links/{link_id}"))
 
     def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
         """A brokered secret's new value; the VM's next request carries it (the guest, which

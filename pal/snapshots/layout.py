@@ -2,7 +2,10 @@
 
 Layout (both tiers, see docs/internals.md "Data dir layout"):
     local  <root>/<agent_version_id>/<vm_id>/<snapshot_id>/{snapshot,mem,rootfs,vmm.json,meta.json}
-    S3     snapshots/<agent_version_id>/<vm_id>/<snapshot_id>/{same files}
+    S3     snapshots/<agent_version_id>/<vm_id>/<snapshot_id>/{same files, key.json}
+
+S3 objects of an encrypted snapshot (the default) are ``pal-enc-v1`` objects and its data
+key is in ``key.json``: see crypt.py.
 
 Sealing: ``commit`` checksums and fsyncs only the small artifacts (at most
 ``INLINE_SEAL_MAX_BYTES``) and publishes meta.json with ``"sealed": false``; a background
@@ -69,6 +72,13 @@ SPARSE_BLOCK = 1 << 20
 SPARSE_END_OFFSET = (1 << 64) - 1
 # S3 user metadata key (sent as x-amz-meta-pal-encoding) naming an object's encoding.
 S3_ENCODING_METADATA_KEY = "pal-encoding"
+# An encrypted object: the pal-sparse-v1 stream of the artifact sealed in pal-enc-v1
+# chunks (format: crypt.py). Every artifact of an encrypted snapshot is one, small or big.
+ENCRYPTED_ENCODING = "pal-enc-v1+pal-sparse-v1"
+# The S3 object holding an encrypted snapshot's wrapped data key (crypt.py), and the field
+# of the uploaded meta.json (under its HMAC) naming the scheme its objects are sealed with.
+KEY_FILE = "key.json"
+ENCRYPTION_META_FIELD = "s3Encryption"
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,25 @@ and the upload checks every artifact it sends against the size and sha256 in met
 before it writes meta.json. Large artifacts travel as ``pal-sparse-v1`` objects (format in
 layout.py): a 2 GiB sparse disk with 180 MB of data uploads ~180 MB. Downloads rebuild the
 holes and check each artifact's sha256 against meta.json.
+
+Encrypted (the default, ``PAL_SNAPSHOT_ENCRYPTION``): every artifact, big or small, is
+uploaded as a ``pal-enc-v1`` object of its sparse stream under a fresh data key, whose
+wrapped form is the ``key.json`` object (crypt.py); the uploaded meta.json says
+``"s3Encryption": "pal-enc-v1"`` under its HMAC, so a download refuses any object of such a
+snapshot that is not encrypted. Snapshots uploaded unencrypted (before encryption, or
+with it off) still download as before. ``PAL_S3_SSE`` adds S3's server-side encryption
+(request parameters only) to every object written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,14 +38,19 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from pal import keyfile
+from pal.config import Settings
 from pal.errors import BackendError
-from pal.snapshots import retention
+from pal.snapshots import crypt, retention
 from pal.snapshots.hashing import sparse_sha256
 from pal.snapshots.integrity import is_sealed, is_signed
 from pal.snapshots.jobqueue import DropJob, JobQueue
 from pal.snapshots.layout import (
     ARTIFACTS,
+    ENCRYPTED_ENCODING,
+    ENCRYPTION_META_FIELD,
     INLINE_SEAL_MAX_BYTES,
+    KEY_FILE,
     META_FILE,
     S3_ENCODING_METADATA_KEY,
     S3_PREFIX,
@@ -76,7 +91,15 @@ class S3Mirror:
         connect_timeout_s: float = 3.0,
         read_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        encryption_key: bytes | None = None,
+        encrypt: bool = True,
+        sse: str | None = None,
+        sse_kms_key_id: str | None = None,
     ) -> None:
+        """``encryption_key``: the snapshot encryption key (crypt.py); uploads are encrypted
+        under it when ``encrypt``, and encrypted snapshots download only with it. ``sse``,
+        ``sse_kms_key_id``: S3 server-side encryption asked for on every object written
+        (``AES256`` or ``aws:kms``; config.S3_SSE_MODES)."""
         self.endpoint = endpoint
         self.bucket = bucket
         self.region = region
@@ -111,6 +134,34 @@ class S3Mirror:
         self._queue: JobQueue | None = None
         self._local: LocalTier | None = None
         self._sign: Signer | None = None
+        self._encryption_key = encryption_key
+        self.encrypts = encrypt and encryption_key is not None
+        self._sse_args: dict[str, str] = {}
+        if sse:
+            self._sse_args["ServerSideEncryption"] = sse
+            if sse_kms_key_id:
+                self._sse_args["SSEKMSKeyId"] = sse_kms_key_id
+        # One upload of a snapshot at a time (the queue's and ensure_uploaded's): two
+        # encrypted uploads draw two data keys, and must not interleave their objects.
+        self._upload_locks: dict[SnapshotRef, list[Any]] = {}
+        self._upload_locks_guard = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, log: logging.Logger | None = None) -> S3Mirror:
+        """The mirror at S3_ENDPOINT/S3_BUCKET, encrypting uploads unless
+        PAL_SNAPSHOT_ENCRYPTION=off (its key is read, or made, even then: a node that
+        uploads in the clear still restores encrypted snapshots of its bucket)."""
+        assert settings.s3_bucket is not None
+        return cls(
+            settings.s3_endpoint,
+            settings.s3_bucket,
+            settings.s3_region,
+            log,
+            encryption_key=keyfile.load_or_create(settings.snapshot_encryption_key_path),
+            encrypt=settings.snapshot_encryption,
+            sse=settings.s3_sse,
+            sse_kms_key_id=settings.s3_sse_kms_key_id,
+        )
 
     # -- background queue -------------------------------------------------------------
 
@@ -233,51 +284,123 @@ class S3Mirror:
     def upload(self, ref: SnapshotRef, src_dir: Path, meta: dict[str, Any] | None = None) -> None:
         """Upload a sealed local snapshot; meta.json last, so it is complete on S3 only
         when every artifact is there and matched meta. Raises CorruptLocalCopy (and
-        writes no meta.json) when an artifact differs from what meta records."""
+        writes no meta.json) when an artifact differs from what meta records. A snapshot
+        S3 already holds complete is not sent again."""
         if meta is None:
             meta = read_meta_file(src_dir)
         if meta is None or not is_sealed(meta):
             raise BackendError(f"snapshot {ref.snapshot_id} is not sealed: not uploading it")
-        self.ensure_bucket()
+        ref = SnapshotRef(ref.agent_version_id, ref.vm_id, ref.snapshot_id)
+        with self._upload_lock(ref):
+            self.ensure_bucket()
+            if self._already_uploaded(ref, meta):
+                self.log.info("snapshot %s is already on S3: not uploading it again", ref.snapshot_id)
+                return
+            self._upload_locked(ref, src_dir, meta)
+
+    def _upload_locked(self, ref: SnapshotRef, src_dir: Path, meta: dict[str, Any]) -> None:
         sizes: dict[str, int] = meta["sizes"]
         digests: dict[str, str] = meta["sha256"]
         started = time.monotonic()
         sent = 0
+        data_key = None
+        if self.encrypts:
+            assert self._encryption_key is not None
+            data_key = crypt.new_data_key()
+            wrapped = crypt.wrap(data_key, self._encryption_key, ref)
+            self._put_object(ref.s3_key(KEY_FILE), wrapped)
+            sent += len(wrapped)
         for name in sorted(sizes):
-            path = src_dir / name
-            if sizes[name] > INLINE_SEAL_MAX_BYTES:
-                with SparseEncoder(path) as stream:
-                    self._client.upload_fileobj(
-                        stream,
-                        self.bucket,
-                        ref.s3_key(name),
-                        ExtraArgs={"Metadata": {S3_ENCODING_METADATA_KEY: SPARSE_ENCODING}},
-                        Config=self._sparse_transfer,
-                    )
-                    got = (stream.size, stream.digest)
-                    sent += stream.bytes_out
-            else:
-                got = sparse_sha256(path)
-                self._client.upload_file(str(path), self.bucket, ref.s3_key(name), Config=self._transfer)
-                sent += got[0]
+            got, n = self._put_artifact(ref, src_dir / name, name, sizes[name], data_key)
+            sent += n
             if got != (sizes[name], digests[name]):
                 # The object is there but meta.json is not, so S3 has no snapshot; the
                 # delete queued with the local copy's removal tidies the objects.
                 raise CorruptLocalCopy(f"{name} of {ref.snapshot_id} does not match its sha256 in meta.json")
-        if not is_signed(meta) and self._sign is not None:
-            meta = self._sign(meta)  # sealed before metas were signed: other nodes need the mac
+        meta = self._meta_for_upload(ref, meta)
         body = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
-        self._client.put_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE), Body=body)
+        self._put_object(ref.s3_key(META_FILE), body)
         took = time.monotonic() - started
         self.last_upload = {"bytes": float(sent + len(body)), "seconds": took}
         self.log.info(
-            "uploaded snapshot %s/%s/%s to S3: %.1f MB in %.2fs",
+            "uploaded snapshot %s/%s/%s to S3%s: %.1f MB in %.2fs",
             ref.agent_version_id,
             ref.vm_id,
             ref.snapshot_id,
+            " (encrypted)" if data_key is not None else "",
             (sent + len(body)) / 1e6,
             took,
         )
+
+    def _put_artifact(
+        self, ref: SnapshotRef, path: Path, name: str, size: int, data_key: bytes | None
+    ) -> tuple[tuple[int | None, str | None], int]:
+        """Upload one artifact; returns ((size, digest) of what was read, bytes sent)."""
+        key = ref.s3_key(name)
+        if data_key is not None:
+            with SparseEncoder(path) as plain:
+                sealed = crypt.EncryptingReader(plain.read, data_key, crypt.artifact_identity(ref, name))
+                extra = {"Metadata": {S3_ENCODING_METADATA_KEY: ENCRYPTED_ENCODING}, **self._sse_args}
+                self._client.upload_fileobj(
+                    sealed, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer
+                )
+                return (plain.size, plain.digest), sealed.bytes_out
+        if size > INLINE_SEAL_MAX_BYTES:
+            with SparseEncoder(path) as stream:
+                extra = {"Metadata": {S3_ENCODING_METADATA_KEY: SPARSE_ENCODING}, **self._sse_args}
+                self._client.upload_fileobj(
+                    stream, self.bucket, key, ExtraArgs=extra, Config=self._sparse_transfer
+                )
+                return (stream.size, stream.digest), stream.bytes_out
+        got = sparse_sha256(path)
+        extra = dict(self._sse_args)
+        self._client.upload_file(str(path), self.bucket, key, ExtraArgs=extra, Config=self._transfer)
+        return got, got[0]
+
+    def _put_object(self, key: str, body: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=key, Body=body, **self._sse_args)
+
+    def _meta_for_upload(self, ref: SnapshotRef, meta: dict[str, Any]) -> dict[str, Any]:
+        """The meta.json S3 gets: it says (under its HMAC) whether the objects are encrypted."""
+        out = dict(meta)
+        if self.encrypts:
+            out[ENCRYPTION_META_FIELD] = crypt.SCHEME
+        else:
+            out.pop(ENCRYPTION_META_FIELD, None)
+        if out != meta or not is_signed(out):
+            if self._sign is None:
+                if out != meta:
+                    raise BackendError(f"snapshot {ref.snapshot_id}: no key to sign its meta.json with")
+                return out
+            out = self._sign(out)  # also a meta sealed before metas were signed
+        return out
+
+    def _already_uploaded(self, ref: SnapshotRef, meta: dict[str, Any]) -> bool:
+        """S3 holds a complete copy of this very snapshot (its meta: same capture, same
+        checksums). Re-sending it would replace its data key under a reader's feet."""
+        try:
+            remote = self.read_meta(ref)
+        except BackendError:
+            return False  # not a meta of ours: the upload replaces it
+        return (
+            remote is not None
+            and remote.get("createdAt") == meta.get("createdAt")
+            and remote.get("sha256") == meta.get("sha256")
+        )
+
+    @contextlib.contextmanager
+    def _upload_lock(self, ref: SnapshotRef) -> Iterator[None]:
+        with self._upload_locks_guard:
+            entry = self._upload_locks.setdefault(ref, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._upload_locks_guard:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._upload_locks[ref]
 
     def read_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
         """meta.json of the S3 copy, or None if there is no complete copy."""
@@ -312,9 +435,11 @@ class S3Mirror:
     def download(self, ref: SnapshotRef, dest_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
         """Download the artifacts named in ``meta`` (already authenticated by the store:
         integrity.check_meta) into ``dest_dir``, then meta.json. Only known artifact names
-        are ever written, each at most its recorded size. Sparse objects are decoded with
-        their holes and checked against meta's sha256 (BackendError if not); raw ones skip
-        zero blocks so they stay sparse (the store checks them after the download)."""
+        are ever written, each at most its recorded size. Encrypted objects are opened
+        chunk by chunk (crypt.SnapshotUnreadable for any that does not authenticate);
+        sparse objects are decoded with their holes and checked against meta's sha256
+        (BackendError if not); raw ones skip zero blocks so they stay sparse (the store
+        checks them after the download)."""
         sizes = meta.get("sizes")
         digests = meta.get("sha256")
         if not isinstance(sizes, dict) or not isinstance(digests, dict):
@@ -322,34 +447,36 @@ class S3Mirror:
         unknown = set(sizes) - set(ARTIFACTS)
         if unknown:
             raise BackendError(f"S3 meta.json of {ref.snapshot_id} lists unknown artifacts")
+        scheme = meta.get(ENCRYPTION_META_FIELD)
+        if scheme not in (None, crypt.SCHEME):
+            raise BackendError(f"S3 copy of {ref.snapshot_id} uses an unknown encryption {scheme!r}")
+        data_key = self._data_key(ref) if scheme is not None else None
 
         def fetch(name: str) -> None:
             expected = int(sizes[name])
             obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(name))
             body = obj["Body"]
             encoding = obj.get("Metadata", {}).get(S3_ENCODING_METADATA_KEY)
-            if encoding == SPARSE_ENCODING:
-                got = decode_to_file(body.read, dest_dir / name, expected_size=expected)
+            if (encoding == ENCRYPTED_ENCODING) != (data_key is not None):
+                # Its signed meta says which: an object swapped for a plaintext one (or
+                # the other way round) is refused, never decoded.
+                said = "encrypted" if data_key is not None else "not encrypted"
+                raise crypt.SnapshotUnreadable(
+                    f"S3 object {name} of snapshot {ref.snapshot_id} has encoding {encoding!r},"
+                    f" but its meta.json says the snapshot is {said}"
+                )
+            if encoding in (SPARSE_ENCODING, ENCRYPTED_ENCODING):
+                read = body.read
+                if data_key is not None:
+                    identity = crypt.artifact_identity(ref, name)
+                    read = crypt.DecryptingReader(body.read, data_key, identity).read
+                got = decode_to_file(read, dest_dir / name, expected_size=expected)
                 if got != (expected, digests.get(name)):
                     raise BackendError(f"S3 copy of {name} of {ref.snapshot_id} fails its sha256")
                 return
             if encoding is not None:
                 raise BackendError(f"S3 object {name} of {ref.snapshot_id} has unknown encoding {encoding!r}")
-            # Raw object (small artifacts, or uploaded before sparse objects existed);
-            # the store checks its sha256 after the download.
-            written = 0
-            with open(dest_dir / name, "wb") as f:
-                while chunk := body.read(_CHUNK):
-                    written += len(chunk)
-                    if written > expected:
-                        raise BackendError(f"S3 object {name} of {ref.snapshot_id} is larger than recorded")
-                    if len(chunk) == _CHUNK and chunk == _ZERO_CHUNK:
-                        f.seek(len(chunk), os.SEEK_CUR)
-                    else:
-                        f.write(chunk)
-                f.truncate(written)
-                f.flush()
-                os.fsync(f.fileno())
+            self._write_raw(body, dest_dir / name, expected, f"S3 object {name} of {ref.snapshot_id}")
 
         with ThreadPoolExecutor(max_workers=max(1, len(sizes)), thread_name_prefix="pal-s3-get") as pool:
             for fut in [pool.submit(fetch, str(name)) for name in sizes]:
@@ -360,6 +487,71 @@ class S3Mirror:
             f.flush()
             os.fsync(f.fileno())
         return meta
+
+    @staticmethod
+    def _write_raw(body: Any, dest: Path, expected: int, what: str) -> None:
+        """A raw object (a small artifact uploaded unencrypted, or before sparse objects
+        existed); the store checks its sha256 after the download."""
+        written = 0
+        with open(dest, "wb") as f:
+            while chunk := body.read(_CHUNK):
+                written += len(chunk)
+                if written > expected:
+                    raise BackendError(f"{what} is larger than recorded")
+                if len(chunk) == _CHUNK and chunk == _ZERO_CHUNK:
+                    f.seek(len(chunk), os.SEEK_CUR)
+                else:
+                    f.write(chunk)
+            f.truncate(written)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _data_key(self, ref: SnapshotRef) -> bytes:
+        """The data key of an encrypted S3 snapshot, from its key.json (crypt.unwrap)."""
+        if self._encryption_key is None:
+            raise crypt.SnapshotUnreadable(
+                f"the S3 copy of snapshot {ref.snapshot_id} is encrypted and this node has no"
+                " snapshot encryption key (PAL_SNAPSHOT_ENCRYPTION_KEY_FILE)"
+            )
+        body = self.read_key_object(ref)
+        if body is None:
+            raise crypt.SnapshotUnreadable(f"the S3 copy of snapshot {ref.snapshot_id} has no key.json")
+        return crypt.unwrap(body, self._encryption_key, ref)
+
+    # -- wrapped data keys (crypt.py; rotation: rekey.py) -----------------------------
+
+    def read_key_object(self, ref: SnapshotRef) -> bytes | None:
+        """The snapshot's key.json (at most crypt.MAX_KEY_OBJECT_BYTES + 1 bytes read), or
+        None when it has none."""
+        try:
+            obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(KEY_FILE))
+        except ClientError as exc:
+            if _is_missing(exc):
+                return None
+            raise
+        body = obj["Body"]
+        try:
+            return bytes(body.read(crypt.MAX_KEY_OBJECT_BYTES + 1))
+        finally:
+            body.close()
+
+    def write_key_object(self, ref: SnapshotRef, body: bytes) -> None:
+        self._put_object(ref.s3_key(KEY_FILE), body)
+
+    def snapshot_objects(self) -> dict[SnapshotRef, set[str]]:
+        """Every snapshot prefix in the bucket with the object names under it (a listing)."""
+        self.ensure_bucket()
+        out: dict[SnapshotRef, set[str]] = {}
+        for key in self._list_keys(f"{S3_PREFIX}/"):
+            parts = key.split("/")
+            if len(parts) != 5:
+                continue  # a key we did not write
+            try:
+                ref = SnapshotRef(parts[1], parts[2], parts[3])
+            except Exception:
+                continue
+            out.setdefault(ref, set()).add(parts[4])
+        return out
 
     def delete(self, ref: SnapshotRef) -> None:
         """Delete the S3 copy: meta.json first, so a reader never sees it as complete."""

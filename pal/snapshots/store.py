@@ -157,8 +157,7 @@ class SnapshotStore:
         """The store at SNAPSHOT_DIR, mirrored to S3 when S3_ENDPOINT and S3_BUCKET are set."""
         mirror = None
         if settings.s3_enabled:
-            assert settings.s3_bucket is not None
-            mirror = S3Mirror(settings.s3_endpoint, settings.s3_bucket, settings.s3_region, log)
+            mirror = S3Mirror.from_settings(settings, log)
         key = keyfile.load_or_create(settings.snapshot_key_path)
         return cls(
             settings.snapshots_root,

@@ -58,6 +58,14 @@ class VmRecord:
 
 
 @dataclass(frozen=True)
+class PortLinkCheck:
+    """What decides whether a port link of a tenant still opens (pal/api/port_links.py)."""
+
+    key_hashes: tuple[str, ...]  # hashes of the tenant's API keys that authenticate now
+    revoked: bool  # the link's id is on the revocation list
+
+
+@dataclass(frozen=True)
 class EventRecord:
     id: int
     vm_id: str

@@ -48,8 +48,8 @@ from sqlalchemy.exc import IntegrityError
 from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest, NotFound, NotLeader
 from pal.store import migrate
-from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
-from pal.store.tables import events, leader_lease, nodes, tenant_cas, tenants, vms
+from pal.store.records import EventRecord, LeaseInfo, NodeRecord, PortLinkCheck, Tenant, VmRecord
+from pal.store.tables import events, leader_lease, nodes, port_link_revocations, tenant_cas, tenants, vms
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _WRITE = "pal_write_tx"
@@ -497,8 +497,52 @@ class Store:
             tx._conn.execute(events.delete().where(events.c.tenant_id == tenant_id))
             tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
             tx._conn.execute(tenant_cas.delete().where(tenant_cas.c.tenant_id == tenant_id))
+            tx._conn.execute(
+                port_link_revocations.delete().where(port_link_revocations.c.tenant_id == tenant_id)
+            )
             tx._conn.execute(tenants.delete().where(tenants.c.id == tenant_id))
         return True
+
+    # -- port links (pal/api/port_links.py) ---------------------------------------------------
+
+    def revoke_port_link(self, tenant_id: str, link_id: str, expires_at: datetime) -> None:
+        """Put a link of the tenant on the revocation list until ``expires_at`` (when it
+        would have expired anyway); revoking twice is a no-op. Entries past their expiry go."""
+        now = utcnow()
+        with self.write() as tx:
+            tx._conn.execute(port_link_revocations.delete().where(port_link_revocations.c.expires_at < now))
+            known = tx._conn.execute(
+                select(port_link_revocations.c.link_id).where(
+                    port_link_revocations.c.tenant_id == tenant_id, port_link_revocations.c.link_id == link_id
+                )
+            ).first()
+            if known is not None:
+                return
+            tx._conn.execute(
+                insert(port_link_revocations).values(
+                    link_id=link_id, tenant_id=tenant_id, revoked_at=now, expires_at=expires_at
+                )
+            )
+
+    def port_link_check(self, tenant_id: str, link_id: str) -> PortLinkCheck | None:
+        """The tenant's API keys that authenticate now and whether the link is revoked
+        (one read); None when the tenant is gone or being deleted."""
+        now = utcnow()
+        with self._read() as conn:
+            row = conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
+            revoked = conn.execute(
+                select(port_link_revocations.c.link_id).where(
+                    port_link_revocations.c.tenant_id == tenant_id, port_link_revocations.c.link_id == link_id
+                )
+            ).first()
+        if row is None or row.deleting_at is not None:
+            return None
+        hashes = []
+        if row.api_key_expires_at is None or now < row.api_key_expires_at:
+            hashes.append(row.api_key_sha256)
+        if row.prev_api_key_sha256 and row.prev_api_key_expires_at and now < row.prev_api_key_expires_at:
+            hashes.append(row.prev_api_key_sha256)
+        return PortLinkCheck(key_hashes=tuple(hashes), revoked=revoked is not None)
 
     # -- tenant CAs (pal/scheduler/brokering.py) ----------------------------------------------
 

@@ -160,3 +160,14 @@ tenant_cas = Table(
     Column("key_sealed", Text, nullable=False),
     Column("created_at", UtcDateTime, nullable=False),
 )
+
+# Port links revoked before they expire (pal/api/port_links.py). A link carries its id; a
+# row here refuses it. Rows go once ``expires_at`` (the latest the link could live) passed.
+port_link_revocations = Table(
+    "port_link_revocations",
+    metadata,
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), primary_key=True),
+    Column("link_id", String(64), primary_key=True),
+    Column("revoked_at", UtcDateTime, nullable=False),
+    Column("expires_at", UtcDateTime, nullable=False),
+)

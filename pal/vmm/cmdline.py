@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from pal.errors import Unavailable
 from pal.vmm.accel import accel_args
 from pal.vmm.handoff import Handoff
 from pal.vmm.versions import QEMU_BINARY, qemu_supports_sandbox
@@ -71,6 +72,7 @@ class VmSpec:
     run_as: tuple[int, int] | None = None  # (uid, gid) QEMU is exec'd as; see jail.py
     groups: tuple[int, ...] = ()  # supplementary groups (a shared RAM file's; see jail.py)
     cgroup_limits: bool = True  # host limits required (PAL_CGROUPS); see cgroups.py
+    seccomp: bool = True  # QEMU's seccomp filter required (PAL_SECCOMP); see seccomp_args
     # The NIC's backend: an open tap descriptor QEMU inherits (the manager made it in the
     # VM's network namespace), or None for a NIC wired to nothing (VMM-level tools). The
     # NIC itself is always there: a snapshot only loads into an identical machine.
@@ -98,6 +100,24 @@ class VmSpec:
     def mem_path(self) -> Path:
         """The VM's own RAM file (share=on); a private restore maps the snapshot's instead."""
         return self.vm_dir / "mem"
+
+
+SECCOMP_OPT_OUT = "PAL_SECCOMP=off"
+
+
+def seccomp_args(spec: VmSpec) -> list[str]:
+    """QEMU's seccomp filter. Fail closed: a QEMU built without ``-sandbox`` runs no VM
+    (503) unless the operator opted out (``PAL_SECCOMP=off``: then no filter at all)."""
+    if not spec.seccomp:
+        return []
+    if not qemu_supports_sandbox(spec.binary):
+        raise Unavailable(
+            f"{spec.binary} has no -sandbox (it was built without seccomp): no VM starts without its "
+            f"syscall filter; install a QEMU with seccomp, or set {SECCOMP_OPT_OUT}; see `pal doctor`"
+        )
+    # QEMU is exec'd already as its own uid (no -runas), so set*id can be denied too;
+    # migration goes through descriptors we pass, so it never needs to spawn.
+    return ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
 
 
 @functools.cache
@@ -183,10 +203,7 @@ def build_argv(
     # `identify` seed after every restore/fork instead.
     qmp = h.listener(spec.qmp_socket)
     argv += ["-chardev", f"socket,id=qmp,fd={qmp},server=on,wait=off", "-mon", "chardev=qmp,mode=control"]
-    if qemu_supports_sandbox(spec.binary):
-        # QEMU is exec'd already as its own uid (no -runas), so set*id can be denied too;
-        # migration goes through descriptors we pass, so it never needs to spawn.
-        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+    argv += seccomp_args(spec)
     if incoming:
         argv += ["-incoming", "defer"]
     return argv

@@ -42,7 +42,7 @@ from pal.errors import InvalidRequest
 from pal.guest.protocol import encode_config
 from pal.vmm import cgroups, disks, jail
 from pal.vmm.cgroups import VmCgroup
-from pal.vmm.cmdline import VmSpec, build_argv
+from pal.vmm.cmdline import VmSpec, build_argv, seccomp_args
 from pal.vmm.errors import RunstateError, VmExited, VmmError
 from pal.vmm.handoff import Handoff
 from pal.vmm.versions import qemu_version
@@ -414,6 +414,7 @@ class QemuVm:
             for f in (spec.image.kernel, spec.image.initrd):
                 if os.stat(f).st_mode & 0o004 == 0:  # QEMU opens them itself, as its own uid
                     raise VmmError(f"{f} must be readable by every uid (0644) for a jailed QEMU")
+        seccomp_args(spec)  # fail closed (503) before anything is made for a QEMU without it
         # Fail closed: the limits exist before QEMU does (503 when they cannot).
         self.cgroup = (
             await asyncio.to_thread(cgroups.create_for, spec.vm_id, spec.vcpus, spec.memory_mib)

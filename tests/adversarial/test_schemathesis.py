@@ -33,7 +33,8 @@ from tests.apienv import make_api
 _tmp = tempfile.TemporaryDirectory(prefix="pal-fuzz-")
 # Room for the VMs the fuzzer schedules and forks: a full quota is a 402, which conforms
 # too, but it would keep the schedule and fork bodies away from the scheduler's checks.
-API = make_api(Path(_tmp.name), max_vms=1000)
+# "testserver": the host name of schemathesis's ASGI client (Starlette's TestClient).
+API = make_api(Path(_tmp.name), max_vms=1000, hosts=("testserver",))
 schema = schemathesis.openapi.from_asgi("/openapi.json", API.app)
 # The ports proxy answers with whatever the guest's server sends (any status, any body), so
 # neither the 5xx check nor the schema's conformance applies to it; its own tests are in

@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -195,6 +196,32 @@ def test_a_request_to_a_follower_works(cluster: LocalCluster, keys: dict[str, st
         assert c.get(f"/v1/runtime/vms/{vm}").json()["state"] == "terminated"
     r = cluster.admin("GET", "/v1/nodes", via=follower)
     assert r.status_code == 200 and len(r.json()["nodes"]) == 3
+
+
+def test_a_follower_takes_forwarding_only_from_replicas(cluster: LocalCluster, keys: dict[str, str]) -> None:
+    """Real replicas on PostgreSQL: a forged X-Pal-Forwarded is refused, an anonymous large
+    body is refused before it is read, a name that is not the replica's gets 421, and loopback
+    is not the operator."""
+    follower = cluster.follower()
+    with api(follower, keys["tb"]) as c:
+        before = c.get("/v1/runtime/vms").json()["vms"]
+        forged = c.post("/v1/runtime/schedule", json={}, headers={"X-Pal-Forwarded": "1"})
+        assert forged.status_code == 403, forged.text
+        assert c.get("/v1/runtime/vms").json()["vms"] == before  # nothing scheduled
+        rebound = c.get("/v1/runtime/vms", headers={"Host": "evil.example"})
+        assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "MISDIRECTED_REQUEST"
+    host, port = follower.url.removeprefix("http://").split(":")
+    head = (
+        f"PUT /v1/runtime/vms/vm-x/files/content?path=a HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {1 << 20}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + b"x" * 4096)  # 4 KiB of the 1 MiB it declares
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    for replica in cluster.replicas.values():
+        assert httpx.get(replica.url + "/metrics", timeout=60).status_code == 401, replica.name
+        assert httpx.get(replica.url + "/v1/nodes", timeout=60).status_code == 401, replica.name
 
 
 def _csrf(html: str) -> str:

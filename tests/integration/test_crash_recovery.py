@@ -159,10 +159,12 @@ def test_network_comes_back_after_a_server_or_gateway_crash(run_dir, upstream: U
         "value": real,
         "brokered": {"hosts": ["api.test"], "header": "Authorization", "format": "Bearer {value}"},
     }
+    # A name entry without a port allows 80 and 443 only: the test servers' ports are listed.
+    allow = [f"api.test:{upstream.http_port}", f"api.test:{upstream.tls_port}"]
     server = start_server(run_dir, env)
     key = server.tenant("net-crash", max_vms=MAX_VMS)
     with server.client(key, timeout=60) as c:
-        spec = {"egress": {"allow": ["api.test"]}, "secrets": {"KEY": brokered}}
+        spec = {"egress": {"allow": allow}, "secrets": {"KEY": brokered}}
         vm = c.post("/v1/runtime/schedule", json=spec).json()["vmId"]
         assert _fetch(c, vm, url) == HELLO.decode()
     (gw,) = gateway_pids_under(run_dir)
@@ -190,7 +192,7 @@ def test_network_comes_back_after_a_server_or_gateway_crash(run_dir, upstream: U
             assert _fetch(c, vm, tls_url)
             assert upstream.received[n0:][-1]["Authorization"] == f"Bearer {real}"
             r = c.get(f"/v1/runtime/vms/{vm}").json()
-            assert r["egress"] == {"allow": ["api.test"]}
+            assert r["egress"] == {"allow": allow}
             c.delete(f"/v1/runtime/vms/{vm}")
     finally:
         stop_server(server)

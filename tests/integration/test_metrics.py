@@ -97,7 +97,9 @@ def test_prometheus_endpoint_of_a_real_server(pal_server: PalServer, tenant_key:
         vm = c.runtime.schedule()["vmId"]
         try:
             c.runtime.exec(vm, "/bin/true")
-            resp = httpx.get(pal_server.url + "/metrics", timeout=30)  # loopback: the operator
+            assert httpx.get(pal_server.url + "/metrics", timeout=30).status_code == 401  # loopback is no one
+            operator = {"Authorization": f"Bearer {pal_server.operator_token}"}
+            resp = httpx.get(pal_server.url + "/metrics", headers=operator, timeout=30)
             assert resp.status_code == 200, resp.text
         finally:
             c.runtime.delete(vm)

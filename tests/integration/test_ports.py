@@ -15,12 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.conftest import PalServer, free_port
+from pal.sdk.client import Client
+from tests.conftest import PalServer, free_port, pal_cli
 from tests.guestservers import APP
 
 pytestmark = pytest.mark.vm
@@ -84,9 +86,11 @@ def test_http_websocket_sse_links_and_errors(
     base = f"/v1/runtime/vms/{vm}/ports/8000"
 
     # The key authorises; the guest sees the client's Host and a reverse proxy's
-    # X-Forwarded-*, never the API key.
+    # X-Forwarded-*, never the API key. On the API's origin what the guest sends is
+    # sandboxed (a browser would run none of its scripts there).
     r = api.get(f"{base}/headers?x=1&y=2")
     assert r.status_code == 200, r.text
+    assert r.headers["content-security-policy"] == "sandbox"
     seen = {k.lower(): v for k, v in r.json()["headers"].items()}
     assert r.json()["path"] == "/headers?x=1&y=2"
     host = pal_server.url.removeprefix("http://")
@@ -135,8 +139,8 @@ def test_http_websocket_sse_links_and_errors(
                 assert w.status_code == 200, w.text
 
     # A loopback-only WebSocket server, through the relay, with the key.
-    async def ws_roundtrip(url: str, headers: dict[str, str]) -> tuple[str, bytes, str | None]:
-        async with connect(url, additional_headers=headers, subprotocols=["chat"]) as ws:  # type: ignore[list-item]
+    async def ws_roundtrip(url: str, headers: dict[str, str], **to: Any) -> tuple[str, bytes, str | None]:
+        async with connect(url, additional_headers=headers, subprotocols=["chat"], **to) as ws:  # type: ignore[list-item]
             await ws.send("hi")
             text = await ws.recv()
             await ws.send(b"\x00\x01" * 40_000)
@@ -147,34 +151,50 @@ def test_http_websocket_sse_links_and_errors(
     text, data, proto = asyncio.run(ws_roundtrip(ws_url(pal_server, vm, 8001, "/ws"), auth))
     assert (text, data, proto) == ("echo:hi", b"\x00\x01" * 40_000, "chat")
 
-    # A signed link opens the port without the key (and sets a cookie for later requests).
+    # A signed link opens the port on its own origin without the key (and sets a cookie
+    # for later requests).
     link = api.post(f"{base}/url", json={"expiresInSecs": 600}).json()
     assert link["expiresAt"] > time.time() + 500
-    with httpx.Client(timeout=60) as anon:
-        r = anon.get(link["url"].replace("/8000/?", "/8000/headers?"))
+    assert link["url"].startswith(pal_server.port_origin(vm, 8000) + "/?palToken=")
+    token = link["url"].split("palToken=", 1)[1]
+    with pal_server.ports_client(vm, 8000, timeout=60) as anon:
+        r = anon.get(f"/headers?palToken={token}")
         assert r.status_code == 200, r.text
         assert "palToken" not in r.json()["path"]
-        assert r.cookies.get("pal_link")
-        r = anon.get(pal_server.url + f"{base}/headers")  # the cookie alone
+        assert f"pal_link={token}; Path=/; HttpOnly" in r.headers["set-cookie"]
+        assert "content-security-policy" not in r.headers  # the guest's own origin: not sandboxed
+        r = anon.get("/headers", headers={"Cookie": f"pal_link={token}; app=1"})  # the cookie alone
         assert r.status_code == 200, r.text
-        assert "pal_link" not in r.json()["headers"].get("Cookie", "")
-        token = link["url"].split("palToken=", 1)[1]
-        # Bound to this VM and port: another port is 401, and no key at all is 401.
-        other = anon.get(pal_server.url + f"/v1/runtime/vms/{vm}/ports/8001/?palToken={token}")
-        assert other.status_code == 401, other.text
+        seen = {k.lower(): v for k, v in r.json()["headers"].items()}
+        assert seen["cookie"] == "app=1" and seen["host"] == anon.headers["host"]
+        assert "x-forwarded-prefix" not in seen  # the app is at the root of its origin
         anon.cookies.clear()
-        assert anon.get(pal_server.url + f"{base}/").status_code == 401
-        # The link opens WebSockets too.
-        link_ws = api.post(f"/v1/runtime/vms/{vm}/ports/8001/url", json={"expiresInSecs": 600}).json()
-        tok = link_ws["url"].split("palToken=", 1)[1]
-        text, _, _ = asyncio.run(ws_roundtrip(ws_url(pal_server, vm, 8001, "/", f"?palToken={tok}"), {}))
-        assert text == "echo:hi"
-        # An expired link is 401.
-        short = api.post(f"{base}/url", json={"expiresInSecs": 1}).json()
+        assert anon.get("/").status_code == 401  # no link, no key
+    # Bound to this VM and port: another port's origin is 401 with it.
+    with pal_server.ports_client(vm, 8001, timeout=60) as other:
+        assert other.get(f"/?palToken={token}").status_code == 401
+    # The link opens WebSockets too (on the port's origin: the name in Host, loopback).
+    link_ws = api.post(f"/v1/runtime/vms/{vm}/ports/8001/url", json={"expiresInSecs": 600}).json()
+    ws_link = link_ws["url"].replace("http://", "ws://")
+    to_loopback = {"host": "127.0.0.1", "port": pal_server.ports_port}
+    text, _, _ = asyncio.run(ws_roundtrip(ws_link, {}, **to_loopback))
+    assert text == "echo:hi"
+    # An expired link is 401; a revoked one (SDK) too, while another link still opens.
+    short = api.post(f"{base}/url", json={"expiresInSecs": 1}).json()
+    with pal_server.ports_client(vm, 8000, timeout=60) as anon:
+        short_token = short["url"].split("palToken=", 1)[1]
         deadline = time.time() + DEADLINE_S
-        while (r := anon.get(short["url"])).status_code == 200 and time.time() < deadline:
+        while (r := anon.get(f"/?palToken={short_token}")).status_code == 200 and time.time() < deadline:
             time.sleep(0.2)
         assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
+        with Client(pal_server.url, tenant_key) as sdk:
+            revoked = sdk.runtime.port_url(vm, 8000, 600)
+            kept = sdk.runtime.port_url(vm, 8000, 600)
+            assert anon.get("/", params={"palToken": _token(revoked)}).status_code == 200
+            assert sdk.runtime.revoke_port_url(vm, revoked["linkId"])["revoked"] is True
+        r = anon.get("/", headers={"Cookie": f"pal_link={_token(revoked)}"})
+        assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
+        assert anon.get("/", params={"palToken": _token(kept)}).status_code == 200
 
     # Errors: nothing listening is 502 saying so; a port outside 1-65535 is 400.
     r = api.get(f"/v1/runtime/vms/{vm}/ports/8009/")
@@ -229,6 +249,10 @@ def test_http_websocket_sse_links_and_errors(
     finally:
         fwd.terminate()
         fwd.wait(30)
+
+
+def _token(link: dict[str, Any]) -> str:
+    return str(link["url"]).split("palToken=", 1)[1]
 
 
 def wait_paused(api: httpx.Client, vm: str) -> None:
@@ -353,3 +377,30 @@ def test_a_request_waits_for_a_server_that_is_still_starting(
     res = subprocess.run([*cli, "8009", "--timeout", "1"], capture_output=True, text=True, env=env)
     assert res.returncode == 1, res
     assert json.loads(res.stderr.strip().splitlines()[-1])["error"]["code"] == "PORT_NOT_LISTENING"
+
+
+def test_a_key_rotation_ends_the_tenants_port_links(pal_server: PalServer, tenant_key: str) -> None:
+    """`pal tenants rotate-key` (no grace): every link made with the old key is 401 at once;
+    a link made with the new key opens the port."""
+    del tenant_key  # only makes sure the warm template exists
+    name = f"links-rotate-{os.getpid()}"
+    key = pal_server.tenant(name, max_vms=1)
+    api = pal_server.client(key)
+    r = api.post("/v1/runtime/schedule", json={})
+    assert r.status_code == 200, r.text
+    vm = r.json()["vmId"]
+    try:
+        start_servers(api, vm)
+        old = api.post(f"/v1/runtime/vms/{vm}/ports/8000/url", json={"expiresInSecs": 600}).json()
+        with pal_server.ports_client(vm, 8000, timeout=60) as anon:
+            assert anon.get("/", params={"palToken": _token(old)}).status_code == 200
+            out = pal_cli("tenants", "rotate-key", name, "--data-dir", str(pal_server.data_dir))
+            new_key = json.loads(out.stdout)["apiKey"]
+            r = anon.get("/", headers={"Cookie": f"pal_link={_token(old)}"})
+            assert r.status_code == 401 and "key rotated" in r.json()["error"]["message"]
+            api.headers["Authorization"] = f"Bearer {new_key}"
+            new = api.post(f"/v1/runtime/vms/{vm}/ports/8000/url", json={"expiresInSecs": 600}).json()
+            assert anon.get("/", params={"palToken": _token(new)}).status_code == 200
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
+        api.close()

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from pal.config import Settings
+from pal.errors import Unavailable
 from pal.guest import protocol as proto
 from pal.images.paths import load_image
 from pal.vmm import accel, disks
@@ -167,6 +168,39 @@ async def test_cold_boot_exec_and_kill_reaps(workdir: Path, vms: list[QemuVm]) -
     assert pid is not None and _pid_alive(pid)
     await vm.kill()
     assert vm.exited.is_set() and not _pid_alive(pid)
+
+
+def _qemu_without_seccomp(workdir: Path) -> str:
+    """The real QEMU, as a build without seccomp shows itself: no -sandbox in its -help."""
+    real = shutil.which("qemu-system-x86_64")
+    wrapper = workdir / "qemu-without-seccomp"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-help" ]; then "{real}" -help | grep -v -- -sandbox; exit 0; fi\n'
+        f'exec "{real}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+async def test_a_qemu_without_seccomp_starts_no_vm_unless_opted_out(workdir: Path, vms: list[QemuVm]) -> None:
+    binary = _qemu_without_seccomp(workdir)
+    refused = dataclasses.replace(_spec(workdir, "no-seccomp"), binary=binary)
+    with pytest.raises(Unavailable, match="PAL_SECCOMP=off"):
+        await QemuVm.boot(refused)
+    assert not refused.pid_path.exists() and not refused.log_path.exists()  # no QEMU was started
+    opted_out = dataclasses.replace(_spec(workdir, "opted-out"), binary=binary, seccomp=False)
+    vm = await QemuVm.boot(opted_out)
+    vms.append(vm)
+    agent = await Agent.connect(vm.agent_socket, "opted-out", 1)
+    assert (await agent.sh("echo up")).strip() == "up"
+    agent.close()
+    assert vm.pid is not None
+    assert b"-sandbox" not in Path(f"/proc/{vm.pid}/cmdline").read_bytes().split(b"\0")
+    assert "Seccomp:\t0" in Path(f"/proc/{vm.pid}/status").read_text()
+    sandboxed = await QemuVm.boot(_spec(workdir, "sandboxed"))  # the real QEMU has it: on
+    vms.append(sandboxed)
+    assert "Seccomp:\t2" in Path(f"/proc/{sandboxed.pid}/status").read_text()
 
 
 async def test_snapshot_and_restores_keep_memory(workdir: Path, vms: list[QemuVm]) -> None:

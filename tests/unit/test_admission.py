@@ -30,7 +30,7 @@ async def test_a_pause_refused_for_disk_is_507_and_the_vm_keeps_running(tmp_path
     api = make_api(tmp_path)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=api.app),
-        base_url="http://pal",
+        base_url="http://localhost",
         headers={"Authorization": f"Bearer {api.key_a}"},
     ) as c:
         vm = (await c.post("/v1/runtime/schedule", json={})).json()["vmId"]

@@ -23,7 +23,7 @@ def env(tmp_path: Path) -> ApiEnv:
 def _client(env: ApiEnv, key: str | None) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=env.app), base_url="http://pal", headers=headers
+        transport=httpx.ASGITransport(app=env.app), base_url="http://localhost", headers=headers
     )
 
 

@@ -26,7 +26,7 @@ def env(tmp_path: Path) -> ApiEnv:
 async def client(env: ApiEnv) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=env.app),
-        base_url="http://pal",
+        base_url="http://localhost",
         headers={"Authorization": f"Bearer {env.key_a}"},
     ) as c:
         yield c
@@ -133,7 +133,9 @@ async def test_oversized_secrets_are_a_400_not_a_failed_spawn(env: ApiEnv, clien
 
 async def test_healthz_shows_internals_only_to_the_operator(env: ApiEnv) -> None:
     env.sched.settings.admin_token = "adm-token"
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=env.app), base_url="http://localhost"
+    ) as c:
         anon = await c.get("/healthz")
         assert anon.status_code == 200 and anon.json() == {"ok": True}
         tenant = await c.get("/healthz", headers={"Authorization": f"Bearer {env.key_a}"})
@@ -147,7 +149,9 @@ async def test_a_failing_health_probe_shows_nothing_without_a_key(tmp_path: Path
         raise RuntimeError("cannot open /var/lib/pal/images/default/meta.json")
 
     env = make_api(tmp_path, health=broken)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=env.app), base_url="http://localhost"
+    ) as c:
         resp = await c.get("/healthz")
     assert resp.status_code == 503 and resp.json() == {"ok": False}
 
@@ -168,7 +172,9 @@ async def test_cors_only_for_the_operators_origins(tmp_path: Path) -> None:
     ):
         settings = dataclasses.replace(env.settings, cors_origins=origins)
         app = create_app(env.sched, env.store, settings)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pal") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+        ) as c:
             pre = await c.options(
                 "/v1/runtime/vms",
                 headers={

@@ -45,10 +45,17 @@ def test_rules_match_hosts_and_rewrite_headers() -> None:
     assert rules.for_host("a.wild.test") and not rules.for_host("wild.test")
     assert not rules.for_host("other.test") and not rules.for_host(None)
     out = rules.rewrite("api.test", [(b"Authorization", b"token PH-123"), (b"X-Other", b"k=PH-123;")])
-    assert out == [(b"X-Other", b"k=REAL-VALUE;"), (b"Authorization", b"Bearer REAL-VALUE")]
-    # Substitution only (no header named): the placeholder is replaced where it appears.
+    # The value goes into the configured header only (issue 23 item 2): a placeholder in any
+    # other header (one an upstream may reflect) stays the placeholder.
+    assert out == [(b"X-Other", b"k=PH-123;"), (b"Authorization", b"Bearer REAL-VALUE")]
+    # No header named: the placeholder is replaced in the credential headers only.
     sub = broker.Rules([{**RULE, "header": None}])
     assert sub.rewrite("api.test", [(b"X-Api-Key", b"PH-123")]) == [(b"X-Api-Key", b"REAL-VALUE")]
+    assert sub.rewrite("api.test", [(b"authorization", b"Bearer PH-123")]) == [
+        (b"authorization", b"Bearer REAL-VALUE")
+    ]
+    for reflected in (b"Host", b"Origin", b"Referer", b"X-Request-Id", b"X-Org"):
+        assert sub.rewrite("api.test", [(reflected, b"PH-123")]) == [(reflected, b"PH-123")]
     # Another host: nothing changes.
     assert rules.rewrite("other.test", [(b"X", b"PH-123")]) == [(b"X", b"PH-123")]
 

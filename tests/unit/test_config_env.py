@@ -19,6 +19,7 @@ OTHER_READERS = {
     "bench.py",  # sets variables for the servers it starts
     "bench_network.py",
     "bench_cluster.py",
+    "bench_s3.py",
     "localcluster/demo.py",  # a demo launcher for developers
     "localcluster/processes.py",  # passes the environment on to the processes it starts
     "network/control.py",  # passes chosen variables on to the gateway process

@@ -23,7 +23,7 @@ async def env(tmp_path: Path) -> AsyncIterator[tuple[SchedEnv, httpx.AsyncClient
     app = create_app(e.sched, e.store, e.settings)
     install_dashboard(app, e.sched, e.store, e.settings)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pal.test") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         yield e, c, key
     await e.sched.close()
     e.store.close()
@@ -242,7 +242,7 @@ async def test_buttons_follow_the_transition_table_and_a_port_gets_a_signed_link
     got = await c.post(f"/runtime/{vm}/port-link", data={"port": "8000", "csrf": token})
     assert got.status_code == 200, got.text
     url = re.search(r'id="port-link" href="([^"]+)"', got.text).group(1)  # type: ignore[union-attr]
-    assert url.startswith(f"http://pal.test/v1/runtime/vms/{vm}/ports/8000/?palToken="), url
+    assert url.startswith(f"http://8000-{vm}.localhost:8082/?palToken="), url  # the port's own origin
     assert 'target="_blank"' in got.text and "noopener" in got.text
     for bad in ("0", "65536", "http"):
         r = await c.post(f"/runtime/{vm}/port-link", data={"port": bad, "csrf": token})

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +23,10 @@ from fastapi import FastAPI, WebSocket
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
-from pal.api.forward import ForwardToLeader
+from pal.api.callers import NODE_HEADER, Callers
+from pal.api.forward import ForwardToLeader, forwarded_ok, forwarding_key, sign_forwarded
 from pal.config import Settings
+from pal.manager.auth import node_token
 from pal.scheduler.scheduler import Scheduler
 from pal.server import control_plane_app
 from pal.store import Store
@@ -240,8 +245,15 @@ def leader_url() -> Iterator[str]:
         yield url
 
 
+KEY = forwarding_key(SECRET)
+
+
 def _follower(lease: FakeLeadership, failover_s: float = 5.0) -> Any:
-    return ForwardToLeader(_local_app(), lease.is_leader, lease.leader_url, failover_s=failover_s)
+    return ForwardToLeader(_local_app(), lease.is_leader, lease.leader_url, failover_s=failover_s, key=KEY)
+
+
+def _signed(value: str | None) -> bool:
+    return value is not None and forwarded_ok(KEY, value, "WEBSOCKET", "/ws")
 
 
 def test_websockets_reach_the_leader_both_ways(leader_url: str) -> None:
@@ -252,7 +264,8 @@ def test_websockets_reach_the_leader_both_ways(leader_url: str) -> None:
             ws_url, subprotocols=["pal.v1"], additional_headers={"Authorization": "Bearer k"}
         ) as ws:  # type: ignore[list-item]
             assert ws.subprotocol == "pal.v1"
-            assert json.loads(ws.recv()) == {"auth": "Bearer k", "forwarded": "1", "q": "42"}
+            who = json.loads(ws.recv())
+            assert who["auth"] == "Bearer k" and who["q"] == "42" and _signed(who["forwarded"])
             ws.send("hello")
             assert ws.recv() == "HELLO"
             ws.send(b"\x00\x01\xff")
@@ -271,7 +284,7 @@ def test_a_websocket_waits_for_the_new_leader_too(leader_url: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     lease = FakeLeadership([dead, dead, None, leader_url])
     with serve(_follower(lease)) as url, ws_connect(url.replace("http", "ws") + "/ws") as ws:  # type: ignore[arg-type]
-        assert json.loads(ws.recv())["forwarded"] == "1"
+        assert _signed(json.loads(ws.recv())["forwarded"])
     assert lease.log[-1] == leader_url
 
 
@@ -296,3 +309,119 @@ def test_a_follower_that_becomes_leader_meanwhile_answers_itself() -> None:
         assert r.status_code == 200 and r.json() == {"by": "follower"}
         with ws_connect(url.replace("http", "ws") + "/ws") as ws:
             assert ws.recv() == "follower"
+
+
+# -- who may send X-Pal-Forwarded, and whose body a follower holds -------------------------------
+
+
+def test_a_forged_forwarded_header_is_refused_by_a_follower(replicas: Replicas) -> None:
+    """Only a replica signs X-Pal-Forwarded: without the shared secret, a caller cannot make a
+    follower act on a request itself (or skip forwarding it)."""
+    now = time.time()
+    path = "/v1/runtime/schedule"
+    forged = [
+        "1",  # what a replica used to send
+        sign_forwarded(forwarding_key(b"another secret"), "POST", path),
+        sign_forwarded(KEY, "POST", "/v1/runtime/vms"),  # another path's
+        sign_forwarded(KEY, "GET", path),  # another method's
+        sign_forwarded(KEY, "POST", path, now=now - 3600),  # an old one
+    ]
+    with _api(replicas.follower_url, replicas.env.api_key) as c:
+        for value in forged:
+            r = c.post(path, json={}, headers={"X-Pal-Forwarded": value})
+            assert r.status_code == 403, (value, r.text)
+            assert "X-Pal-Forwarded" in r.json()["error"]["message"]
+        assert c.get("/v1/runtime/vms").json()["vms"] == []  # nothing was scheduled
+        ok = c.post(path, json={}, headers={"X-Pal-Forwarded": sign_forwarded(KEY, "POST", path)})
+        # A replica's signature is taken: the follower answers it itself (it has no node here).
+        assert ok.status_code != 403 and "X-Pal-Forwarded" not in ok.text, ok.text
+    assert [s for s in replicas.leader.seen if s[1] == path] == []
+
+
+def _raw(url: str, head: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    """Send ``head`` and only ``body`` (less than it declares); the status and JSON answer."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        headers, _, rest = got.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: (\d+)", headers).group(1))  # type: ignore[union-attr]
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    return int(headers.split()[1]), json.loads(rest)
+
+
+def test_an_anonymous_large_body_is_refused_before_the_follower_reads_it(replicas: Replicas) -> None:
+    """Declared larger than the anonymous bound: 401 while most of it is still unsent (the
+    follower holds none of it), and nothing reaches the leader. With an API key the same
+    upload is forwarded."""
+    with _api(replicas.leader_url, replicas.env.api_key) as c:
+        vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    size = 1 << 20
+    port = replicas.follower_url.rsplit(":", 1)[1]
+    for path, extra in (
+        (f"/v1/runtime/vms/{vm}/files/content?path=big.bin", "Content-Type: application/octet-stream\r\n"),
+        ("/runtime/login", "Content-Type: application/x-www-form-urlencoded\r\n"),
+        (f"/v1/runtime/vms/{vm}/files/content?path=big.bin", "Authorization: Bearer not-a-key\r\n"),
+    ):
+        method = "POST" if path == "/runtime/login" else "PUT"
+        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}Content-Length: {size}\r\n\r\n"
+        status, body = _raw(replicas.follower_url, head, b"x" * 4096)  # 4 KiB of the 1 MiB sent
+        assert status == 401, body
+        assert body["error"]["code"] == "UNAUTHENTICATED" and "credentials" in body["error"]["message"]
+    assert not [s for s in replicas.leader.seen if s[0] in ("PUT", "POST") and s[2]]  # nothing forwarded
+    with _api(replicas.follower_url, replicas.env.api_key) as c:
+        r = c.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "big.bin"}, content=b"y" * size)
+        assert r.status_code == 200, r.text
+    assert ("PUT", f"/v1/runtime/vms/{vm}/files/content", True) in replicas.leader.seen
+
+
+async def test_a_follower_knows_operators_tenants_and_nodes_by_their_credentials(tmp_path: Path) -> None:
+    env = make_env(tmp_path, cluster_secret="s3cret", admin_token="op-token")
+    callers = Callers(env.store, env.settings)
+
+    def scope(*headers: tuple[str, str]) -> dict[str, Any]:
+        return {"type": "http", "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+
+    auth = "Authorization"
+    assert await callers.known(scope((auth, "Bearer op-token")))
+    assert await callers.known(scope((auth, f"Bearer {env.api_key}")))
+    assert await callers.known(scope((auth, f"Bearer {node_token('s3cret', 'n1')}"), (NODE_HEADER, "n1")))
+    assert not await callers.known(scope((auth, f"Bearer {node_token('s3cret', 'n1')}"), (NODE_HEADER, "n2")))
+    assert not await callers.known(scope((auth, "Bearer guess")))
+    assert not await callers.known(scope())
+    env.store.close()
+
+
+def test_a_follower_forwards_a_ports_origin_with_its_host(replicas: Replicas) -> None:
+    """A VM port's origin is named by the Host: the follower forwards its requests and
+    WebSockets to the leader with that Host, and the leader answers them from the port."""
+    from websockets.sync.server import ServerConnection
+    from websockets.sync.server import serve as ws_serve
+
+    def echo(conn: ServerConnection) -> None:
+        for msg in conn:
+            conn.send(msg)
+
+    with ws_serve(echo, "127.0.0.1", 0) as guest:
+        threading.Thread(target=guest.serve_forever, daemon=True).start()
+        replicas.env.manager.port_servers[8000] = guest.socket.getsockname()[1]
+        with _api(replicas.follower_url, replicas.env.api_key) as c:
+            vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
+            host = f"8000-{vm}.localhost:8082"
+            # The guest's WebSocket server answers plain HTTP with 426: the port answered.
+            r = c.get("/runtime/login", headers={"Host": host})
+            assert r.status_code == 426, r.text
+            port = int(replicas.follower_url.rsplit(":", 1)[1])
+            auth = {"Authorization": f"Bearer {replicas.env.api_key}"}
+            with ws_connect(f"ws://{host}/ws", address=("127.0.0.1", port), additional_headers=auth) as ws:
+                ws.send("hi")
+                assert ws.recv(timeout=30) == "hi"
+        guest.shutdown()
+    seen = replicas.leader.seen
+    assert ("GET", "/runtime/login", True) in seen  # the leader's ports app, not its dashboard
+    assert ("WS", "/ws", True) in seen

@@ -14,7 +14,6 @@ import pytest
 from sqlalchemy import event
 
 from pal.errors import BackendError
-from pal.scheduler import reconcile
 from pal.scheduler.states import STAYS, Action, VmState
 from pal.spec import AgentSpec, ExecRequest, PauseRequest
 from pal.store import LIFECYCLE_COLUMNS
@@ -143,7 +142,7 @@ async def test_every_action_writes_lifecycle_columns_only_through_the_transition
     await s.pause(t, c, PauseRequest(mode="live"))
     await s.pause(t, c)  # a snapshot pause of a live-paused VM
     env.manager.kill(res.forks[1].vm_id)
-    await reconcile.reconcile_all(s)  # finishes the delete, loses the dead fork
+    await s.reconciler.reconcile_all()  # finishes the delete, loses the dead fork
     await s.delete(t, b)
     await s.delete(t, a)
     await s.delete(t, c)

@@ -269,14 +269,22 @@ async def test_a_guest_that_reads_nothing_loses_its_channel(
 
 
 def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
-    """NodeRuntime.heartbeat() with one VM whose guest sent nonsense: every VM is reported."""
+    """The node's heartbeat with one VM whose guest sent nonsense: every VM is reported."""
     from pal.config import Settings
-    from pal.manager.runtime import LiveVm, NodeRuntime
+    from pal.manager.heartbeat import NodeIdentity, NodeReports, ReportDeps
+    from pal.manager.vm import LiveVm, VmRegistry
 
-    rt = NodeRuntime.__new__(NodeRuntime)
-    rt.node_id, rt.accel, rt.settings = "n", SimpleNamespace(name="tcg"), Settings(data_dir=tmp_path)
-    rt.vms = {}
-    rt.templates, rt.epoch, rt.url = None, "e", ""  # the node report's fields
+    registry = VmRegistry(tmp_path / "vms", lambda *_: None)
+    reports = NodeReports(
+        ReportDeps(
+            NodeIdentity("n", "e", "tcg"),
+            Settings(data_dir=tmp_path),
+            store=None,  # type: ignore[arg-type]
+            registry=registry,
+            templates=lambda: None,
+            template_host=None,  # type: ignore[arg-type]
+        )
+    )
     for vm_id, hb in (
         ("vm-bad", gi.heartbeat({"last_activity_ms": "x", "incarnation": [1], "active": 1}, 10**13)),
         ("vm-good", gi.heartbeat({"last_activity_ms": 5, "incarnation": 1, "active": True}, 10**13)),
@@ -284,7 +292,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
         chan = HarnessChannel(tmp_path / "x", vm_id)
         chan.heartbeat, chan.heartbeat_at = hb, time.monotonic()
         qemu = SimpleNamespace(exited=asyncio.Event(), pid=1)
-        rt.vms[vm_id] = LiveVm(
+        registry.vms[vm_id] = LiveVm(
             vm_id=vm_id,
             tenant_id="t",
             qemu=qemu,  # type: ignore[arg-type]
@@ -297,7 +305,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
             vcpus=1,
             disk_mib=512,
         )
-    node = asyncio.run(rt.heartbeat())
+    node = asyncio.run(reports.heartbeat())
     by_id = {v.vm_id: v for v in node.vms}
     assert set(by_id) == {"vm-bad", "vm-good"}
     assert by_id["vm-bad"].guest_last_activity_unix_ms == 0 and not by_id["vm-bad"].guest_active

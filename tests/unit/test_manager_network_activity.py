@@ -8,7 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pal.manager.channel import HarnessChannel
-from pal.manager.runtime import LiveVm, NodeRuntime
+from pal.manager.metrics import MetricsBook
+from pal.manager.sampling import Sampler
+from pal.manager.vm import LiveVm, VmRegistry
 
 
 def _vm(tmp_path: Path, vm_id: str, last_ms: int) -> LiveVm:
@@ -29,9 +31,9 @@ def _vm(tmp_path: Path, vm_id: str, last_ms: int) -> LiveVm:
 
 
 def test_bytes_through_the_gateway_count_as_host_observed_activity(tmp_path: Path) -> None:
-    rt = NodeRuntime.__new__(NodeRuntime)
     counters: dict[str, tuple[int, int]] = {"vm-net": (10, 20), "vm-quiet": (5, 5), "vm-live": (1, 1)}
-    rt.net_counters = counters.get
+    registry = VmRegistry(tmp_path / "vms", lambda *_: None)
+    rt = Sampler(registry, MetricsBook(interval_s=5), heartbeat_interval_s=5, net_counters=counters.get)
     vms = [_vm(tmp_path, v, last_ms=1000) for v in counters]
     vms.append(_vm(tmp_path, "vm-unknown", last_ms=1000))  # the gateway does not know it
     vms[2].live = SimpleNamespace()  # type: ignore[assignment]  # live-paused

@@ -103,15 +103,19 @@ def test_process_usage_reads_this_process() -> None:
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[SchedEnv]:
     e = make_env(tmp_path, max_vms=3)
+    e.settings.admin_token = OPERATOR  # what pal.server puts in effect (pal/operator.py)
     yield e
     await e.sched.close()
     e.store.close()
 
 
+OPERATOR = "the-operator-token"
+
+
 def _client(app: object, key: str | None = None, client_ip: str = "127.0.0.1") -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     transport = httpx.ASGITransport(app=app, client=(client_ip, 40000))  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=transport, base_url="http://pal", headers=headers)
+    return httpx.AsyncClient(transport=transport, base_url="http://localhost", headers=headers)
 
 
 async def test_vm_metrics_route_is_tenant_scoped_and_answers_stopped_vms(env: SchedEnv) -> None:
@@ -142,7 +146,7 @@ def _families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
 async def test_prometheus_endpoint_parses_and_carries_the_operator_figures(env: SchedEnv) -> None:
     _, key = env.store.create_tenant("p-user", 3)
     app = create_app(env.sched, env.store, env.settings)
-    async with _client(app, key) as a, _client(app) as operator:
+    async with _client(app, key) as a, _client(app, OPERATOR) as operator:
         vm = (await a.post("/v1/runtime/schedule", json={})).json()["vmId"]
         await a.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/true"})
         await a.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/true"})
@@ -180,22 +184,24 @@ async def test_prometheus_endpoint_parses_and_carries_the_operator_figures(env: 
 
 
 async def test_prometheus_endpoint_is_for_the_operator_only(env: SchedEnv, tmp_path: Path) -> None:
+    """No caller is the operator by its address: loopback without a token is refused too."""
     _, key = env.store.create_tenant("q-user", 3)
     app = create_app(env.sched, env.store, env.settings)
-    async with _client(app, client_ip="192.0.2.7") as remote, _client(app, key, "192.0.2.7") as tenant:
-        assert (await remote.get("/metrics")).status_code == 403
+    async with _client(app) as local, _client(app, key) as tenant, _client(app, "guess") as guess:
+        refused = await local.get("/metrics")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert "operator token" in refused.json()["error"]["message"]
         assert (await tenant.get("/metrics")).status_code == 403  # a tenant key opens nothing
+        assert (await guess.get("/metrics")).status_code == 403
+    async with _client(app, OPERATOR, "192.0.2.7") as operator:
+        ok = await operator.get("/metrics")
+        assert ok.status_code == 200 and "pal_tenant_slots_used" in ok.text
     env.settings.metrics_token = "s3cret-token"
     app = create_app(env.sched, env.store, env.settings)
-    async with (
-        _client(app) as local,
-        _client(app, key) as tenant_local,
-        _client(app, "s3cret-token", "192.0.2.7") as scraper,
-    ):
-        assert (await local.get("/metrics")).status_code == 401  # with a token, loopback needs it too
-        assert (await tenant_local.get("/metrics")).status_code == 403
+    async with _client(app, "s3cret-token", "192.0.2.7") as scraper:
         ok = await scraper.get("/metrics")
         assert ok.status_code == 200 and "pal_vms" in ok.text
+        assert (await scraper.get("/v1/nodes")).status_code == 403  # it opens /metrics alone
     env.manager.heartbeat_error = ConnectionError("node down")
     async with _client(app, "s3cret-token") as scraper:
         down = await scraper.get("/metrics")
@@ -213,7 +219,7 @@ async def test_every_node_is_reported_and_a_lost_one_is_down(env: SchedEnv) -> N
     second.alive["vm-x"] = FakeVm("vm-x", 1, "t")  # one QEMU there
     env.store.set_node_state("node-3", "lost")
     app = create_app(env.sched, env.store, env.settings)
-    async with _client(app) as operator:
+    async with _client(app, OPERATOR) as operator:
         fams = _families((await operator.get("/metrics")).text)
         up = {lab["node"]: v for _, lab, v in fams["pal_node_up"]}
         assert up == {"node-1": 1, "node-2": 1, "node-3": 0}
@@ -239,7 +245,7 @@ async def test_s3_queue_depth_counts_the_jobs_waiting_for_an_unreachable_s3(
         runtime = NodeRuntime(Settings(data_dir=tmp_path / "node"), snaps, AccelInfo("tcg", "test"))
         monkeypatch.setattr(env.manager, "stats", runtime.stats)
         app = create_app(env.sched, env.store, env.settings)
-        async with _client(app) as operator:
+        async with _client(app, OPERATOR) as operator:
             fams = _families((await operator.get("/metrics")).text)
     finally:
         snaps.close(timeout=5)

@@ -117,7 +117,7 @@ def test_allow_list_matches_names_ports_wildcards_and_networks() -> None:
     a = [ip("203.0.113.7")]
     assert p.decide("api.test", a, 8080).allowed
     assert not p.decide("api.test", a, 8081).allowed  # port-bound rule
-    assert p.decide("raw.github.test", a, 22).allowed  # wildcard: any subdomain, any port
+    assert p.decide("raw.github.test", a, 443).allowed  # wildcard: any subdomain
     assert not p.decide("github.test", a, 443).allowed  # ... but not the bare domain
     assert not p.decide("evil.test", a, 443).allowed
     assert p.decide(None, [ip("151.101.3.4")], 443).allowed
@@ -127,6 +127,40 @@ def test_allow_list_matches_names_ports_wildcards_and_networks() -> None:
     assert v.allowed and v.addresses == (ip("151.101.1.1"),)
     assert p.name_allowed("api.test")[0] and p.name_allowed("x.github.test")[0]
     assert Policy(EgressAllow(allow=["api.test"])).name_allowed("evil.test")[0] is False
+
+
+def test_an_allowed_name_without_a_port_is_http_and_https_only() -> None:
+    """Issue 23 item 4: an entry without a port no longer allows every port."""
+    p = Policy(EgressAllow(allow=["pypi.org", "*.github.test", "git.test:22"]))
+    a = [ip("203.0.113.7")]
+    for name, port in [("pypi.org", 80), ("pypi.org", 443), ("raw.github.test", 443), ("git.test", 22)]:
+        assert p.decide(name, a, port).allowed, (name, port)
+    for name, port in [("pypi.org", 22), ("pypi.org", 8080), ("raw.github.test", 25), ("git.test", 443)]:
+        assert not p.decide(name, a, port).allowed, (name, port)
+    # A deny entry without a port still denies every port.
+    assert not Policy(EgressDeny(deny=["evil.test"])).decide("evil.test", a, 8443).allowed
+
+
+def test_a_network_entry_makes_no_name_resolvable() -> None:
+    """Issue 23 item 5: with a CIDR in an allow list, a name outside it does not resolve
+    (its query would carry data to the host's resolver); listed names still do."""
+    p = Policy(EgressAllow(allow=["api.test:8080", "151.101.0.0/16"]))
+    assert p.name_allowed("api.test")[0]
+    assert p.name_allowed("secret-data.attacker.test") == (False, "not in the allow list")
+    assert p.decide(None, [ip("151.101.3.4")], 443).allowed  # the network by address, still
+
+
+def test_what_a_connection_may_name_follows_the_policy() -> None:
+    allow = Policy(EgressAllow(allow=["pypi.org", "151.101.0.0/16"]))
+    assert allow.binds("pypi.org", 443) and not allow.binds(None, 443)
+    assert not allow.binds("cdn.test", 443)  # allowed by its address: whatever it is called
+    assert allow.host_permitted("pypi.org", 443) and not allow.host_permitted("evil.test", 443)
+    deny = Policy(EgressDeny(deny=["evil.test"]))
+    assert deny.binds(None, 80) and deny.binds("fine.test", 443)
+    assert deny.host_permitted("fine.test", 80) and not deny.host_permitted("evil.test", 80)
+    assert deny.host_permitted(None, 443) and not allow.host_permitted(None, 443)  # names nothing
+    assert not Policy(EgressDeny(deny=["10.0.0.0/8"])).binds("x.test", 80)
+    assert not Policy("open").binds("x.test", 80)
 
 
 def test_deny_list_is_open_minus_entries() -> None:

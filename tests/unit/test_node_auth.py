@@ -41,7 +41,7 @@ async def test_node_heartbeats_need_the_nodes_own_token(tmp_path: Path) -> None:
     node = FakeManager(node_id="n9")
     node.url = "http://127.0.0.1:9"
     body = (await node.heartbeat()).model_dump(by_alias=True, mode="json")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cp") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         wrong = {"Authorization": f"Bearer {node_token('s3cret', 'n1')}"}  # another node's token
         assert (await c.post("/v1/nodes/heartbeat", json=body, headers=wrong)).status_code == 401
         assert env.store.get_node("n9") is None
@@ -49,15 +49,15 @@ async def test_node_heartbeats_need_the_nodes_own_token(tmp_path: Path) -> None:
         r = await c.post("/v1/nodes/heartbeat", json=body, headers=ok)
         assert r.status_code == 200 and r.json()["state"] == "active"
         assert env.store.get_node("n9").url == "http://127.0.0.1:9"  # type: ignore[union-attr]
-        assert [n["nodeId"] for n in (await c.get("/v1/nodes")).json()["nodes"]] == ["n9"]  # loopback
-    remote = httpx.ASGITransport(app=app, client=("192.0.2.7", 40000))
-    async with httpx.AsyncClient(transport=remote, base_url="http://cp") as c:
-        assert (await c.get("/v1/nodes")).status_code == 403  # operator routes: loopback only...
+        assert (await c.get("/v1/nodes")).status_code == 401  # loopback is not the operator
+        assert (await c.get("/v1/nodes", headers=ok)).status_code == 403  # nor is a node
     env.settings.admin_token = "adm"
-    async with httpx.AsyncClient(transport=remote, base_url="http://cp") as c:
-        assert (await c.get("/v1/nodes")).status_code == 401  # ...or the admin token
+    remote = httpx.ASGITransport(app=app, client=("192.0.2.7", 40000))
+    async with httpx.AsyncClient(transport=remote, base_url="http://localhost") as c:
+        assert (await c.get("/v1/nodes")).status_code == 401
         assert (await c.get("/v1/nodes", headers={"Authorization": "Bearer x"})).status_code == 403
-        assert (await c.get("/v1/nodes", headers={"Authorization": "Bearer adm"})).status_code == 200
+        listed = await c.get("/v1/nodes", headers={"Authorization": "Bearer adm"})
+        assert listed.status_code == 200 and [n["nodeId"] for n in listed.json()["nodes"]] == ["n9"]
 
 
 async def test_a_control_plane_without_a_cluster_secret_takes_no_nodes(tmp_path: Path) -> None:
@@ -66,6 +66,6 @@ async def test_a_control_plane_without_a_cluster_secret_takes_no_nodes(tmp_path:
     node = FakeManager(node_id="n9")
     node.url = "http://127.0.0.1:9"
     body = (await node.heartbeat()).model_dump(by_alias=True, mode="json")
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://cp") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as c:
         r = await c.post("/v1/nodes/heartbeat", json=body, headers={"Authorization": "Bearer x"})
     assert r.status_code == 403 and "PAL_CLUSTER_SECRET" in r.json()["error"]["message"]

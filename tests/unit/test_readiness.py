@@ -48,9 +48,9 @@ async def test_readyz_is_503_until_ready_and_shows_why_to_the_operator_only(tmp_
     env.sched.settings.admin_token = "op"
     transport = httpx.ASGITransport(app=env.app)
     async with (
-        httpx.AsyncClient(transport=transport, base_url="http://pal") as anon,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as anon,
         httpx.AsyncClient(
-            transport=transport, base_url="http://pal", headers={"Authorization": "Bearer op"}
+            transport=transport, base_url="http://localhost", headers={"Authorization": "Bearer op"}
         ) as op,
     ):
         assert (await anon.get("/healthz")).status_code == 200  # alive all along
@@ -78,7 +78,7 @@ async def test_an_unhealthy_server_is_not_ready(tmp_path: Path) -> None:
         env.sched.settings.admin_token = "op"
         transport = httpx.ASGITransport(app=env.app)
         async with httpx.AsyncClient(
-            transport=transport, base_url="http://pal", headers={"Authorization": "Bearer op"}
+            transport=transport, base_url="http://localhost", headers={"Authorization": "Bearer op"}
         ) as op:
             r = await op.get("/readyz")
         assert r.status_code == 503 and why in r.json()["waitingFor"]
@@ -89,7 +89,7 @@ async def test_pal_ups_readiness_asks_its_embedded_node(tmp_path: Path) -> None:
     the moment the default image lists the default size among its warm templates."""
     env = make_api(tmp_path)
     transport = httpx.ASGITransport(app=env.app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://pal") as anon:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as anon:
         assert (await anon.get("/readyz")).status_code == 503
         env.manager.image_infos[0].templates = ["512m-1c-2048d"]
         assert (await anon.get("/readyz")).status_code == 503

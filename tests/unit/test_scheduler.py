@@ -293,7 +293,7 @@ async def test_a_server_keeps_no_lock_of_vms_it_is_done_with(env: SchedEnv) -> N
         await env.sched.pause(env.tenant_id, vm_id)
         await env.sched.resume(env.tenant_id, vm_id)
         await env.sched.delete(env.tenant_id, vm_id)
-    assert not set(vms) & set(env.sched._ops) and not set(vms) & set(env.sched.transitions._locks)
+    assert not set(vms) & env.sched.locks.locked_ids() and not set(vms) & set(env.sched.transitions._locks)
     held = env.sched.op_lock(vms[0])
     assert env.sched.op_lock(vms[0]) is held, "one lock per VM while anyone holds it"
 

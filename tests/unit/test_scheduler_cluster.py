@@ -14,7 +14,6 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import Unavailable
-from pal.scheduler import reconcile
 from pal.scheduler.scheduler import Scheduler
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec
@@ -129,15 +128,15 @@ async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_pa
     paused = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0].vm_id
     await c.sched.pause(c.tenant_id, paused)
     assert c.store.count_slots(c.tenant_id) == 2
-    assert await reconcile.lose_silent_nodes(c.sched) == []  # fresh heartbeats: nothing
+    assert await c.sched.reconciler.lose_silent_nodes() == []  # fresh heartbeats: nothing
     c.silence("n1", 31)
-    fixes = await reconcile.lose_silent_nodes(c.sched)
+    fixes = await c.sched.reconciler.lose_silent_nodes()
     assert "node n1: lost" in fixes
     for vm_id in running:
         vm = c.store.get_vm(vm_id)
         assert vm is not None and vm.state == S.FAILED and vm.reason == "node lost" and not vm.holds_slot
     assert c.store.count_slots(c.tenant_id) == 0
-    assert await reconcile.lose_silent_nodes(c.sched) == []  # exactly once
+    assert await c.sched.reconciler.lose_silent_nodes() == []  # exactly once
     # The paused VM resumes elsewhere (n2 given room again), from "S3".
     c.nodes["n2"].memory_mib = 1 << 20
     await c.beat("n2")
@@ -147,7 +146,7 @@ async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_pa
     assert set(running) <= set(c.nodes["n1"].alive)
     ack = await c.beat("n1")
     assert ack.state == "active" and sorted(ack.stopping) == sorted(running)
-    for t in list(c.sched._chores):
+    for t in list(c.sched.chores.tasks):
         await t
     assert not set(running) & set(c.nodes["n1"].alive)
 
@@ -157,9 +156,9 @@ async def test_a_silent_node_is_not_lost_right_after_a_failover(tmp_path: Path) 
     await c.sched.schedule(c.tenant_id, AgentSpec())
     c.silence("n1", 60)
     c.sched.leader_since = c.clock()  # this replica just took over: heartbeats went nowhere
-    assert await reconcile.lose_silent_nodes(c.sched) == []
+    assert await c.sched.reconciler.lose_silent_nodes() == []
     c.clock.advance(31)
-    fixes = await reconcile.lose_silent_nodes(c.sched)
+    fixes = await c.sched.reconciler.lose_silent_nodes()
     assert fixes[0] == "node n1: lost" and len(fixes) == 2  # and its one VM failed
     assert c.store.get_node("n1").state == "lost"  # type: ignore[union-attr]
 
@@ -167,10 +166,10 @@ async def test_a_silent_node_is_not_lost_right_after_a_failover(tmp_path: Path) 
 async def test_stray_of_an_older_incarnation_is_stopped_by_incarnation(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1", "n2"))
     vm, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
-    assert reconcile.stray_vms(c.sched, vm.node_id or "", await c.nodes[vm.node_id or ""].heartbeat()) == []
+    assert c.sched.reconciler.stray_vms(vm.node_id or "", await c.nodes[vm.node_id or ""].heartbeat()) == []
     other = "n2" if vm.node_id == "n1" else "n1"
     c.nodes[other].alive[vm.vm_id] = dataclasses.replace(c.nodes[vm.node_id or ""].alive[vm.vm_id])
-    assert reconcile.stray_vms(c.sched, other, await c.nodes[other].heartbeat()) == [(vm.vm_id, 1)]
+    assert c.sched.reconciler.stray_vms(other, await c.nodes[other].heartbeat()) == [(vm.vm_id, 1)]
 
 
 async def test_forks_stay_on_the_source_node_and_spill_when_it_is_full(tmp_path: Path) -> None:
@@ -230,7 +229,7 @@ async def test_a_fork_interrupted_by_a_crash_keeps_no_child(
     assert len(children) == 3 and all(ch.vm_id in c.nodes["n1"].alive for ch in children)  # all came up
     fresh = Scheduler(c.settings, c.store, clock=c.clock)
     fresh.nodes.use_client("n1", c.nodes["n1"])
-    await reconcile.reconcile_all(fresh)
+    await fresh.reconciler.reconcile_all()
     for ch in c.store.list_vms(parent_vm_id=src.vm_id):
         assert ch.state == S.FAILED and not ch.holds_slot
         assert ch.vm_id not in c.nodes["n1"].alive
@@ -262,7 +261,7 @@ async def test_a_new_leader_asks_a_node_silent_during_the_failover(
     c.silence("n1", 20)
     fresh = Scheduler(c.settings, c.store, clock=c.clock)
     fresh.nodes.use_client("n1", c.nodes["n1"])
-    await reconcile.reconcile_all(fresh)
+    await fresh.reconciler.reconcile_all()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.FAILED}
     assert c.store.count_slots(c.tenant_id) == 1 and not fresh.unreconciled_nodes
 
@@ -282,11 +281,11 @@ async def test_vms_of_a_node_that_did_not_answer_are_settled_when_it_answers(
         raise Unavailable("connection refused")
 
     monkeypatch.setattr(c.nodes["n1"], "heartbeat", down)
-    await reconcile.reconcile_all(fresh)
+    await fresh.reconciler.reconcile_all()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.SPAWNING}
     assert fresh.unreconciled_nodes == {"n1"}
     monkeypatch.setattr(c.nodes["n1"], "heartbeat", real_hb)
-    await reconcile.reconcile_unanswered(fresh)
+    await fresh.reconciler.reconcile_unanswered()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.FAILED}
     assert not any(ch.vm_id in c.nodes["n1"].alive for ch in c.store.list_vms(parent_vm_id=src))
     assert c.store.count_slots(c.tenant_id) == 1 and not fresh.unreconciled_nodes
@@ -302,7 +301,7 @@ async def test_a_fork_crash_before_the_snapshot_leaves_nothing_running(
         await c.sched.fork(c.tenant_id, src.vm_id, 2)
     fresh = Scheduler(c.settings, c.store, clock=c.clock)
     fresh.nodes.use_client("n1", c.nodes["n1"])
-    await reconcile.reconcile_all(fresh)
+    await fresh.reconciler.reconcile_all()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src.vm_id)} == {S.FAILED}
     assert c.store.count_slots(c.tenant_id) == 1
 

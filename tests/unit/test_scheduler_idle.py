@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from pal.errors import BackendError, NotFound
-from pal.scheduler.idle import IdleSweeper
-from pal.scheduler.scheduler import IDLE_REASON
+from pal.scheduler.pause_resume import IDLE_REASON
 from pal.scheduler.states import Marker, VmState
 from pal.spec import AgentSpec, ExecRequest
 from tests.fakes import SchedEnv, make_env
@@ -30,7 +29,7 @@ async def _vm(env: SchedEnv, idle_secs: int) -> str:
 
 async def test_idle_vm_is_suspended_after_its_timeout_not_before(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(59)
     assert await sweeper.sweep() == []
     env.clock.advance(2)
@@ -45,12 +44,12 @@ async def test_idle_vm_is_suspended_after_its_timeout_not_before(env: SchedEnv) 
 async def test_timeout_zero_means_never(env: SchedEnv) -> None:
     await _vm(env, 0)
     env.clock.advance(10**6)
-    assert await IdleSweeper(env.sched).sweep() == []
+    assert await env.sched.sweeper.sweep() == []
 
 
 async def test_guest_activity_and_active_exec_keep_it_running(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(100)
     env.manager.alive[vm_id].last_activity_unix_ms = int((env.clock.now - 30) * 1000)
     assert await sweeper.sweep() == []
@@ -63,7 +62,7 @@ async def test_guest_activity_and_active_exec_keep_it_running(env: SchedEnv) -> 
 
 async def test_host_side_requests_count_as_activity(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(50)
     await env.sched.write_file(env.tenant_id, vm_id, "a", b"x")
     env.clock.advance(50)  # 100 s since schedule, 50 s since the write
@@ -77,7 +76,7 @@ async def test_host_side_requests_count_as_activity(env: SchedEnv) -> None:
 
 async def test_resumed_vm_gets_a_fresh_timeout(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(61)
     assert await sweeper.sweep() == [vm_id]
     env.clock.advance(1000)
@@ -90,7 +89,7 @@ async def test_failed_idle_pause_leaves_vm_running_and_sweeper_alive(env: SchedE
     other = await _vm(env, 60)
     env.manager.fail("snapshot", BackendError("no space"), vm_id=vm_id)
     env.clock.advance(61)
-    assert await IdleSweeper(env.sched).sweep() == [other]
+    assert await env.sched.sweeper.sweep() == [other]
     assert env.store.get_vm(vm_id).state == S.RUNNING  # type: ignore[union-attr]
 
 
@@ -128,7 +127,7 @@ async def test_a_guest_claiming_constant_activity_is_suspended_one_timeout_late_
     liar = env.manager.alive[vm_id]
     liar.guest_active = True
     liar.guest_last_activity_unix_ms = int((env.clock.now + 10**6) * 1000)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(100)  # past the timeout, within the guest's one-timeout extension
     assert await sweeper.sweep() == []
     env.clock.advance(21)  # > 2 x 60 s after the last host-observed activity
@@ -140,15 +139,15 @@ async def test_a_guest_claim_extends_idleness_only_up_to_now(env: SchedEnv) -> N
     env.clock.advance(50)
     env.manager.alive[vm_id].guest_last_activity_unix_ms = int(env.clock.now * 1000)  # honest: a job ended
     env.clock.advance(50)  # 100 s since the last request, 50 s since the guest's activity
-    assert await IdleSweeper(env.sched).sweep() == []
+    assert await env.sched.sweeper.sweep() == []
     env.clock.advance(11)
-    assert await IdleSweeper(env.sched).sweep() == [vm_id]
+    assert await env.sched.sweeper.sweep() == [vm_id]
 
 
 async def test_another_tenants_request_does_not_stamp_the_vm(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
     other, _ = env.store.create_tenant("mallory", 5)
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     for _ in range(3):
         env.clock.advance(30)
         with pytest.raises(NotFound):

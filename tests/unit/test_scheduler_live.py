@@ -10,8 +10,6 @@ import pytest
 
 from pal.errors import BackendError, Conflict, QuotaExceeded
 from pal.manager.models import LiveState
-from pal.scheduler import reconcile
-from pal.scheduler.idle import IdleSweeper
 from pal.scheduler.states import Marker, VmState
 from pal.spec import AgentSpec, ExecRequest, PauseRequest, WaitPause
 from tests.fakes import SchedEnv, make_env
@@ -101,7 +99,7 @@ async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often
     async def every_report_again() -> None:
         for n in list(env.manager.notice_log):
             await env.sched.live.handle(n)
-        await reconcile.reconcile_all(env.sched)
+        await env.sched.reconciler.reconcile_all()
 
     await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
     assert _row(env, vm_id).live_stats["offloads"] == 1
@@ -281,7 +279,7 @@ async def test_a_port_request_that_meets_a_pause_under_way_wakes_the_vm_and_open
 
 async def test_idle_tiers_live_then_snapshot_and_a_request_wakes_each(env: SchedEnv) -> None:
     vm_id = await _vm(env, AgentSpec(idle_timeout_secs=60, idle_live_pause_secs=5))
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(4)
     assert await sweeper.sweep() == []
     env.clock.advance(2)
@@ -313,7 +311,7 @@ async def test_reconcile_takes_the_nodes_word_on_live_pauses(env: SchedEnv) -> N
     # c: recorded live-paused, its QEMU is gone
     await env.sched.pause(env.tenant_id, c, LIVE)
     env.manager.kill(c)
-    await reconcile.reconcile_all(env.sched)
+    await env.sched.reconciler.reconcile_all()
     assert (_row(env, a).state, _row(env, a).marker, _row(env, a).paused_by) == (
         S.PAUSED,
         M.LIVE_WAIT,
@@ -324,10 +322,10 @@ async def test_reconcile_takes_the_nodes_word_on_live_pauses(env: SchedEnv) -> N
     assert _row(env, a).holds_slot and _row(env, b).holds_slot
     # the light pass settles disagreements too
     env.manager.alive[b].live = LiveState(by="operator", since=1.8e9)
-    await reconcile.reconcile_light(env.sched)
+    await env.sched.reconciler.reconcile_light()
     assert (_row(env, b).state, _row(env, b).marker) == (S.PAUSED, M.LIVE)
     env.manager.kill(b)
-    await reconcile.reconcile_light(env.sched)
+    await env.sched.reconciler.reconcile_light()
     assert _row(env, b).state == S.FAILED
 
 
@@ -349,7 +347,7 @@ async def test_a_failed_snapshot_of_a_live_paused_vm_leaves_it_running(env: Sche
     vm_id = await _vm(env)
     await env.sched.pause(env.tenant_id, vm_id, LIVE)
     env.manager.fail("snapshot", BackendError("disk full"))
-    env.manager.alive[vm_id].live = None  # the node continued it (runtime._capture_failed)
+    env.manager.alive[vm_id].live = None  # the node continued it (manager/snapshot.py capture_failed)
     with pytest.raises(BackendError, match="still running"):
         await env.sched.pause(env.tenant_id, vm_id)
     vm = _row(env, vm_id)
@@ -381,7 +379,7 @@ async def test_a_live_paused_vm_is_no_stray_and_still_occupies_its_node(env: Sch
     await env.sched.pause(env.tenant_id, vm_id, LIVE)
     vm = _row(env, vm_id)
     hb = await env.manager.heartbeat()
-    assert reconcile.stray_vms(env.sched, vm.node_id or "", hb) == []
+    assert env.sched.reconciler.stray_vms(vm.node_id or "", hb) == []
     assert [v.vm_id for v in env.sched.occupying(vm.node_id)] == [vm_id]
     await env.sched.pause(env.tenant_id, vm_id)  # a snapshot: off the node
     assert env.sched.occupying() == []
@@ -447,7 +445,7 @@ async def test_a_wait_that_never_ends_takes_the_snapshot_tier_after_the_idle_tim
     for v in (vm_id, busy, never):
         assert await env.sched.live.wait_pause(v) is not None
     env.manager.alive[busy].has_active_exec = True  # its waiting client is an exec
-    sweeper = IdleSweeper(env.sched)
+    sweeper = env.sched.sweeper
     env.clock.advance(59)
     assert await sweeper.sweep() == []
     env.clock.advance(2)

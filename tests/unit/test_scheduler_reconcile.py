@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pal.scheduler import quotas, reconcile
+from pal.scheduler import quotas
 from pal.scheduler.scheduler import Scheduler
 from pal.scheduler.states import Action, Marker, VmState
 from pal.spec import AgentSpec
@@ -36,7 +36,7 @@ async def _running(env: SchedEnv) -> str:
 async def _restart(env: SchedEnv) -> tuple[Scheduler, list[str]]:
     """A new control plane on the same store and node, reconciled."""
     sched = Scheduler(env.settings, env.store, env.manager, clock=env.clock)
-    fixes = await reconcile.reconcile_all(sched)
+    fixes = await sched.reconciler.reconcile_all()
     return sched, fixes
 
 
@@ -262,7 +262,7 @@ async def test_light_reconcile_fails_dead_running_vms_only(env: SchedEnv) -> Non
     dead = await _running(env)
     fine = await _running(env)
     env.manager.kill(dead)
-    fixes = await reconcile.reconcile_light(env.sched)
+    fixes = await env.sched.reconciler.reconcile_light()
     assert len(fixes) == 1
     assert _vm(env, dead).state == S.FAILED and _vm(env, fine).state == S.RUNNING
 
@@ -273,7 +273,7 @@ async def test_light_reconcile_fails_a_vm_whose_harness_went_silent(env: SchedEn
     now = env.sched.now_ms()
     env.manager.alive[silent].last_heartbeat_unix_ms = now - 31_000
     env.manager.alive[fine].last_heartbeat_unix_ms = now - 29_000
-    fixes = await reconcile.reconcile_light(env.sched)
+    fixes = await env.sched.reconciler.reconcile_light()
     assert len(fixes) == 1
     assert _vm(env, silent).state == S.FAILED and "silent" in (_vm(env, silent).reason or "")
     assert silent not in env.manager.alive, "its QEMU was stopped"

@@ -124,8 +124,8 @@ async def test_async_client(live: tuple[ApiEnv, str]) -> None:
 
 async def test_async_client_over_asgi_transport(tmp_path: Path) -> None:
     env = make_api(tmp_path)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://pal")
-    async with AsyncClient("http://pal", env.key_a, http_client=http) as c:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=env.app), base_url="http://localhost")
+    async with AsyncClient("http://localhost", env.key_a, http_client=http) as c:
         assert (await c.runtime.schedule())["state"] == "running"
 
 

@@ -148,3 +148,9 @@ def test_a_live_paused_vm_holds_its_slot_and_a_snapshot_paused_one_does_not() ->
     for st in states.SLOT_HOLDING:
         assert states.holds_slot(st, M.NONE)
     assert not states.holds_slot(S.FAILED) and not states.holds_slot(S.TERMINATED)
+
+
+def test_a_live_qemu_is_a_running_or_live_paused_vm_and_nothing_else() -> None:
+    with_qemu = {(st, m) for st in S for m in M if states.has_live_qemu(st, m)}
+    assert with_qemu == {(S.RUNNING, m) for m in M} | {(S.PAUSED, m) for m in LIVE}
+    assert all(states.holds_slot(st, m) for st, m in with_qemu)  # each occupies its node

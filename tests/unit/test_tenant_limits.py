@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from pal.cli.main import app as cli
 from pal.config import Settings
 from pal.errors import QuotaExceeded
-from pal.scheduler import reconcile
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec
 from pal.store import Store
@@ -96,7 +95,7 @@ async def test_sweep_deletes_snapshots_of_vms_gone_during_a_crash(tmp_path: Path
     await env.sched.delete(env.tenant_id, gone)
     del env.manager.delete_vm_snapshots
     assert _snaps_of(env, gone)
-    fixes = await reconcile.sweep_snapshots(env.sched)
+    fixes = await env.sched.reconciler.sweep_snapshots()
     assert len(fixes) == 2 and not _snaps_of(env, gone) and not _snaps_of(env, "vm-0123456789abcdef0123")
     assert _snaps_of(env, keep)  # a live VM's snapshot stays
 
@@ -106,7 +105,9 @@ async def test_rotated_expired_and_removed_keys_are_refused_with_the_reason(tmp_
     store = api.sched.store
 
     async def status(key: str) -> tuple[int, str]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app), base_url="http://pal") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api.app), base_url="http://localhost"
+        ) as c:
             r = await c.get("/v1/runtime/vms", headers={"Authorization": f"Bearer {key}"})
             return r.status_code, (r.json().get("error") or {}).get("message", "")
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pal.errors import InvalidRequest
+from pal.errors import InvalidRequest, Unavailable
+from pal.vmm import cmdline
 from pal.vmm.cmdline import ImageFiles, VmSpec, build_argv, host_tsc_khz, kernel_args
 from pal.vmm.handoff import Handoff
 
@@ -124,6 +125,36 @@ def test_full_seccomp_sandbox(tmp_path: Path, h: Handoff) -> None:
     ]
 
 
+def test_a_qemu_without_seccomp_runs_no_vm_unless_the_operator_opts_out(
+    tmp_path: Path, h: Handoff, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail closed: no -sandbox in this QEMU (its capability probe faked) is a 503 naming the
+    opt-out; PAL_SECCOMP=off runs it without the filter."""
+    monkeypatch.setattr(cmdline, "qemu_supports_sandbox", lambda binary: False)
+    with pytest.raises(Unavailable, match="PAL_SECCOMP=off") as refused:
+        build_argv(_spec(tmp_path), h, mem_path=tmp_path / "mem", mem_share=True)
+    assert refused.value.status == 503
+    argv = build_argv(_spec(tmp_path, seccomp=False), h, mem_path=tmp_path / "mem", mem_share=True)
+    assert "-sandbox" not in argv
+
+
+def test_seccomp_off_means_no_filter_even_where_qemu_has_one(tmp_path: Path, h: Handoff) -> None:
+    argv = build_argv(_spec(tmp_path, seccomp=False), h, mem_path=tmp_path / "mem", mem_share=True)
+    assert "-sandbox" not in argv
+
+
+def test_pal_seccomp_is_required_unless_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pal.config import Settings
+
+    monkeypatch.delenv("PAL_SECCOMP", raising=False)
+    assert Settings.from_env().seccomp is True
+    monkeypatch.setenv("PAL_SECCOMP", "off")
+    assert Settings.from_env().seccomp is False
+    monkeypatch.setenv("PAL_SECCOMP", "maybe")
+    with pytest.raises(ValueError, match="PAL_SECCOMP"):
+        Settings.from_env()
+
+
 def test_handoff_closes_everything_and_quotes_commas(tmp_path: Path) -> None:
     odd = tmp_path / "a,b"
     odd.mkdir()
@@ -143,3 +174,14 @@ def test_kernel_args_carry_host_tsc_rate() -> None:
     args = kernel_args("pal.extra=1").split()
     assert f"tsc_early_khz={khz}" in args and f"lpj={4 * khz}" in args
     assert args[-1] == "pal.extra=1" and "panic=-1" in args
+
+
+def test_doctor_says_whether_qemu_runs_under_seccomp(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pal import server
+    from pal.vmm import versions
+
+    monkeypatch.setattr(versions, "qemu_supports_sandbox", lambda binary="": True)
+    assert "seccomp on" in server.jail_summary(seccomp=True)
+    assert "seccomp OFF (PAL_SECCOMP=off)" in server.jail_summary(seccomp=False)
+    monkeypatch.setattr(versions, "qemu_supports_sandbox", lambda binary="": False)
+    assert "no VM starts (or set PAL_SECCOMP=off)" in server.jail_summary(seccomp=True)

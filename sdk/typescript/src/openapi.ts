@@ -254,9 +254,26 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** A signed link that opens the port without the API key, until it expires */
+        /** A signed link that opens the port on its own origin without the API key, until it expires */
         post: operations["port_url_v1_runtime_vms__vm_id__ports__port__url_post"];
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/port-links/{link_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke a port link: it opens nothing from now on, on every replica */
+        delete: operations["revoke_link_v1_runtime_vms__vm_id__port_links__link_id__delete"];
         options?: never;
         head?: never;
         patch?: never;
@@ -357,7 +374,7 @@ export interface paths {
         /**
          * 200 when this server can schedule VMs, else 503; details for the operator only
          * @description ``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-         *     with ``Authorization: Bearer <PAL_ADMIN_TOKEN or PAL_METRICS_TOKEN>``: without a
+         *     with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
          *     key the server shows no internals (they are in its log under the request id).
          */
         get: operations["healthz_healthz_get"];
@@ -615,7 +632,7 @@ export interface components {
             timedOut?: boolean | null;
             /**
              * Truncated
-             * @description true when stdout or stderr passed 8 MiB and was cut (use SSE for all); absent otherwise
+             * @description true when stdout or stderr passed 8 MiB, or the tenant's buffered exec budget (PAL_EXEC_BUFFER_MIB) ran out, and was cut (use SSE for all); absent otherwise
              */
             truncated?: boolean | null;
         };
@@ -1137,11 +1154,21 @@ export interface components {
                 [key: string]: string;
             };
         };
+        /** PortLinkRevokedOut */
+        PortLinkRevokedOut: {
+            /** Linkid */
+            linkId: string;
+            /**
+             * Revoked
+             * @description true: the link opens nothing from now on (revoking again is fine)
+             */
+            revoked: boolean;
+        };
         /** PortUrlOut */
         PortUrlOut: {
             /**
              * Url
-             * @description opens the port without an API key (bound to this VM and port)
+             * @description opens the port on its own origin without an API key (this VM and port only)
              */
             url: string;
             /**
@@ -1149,6 +1176,11 @@ export interface components {
              * @description unix seconds
              */
             expiresAt: number;
+            /**
+             * Linkid
+             * @description revokes this link: DELETE /v1/runtime/vms/{id}/port-links/{linkId}
+             */
+            linkId: string;
         };
         /** PortUrlRequest */
         PortUrlRequest: {
@@ -2331,6 +2363,15 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorOut"];
                 };
             };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
             /** @description backend cannot do it */
             503: {
                 headers: {
@@ -3013,6 +3054,56 @@ export interface operations {
             };
             /** @description body not sent as `Content-Type: application/json` */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    revoke_link_v1_runtime_vms__vm_id__port_links__link_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                link_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PortLinkRevokedOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -1,0 +1,152 @@
+"""Exec and files: the manager's calls into a running guest over its harness channel.
+
+This is the room for everything that proxies a request to the guest's harness: exec
+streams and file requests today; the processes API (background processes with journals,
+stdin, signals, PTYs: issue 22) and code kernels (issue 26) belong here too, next to
+``exec_stream``. What every such call shares, and keeps:
+
+- the VM must be running (``VmRegistry.running``: 409, or 409 LIVE_PAUSED when a live
+  pause stopped its vCPUs, which the scheduler turns into a wake);
+- the request enters the guest's channel under the VM's ``op_lock``, so a live pause comes
+  either before it (and it answers LIVE_PAUSED) or after it (and its probe sees it);
+- it counts as host-observed activity (``LiveVm.touch``; idle suspend goes by it);
+- whatever the guest answers is hostile: decoded and bounded by guest_input.py, its error
+  codes mapped to statuses by guest_errors.py (the one mapping).
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from pal.errors import PalError, Unavailable
+from pal.guest import protocol as p
+from pal.manager import guest_input as gi
+from pal.manager.channel import GuestError
+from pal.manager.guest_errors import to_pal_error
+from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
+from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.vm_states import require_running
+from pal.spec import ExecRequest
+
+log = logging.getLogger(__name__)
+
+
+class GuestCalls:
+    def __init__(self, registry: VmRegistry) -> None:
+        self.registry = registry
+
+    # ------------------------------------------------------------------ exec
+    async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        lv = self.registry.running(vm_id)
+        msg: p.Message = {
+            "k": p.K_EXEC,
+            "tok": lv.token,
+            "argv": [req.command, *req.argv],
+            "env": req.env,
+            "cwd": req.cwd,
+            "timeout": req.timeout_secs,
+            "user": req.user,
+        }
+        # Sent under the VM's operation lock: a live pause comes either before (and this
+        # answers 409 LIVE_PAUSED, which the scheduler turns into a wake) or after the
+        # request is in the guest's channel (and its probe, behind it, sees the exec).
+        async with lv.op_lock:
+            require_running(lv)
+            lv.active_execs += 1
+            lv.touch()
+            try:
+                replies = await lv.channel.start_stream(msg)
+            except BaseException:
+                lv.active_execs -= 1
+                raise
+        try:
+            async for ev in _exec_events(lv, replies):
+                yield ev
+        finally:
+            await replies.aclose()
+            lv.active_execs -= 1
+            lv.touch()
+
+    # ------------------------------------------------------------------ files
+    async def _file_request(
+        self, vm_id: str, msg: p.Message, data: bytes | None = None
+    ) -> tuple[p.Message, bytes]:
+        lv = self.registry.running(vm_id)
+        async with lv.op_lock:  # ordered with live pauses, like exec
+            require_running(lv)
+            lv.files_in_flight += 1
+            lv.files_idle.clear()
+        lv.touch()
+        try:
+            return await lv.channel.request({**msg, "tok": lv.token}, data)
+        except GuestError as exc:
+            raise to_pal_error(exc.guest_code, exc.message, "file") from None
+        finally:
+            lv.files_in_flight -= 1
+            if lv.files_in_flight == 0:
+                lv.files_idle.set()
+
+    async def list_files(self, vm_id: str, path: str) -> FileList:
+        reply, _ = await self._file_request(vm_id, {"k": p.K_LS, "path": path})
+        try:
+            return FileList.model_validate(gi.file_list(reply))
+        except gi.BadReply as exc:
+            raise _bad_reply(vm_id, "ls", exc) from None
+
+    async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
+        reply, data = await self._file_request(
+            vm_id, {"k": p.K_READ, "path": path, "limit": p.MAX_FILE_BYTES}
+        )
+        try:
+            return gi.file_read(reply, data)
+        except gi.BadReply as exc:
+            raise _bad_reply(vm_id, "read", exc) from None
+
+    async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten:
+        reply, _ = await self._file_request(vm_id, {"k": p.K_WRITE, "path": path}, data)
+        try:
+            return FileWritten.model_validate(gi.file_written(reply, len(data)))
+        except gi.BadReply as exc:
+            raise _bad_reply(vm_id, "write", exc) from None
+
+    async def delete_file(self, vm_id: str, path: str) -> FileDeleted:
+        reply, _ = await self._file_request(vm_id, {"k": p.K_RM, "path": path})
+        return FileDeleted.model_validate(reply["result"])
+
+
+async def _exec_events(lv: LiveVm, replies: AsyncIterator[p.Message]) -> AsyncIterator[ExecEvent]:
+    """The guest's exec replies as events: output decoded as UTF-8 per stream (a
+    character split across two replies is kept whole), its exit, or its error code (no
+    status: guest_errors.py maps it where the API answers)."""
+    decoders = {
+        1: codecs.getincrementaldecoder("utf-8")("replace"),
+        2: codecs.getincrementaldecoder("utf-8")("replace"),
+    }
+    async for reply in replies:
+        kind = reply["k"]
+        if kind == p.K_OUT:
+            lv.last_output_mono = time.monotonic()  # an exec producing output: not waiting
+            fd = gi.out_fd(reply)
+            data = gi.payload(reply)
+            if data is None:
+                continue  # not base64: noise from a misbehaving guest
+            text = decoders[fd].decode(data)
+            if text:
+                yield ExecEvent(type="stdout" if fd == 1 else "stderr", data=text)
+        elif kind == p.K_EXIT:
+            for fd, dec in decoders.items():
+                rest = dec.decode(b"", final=True)
+                if rest:
+                    yield ExecEvent(type="stdout" if fd == 1 else "stderr", data=rest)
+            yield ExecEvent(type="exit", exit_code=gi.exit_code(reply))
+        elif kind == p.K_ERR:
+            code, message = gi.error(reply)
+            yield ExecEvent(type="error", code=code, message=message)
+
+
+def _bad_reply(vm_id: str, kind: str, exc: gi.BadReply) -> PalError:
+    log.warning("VM %s: invalid %s reply from the guest: %s", vm_id, kind, exc)
+    return Unavailable(f"VM {vm_id}: the guest sent an invalid reply to {kind}", code="GUEST_ERROR")

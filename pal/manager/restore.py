@@ -1,0 +1,175 @@
+"""Where a spawned VM comes from: a snapshot (a resume, or a fork: its memory mapped
+privately), a warm template, or a cold boot of its image; and the fastest resume of all,
+a parked QEMU of the same snapshot continued (parked.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pal.config import Settings
+from pal.errors import NotFound
+from pal.images.paths import ImagePaths, image_for_restore, load_image
+from pal.manager.identify import Identity, identify
+from pal.manager.models import SpawnRequest, SpawnResult
+from pal.manager.parked import ParkedVm
+from pal.manager.templates import TemplateCache, TemplateHost
+from pal.manager.vm import VmRegistry
+from pal.manager.vm_states import VmPhase, check_move
+from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, wait_rule
+from pal.snapshots.layout import SnapshotRef
+from pal.snapshots.store import SnapshotStore
+from pal.vmm import offload
+
+log = logging.getLogger(__name__)
+
+PARKED_PREFETCH_WAIT_S = 2.0  # a parked resume waits this long at most for the working set
+
+
+@dataclass
+class BootSource:
+    image: ImagePaths
+    method: str  # restore | template | cold
+    disk_src: Path  # the disk the VM's own is cloned from
+    snap_dir: Path | None = None  # restore: the snapshot's files
+    ref: SnapshotRef | None = None  # restore: the snapshot
+    template: Path | None = None  # template: its files
+
+
+@dataclass
+class RestoreDeps:
+    """Exactly what choosing a source and continuing a parked QEMU need."""
+
+    settings: Settings
+    store: SnapshotStore
+    net: VmNetworking
+    registry: VmRegistry
+    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    template_host: TemplateHost  # builds a missing template in the background
+
+
+def snapshot_ref(req: SpawnRequest) -> SnapshotRef:
+    r = req.restore
+    assert r is not None
+    return SnapshotRef(r.agent_version_id, r.source_vm_id, r.snapshot_id, r.tenant_id)
+
+
+def brokered_of(req: SpawnRequest) -> Brokered:
+    if not req.brokered or req.tenant_ca is None:
+        return Brokered()
+    return Brokered([r.model_dump(mode="json") for r in req.brokered], req.tenant_ca.model_dump())
+
+
+def identity_of(req: SpawnRequest, mac: str) -> Identity:
+    ca = req.tenant_ca.cert if req.tenant_ca and req.brokered else ""
+    return Identity(req.vm_id, req.incarnation, req.token, req.env, mac, ca)
+
+
+class Restores:
+    def __init__(self, deps: RestoreDeps) -> None:
+        self.d = deps
+
+    async def source(self, req: SpawnRequest, pinned: contextlib.ExitStack) -> BootSource:
+        """The spawn's source; a template restored from stays (not pruned) while
+        ``pinned`` is open."""
+        if req.restore is not None:
+            ref = snapshot_ref(req)
+            snap_dir = await asyncio.to_thread(self.d.store.open_for_restore, ref)
+            # The snapshot's own kernel/initrd and root fs: not the image's current ones.
+            boot_id = (await asyncio.to_thread(self.d.store.read_meta, ref)).get("boot")
+            image = image_for_restore(self.d.settings, req.image, boot_id)
+            return BootSource(image, "restore", snap_dir / "rootfs", snap_dir=snap_dir, ref=ref)
+        image = load_image(self.d.settings, req.image)
+        templates = self.d.templates()
+        if req.boot != "cold" and templates is not None:
+            template = pinned.enter_context(templates.use(image, req.memory_mib, req.vcpus, req.disk_mib))
+            if template is not None:
+                return BootSource(image, "template", template / "rootfs", template=template)
+            # This one boots cold; the next VM of this size restores warm (when its size is
+            # one of PAL_TEMPLATE_SIZES).
+            templates.ensure_in_background(
+                self.d.template_host, image, req.memory_mib, req.vcpus, req.disk_mib
+            )
+        return BootSource(image, "cold", image.rootfs)
+
+    async def unpark(self, pv: ParkedVm, req: SpawnRequest) -> SpawnResult:
+        """Continue a parked QEMU as the resumed VM (parked.py): its RAM and disk are its
+        snapshot's. It takes the new incarnation's identity like any restored guest, and
+        gets new gateway state (the snapshot's DNS names, no connection)."""
+        assert req.restore is not None
+        lv = pv.lv
+        check_move(lv, VmPhase.RUNNING)
+        t0 = time.perf_counter()
+        ref = snapshot_ref(req)
+        if not await asyncio.to_thread(self.d.store.exists, ref):
+            raise NotFound(f"snapshot {ref.snapshot_id} not found")
+        names = read_names(self.d.store.path(ref))
+        limits = limits_json(req.egress_mbps, req.max_connections)
+        brokered = brokered_of(req)
+        await pv.settled()  # an offload still running finishes first
+        prefetch = None
+        if pv.offloaded:
+            prefetch = asyncio.create_task(
+                asyncio.to_thread(offload.prefetch, lv.qemu.mem_path, pv.working_set)
+            )
+        await self.d.net.reregister(
+            req.vm_id, req.egress, limits, brokered, wait_rule(req.wait_pause), names=names, new_guest=True
+        )
+        t_net = time.perf_counter()
+        if prefetch is not None:
+            # The working set back first: the guest then takes minor faults only.
+            with contextlib.suppress(TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(prefetch), PARKED_PREFETCH_WAIT_S)
+        t_prefetch = time.perf_counter()
+        await lv.qemu.cont()
+        t_vmm = time.perf_counter()
+        who = identity_of(req, self.d.net.new_mac())
+        timeout = self.d.settings.harness_ready_timeout_ms / 1000
+        guest_steps = await identify(lv.channel, lv.qemu, who, timeout, self.d.settings.heartbeat_interval_s)
+        lv.tenant_id, lv.incarnation, lv.token, lv.env = (
+            req.tenant_id,
+            req.incarnation,
+            req.token,
+            dict(req.env),
+        )
+        lv.egress, lv.net_limits, lv.mac, lv.brokered, lv.wait = (
+            req.egress,
+            limits,
+            who.mac,
+            brokered,
+            req.wait_pause,
+        )
+        lv.parked_snapshot = None
+        lv.touch()
+        self.d.registry.vms[req.vm_id] = lv
+        self.d.registry.write_state(lv)
+        t_end = time.perf_counter()
+        timings = {
+            "parked_s": round(time.monotonic() - pv.parked_at, 1),
+            "offloaded": 1.0 if pv.offloaded else 0.0,
+            "prepare_ms": round((t_net - t0) * 1000, 1),
+            "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
+            "qemu_cont_ms": round((t_vmm - t_prefetch) * 1000, 1),
+            "identify_ms": round((t_end - t_vmm) * 1000, 1),
+            **{f"identify_{k}": v for k, v in guest_steps.items()},
+        }
+        boot_ms = (t_end - t0) * 1000
+        log.info(
+            "VM %s up by its parked QEMU in %.0f ms (pid %s): %s", req.vm_id, boot_ms, lv.qemu.pid, timings
+        )
+        return SpawnResult(
+            vm_id=req.vm_id,
+            pid=lv.qemu.pid or 0,
+            incarnation=req.incarnation,
+            boot_ms=boot_ms,
+            method="restore",
+            agent_version_id=ref.agent_version_id,
+            mem_snapshot_id=None,
+            warm=True,
+            timings=timings,
+        )

@@ -1,0 +1,320 @@
+"""Spawn: a VM starts on this node, by cold boot, warm template, snapshot restore (a
+resume or a fork), or by continuing its parked QEMU.
+
+``Spawner.spawn`` reads as its steps. Each step records what it acquired in the
+:class:`_Spawning` it is given, and ``_rollback`` (the one place that undoes a spawn)
+releases exactly that, whatever step failed: the guest channel, the QEMU, the network
+namespace and the gateway's state, the VM's dir, its uid, its fork memory mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pal import failpoints
+from pal.config import Settings
+from pal.errors import Conflict, NotFound, PalError
+from pal.guest import protocol as p
+from pal.images.paths import ImagePaths
+from pal.manager import admission
+from pal.manager.channel import HarnessChannel
+from pal.manager.fork import ForkMemory
+from pal.manager.identify import identify
+from pal.manager.models import SpawnRequest, SpawnResult
+from pal.manager.parked import Parking
+from pal.manager.restore import BootSource, Restores, brokered_of, identity_of
+from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.vmnet import VmNetworking, limits_json, read_names, wait_rule
+from pal.network.netns import VmNetns
+from pal.snapshots.layout import SnapshotRef
+from pal.vmm import disks
+from pal.vmm.jail import Jail
+from pal.vmm.qemu import QemuVm, VmSpec
+
+log = logging.getLogger(__name__)
+
+COLD_BOOT_TIMEOUT_S = 120.0  # TCG boots take seconds; a loaded CI machine more
+
+
+@dataclass
+class SpawnDeps:
+    """Exactly what a spawn needs of the node."""
+
+    settings: Settings
+    accel: str
+    registry: VmRegistry
+    net: VmNetworking
+    jail: Jail
+    forks: ForkMemory
+    parking: Parking
+    restores: Restores
+
+
+@dataclass
+class _Spawning:
+    """One spawn under way: what its steps acquired so far (``_rollback`` frees it)."""
+
+    req: SpawnRequest
+    vm_dir: Path
+    t0: float = field(default_factory=time.perf_counter)
+    src: BootSource | None = None
+    vnet: VmNetns | None = None
+    registered: bool = False  # the gateway knows the VM
+    mem_ref: SnapshotRef | None = None  # a fork child: counted as mapping this snapshot
+    disk: tuple[Path, str] | None = None  # (path, format)
+    fork_mem: Path | None = None
+    groups: tuple[int, ...] = ()
+    qemu: QemuVm | None = None
+    channel: HarnessChannel | None = None
+    mac: str = ""
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+class Spawner:
+    def __init__(self, deps: SpawnDeps) -> None:
+        self.d = deps
+
+    async def spawn(self, req: SpawnRequest) -> SpawnResult:
+        reg = self.d.registry
+        if req.vm_id in reg.vms or req.vm_id in reg.spawning:
+            raise Conflict(f"VM {req.vm_id} is already live on this node")
+        what = f"VM {req.vm_id} ({req.memory_mib} MiB RAM)"
+        # Before any work: its RAM file and disk must fit (a full disk SIGBUSes a guest).
+        await self.d.parking.admit_memory(req.memory_mib, what)
+        unparked = await self._continue_parked(req)
+        if unparked is not None:
+            return unparked
+        # A parked process of another snapshot of this VM (or too old) is in the way.
+        await self.d.parking.discard(req.vm_id)
+        await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
+        reg.spawning.add(req.vm_id)
+        s = _Spawning(req, reg.vm_dir(req.vm_id))
+        pinned = contextlib.ExitStack()  # the template restored from, kept until done
+        try:
+            s.src = await self.d.restores.source(req, pinned)
+            self._make_vm_dir(s)
+            await self._disk_and_network(s)
+            await self._register_network(s)
+            await self._map_fork_memory(s)
+            await self._start_qemu(s)
+            await self._identify(s)
+            return self._enlist(s)
+        except BaseException as exc:
+            await self._rollback(s, exc)
+            raise
+        finally:
+            pinned.close()
+            reg.spawning.discard(req.vm_id)
+
+    async def _continue_parked(self, req: SpawnRequest) -> SpawnResult | None:
+        """A resume of the snapshot a parked QEMU of this VM holds: continue that one."""
+        if req.restore is None or req.restore.mem_mode != "shared":
+            return None
+        parked = self.d.parking.take(req.vm_id, req.restore.snapshot_id)
+        if parked is None:
+            return None
+        try:
+            return await self.d.restores.unpark(parked, req)
+        except Exception as exc:
+            # Its snapshot is intact: restore it into a new QEMU as if never parked.
+            log.warning("VM %s: parked QEMU could not continue (%s); restoring", req.vm_id, exc)
+            await self.d.parking.park_failed(parked)
+            return None
+
+    def _make_vm_dir(self, s: _Spawning) -> None:
+        """A fresh VM dir with its config drive (what the guest reads before identify)."""
+        if s.vm_dir.exists():
+            shutil.rmtree(s.vm_dir)
+        s.vm_dir.mkdir(parents=True)
+        req = s.req
+        cfg = {
+            "vm_id": req.vm_id,
+            "incarnation": req.incarnation,
+            "token": req.token,
+            "env": req.env,
+            "hb_interval": self.d.settings.heartbeat_interval_s,
+        }
+        (s.vm_dir / "config.img").write_bytes(p.encode_config(cfg))
+
+    async def _disk_and_network(self, s: _Spawning) -> None:
+        """The VM's own disk, cloned while its network namespace is made."""
+        assert s.src is not None
+        got_disk, got_net = await asyncio.gather(
+            _disk_from(s.src.disk_src, s.src.image, s.vm_dir, s.req.disk_mib),
+            self.d.net.create(s.req.vm_id),
+            return_exceptions=True,
+        )
+        if not isinstance(got_net, BaseException):
+            s.vnet = got_net
+        for got in (got_disk, got_net):
+            if isinstance(got, BaseException):
+                raise got
+        assert not isinstance(got_disk, BaseException)
+        s.disk = got_disk
+
+    async def _register_network(self, s: _Spawning) -> None:
+        """The gateway takes the VM's sockets, policy, limits, secrets and wait rule (a
+        restored VM keeps its snapshot's DNS names)."""
+        assert s.vnet is not None and s.src is not None
+        req = s.req
+        await self.d.net.register(
+            req.vm_id,
+            (s.vnet.listener.fileno(), s.vnet.dns.fileno()),
+            req.egress,
+            limits_json(req.egress_mbps, req.max_connections),
+            read_names(s.src.snap_dir),
+            brokered_of(req),
+            wait=wait_rule(req.wait_pause),
+        )
+        s.registered = True
+
+    async def _map_fork_memory(self, s: _Spawning) -> None:
+        """A fork child maps its source snapshot's memory privately (fork.py)."""
+        assert s.src is not None
+        restore = s.req.restore
+        if restore is None or restore.mem_mode != "private":
+            return
+        assert s.src.snap_dir is not None and s.src.ref is not None
+        if (s.src.snap_dir / "mem").exists():
+            s.mem_ref = s.src.ref
+            s.fork_mem, s.groups = await self.d.forks.map(s.src.ref, s.req.vm_id)
+
+    def _vm_spec(self, s: _Spawning) -> VmSpec:
+        assert s.src is not None and s.disk is not None and s.vnet is not None
+        req = s.req
+        return VmSpec(
+            run_as=self.d.jail.identity(req.vm_id),
+            groups=s.groups,
+            cgroup_limits=self.d.settings.cgroups,
+            seccomp=self.d.settings.seccomp,
+            vm_id=req.vm_id,
+            vm_dir=s.vm_dir,
+            image=s.src.image,
+            vcpus=req.vcpus,
+            memory_mib=req.memory_mib,
+            disk_path=s.disk[0],
+            disk_format=s.disk[1],
+            config_drive=s.vm_dir / "config.img",
+            accel=self.d.accel,
+            net_fd=s.vnet.tap_fd,
+        )
+
+    async def _start_qemu(self, s: _Spawning) -> None:
+        assert s.src is not None and s.vnet is not None
+        spec = self._vm_spec(s)
+        s.timings["prepare_ms"] = round((time.perf_counter() - s.t0) * 1000, 1)
+        if s.src.snap_dir is not None:
+            assert s.req.restore is not None
+            s.qemu = await QemuVm.restore(spec, s.src.snap_dir, s.req.restore.mem_mode, s.fork_mem)
+        elif s.src.template is not None:
+            s.qemu = await QemuVm.restore(spec, s.src.template, "shared")
+        else:
+            s.qemu = await QemuVm.boot(spec)
+        failpoints.hit("manager:booted")  # QEMU runs; no state.json to adopt it by yet
+        s.vnet.close_fds()  # QEMU holds the tap, the gateway its sockets
+        s.timings.update({f"qemu_{k}_ms": round(v, 1) for k, v in s.qemu.timings_ms.items()})
+
+    async def _identify(self, s: _Spawning) -> None:
+        """The guest answers on its channel and takes its identity (identify.py)."""
+        assert s.qemu is not None and s.src is not None
+        t_vmm = time.perf_counter()
+        s.channel = HarnessChannel(s.qemu.agent_socket, s.req.vm_id)
+        await s.channel.connect()
+        settings = self.d.settings
+        cold = s.src.method == "cold"
+        timeout = COLD_BOOT_TIMEOUT_S if cold else settings.harness_ready_timeout_ms / 1000
+        who = identity_of(s.req, self.d.net.new_mac())
+        s.mac = who.mac
+        steps = await identify(s.channel, s.qemu, who, timeout, settings.heartbeat_interval_s)
+        s.timings["identify_ms"] = round((time.perf_counter() - t_vmm) * 1000, 1)
+        s.timings.update({f"identify_{k}": v for k, v in steps.items()})
+
+    def _enlist(self, s: _Spawning) -> SpawnResult:
+        """The VM is up: into the registry, its state file written (adoptable from now)."""
+        assert s.qemu is not None and s.channel is not None and s.src is not None
+        req = s.req
+        lv = LiveVm(
+            vm_id=req.vm_id,
+            tenant_id=req.tenant_id,
+            qemu=s.qemu,
+            channel=s.channel,
+            image=s.src.image,
+            incarnation=req.incarnation,
+            token=req.token,
+            env=dict(req.env),
+            memory_mib=req.memory_mib,
+            vcpus=req.vcpus,
+            disk_mib=req.disk_mib,
+            mem_snapshot_id=s.mem_ref.snapshot_id if s.mem_ref else None,
+            mem_ref=s.mem_ref,
+            egress=req.egress,
+            net_limits=limits_json(req.egress_mbps, req.max_connections),
+            mac=s.mac,
+            brokered=brokered_of(req),
+            wait=req.wait_pause,
+        )
+        self.d.registry.vms[req.vm_id] = lv
+        self.d.registry.write_state(lv)
+        boot_ms = (time.perf_counter() - s.t0) * 1000
+        # Where the time went, step by step (docs/lifecycle.md, "The restore path").
+        log.info(
+            "VM %s up by %s in %.0f ms (pid %s): %s", req.vm_id, s.src.method, boot_ms, s.qemu.pid, s.timings
+        )
+        return SpawnResult(
+            vm_id=req.vm_id,
+            pid=s.qemu.pid or 0,
+            incarnation=req.incarnation,
+            boot_ms=boot_ms,
+            method=s.src.method,  # type: ignore[arg-type]
+            # A restored VM is what its snapshot was, whatever the image is now.
+            agent_version_id=req.restore.agent_version_id if req.restore else s.src.image.agent_version_id,
+            mem_snapshot_id=lv.mem_snapshot_id,
+            timings=s.timings,
+        )
+
+    async def _rollback(self, s: _Spawning, exc: BaseException) -> None:
+        """Undo exactly what the spawn's steps acquired (see ``_Spawning``)."""
+        if s.channel is not None:
+            await s.channel.close()
+        if s.qemu is not None:
+            tail = s.qemu.log_tail()
+            await s.qemu.kill()
+            if isinstance(exc, PalError) and tail and not isinstance(exc, NotFound):
+                log.warning("VM %s failed to start: %s\n%s", s.req.vm_id, exc, tail)
+        if s.vnet is not None:
+            s.vnet.close_fds()
+            if s.registered:
+                await self.d.net.release(s.req.vm_id)
+            else:
+                await asyncio.to_thread(_quiet_delete_netns, s.vnet.name)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(s.vm_dir)
+        self.d.jail.release(s.req.vm_id)
+        if s.mem_ref is not None:
+            await self.d.forks.unmap(s.mem_ref.snapshot_id)
+
+
+async def _disk_from(src: Path, image: ImagePaths, vm_dir: Path, disk_mib: int) -> tuple[Path, str]:
+    """A per-VM writable disk: reflink where possible, qcow2 overlay otherwise."""
+    if not src.exists():
+        # A legacy snapshot without a captured disk (the spec's behaviour): restore onto
+        # the base image, which does not match the snapshot's memory.
+        log.warning("snapshot at %s has no rootfs; restoring onto the base image", src.parent)
+        src = image.rootfs
+    dst = vm_dir / "disk"
+    method = await asyncio.to_thread(disks.clone, src, dst, disk_mib * 1024 * 1024)
+    return dst, disks.disk_format_for(method)
+
+
+def _quiet_delete_netns(name: str) -> None:
+    from pal.network import netns
+
+    with contextlib.suppress(OSError):
+        netns.delete(name)

@@ -1,0 +1,75 @@
+"""The nodes' egress events (egress_denied, and the secret_reflected audits of brokered
+connections), pulled into the VMs' event logs by the leader's loop."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from pal.scheduler import nodes as nodes_mod
+from pal.scheduler.nodes import NodePool
+from pal.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def egress_reason(
+    name: str | None, address: str | None, port: int | None, rule: str, more: int | None
+) -> str:
+    """An egress_denied event in words: `refused pypi.org (151.101.0.223) port 443: not in the
+    allow list`."""
+    dest = name or address or "?"
+    if name and address:
+        dest = f"{name} ({address})"
+    text = f"refused {dest}" + (f" port {port}" if port else "") + f": {rule}"
+    if more:
+        text += f" ({more} earlier refusals not listed)"
+    return text
+
+
+class EgressEvents:
+    def __init__(self, store: Store, nodes: NodePool) -> None:
+        self.store = store
+        self.nodes = nodes
+        self._seq: dict[str, tuple[int, str]] = {}  # node id -> (seq, epoch) pulled so far
+
+    async def record(self) -> int:
+        """Pull each node's new egress_denied events into the VMs' event logs (leader loop).
+        Bounded: a node keeps the newest few thousand; a gap is not an error."""
+        n = 0
+        for rec in self.nodes.nodes():
+            if rec.state == nodes_mod.LOST or self.nodes.silent(rec.node_id):
+                continue
+            try:
+                n += await self._record_of(rec.node_id)
+            except Exception as exc:
+                log.warning("egress events of node %s unavailable: %s", rec.node_id, exc)
+        return n
+
+    async def _record_of(self, node_id: str) -> int:
+        seq, epoch = self._seq.get(node_id, (0, ""))
+        got = await self.nodes.client(node_id).egress_events(seq, epoch)
+        self._seq[node_id] = (got.seq, got.epoch)
+        n = 0
+        tenants: dict[str, str | None] = {}
+        for ev in got.events:
+            if ev.vm_id not in tenants:
+                row = self.store.get_vm(ev.vm_id)
+                tenants[ev.vm_id] = row.tenant_id if row else None
+            tenant = tenants[ev.vm_id]
+            if tenant is None:
+                continue  # a template VM, or a VM deleted since
+            details = ev.model_dump(by_alias=True, exclude={"seq", "at", "vm_id", "kind"}, exclude_none=True)
+            self.store.add_event(
+                ev.vm_id,
+                tenant,
+                ev.kind,
+                # secret_reflected (a brokered connection's audit) says what happened in its rule
+                reason=egress_reason(ev.name, ev.address, ev.port, ev.rule, ev.suppressed)
+                if ev.kind == "egress_denied"
+                else f"{ev.name}: {ev.rule}",
+                details=details,
+                at=datetime.fromtimestamp(ev.at, UTC),
+            )
+            n += 1
+        return n

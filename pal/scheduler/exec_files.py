@@ -1,0 +1,118 @@
+"""Exec, files and ports: the scheduler's calls into a running guest, routed to the VM's
+node. THE room for what talks to the guest: background processes (journals, stdin,
+signals, PTYs; issue 22) and code contexts (issue 26) go here, each the same way:
+
+1. ``async with self.waker.request(tenant_id, vm_id)``: the tenant's VM, running (woken if
+   it was paused automatically), counted in flight while the call lasts (wake.py);
+2. ``await self.waker.woken_call(tenant_id, vm_id, lambda n: n.<rpc>(vm_id, ...))``: the
+   node's RPC (pal/manager/api.py), retried after a wake if an automatic live pause came
+   between;
+3. node errors pass through as they are (PalError with the node's status and code).
+
+Nothing here changes a VM's state: EXEC is an action that keeps it (states.py, STAYS).
+
+Prerequisites of every call: the tenant's VM (404), EXEC allowed (running) after an
+automatic wake (409 otherwise, e.g. an operator's pause). Success: the node's answer; the
+VM's activity stamped. Failure: the node's error (404 path, 502 nothing listening, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pal.errors import InvalidRequest, PalError
+from pal.manager.api import RuntimeManager
+from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
+from pal.manager.tunnel import TunnelStream
+from pal.scheduler.deps import Deps
+from pal.scheduler.live import is_live_paused_error
+from pal.scheduler.wake import WAKE_RETRIES, Waker
+from pal.spec import ExecRequest
+
+R = TypeVar("R")
+
+
+def _check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise InvalidRequest(f"port {port} is outside 1-65535")
+
+
+@dataclass(frozen=True)
+class ExecAndFiles:
+    d: Deps
+    waker: Waker
+
+    # -- exec ----------------------------------------------------------------------------------
+
+    async def exec_stream(self, tenant_id: str, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Errors (404/409/402) are raised on the first ``__anext__``, before any event."""
+        d = self.d
+        t0 = time.perf_counter()
+        async with self.waker.request(tenant_id, vm_id):
+            for attempt in range(WAKE_RETRIES + 1):
+                events = d.node(d.reload(vm_id)).exec_stream(vm_id, req)
+                try:
+                    first = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except PalError as exc:
+                    if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
+                        await self.waker.ensure_running(tenant_id, vm_id)  # paused meanwhile: wake it
+                        continue
+                    raise
+                d.telemetry.first_exec_done(vm_id, time.perf_counter() - t0)
+                yield first
+                async for ev in events:
+                    yield ev
+                return
+
+    # -- ports ---------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def port_stream(self, tenant_id: str, vm_id: str, port: int) -> AsyncIterator[TunnelStream]:
+        """A byte stream to the server on ``port`` in the VM, open while the context is.
+
+        Like an exec, the request wakes an idle-suspended VM and waits for it (a VM an
+        operator paused is 409), and counts as in flight until the context ends, so the
+        idle sweeper leaves the VM alone meanwhile; bytes moved count as activity on the
+        node. Failure: 400 (port), 404, 409, 502 when nothing listens on the port."""
+        _check_port(port)
+        async with self.waker.request(tenant_id, vm_id):
+            stream = await self.waker.woken_call(tenant_id, vm_id, lambda n: n.open_port(vm_id, port))
+            try:
+                yield stream
+            finally:
+                await stream.aclose()
+
+    async def open_port(self, tenant_id: str, vm_id: str, port: int) -> TunnelStream:
+        """The same for long-lived streams (WebSockets, port-forward): in flight only while
+        it opens, so an open but silent stream does not keep the VM awake; the bytes it
+        moves count as activity. The caller closes the stream."""
+        _check_port(port)
+        async with self.waker.request(tenant_id, vm_id):
+            return await self.waker.woken_call(tenant_id, vm_id, lambda n: n.open_port(vm_id, port))
+
+    # -- files ---------------------------------------------------------------------------------
+
+    async def _files_call(
+        self, tenant_id: str, vm_id: str, call: Callable[[RuntimeManager], Awaitable[R]]
+    ) -> R:
+        async with self.waker.request(tenant_id, vm_id):
+            return await self.waker.woken_call(tenant_id, vm_id, call)
+
+    async def list_files(self, tenant_id: str, vm_id: str, path: str) -> FileList:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.list_files(vm_id, path))
+
+    async def read_file(self, tenant_id: str, vm_id: str, path: str) -> tuple[bytes, bool]:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.read_file(vm_id, path))
+
+    async def write_file(self, tenant_id: str, vm_id: str, path: str, data: bytes) -> FileWritten:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.write_file(vm_id, path, data))
+
+    async def delete_file(self, tenant_id: str, vm_id: str, path: str) -> FileDeleted:
+        async with self.waker.request(tenant_id, vm_id):
+            return await self.d.node(self.d.reload(vm_id)).delete_file(vm_id, path)

@@ -1,0 +1,207 @@
+"""Fork: N children of a VM from one snapshot of it (docs/lifecycle.md, "fork"). The source
+stays as it was; the children start -> spawning -> running together, or fail.
+
+Decision the spec leaves open: a fork whose snapshot fails returns normally with every
+child FAILED (error set), so the caller sees the child ids; the source stays RUNNING unless
+its QEMU died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pal import failpoints
+from pal.errors import Conflict, InvalidRequest, public_message
+from pal.manager.models import RestoreFrom, SnapshotRequest
+from pal.scheduler import states
+from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token, new_vm_id
+from pal.scheduler.snapshot_books import SnapshotBooks
+from pal.scheduler.spawning import Spawner, spawn_details
+from pal.scheduler.states import Action, VmState, has_live_qemu
+from pal.scheduler.views import ForkChild, ForkResult
+from pal.store import VmRecord, utcnow
+
+S, A = VmState, Action
+
+
+def fork_mem_mode(vm: VmRecord) -> Literal["private", "shared"]:
+    """How a fork child maps its RAM (docs/live-pause.md, "Memory"): copy-on-write from the
+    snapshot (``private``: pages shared with its siblings through the page cache) unless
+    it may be offloaded, which needs RAM of its own in a file (``shared``: a reflinked
+    copy, its dirty pages writable back; MAP_PRIVATE pages it dirtied are anonymous and,
+    without swap, could never leave memory)."""
+    return "shared" if vm.wait_pause or vm.idle_live_pause_secs else "private"
+
+
+def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
+    """A fork child's row: the source's settings, its own identity."""
+    now = utcnow()
+    return VmRecord(
+        vm_id=new_vm_id(),
+        tenant_id=src.tenant_id,
+        image=src.image,
+        limits=dict(src.limits),
+        created_at=now,
+        updated_at=now,
+        agent_version_id=src.agent_version_id,
+        idle_timeout_secs=src.idle_timeout_secs,
+        secrets=dict(src.secrets),
+        boot=src.boot,
+        parent_vm_id=src.vm_id,
+        mem_snapshot_id=snap_id,
+        incarnation=1,  # its own identity: a fresh incarnation line and token
+        token=new_token(),
+        last_activity_unix_ms=now_ms,
+        egress=src.egress,
+        placement=src.placement,
+        wait_pause=src.wait_pause,
+        idle_live_pause_secs=src.idle_live_pause_secs,
+    )
+
+
+@dataclass(frozen=True)
+class Forking:
+    d: Deps
+    spawner: Spawner
+    books: SnapshotBooks
+
+    async def fork(self, tenant_id: str, vm_id: str, count: int) -> ForkResult:
+        """``count`` children of ``vm_id``.
+
+        Prerequisites: 1 <= count <= PAL_MAX_FORK_COUNT (400); FORK_FROM allowed (running,
+        or paused: a live-paused source is captured and stays paused, a snapshot-paused one
+        forks from its pause snapshot, 409 without one). Placement and all N slots are
+        checked before any row or snapshot exists (503 NO_NODE, 402 leave nothing).
+        Success: each child running (or failed, with its error); the source unchanged.
+        Failure of the fork snapshot: every child failed; the source failed only if its
+        QEMU died."""
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidRequest("count must be an integer")
+        d = self.d
+        limit = d.settings.max_fork_count
+        if count < 1 or count > limit:
+            raise InvalidRequest(f"count must be between 1 and {limit} (PAL_MAX_FORK_COUNT), got {count}")
+        d.own(tenant_id, vm_id)
+        t0 = time.perf_counter()
+        async with d.op_lock(vm_id):
+            src = d.reload(vm_id)
+            states.check(vm_id, src.state, A.FORK_FROM, src.marker)
+            # A live source (running, or live-paused: it stays paused) is captured now; a
+            # snapshot-paused one forks from its pause snapshot.
+            live_source = has_live_qemu(src.state, src.marker)
+            if not live_source and not src.snapshot_id:
+                raise Conflict(f"paused VM {vm_id} has no snapshot to fork from")
+            snap_id = new_snapshot_id() if live_source else src.snapshot_id or ""
+            children = [child_row(src, snap_id, d.now_ms()) for _ in range(count)]
+            async with self.spawner.placing:
+                # Placed before any row exists (503 NO_NODE leaves nothing), then all N rows
+                # and slots in one transaction, before any snapshot I/O (402 leaves nothing).
+                reasons = self.spawner.place_children(src, children)
+                await d.transitions.create(
+                    tenant_id,
+                    children,
+                    A.FORK,
+                    reasons=[f"fork of {vm_id}; {r}" for r in reasons],
+                    # a running source is snapshotted for them: the tenant's snapshot limit
+                    new_snapshot_bytes=self.books.estimate(src) if src.state == S.RUNNING else 0,
+                )
+            failpoints.hit("fork:reserved")
+            if live_source:
+                error = await self._snapshot(src, snap_id)
+                if error is not None:
+                    for c in children:
+                        await d.transitions.transition(
+                            c.vm_id, A.FAIL_SPAWN, reason=error, mem_snapshot_id=None
+                        )
+                    return ForkResult(vm_id, snap_id, [ForkChild(c.vm_id, S.FAILED, error) for c in children])
+                await self.books.refresh_bytes(vm_id)
+            failpoints.hit("fork:snapshotted")
+        forks = await self._spawn_children(src, children, snap_id)
+        d.telemetry.fork.observe(time.perf_counter() - t0)
+        return ForkResult(source_vm_id=vm_id, snapshot_id=snap_id, forks=forks)
+
+    async def _snapshot(self, src: VmRecord, snap_id: str) -> str | None:
+        """Snapshot a running source, keeping it running; the error text on failure."""
+        try:
+            await self.d.node(src).snapshot(
+                src.vm_id,
+                SnapshotRequest(
+                    snapshot_id=snap_id,
+                    agent_version_id=src.agent_version_id or "",
+                    tenant_id=src.tenant_id,
+                    keep_running=True,
+                    parent_snapshot_id=src.snapshot_id,
+                    protected=self.books.protected(src),
+                ),
+            )
+            return None
+        except Exception as exc:
+            err = as_pal(exc)
+            if await self.d.is_alive(src, src.incarnation) is False:
+                await self.d.transitions.transition(
+                    src.vm_id, A.LOSE, reason=f"QEMU exited during a fork snapshot: {err.message}"
+                )
+            return f"fork snapshot failed: {public_message(err.message)}"
+
+    async def _spawn_children(self, src: VmRecord, children: list[VmRecord], snap_id: str) -> list[ForkChild]:
+        """Restore every child (at most PAL_FORK_CONCURRENCY at once), then move the ones
+        that came up to RUNNING in ONE transaction: a control plane that dies before it
+        leaves every child SPAWNING, and reconciliation fails them all (a fork is all or
+        nothing across a failover). Holds each child's operation lock throughout."""
+        d = self.d
+        if any(c.node_id != src.node_id for c in children) and src.node_id is not None:
+            await self.books.publish(src, src.node_id, snap_id)
+        sem = asyncio.Semaphore(max(1, d.settings.fork_concurrency))
+        async with contextlib.AsyncExitStack() as stack:
+            for c in sorted(children, key=lambda c: c.vm_id):
+                await stack.enter_async_context(d.op_lock(c.vm_id))
+            results = await asyncio.gather(*(self._spawn_child(src, c.vm_id, snap_id, sem) for c in children))
+            up = [(cid, fields) for cid, fields, _ in results if fields is not None]
+            failpoints.hit("fork:spawned")
+            if up:
+                await d.transitions.transition_all(up, A.COME_UP)
+        out = []
+        for cid, fields, settled in results:
+            if fields is not None:
+                d.telemetry.started(cid, "fork")
+                out.append(ForkChild(cid, S.RUNNING))
+            else:
+                assert settled is not None
+                out.append(settled)
+        return out
+
+    async def _spawn_child(
+        self, src: VmRecord, child_id: str, snap_id: str, sem: asyncio.Semaphore
+    ) -> tuple[str, dict[str, Any] | None, ForkChild | None]:
+        """(child id, COME_UP fields if it came up, else how it ended)."""
+        d = self.d
+        async with sem:
+            child = d.reload(child_id)
+            if not states.allowed(S(child.state), A.COME_UP, child.marker):
+                return child_id, None, ForkChild(child_id, S(child.state), child.reason)
+            restore = RestoreFrom(
+                snapshot_id=snap_id,
+                agent_version_id=src.agent_version_id or "",
+                source_vm_id=src.vm_id,
+                tenant_id=src.tenant_id,
+                mem_mode=fork_mem_mode(child),
+            )
+            try:
+                res = await d.node(child).spawn(self.spawner.request(child, restore))
+            except Exception as exc:
+                err = as_pal(exc)
+                await d.transitions.transition(
+                    child_id, A.FAIL_SPAWN, reason=f"fork spawn failed: {err.message}"
+                )
+                return child_id, None, ForkChild(child_id, S.FAILED, public_message(err.message))
+            fields = {
+                "agent_version_id": res.agent_version_id or child.agent_version_id,
+                "mem_snapshot_id": res.mem_snapshot_id or snap_id,
+                "last_activity_unix_ms": d.now_ms(),
+                "details": spawn_details(res),
+            }
+            return child_id, fields, None

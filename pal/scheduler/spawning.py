@@ -1,0 +1,188 @@
+"""Where a VM goes and what its node is asked to start: the images a tenant may use, the
+placement of a VM (schedule, resume, fork children) under the one placement lock, and the
+spawn request a node gets. Used by schedule.py, pause_resume.py (resume) and fork.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from pal.images.paths import ImageNotFound
+from pal.manager.models import ImageInfo, RestoreFrom, SpawnRequest, SpawnResult
+from pal.scheduler import nodes as nodes_mod
+from pal.scheduler import placement
+from pal.scheduler.brokering import SecretBroker
+from pal.scheduler.deps import Deps
+from pal.spec import Limits, Placement, WaitPause, egress_from_json
+from pal.store import NodeRecord, VmRecord
+
+log = logging.getLogger(__name__)
+
+
+def spawn_details(res: SpawnResult) -> dict[str, Any]:
+    """What a VM's coming up records in its status event: how it started and where the
+    time went (the node's timings, docs/lifecycle.md "The restore path")."""
+    out: dict[str, Any] = {
+        "method": res.method,
+        "bootMs": round(res.boot_ms, 1),
+        "timings": dict(res.timings),
+    }
+    if res.warm:
+        out["warm"] = True  # it continued its parked QEMU (docs/lifecycle.md, "Parked QEMUs")
+    return out
+
+
+def need(vm: VmRecord, *, restore: bool) -> placement.Need:
+    """What placing ``vm`` needs of a node (``restore``: a resume or a fork child)."""
+    size = Limits.model_validate(vm.limits)
+    where = Placement.model_validate(vm.placement or {})
+    return placement.Need(
+        tenant_id=vm.tenant_id,
+        image=vm.image,
+        memory_mib=size.memory_mib,
+        vcpus=size.vcpus,
+        disk_mib=size.disk_mib,
+        region=where.region,
+        labels=dict(where.labels),
+        restore=restore,
+    )
+
+
+class Spawner:
+    def __init__(self, deps: Deps, brokering: SecretBroker) -> None:
+        self.d = deps
+        self.brokering = brokering
+        # One placement at a time: free memory is counted once. Held by the caller of
+        # choose() and place_children().
+        self.placing = asyncio.Lock()
+        self._node_images: dict[str, list[dict[str, str]]] = {}  # node id -> images asked last
+
+    # -- images ------------------------------------------------------------------------------
+
+    async def visible_images(self, tenant_id: str) -> list[ImageInfo]:
+        """Images are per node; each is open to every tenant or to a list. The union over
+        the nodes that answer (asked now: an image may have just been built)."""
+        nodes = self.d.nodes
+        await nodes.register_local()
+        ids = nodes.local_ids() + [
+            n.node_id
+            for n in nodes.nodes()
+            if n.state != nodes_mod.LOST and not nodes.is_local(n.node_id) and not nodes.silent(n.node_id)
+        ]
+        seen: dict[str, ImageInfo] = {}
+        for node_id in ids:
+            try:
+                images = await nodes.client(node_id).images()
+            except Exception as exc:
+                if nodes.is_local(node_id):
+                    raise
+                log.warning("images of node %s unavailable: %s", node_id, exc)
+                continue
+            # Fresher than the node's last heartbeat: placement uses it (an image imported
+            # a second ago must be schedulable at once, not after the next heartbeat).
+            self._node_images[node_id] = [
+                {"name": i.name, "agentVersionId": i.agent_version_id} for i in images
+            ]
+            for i in images:
+                if i.tenants is None or tenant_id in i.tenants:
+                    seen.setdefault(i.name, i)
+        return sorted(seen.values(), key=lambda i: i.name)
+
+    async def require_image(self, tenant_id: str, name: str) -> None:
+        # An image the tenant may not use is as unknown to it as a missing one.
+        if name not in {i.name for i in await self.visible_images(tenant_id)}:
+            raise ImageNotFound(name)
+
+    # -- placement (the caller holds ``placing``) ---------------------------------------------
+
+    async def choose(
+        self,
+        vm: VmRecord,
+        *,
+        restore: bool,
+        prefer: str | None = None,
+        prefer_why: str = "",
+        exclude: tuple[str, ...] = (),
+    ) -> placement.Choice:
+        """Unavailable (503, NO_NODE) when no node fits."""
+        await self.d.nodes.register_local()
+        return placement.choose(
+            self.placeable_nodes(),
+            placement.loads(self.d.occupying()),
+            need(vm, restore=restore),
+            prefer=prefer,
+            prefer_why=prefer_why,
+            exclude=exclude,
+            silent_after_s=self.silent_after_s,
+        )
+
+    def place_children(self, src: VmRecord, children: list[VmRecord]) -> list[str]:
+        """Fork children stay on the source's node while it has room (they share the
+        snapshot's pages there); the rest spill to other nodes, which restore the snapshot
+        from S3. Sets each child's node; returns each one's reason."""
+        loads = placement.loads(self.d.occupying())
+        nodes = self.placeable_nodes()
+        reasons = []
+        for child in children:
+            choice = placement.choose(
+                nodes,
+                loads,
+                need(child, restore=True),
+                prefer=src.node_id,
+                prefer_why="the source's node (shares its pages)",
+                silent_after_s=self.silent_after_s,
+            )
+            child.node_id = choice.node_id
+            loads.setdefault(choice.node_id, placement.NodeLoad()).add(
+                child.tenant_id, placement.vm_memory_mib(child)
+            )
+            reasons.append(choice.reason)
+        return reasons
+
+    def placeable_nodes(self) -> list[NodeRecord]:
+        """The node records placement weighs, with the images each node last reported."""
+        return [
+            dataclasses.replace(n, images=self._node_images[n.node_id])
+            if n.node_id in self._node_images
+            else n
+            for n in self.d.nodes.nodes()
+        ]
+
+    @property
+    def silent_after_s(self) -> float:
+        """A node silent for longer (three heartbeat periods) gets nothing new placed on it."""
+        return 3 * self.d.settings.node_heartbeat_interval_s
+
+    # -- the spawn request ---------------------------------------------------------------------
+
+    def request(self, vm: VmRecord, restore: RestoreFrom | None) -> SpawnRequest:
+        """What the VM's node is asked to start: a boot or template (``restore`` None), or a
+        restore of a snapshot (resume, fork child)."""
+        size = Limits.model_validate(vm.limits)
+        return SpawnRequest(
+            vm_id=vm.vm_id,
+            tenant_id=vm.tenant_id,
+            image=vm.image,
+            vcpus=size.vcpus,
+            memory_mib=size.memory_mib,
+            disk_mib=size.disk_mib,
+            incarnation=vm.incarnation,
+            token=vm.token,
+            env=self.brokering.env(vm.tenant_id, vm.secrets),
+            boot="cold" if vm.boot == "cold" else "auto",
+            restore=restore,
+            egress=egress_from_json(vm.egress),
+            egress_mbps=vm.limits.get("egress_mbps"),
+            max_connections=vm.limits.get("max_connections"),
+            **self._brokered(vm),
+            wait_pause=WaitPause.model_validate(vm.wait_pause) if vm.wait_pause else None,
+        )
+
+    def _brokered(self, vm: VmRecord) -> dict[str, Any]:
+        rules = self.brokering.rules(vm.tenant_id, vm.secrets)
+        if not rules:
+            return {}
+        return {"brokered": rules, "tenant_ca": self.brokering.vm_ca(vm.tenant_id, rules)}
