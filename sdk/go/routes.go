@@ -35,6 +35,7 @@ var (
 	routeMetrics      = route{"GET", "/v1/runtime/vms/{vm_id}/metrics"}
 	routeSnapshots    = route{"GET", "/v1/runtime/vms/{vm_id}/snapshots"}
 	routePortURL      = route{"POST", "/v1/runtime/vms/{vm_id}/ports/{port}/url"}
+	routeRevokeLink   = route{"DELETE", "/v1/runtime/vms/{vm_id}/port-links/{link_id}"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

@@ -136,7 +136,8 @@ func (r *RuntimeService) RotateSecret(ctx context.Context, vmID, name, value str
 }
 
 // PortURL signs a link to the server listening on port in the VM, which opens it without
-// the API key until it expires (bound to this VM and port). expiresIn is rounded down to
+// the API key until it expires or is revoked (RevokePortURL); bound to this VM and port,
+// on an origin of its own. expiresIn is rounded down to
 // seconds; 0 means the server's default of one hour.
 func (r *RuntimeService) PortURL(ctx context.Context, vmID string, port int, expiresIn time.Duration) (*PortLink, error) {
 	secs := int(expiresIn / time.Second)
@@ -149,6 +150,13 @@ func (r *RuntimeService) PortURL(ctx context.Context, vmID string, port int, exp
 	var out PortLink
 	k := call{route: routePortURL, params: []string{vmID, strconv.Itoa(port)}, json: body}
 	return &out, r.c.doJSON(ctx, k, &out)
+}
+
+// RevokePortURL revokes a link PortURL made (its LinkID): it opens nothing from now on,
+// on every replica. Revoking again is fine.
+func (r *RuntimeService) RevokePortURL(ctx context.Context, vmID, linkID string) (*PortLinkRevoked, error) {
+	var out PortLinkRevoked
+	return &out, r.c.doJSON(ctx, call{route: routeRevokeLink, params: []string{vmID, linkID}}, &out)
 }
 
 // Events returns a VM's status events and audits, oldest first.

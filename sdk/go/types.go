@@ -315,10 +315,18 @@ type Image struct {
 	WarmSizes    []string          `json:"warmSizes,omitempty"`
 }
 
-// PortLink is a signed link to a server in a VM, valid until ExpiresAt (Unix seconds).
+// PortLink is a signed link to a server in a VM, valid until ExpiresAt (Unix seconds) or
+// until RevokePortURL revokes its LinkID.
 type PortLink struct {
 	URL       string `json:"url"`
 	ExpiresAt int64  `json:"expiresAt"`
+	LinkID    string `json:"linkId"`
+}
+
+// PortLinkRevoked answers RevokePortURL.
+type PortLinkRevoked struct {
+	LinkID  string `json:"linkId"`
+	Revoked bool   `json:"revoked"`
 }
 
 // SecretRotated answers RotateSecret: Applied is "now" (a running VM's next request

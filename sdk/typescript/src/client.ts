@@ -23,6 +23,7 @@ import type {
   Method,
   PathWith,
   PortLink,
+  PortLinkRevoked,
   SecretRotated,
   Snapshot,
   SnapshotState,
@@ -323,12 +324,20 @@ export class Runtime {
     });
   }
 
-  /** A signed link to the server on `port` in the VM (`{url, expiresAt}`) that opens it
-   * without the API key until it expires (default one hour); bound to this VM and port. */
+  /** A signed link to the server on `port` in the VM (`{url, expiresAt, linkId}`) that opens
+   * it without the API key until it expires (default one hour) or `revokePortUrl` revokes it;
+   * bound to this VM and port. */
   portUrl(vmId: string, port: number, options: { expiresInSecs?: number } = {}): Promise<PortLink> {
     return this.client.json("post", "/v1/runtime/vms/{vm_id}/ports/{port}/url", {
       params: { vm_id: vmId, port: String(port) },
       json: { expiresInSecs: options.expiresInSecs ?? 3600 },
+    });
+  }
+
+  /** Revoke a link `portUrl` made (its `linkId`): it opens nothing from now on. */
+  revokePortUrl(vmId: string, linkId: string): Promise<PortLinkRevoked> {
+    return this.client.json("delete", "/v1/runtime/vms/{vm_id}/port-links/{link_id}", {
+      params: { vm_id: vmId, link_id: linkId },
     });
   }
 

@@ -33,6 +33,7 @@ export type {
   Limits,
   MetricSample,
   PortLink,
+  PortLinkRevoked,
   SecretRotated,
   Snapshot,
   SnapshotState,

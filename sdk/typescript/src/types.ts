@@ -26,8 +26,9 @@ export type FileList = Schemas["FileListOut"];
 export type FileEntry = Schemas["FileEntryOut"];
 export type FileWritten = Schemas["FileWrittenOut"];
 export type FileDeleted = Schemas["FileDeletedOut"];
-/** A signed port link: `{url, expiresAt}` (Unix seconds). */
+/** A signed port link: `{url, expiresAt, linkId}` (expiresAt in Unix seconds). */
 export type PortLink = Schemas["PortUrlOut"];
+export type PortLinkRevoked = Schemas["PortLinkRevokedOut"];
 export type SecretRotated = Schemas["SecretRotatedOut"];
 export type VmEvent = Schemas["EventOut"];
 export type VmMetrics = Schemas["VmMetricsOut"];
