@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 func fakeServer(t *testing.T, h http.HandlerFunc) *Client {
@@ -263,5 +264,31 @@ func TestEgressAndSecretsMarshalAsTheAPITakesThem(t *testing.T) {
 	}
 	if _, err := c.Runtime.SetEgress(context.Background(), "v", &Egress{Mode: "open", Allow: []string{"x"}}); err == nil {
 		t.Fatal("an Egress with a mode and rules is refused")
+	}
+}
+
+func TestPortLinksAreSignedAndRevoked(t *testing.T) {
+	var calls []string
+	c := fakeServer(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		calls = append(calls, r.Method+" "+r.URL.EscapedPath()+" "+string(b))
+		if r.Method == http.MethodPost {
+			fmt.Fprint(w, `{"url":"http://p/","expiresAt":9,"linkId":"lnk_1"}`)
+			return
+		}
+		fmt.Fprint(w, `{"linkId":"lnk_1","revoked":true}`)
+	})
+	ctx := context.Background()
+	link, err := c.Runtime.PortURL(ctx, "vm", 8080, 90*time.Second)
+	if err != nil || link.LinkID != "lnk_1" || link.ExpiresAt != 9 {
+		t.Fatalf("%v %+v", err, link)
+	}
+	rev, err := c.Runtime.RevokePortURL(ctx, "vm", link.LinkID)
+	if err != nil || !rev.Revoked {
+		t.Fatalf("%v %+v", err, rev)
+	}
+	want := []string{`POST /v1/runtime/vms/vm/ports/8080/url {"expiresInSecs":90}`, "DELETE /v1/runtime/vms/vm/port-links/lnk_1 "}
+	if fmt.Sprint(calls) != fmt.Sprint(want) {
+		t.Fatalf("%q", calls)
 	}
 }
