@@ -16,10 +16,10 @@ OTHER_READERS = {
     "cli/nodes.py",  # client side: PAL_URL of the server it talks to
     "guest/harness.py",  # runs inside the VM
     "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
-    "bench.py",  # sets variables for the servers it starts
-    "bench_network.py",
-    "bench_cluster.py",
-    "bench_s3.py",
+    "bench/latency.py",  # sets variables for the servers it starts
+    "bench/network.py",
+    "bench/cluster.py",
+    "bench/s3.py",
     "localcluster/demo.py",  # a demo launcher for developers
     "localcluster/processes.py",  # passes the environment on to the processes it starts
     "network/control.py",  # passes chosen variables on to the gateway process
