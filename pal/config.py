@@ -348,7 +348,8 @@ class Settings(BaseSettings):
     def from_env(cls, data_dir: Path | str | None = None) -> Settings:
         """The settings of the environment; ``data_dir`` (``--data-dir``) over PAL_DATA_DIR."""
         with reading_env():
-            return cls(**({"data_dir": Path(data_dir)} if data_dir else {}))
+            given: dict[str, Any] = {"data_dir": Path(data_dir)} if data_dir else {}
+            return cls(**given)
 
     @property
     def snapshots_root(self) -> Path:

@@ -51,7 +51,8 @@ def setting(
     """One setting's whole declaration: ``field: type = setting(default, "PAL_X", "doc")``."""
     if isinstance(default, list | dict):
         assert not default, "a list or dict setting starts empty"
-        info = Field(default_factory=type(default))
+        empty: Callable[[], Any] = type(default)
+        info: FieldInfo = Field(default_factory=empty)
     else:
         info = Field(default)
     info.metadata.append(Env(name, doc, read, lo, hi, shown))
