@@ -105,7 +105,8 @@ def create_app(
     shared = link_secret or secrets.token_bytes(32)
     app.state.links = links = Links(shared, store)  # the dashboard's port form too
     origins = PortsOrigins.from_settings(settings)
-    app.include_router(ports_router(scheduler, store, links, origins))
+    app.state.port_origins = origins
+    app.include_router(ports_router)  # its handlers find links and origins on app.state
     app.include_router(images_router)
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
@@ -152,7 +153,6 @@ def create_app(
         forwarding_key=forwarding_key(shared),
         known_caller=app.state.callers.known,
     )
-    app.state.port_origins = origins
     app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
     @app.get(

@@ -1,24 +1,27 @@
-"""The /v1/runtime and /v1/images handlers are module-level functions of pal/api/routes.py:
-each has a name, and can be called (and tested) without an app."""
+"""The /v1/runtime, /v1/images and ports handlers are module-level functions (pal/api/routes.py,
+pal/api/ports.py): each has a name, and can be called (and tested) without an app."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIWebSocketRoute
 
-from pal.api import routes
+from pal.api import ports, routes
 from pal.api.models import ImageListOut, VmListOut
 
 
-@pytest.mark.parametrize("router", [routes.runtime_router, routes.images_router])
-def test_every_handler_is_a_named_module_function(router: Any) -> None:
-    handlers = [r.endpoint for r in router.routes if isinstance(r, APIRoute)]
+@pytest.mark.parametrize(
+    ("module", "router"),
+    [(routes, routes.runtime_router), (routes, routes.images_router), (ports, ports.ports_router)],
+)
+def test_every_handler_is_a_named_module_function(module: Any, router: Any) -> None:
+    handlers = [r.endpoint for r in router.routes if isinstance(r, APIRoute | APIWebSocketRoute)]
     assert len(handlers) >= 1
     for handler in handlers:
         assert "<locals>" not in handler.__qualname__, handler.__qualname__
-        assert getattr(routes, handler.__name__) is handler
+        assert getattr(module, handler.__name__) is handler
 
 
 class _Scheduler:
