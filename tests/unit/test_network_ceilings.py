@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pal.config import NetBudgets, Settings, parse_nameservers
+from pal.config import Settings, parse_nameservers
 from pal.errors import InvalidRequest
 from pal.spec import AgentSpec, WaitPause
 from tests.fakes import make_env
 
 
 async def test_a_spec_over_a_ceiling_is_400_naming_the_field(tmp_path: Path) -> None:
-    ceilings = NetBudgets(max_connections=64, max_buffer_bytes=1 << 20, max_egress_mbps=100)
-    env = make_env(tmp_path, net_budgets=ceilings)
+    env = make_env(tmp_path, max_connections=64, max_buffer_bytes=1 << 20, max_egress_mbps=100)
     for body, field, setting in [
         ({"limits": {"maxConnections": 65}}, "limits.maxConnections 65", "PAL_MAX_CONNECTIONS=64"),
         ({"limits": {"egressMbps": 101}}, "limits.egressMbps 101", "PAL_MAX_EGRESS_MBPS=100"),
@@ -34,8 +33,7 @@ async def test_a_spec_over_a_ceiling_is_400_naming_the_field(tmp_path: Path) -> 
 
 
 async def test_ceilings_apply_to_the_servers_wait_default_and_not_to_waitpause_off(tmp_path: Path) -> None:
-    ceilings = NetBudgets(max_buffer_bytes=1 << 20)
-    env = make_env(tmp_path, net_budgets=ceilings, wait_pause_default=WaitPause(max_buffer_bytes=8 << 20))
+    env = make_env(tmp_path, max_buffer_bytes=1 << 20, wait_pause_default=WaitPause(max_buffer_bytes=8 << 20))
     await env.sched.schedule(env.tenant_id, AgentSpec())
     req = env.manager.spawn_requests[-1]
     assert req.wait_pause is not None and req.wait_pause.max_buffer_bytes == 1 << 20
