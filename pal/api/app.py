@@ -26,7 +26,7 @@ from pal.config import Settings
 from .callers import Callers
 from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
-from .forward import ForwardToLeader, forwarding_key
+from .forward import forward_to_leader, forwarding_key
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
@@ -110,18 +110,15 @@ def create_app(
     app.include_router(images_router)
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
-    leader = getattr(scheduler, "leader", None)
-    if leader is not None:
-        # Followers forward what they cannot answer from the store (pal/api/forward.py).
-        # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
-        app.add_middleware(
-            ForwardToLeader,
-            is_leader=leader.is_leader,
-            leader_url=leader.leader_url,
-            failover_s=settings.leader_lease_s + 2.0,
-            key=forwarding_key(shared),
-            known_caller=app.state.callers.known,
-        )
+    # Followers forward what they cannot answer from the store (pal/api/forward.py).
+    # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
+    forward_to_leader(
+        app,
+        scheduler,
+        failover_s=settings.leader_lease_s + 2.0,
+        key=forwarding_key(shared),
+        known_caller=app.state.callers.known,
+    )
 
     # Outermost last: every request gets its id first, then the body limit applies.
     app.add_middleware(BodyLimitMiddleware)
