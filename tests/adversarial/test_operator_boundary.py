@@ -123,7 +123,6 @@ def test_the_cli_finds_the_token_in_the_data_dir(served: Served, tmp_path: Path)
     [
         "evil.example",
         "evil.example:{port}",
-        "3000-vm-abc.localhost:{port}",
         "localhost.evil.example",
         "[::2]",
     ],
@@ -148,6 +147,22 @@ def test_a_request_for_another_host_is_refused(served: Served, host: str) -> Non
     with pytest.raises(InvalidStatus) as refused:
         ws_connect(ws_url, sock=sock, additional_headers=_bearer(served.env.api_key))
     assert refused.value.response.status_code == 421
+
+
+def test_a_ports_name_never_reaches_the_api_or_the_dashboard(served: Served) -> None:
+    """A VM port's name (docs/ports.md) gets the ports proxy alone: with the tenant's key or
+    the operator's token, the API, the operator's routes and the dashboard answer nothing."""
+    named = {"Host": f"3000-vm-abc.localhost:{served.port}"}
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        for path, headers in (
+            ("/v1/runtime/vms", _bearer(served.env.api_key)),
+            ("/metrics", _bearer(served.token)),
+            ("/v1/nodes", _bearer(served.token)),
+            ("/runtime", {}),
+        ):
+            r = c.get(path, headers={**headers, **named})
+            assert r.status_code in (401, 403, 404), (path, r.status_code, r.text)
+            assert "vms" not in r.json() and "nodes" not in r.json(), r.text
 
 
 @pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "LOCALHOST.", "127.0.0.1"])
