@@ -80,7 +80,7 @@ class TextOutput:
 
 
 def merged(pieces: list[Piece]) -> list[dict[str, str]]:
-    """Adjacent pieces of one stream as one ``{stream, data}`` item."""
+    """Adjacent text pieces of one stream as one ``{stream, data}`` item."""
     out: list[dict[str, str]] = []
     for stream, data, _end in pieces:
         if out and out[-1]["stream"] == stream:
@@ -93,12 +93,23 @@ def merged(pieces: list[Piece]) -> list[dict[str, str]]:
 def read_view(res: ProcessOutput, encoding: Encoding) -> dict[str, Any]:
     """The JSON answer of a non-streaming read: ``{from, next, gap, output, process}``
     (``encoding`` too when it is base64)."""
+    proc = res.process
+    if encoding == "base64":  # adjacent chunks of a stream joined as bytes, then encoded
+        raw: list[tuple[str, bytes]] = []
+        for chunk in res.chunks:
+            data = base64.b64decode(chunk.data)
+            if raw and raw[-1][0] == chunk.stream:
+                raw[-1] = (chunk.stream, raw[-1][1] + data)
+            else:
+                raw.append((chunk.stream, data))
+        output = [{"stream": st, "data": base64.b64encode(d).decode("ascii")} for st, d in raw]
+        body = {"from": res.from_, "next": res.next, "gap": res.gap, "output": output, "encoding": "base64"}
+        return {**body, "process": proc.model_dump(by_alias=True, mode="json")}
     text = TextOutput(encoding)
     pieces: list[Piece] = []
     for chunk in res.chunks:
         data = base64.b64decode(chunk.data)
         pieces += text.feed(chunk.stream, chunk.offset + len(data), data)
-    proc = res.process
     complete = not proc.running and res.next >= proc.journal.end
     if complete:
         pieces += text.flush()
@@ -110,8 +121,6 @@ def read_view(res: ProcessOutput, encoding: Encoding) -> dict[str, Any]:
         "output": merged(pieces),
         "process": proc.model_dump(by_alias=True, mode="json"),
     }
-    if encoding == "base64":
-        body["encoding"] = "base64"
     return body
 
 
