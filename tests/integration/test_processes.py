@@ -47,18 +47,36 @@ def start(api: httpx.Client, vm: str, script: str, **extra: Any) -> int:
     return int(r.json()["processId"])
 
 
+POLLS = 20  # long polls (30 s each) a test gives a process to do what it must
+
+
 def wait(api: httpx.Client, vm: str, pid: int) -> dict[str, Any]:
-    while True:
+    for _ in range(POLLS):
         r = api.post(f"{procs(vm)}/{pid}/wait", params={"timeoutSecs": 30}, timeout=60)
         assert r.status_code == 200, r.text
         if not r.json()["running"]:
             return r.json()  # type: ignore[no-any-return]
+    raise AssertionError(f"process {pid} did not exit")
+
+
+def read_until(api: httpx.Client, vm: str, pid: int, needle: str, count: int = 1) -> str:
+    """The text output from the start until it holds ``needle`` ``count`` times."""
+    text, nxt = "", 0
+    for _ in range(POLLS * 6):
+        r = api.get(f"{procs(vm)}/{pid}/output", params={"from": nxt, "waitMs": 5000}, timeout=60)
+        assert r.status_code == 200, r.text
+        text += "".join(o["data"] for o in r.json()["output"])
+        nxt = r.json()["next"]
+        if text.count(needle) >= count:
+            return text
+        assert r.json()["process"]["running"], text
+    raise AssertionError(f"{needle!r} never came: {text!r}")
 
 
 def read_all(api: httpx.Client, vm: str, pid: int, start_at: int = 0) -> tuple[bytes, int]:
     """Every byte from ``start_at`` to the end of the (exited) process's output, by polls."""
     got, nxt = b"", start_at
-    while True:
+    for _ in range(POLLS * 10):
         r = api.get(
             f"{procs(vm)}/{pid}/output",
             params={"from": nxt, "encoding": "base64", "waitMs": 5000},
@@ -71,6 +89,7 @@ def read_all(api: httpx.Client, vm: str, pid: int, start_at: int = 0) -> tuple[b
         nxt = body["next"]
         if not body["process"]["running"] and nxt == body["process"]["journal"]["end"]:
             return got, nxt
+    raise AssertionError(f"process {pid}'s output never ended")
 
 
 def sse_events(resp: httpx.Response) -> Iterator[tuple[str, str | None, str]]:
@@ -195,11 +214,7 @@ def test_sigint_reaches_the_process_group(shared: tuple[httpx.Client, str]) -> N
     r = api.post(procs(vm), json={"command": "python3", "argv": ["-c", SIGINT_SCRIPT]})
     assert r.status_code == 201, r.text
     pid = r.json()["processId"]
-    text, nxt = "", 0
-    while text.count("ready") < 2:
-        r = api.get(f"{procs(vm)}/{pid}/output", params={"from": nxt, "waitMs": 5000}, timeout=60)
-        text += "".join(o["data"] for o in r.json()["output"])
-        nxt = r.json()["next"]
+    read_until(api, vm, pid, "ready", 2)
     r = api.post(f"{procs(vm)}/{pid}/signal", json={"signal": "INT"})
     assert r.status_code == 200, r.text
     assert wait(api, vm, pid)["exitCode"] == 0
@@ -212,11 +227,7 @@ def test_sigint_reaches_the_process_group(shared: tuple[httpx.Client, str]) -> N
 def test_a_terminal_reports_itself_and_follows_a_resize(shared: tuple[httpx.Client, str]) -> None:
     api, vm = shared
     pid = start(api, vm, "tty; stty size; read x; stty size", pty={"cols": 100, "rows": 30})
-    text, nxt = "", 0
-    while "30 100" not in text:
-        r = api.get(f"{procs(vm)}/{pid}/output", params={"from": nxt, "waitMs": 5000}, timeout=60)
-        text += "".join(o["data"] for o in r.json()["output"])
-        nxt = r.json()["next"]
+    text = read_until(api, vm, pid, "30 100")
     assert "/dev/pts/" in text, text
     r = api.post(f"{procs(vm)}/{pid}/resize", json={"cols": 120, "rows": 40})
     assert r.status_code == 200, r.text
@@ -370,8 +381,7 @@ def test_a_stream_ends_detached_on_a_pause_and_resumes_after_it(
 def test_a_fork_child_carries_the_parents_processes(shared: tuple[httpx.Client, str]) -> None:
     api, vm = shared
     pid = start(api, vm, "echo before; read x; echo after $x", stdin=True)
-    while "before" not in api.get(f"{procs(vm)}/{pid}/output", params={"waitMs": 5000}, timeout=60).text:
-        pass
+    read_until(api, vm, pid, "before")
     r = api.post(f"/v1/runtime/vms/{vm}/fork", json={"count": 1})
     assert r.status_code == 200, r.text
     child = r.json()["forks"][0]["vmId"]
