@@ -114,10 +114,16 @@ def sse_events(resp: httpx.Response) -> Iterator[tuple[str, str | None, str]]:
 
 
 def follow(
-    api: httpx.Client, vm: str, pid: int, offset: int, stop_after: int | None = None
+    api: httpx.Client,
+    vm: str,
+    pid: int,
+    offset: int,
+    stop_after: int | None = None,
+    attached: threading.Event | None = None,
 ) -> tuple[bytes, int, str, dict[str, Any]]:
     """Follow the SSE output from ``offset``: (bytes, last id, how it ended, its data).
-    ``stop_after``: drop the connection once that many bytes came (a client gone away)."""
+    ``stop_after``: drop the connection once that many bytes came (a client gone away);
+    ``attached`` is set once the first output arrived."""
     import json
 
     got = b""
@@ -132,6 +138,8 @@ def follow(
                 got += base64.b64decode(body["data"])
                 assert eid is not None and int(eid) == offset + len(base64.b64decode(body["data"]))
                 offset = int(eid)
+                if attached is not None:
+                    attached.set()
                 if stop_after is not None and len(got) >= stop_after:
                     return got, offset, "dropped", {}
             elif event == "gap":
@@ -285,14 +293,14 @@ def test_yield_after_ms_both_ways(shared: tuple[httpx.Client, str]) -> None:
     r = api.post(exec_url, json={"command": "/bin/echo", "argv": ["quick"], "yieldAfterMs": 30000})
     assert r.status_code == 200, r.text
     assert r.json()["exitCode"] == 0 and r.json()["stdout"] == "quick\n" and "running" not in r.json()
-    script = "echo started; read x; echo got $x"
+    script = "echo started; sleep 600"
     r = api.post(exec_url, json={"command": "/bin/sh", "argv": ["-c", script], "yieldAfterMs": 200})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["running"] is True and "exitCode" not in body, body
     pid = body["processId"]
     assert "started\n".startswith(body["stdout"]) and body["next"] == len(body["stdout"])
-    # It runs on: it has no stdin (an exec's), so it ends on its own once deleted.
+    # It runs on, until deleted.
     assert api.get(f"{procs(vm)}/{pid}").json()["running"] is True
     assert api.delete(f"{procs(vm)}/{pid}").status_code == 200
 
@@ -354,21 +362,30 @@ def test_a_stream_ends_detached_on_a_pause_and_resumes_after_it(
     assert how == "dropped"
     # A reader attached while the VM pauses: its stream ends with `detached`, no exit.
     ended: dict[str, Any] = {}
+    attached = threading.Event()
 
     def reader() -> None:
-        more, off, why, body = follow(api, vm, pid, offset)
-        ended.update(more=more, offset=off, how=why, body=body)
+        try:
+            more, off, why, body = follow(api, vm, pid, offset, attached=attached)
+            ended.update(more=more, offset=off, how=why, body=body)
+        except BaseException as exc:
+            ended["error"] = exc
+            attached.set()
 
     t = threading.Thread(target=reader)
     t.start()
-    r = api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": mode})
-    assert r.status_code == 200, r.text
-    t.join(120)
-    assert ended["how"] == "detached", ended
-    assert ended["body"]["reason"] in ("vm-stopped", "live-paused"), ended
+    try:
+        attached.wait()
+        r = api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": mode})
+        assert r.status_code == 200, r.text
+        t.join()
+        assert ended.get("how") == "detached", ended
+        assert ended["body"]["reason"] == ("vm-stopped" if mode == "snapshot" else "live-paused"), ended
+    finally:
+        if api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "paused":
+            r = api.post(f"/v1/runtime/vms/{vm}/resume")
+            assert r.status_code == 200, r.text
     got += ended["more"]
-    r = api.post(f"/v1/runtime/vms/{vm}/resume")
-    assert r.status_code == 200, r.text
     rest, end, how, body = follow(api, vm, pid, ended["offset"])
     assert how == "exit" and body["exitCode"] == 0, (how, body)
     assert got + rest == SLOW_BYTES and end == len(SLOW_BYTES)
@@ -394,3 +411,48 @@ def test_a_fork_child_carries_the_parents_processes(shared: tuple[httpx.Client, 
             assert read_all(api, who, pid)[0] == f"before\nafter {name}\n".encode()
     finally:
         api.delete(f"/v1/runtime/vms/{child}")
+
+
+# ----------------------------------------------------------------------------- the SDK
+
+
+def test_the_sdk_iterator_reattaches_across_a_pause_by_itself(
+    pal_server: PalServer, tenant_key: str, shared: tuple[httpx.Client, str]
+) -> None:
+    from pal.sdk import AsyncClient, Client
+
+    api, vm = shared
+    seen: list[Any] = []
+    with Client(pal_server.url, tenant_key, timeout=300) as sdk:
+        p = sdk.runtime.processes
+        proc = p.start(vm, "/bin/sh", ["-c", SLOW], tag="sdk")
+        pid = proc["processId"]
+        events = p.output(vm, pid)
+        while sum(len(e.data) for e in seen) < 200:
+            seen.append(next(events))
+        # Paused and resumed while the iterator is in the middle: it reattaches itself.
+        assert api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live"}).status_code == 200
+        resumer = threading.Thread(target=lambda: api.post(f"/v1/runtime/vms/{vm}/resume"))
+        resumer.start()
+        seen += list(events)
+        resumer.join()
+        assert seen[-1].type == "exit" and seen[-1].exit_code == 0
+        assert b"".join(e.data for e in seen) == SLOW_BYTES
+        offsets = [e.offset for e in seen if e.type in ("stdout", "stderr")]
+        assert offsets == sorted(offsets) and offsets[-1] == len(SLOW_BYTES)
+        # The other calls, briefly: stdin, wait, kill.
+        cat = p.start(vm, "cat", stdin=True)["processId"]
+        p.send_stdin(vm, cat, b"\x00\xffbytes", eof=True)
+        assert p.wait(vm, cat)["exitCode"] == 0
+        assert b"".join(o["data"] for o in p.read(vm, cat)["output"]) == b"\x00\xffbytes"
+        assert p.kill(vm, cat)["deleted"] is True
+
+    async def async_side() -> bytes:
+        async with AsyncClient(pal_server.url, tenant_key, timeout=300) as client:
+            ap = client.runtime.processes
+            started = await ap.start(vm, "/bin/echo", ["async"])
+            return b"".join([ev.data async for ev in ap.output(vm, started["processId"])])
+
+    import asyncio
+
+    assert asyncio.run(async_side()) == b"async\n"
