@@ -14,7 +14,7 @@ import base64
 import builtins
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
@@ -22,10 +22,6 @@ from . import _procwire as pw
 from . import _wire
 from .errors import PalApiError
 from .models import OutputEvent
-
-if TYPE_CHECKING:
-    from .async_client import AsyncClient
-    from .client import Client
 
 STREAM_HEADERS = {"Accept": "text/event-stream"}
 
@@ -42,7 +38,7 @@ def _read_result(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class Processes:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Any) -> None:  # a Client (client.py imports this module)
         self._c = client
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -160,7 +156,7 @@ class Processes:
 class AsyncProcesses:
     """:class:`Processes`, awaitable."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: Any) -> None:  # an AsyncClient
         self._c = client
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
