@@ -23,7 +23,7 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from pal.errors import PalError, Unavailable
@@ -52,7 +52,7 @@ MAX_WAIT_MS = 60_000
 MAX_READ_BYTES = p.MAX_FILE_BYTES
 MAX_STDIN_BYTES = p.MAX_FILE_BYTES  # one stdin write
 REQUEST_TIMEOUT_S = 30.0  # a guest that answers a process request later has lost it
-LIVE_PAUSE_POLL_S = 0.25  # how often a silent output stream looks for a live pause of its VM
+LIVE_PAUSE_POLL_S = 0.25  # how often a silent output stream looks whether its VM still runs
 
 STREAMS = {1: "stdout", 2: "stderr"}
 
@@ -159,8 +159,17 @@ class GuestProcesses:
             except BaseException:
                 lv.active_execs -= 1
                 raise
+        incarnation = lv.incarnation
+
+        def stopped() -> str | None:
+            # A snapshot pause may park the QEMU with its channel open (parked.py): the VM is
+            # no longer this node's live one (or it came back as another incarnation).
+            if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
+                return "vm-stopped"
+            return "live-paused" if lv.live is not None else None
+
         try:
-            async for ev in _attach_events(lv, replies, start):
+            async for ev in _attach_events(lv, replies, start, stopped):
                 yield ev
         finally:
             await replies.aclose()
@@ -168,17 +177,21 @@ class GuestProcesses:
             lv.touch()
 
 
-async def _next_or_pause(lv: LiveVm, replies: AsyncGenerator[p.Message, None]) -> p.Message | None:
-    """The stream's next reply, or None when a live pause stopped the VM's vCPUs first (a
-    live pause keeps the channel open: the stream would just fall silent)."""
+async def _next_or_stop(
+    replies: AsyncGenerator[p.Message, None], stopped: Callable[[], str | None]
+) -> p.Message | str:
+    """The stream's next reply, or why the VM stopped running first (a live pause, or a
+    snapshot pause that parked the QEMU, keeps the channel open: the stream would just
+    fall silent)."""
     task = asyncio.ensure_future(replies.__anext__())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=LIVE_PAUSE_POLL_S)
             if done:
                 return task.result()
-            if lv.live is not None:
-                return None
+            why = stopped()
+            if why is not None:
+                return why
     finally:
         if not task.done():
             task.cancel()
@@ -187,18 +200,18 @@ async def _next_or_pause(lv: LiveVm, replies: AsyncGenerator[p.Message, None]) -
 
 
 async def _attach_events(
-    lv: LiveVm, replies: AsyncGenerator[p.Message, None], offset: int
+    lv: LiveVm, replies: AsyncGenerator[p.Message, None], offset: int, stopped: Callable[[], str | None]
 ) -> AsyncIterator[ProcessEvent]:
     while True:
         try:
-            reply = await _next_or_pause(lv, replies)
+            reply = await _next_or_stop(replies, stopped)
         except StopAsyncIteration:
             return
         except ChannelClosed:
             yield ProcessEvent(type="detached", reason="vm-stopped", offset=offset)
             return
-        if reply is None:
-            yield ProcessEvent(type="detached", reason="live-paused", offset=offset)
+        if isinstance(reply, str):
+            yield ProcessEvent(type="detached", reason=reply, offset=offset)
             return
         kind = reply["k"]
         if kind == p.K_OUT:
