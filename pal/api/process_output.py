@@ -103,8 +103,14 @@ def read_view(res: ProcessOutput, encoding: Encoding) -> dict[str, Any]:
             else:
                 raw.append((chunk.stream, data))
         output = [{"stream": st, "data": base64.b64encode(d).decode("ascii")} for st, d in raw]
-        body = {"from": res.from_, "next": res.next, "gap": res.gap, "output": output, "encoding": "base64"}
-        return {**body, "process": proc.model_dump(by_alias=True, mode="json")}
+        raw_body = {
+            "from": res.from_,
+            "next": res.next,
+            "gap": res.gap,
+            "output": output,
+            "encoding": "base64",
+        }
+        return {**raw_body, "process": proc.model_dump(by_alias=True, mode="json")}
     text = TextOutput(encoding)
     pieces: list[Piece] = []
     for chunk in res.chunks:

@@ -186,7 +186,8 @@ async def yield_exec(scheduler: Any, tenant: str, vm_id: str, req: ExecRequest) 
     proc = await scheduler.start_process(tenant, vm_id, start)
     pid = proc.process_id
     info = await scheduler.wait_process(tenant, vm_id, pid, req.yield_after_ms or 0)
-    text, parts = TextOutput(), {"stdout": [], "stderr": []}
+    text = TextOutput()
+    parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
     nxt, taken = 0, 0
     while True:
         res = await scheduler.read_output(

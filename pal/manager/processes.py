@@ -24,7 +24,7 @@ import base64
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pal.errors import PalError, Unavailable
 from pal.guest import protocol as p
@@ -54,7 +54,7 @@ MAX_STDIN_BYTES = p.MAX_FILE_BYTES  # one stdin write
 REQUEST_TIMEOUT_S = 30.0  # a guest that answers a process request later has lost it
 LIVE_PAUSE_POLL_S = 0.25  # how often a silent output stream looks whether its VM still runs
 
-STREAMS = {1: "stdout", 2: "stderr"}
+STREAMS: dict[int, Literal["stdout", "stderr"]] = {1: "stdout", 2: "stderr"}
 
 
 def b64(data: bytes) -> str:
@@ -228,8 +228,8 @@ async def _attach_events(
             offset += lost
             yield ProcessEvent(type="gap", lost=lost, offset=offset)
         elif kind == p.K_EXIT:
-            code = gi.exit_code(reply)
-            yield ProcessEvent(type="exit", exit_code=code, timed_out=reply.get("timed_out") is True)
+            status = gi.exit_code(reply)
+            yield ProcessEvent(type="exit", exit_code=status, timed_out=reply.get("timed_out") is True)
             return
         elif kind == p.K_ERR:
             code, message = gi.error(reply)

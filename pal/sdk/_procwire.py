@@ -69,7 +69,9 @@ class SseLines:
     """(event, id, data) of text/event-stream lines."""
 
     def __init__(self) -> None:
-        self.event, self.eid, self.data = "message", None, []  # type: ignore[var-annotated]
+        self.event: str = "message"
+        self.eid: str | None = None
+        self.data: list[str] = []
 
     def feed(self, line: str) -> tuple[str, str | None, str] | None:
         if line == "":
