@@ -615,7 +615,9 @@ class ProcessStartRequest(ExecRequest):
     pty: Terminal | None = Field(None, description="run on a terminal of this size (stdin included)")
     tag: str = Field("", max_length=P.MAX_TAG_CHARS, description="free text to find the process by")
     keep_awake: bool = Field(
-        False, description="while it runs, the VM is not idle-suspended (others pause with the VM)"
+        False,
+        description="while it runs, the guest reports the VM active (a guest's claim: it delays "
+        "an idle suspend by at most one idle timeout; docs/processes.md)",
     )
     journal_bytes: int = Field(
         P.JOURNAL_DEFAULT_BYTES,

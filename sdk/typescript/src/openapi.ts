@@ -1508,7 +1508,7 @@ export interface components {
             tag?: string;
             /**
              * Keepawake
-             * @description while it runs, the VM is not idle-suspended (others pause with the VM)
+             * @description while it runs, the guest reports the VM active (a guest's claim: it delays an idle suspend by at most one idle timeout; docs/processes.md)
              * @default false
              */
             keepAwake?: boolean;
