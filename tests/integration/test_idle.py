@@ -43,7 +43,12 @@ def test_idle_vm_suspends_shows_paused_and_wakes_on_exec(pal_server: PalServer, 
         # the next request wakes it transparently, same vmId, files intact
         r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["keep.txt"]})
         assert r.status_code == 200, r.text
-        assert r.json() == {"exitCode": 0, "stdout": "kept\n", "stderr": ""}
+        assert {**r.json(), "processId": 0} == {
+            "exitCode": 0,
+            "stdout": "kept\n",
+            "stderr": "",
+            "processId": 0,
+        }
         assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
         events = api.get(f"/v1/runtime/vms/{vm}/events").json()["events"]
         assert any(e["kind"] == "auto_resume" for e in events), events
