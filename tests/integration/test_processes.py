@@ -456,3 +456,28 @@ def test_the_sdk_iterator_reattaches_across_a_pause_by_itself(
     import asyncio
 
     assert asyncio.run(async_side()) == b"async\n"
+
+
+def test_a_reader_reattaching_wakes_an_idle_suspended_vm(api: httpx.Client) -> None:
+    import time
+
+    vm = api.post("/v1/runtime/schedule", json={"idleTimeoutSecs": 5}).json()["vmId"]
+    try:
+        # Prints for a while with nobody reading: not activity, so the VM is suspended
+        # while it runs; its output waits in the journal, in the snapshot.
+        script = "i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 1; done"
+        pid = start(api, vm, script)
+        for _ in range(1200):  # a hang guard (0.25 s polls), not a speed bound
+            if api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "paused":
+                break
+            time.sleep(0.25)
+        else:
+            raise AssertionError("the VM was never idle-suspended")
+        # The reader wakes it and gets everything, from the first byte to the exit.
+        got, end, how, body = follow(api, vm, pid, 0)
+        assert how == "exit" and body["exitCode"] == 0, (how, body)
+        assert got == "".join(f"tick {i}\n" for i in range(40)).encode() and end == len(got)
+        events = api.get(f"/v1/runtime/vms/{vm}/events").json()["events"]
+        assert any(e["kind"] == "auto_resume" for e in events), events
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
