@@ -1,254 +1,445 @@
 """Settings read from the environment (and CLI flags), in one place.
 
-Every environment variable the server side honours is read here (README, "Configuration",
-lists them). The client side's PAL_URL and PAL_API_KEY are read by the SDK itself
-(pal/sdk/_wire.py), which imports nothing else from pal; the tests' PAL_TEST_DATA_DIR by
-tests/conftest.py.
+Every environment variable the server side honours is declared here, once: its name, its
+default, its bounds and what it means (README's "Configuration" table is generated from
+these declarations: ``python -m pal.config --markdown --write``). The client side's PAL_URL
+and PAL_API_KEY are read by the SDK itself (pal/sdk/_wire.py), which imports nothing else
+from pal; the tests' PAL_TEST_DATA_DIR by tests/conftest.py.
+
+A new setting is one field of ``Settings``: ``name: Annotated[type, Env("PAL_X", "what it
+means", lo=..., hi=...)] = default``. ``Settings.from_env()`` reads the environment;
+keyword construction (``Settings(data_dir=...)``, the tests) reads nothing but its keywords.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from pal import sizes
+from pal.config_env import (
+    EnvSource,
+    clamp,
+    read_egress_dns,
+    read_exec_default_timeout,
+    read_int,
+    read_max_fork_count,
+    read_ports_port,
+    read_s3_sse,
+    read_switch,
+    reading_env,
+    setting,
+)
+from pal.config_env import (
+    parse_labels as parse_labels,
+)
+from pal.config_env import (
+    parse_template_sizes as parse_template_sizes,
+)
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
 # The ports listener (VM ports on origins of their own): beside the API's 8080 and a
 # node RPC's 8081 (a node may run on the same machine).
 DEFAULT_PORTS_PORT = 8082
-
-
-def env_log_level() -> str:
-    """PAL_LOG_LEVEL, also for the processes Pal starts (the egress gateway)."""
-    return (os.environ.get("PAL_LOG_LEVEL") or "INFO").upper()
-
-
-def armed_failpoint() -> str:
-    """PAL_FAILPOINT: the crash point armed in this process (tests only; see failpoints.py)."""
-    return os.environ.get("PAL_FAILPOINT", "")
-
-
 FORK_COUNT_CEILING = 1000
 # A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT):
 # a command that never ends (waiting on a fifo, a prompt) must not hold a request open until
 # the VM is deleted. Streamed exec has no default: its reader sees the output and can stop it.
 EXEC_DEFAULT_TIMEOUT_S = 300.0
+S3_SSE_MODES = ("AES256", "aws:kms")
+_KEYS = "`$PAL_DATA_DIR/keys/"
 
 
-def _int_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from exc
-
-
-def _float_env(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from exc
-
-
-def parse_labels(raw: str | list[str]) -> dict[str, str]:
-    """``"k=v,k2=v2"`` (or a list of ``k=v``) as a dict; ValueError on a malformed item."""
-    items = raw if isinstance(raw, list) else [x for x in raw.split(",")]
-    out: dict[str, str] = {}
-    for item in (x.strip() for x in items):
-        if not item:
+def parse_nameservers(raw: str | None) -> list[tuple[str, int]]:
+    """PAL_EGRESS_NAMESERVERS: ``ip``, ``ip:port``, ``[ipv6]:port``, comma-separated."""
+    out: list[tuple[str, int]] = []
+    for part in (p.strip() for p in (raw or "").split(",")):
+        if not part:
             continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"label {item!r} is not key=value")
-        out[key.strip()] = value.strip()
+        host, port = part, 53
+        try:
+            if part.startswith("["):
+                host, _, rest = part[1:].partition("]")
+                port = int(rest[1:]) if rest.startswith(":") else 53
+            elif part.count(":") == 1:
+                host, _, num = part.partition(":")
+                port = int(num)
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r} is not ip[:port]") from exc
+        if not 1 <= port <= 65535:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r}: port outside 1-65535")
+        out.append((host, port))
     return out
 
 
-def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
-    """PAL_TEMPLATE_SIZES: ``256m-1c-2048d,512m-1c-2048d`` (None = any size: ``*``);
-    unset or empty: the defaults of pal/sizes.py."""
-    text = (raw or "").strip()
-    if not text:
-        return sizes.DEFAULT_TEMPLATE_SIZES
-    if text == "*":
-        return None
-    out = []
-    for item in (x.strip() for x in text.split(",")):
-        if item:
-            try:
-                out.append(sizes.size_name(*sizes.parse_size_name(item)))
-            except ValueError as exc:
-                raise ValueError(f"PAL_TEMPLATE_SIZES: {exc}") from exc
-    return tuple(out)
+def read_nameservers(_name: str, raw: str) -> str:
+    parse_nameservers(raw)  # a malformed entry fails at start, naming it
+    return raw.strip()
 
 
-def _egress_dns_env() -> bool:
-    raw = os.environ.get("PAL_EGRESS_DNS", "host").strip().lower() or "host"
-    if raw not in ("host", "static"):
-        raise ValueError(f"PAL_EGRESS_DNS must be 'host' or 'static', got {raw!r}")
-    return raw == "host"
+def read_at_least(low: int) -> Callable[[str, str], int]:
+    """An integer of at least ``low``: below it the setting is refused, not clamped (a
+    budget of nearly nothing is a mistake, not a wish)."""
+
+    def read(name: str, raw: str) -> int:
+        value = read_int(name, raw)
+        if value < low:
+            raise ValueError(f"{name} must be at least {low}, got {value}")
+        return value
+
+    return read
 
 
-def _path_env(name: str) -> Path | None:
-    raw = os.environ.get(name)
-    return Path(raw) if raw and raw.strip() else None
+class Settings(BaseSettings):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")  # type: ignore[assignment]
 
-
-def _seccomp_env() -> bool:
-    raw = os.environ.get("PAL_SECCOMP", "required").strip().lower()
-    if raw in ("required", "on", "1", "yes", "true", ""):
-        return True
-    if raw in ("off", "0", "no", "false"):
-        return False
-    raise ValueError(f"PAL_SECCOMP must be 'required' or 'off', got {raw!r}")
-
-
-S3_SSE_MODES = ("AES256", "aws:kms")
-
-
-def _s3_sse_env() -> str | None:
-    raw = os.environ.get("PAL_S3_SSE", "").strip()
-    if raw in ("", "off", "none"):
-        return None
-    if raw not in S3_SSE_MODES:
-        raise ValueError(f"PAL_S3_SSE must be one of {', '.join(S3_SSE_MODES)} or off, got {raw!r}")
-    return raw
-
-
-def _snapshot_encryption_env() -> bool:
-    raw = os.environ.get("PAL_SNAPSHOT_ENCRYPTION", "on").strip().lower()
-    if raw in ("on", "1", "yes", "true", ""):
-        return True
-    if raw in ("off", "0", "no", "false"):
-        return False
-    raise ValueError(f"PAL_SNAPSHOT_ENCRYPTION must be 'on' or 'off', got {raw!r}")
-
-
-def _cgroups_env() -> bool:
-    raw = os.environ.get("PAL_CGROUPS", "required").strip().lower()
-    if raw in ("required", "on", "1", "yes", "true", ""):
-        return True
-    if raw in ("off", "0", "no", "false"):
-        return False
-    raise ValueError(f"PAL_CGROUPS must be 'required' or 'off', got {raw!r}")
-
-
-def _exec_default_timeout() -> float | None:
-    secs = _float_env("PAL_EXEC_DEFAULT_TIMEOUT", EXEC_DEFAULT_TIMEOUT_S)
-    if secs < 0:
-        raise ValueError("PAL_EXEC_DEFAULT_TIMEOUT must be 0 (no default) or more")
-    return min(secs, MAX_EXEC_TIMEOUT_S) if secs else None
-
-
-def _ports_port_env() -> int:
-    port = _int_env("PAL_PORTS_PORT", DEFAULT_PORTS_PORT)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"PAL_PORTS_PORT must be a TCP port (1-65535), got {port}")
-    return port
-
-
-@dataclass
-class Settings:
-    data_dir: Path = DEFAULT_DATA_DIR
-    snapshot_dir: Path | None = None  # SNAPSHOT_DIR; default <data_dir>/snapshots
-    accel: str = "auto"  # PAL_ACCEL: auto | kvm | tcg
-    max_fork_count: int = 100  # PAL_MAX_FORK_COUNT, clamped to FORK_COUNT_CEILING
-    fork_concurrency: int = 16  # PAL_FORK_CONCURRENCY
-    harness_ready_timeout_ms: int = 5000  # PAL_HARNESS_READY_TIMEOUT_MS
-    idle_sweep_interval_s: float = 10.0  # PAL_IDLE_SWEEP_INTERVAL (DefaultIdleSweepInterval)
-    heartbeat_interval_s: float = 5.0  # PAL_HEARTBEAT_INTERVAL: harness heartbeat period
-    s3_endpoint: str | None = None  # S3_ENDPOINT
-    s3_bucket: str | None = None  # S3_BUCKET
-    s3_region: str = "us-east-1"  # AWS_DEFAULT_REGION
-    # PAL_SNAPSHOT_ENCRYPTION=off: upload snapshots to S3 unencrypted (default on: encrypted
-    # on the node before upload, docs/security.md "Snapshots at rest")
-    snapshot_encryption: bool = True
-    # PAL_S3_SSE=AES256|aws:kms: S3 server-side encryption asked for on every object written;
-    # PAL_S3_SSE_KMS_KEY_ID: the KMS key of aws:kms (unset: the bucket's default)
-    s3_sse: str | None = None
-    s3_sse_kms_key_id: str | None = None
-    xfs_image_size_gib: int = 64  # PAL_XFS_IMAGE_GIB: loop XFS for a non-reflink data dir
-    templates: bool = True  # PAL_TEMPLATES=0 disables warm templates (always cold boot)
-    # PAL_TEMPLATE_SIZES: sizes (256m-1c-2048d,...) that get a template on first use; * = any
-    template_sizes: tuple[str, ...] | None = sizes.DEFAULT_TEMPLATE_SIZES
-    template_builds: int = 1  # PAL_TEMPLATE_BUILDS: template builds at once (each boots a VM)
-    templates_keep: int = 8  # PAL_TEMPLATES_KEEP: templates kept; the least recently used go
-    # PAL_PARKED_MAX: QEMUs of snapshot-paused VMs kept stopped for a fast resume (0: off)
-    parked_max: int = 8
-    parked_secs: float = 900.0  # PAL_PARKED_SECS: how long one is kept at most
-    metrics_interval_s: float = 5.0  # PAL_METRICS_INTERVAL: per-VM metrics sample period
-    # PAL_METRICS_TOKEN: a second bearer token for GET /metrics alone (a scraper's); the
-    # operator token (PAL_ADMIN_TOKEN, pal/operator.py) opens it too
-    metrics_token: str | None = None
-    # PAL_DASHBOARD_SECRET: signs dashboard sessions; unset = a random key kept in the data dir
-    dashboard_secret: str | None = None
-    egress_default: Egress = "open"  # PAL_EGRESS_DEFAULT: a VM's egress when its spec has none
-    egress_resolve: str | None = None  # PAL_EGRESS_RESOLVE=name=ip,... (like curl --resolve)
-    # PAL_EGRESS_DNS=host (default): other names through the host's resolver; static: only
-    # PAL_EGRESS_RESOLVE's names resolve (an air-gapped node; the tests, which must never
-    # send a lookup off the machine)
-    egress_host_dns: bool = True
-    # PAL_EGRESS_ALLOW_INTERNAL=cidr[:port],...: internal destinations the operator opens
-    egress_allow_internal: list[str] = field(default_factory=list)
-    # PAL_EGRESS_CA_BUNDLE: PEM file of CAs the gateway trusts (besides the system store) when
-    # it connects upstream for a brokered secret (a private or test CA)
-    egress_ca_bundle: Path | None = None
-    image_max_gib: int = 16  # PAL_IMAGE_MAX_GIB: largest image `pal image import/build` accepts
-    # PAL_CORS_ORIGINS=https://app.example,...: browser origins allowed to call the API
-    cors_origins: list[str] = field(default_factory=list)
-    # PAL_PORTS_PORT / --ports-port: the ports listener, where each VM port has an origin of
-    # its own, http://{port}-{vm}.localhost:PORT (pal/api/port_origins.py)
-    ports_port: int = DEFAULT_PORTS_PORT
-    # PAL_PORTS_DOMAIN: ports.example.com (https) or http(s)://name[:port]: port links name
-    # {port}-{vm}.<that>, for a wildcard DNS name and TLS in front; unset = *.localhost
-    ports_domain: str | None = None
+    data_dir: Path = setting(
+        DEFAULT_DATA_DIR, "PAL_DATA_DIR", "images, snapshots, live VM files, SQLite store (`--data-dir` too)"
+    )
+    snapshot_dir: Path | None = setting(
+        None, "SNAPSHOT_DIR", "local snapshot tier", shown="`$PAL_DATA_DIR/snapshots`"
+    )
+    accel: str = setting(
+        "auto", "PAL_ACCEL", "`auto` (probe KVM, fall back to TCG), `kvm` or `tcg` (`pal up --accel`)"
+    )
+    max_fork_count: int = setting(
+        100, "PAL_MAX_FORK_COUNT", "per-call fork cap", read=read_max_fork_count, hi=FORK_COUNT_CEILING
+    )
+    fork_concurrency: int = setting(16, "PAL_FORK_CONCURRENCY", "fork children restored at once", lo=1)
+    exec_default_timeout_s: float | None = setting(
+        EXEC_DEFAULT_TIMEOUT_S,
+        "PAL_EXEC_DEFAULT_TIMEOUT",
+        "seconds a buffered exec without `timeoutSecs` may run before it is killed"
+        " (`timedOut: true`); a request's own `timeoutSecs` wins; `0`: no default."
+        " Streamed exec has none",
+        read=read_exec_default_timeout,
+        hi=MAX_EXEC_TIMEOUT_S,
+    )
+    harness_ready_timeout_ms: int = setting(
+        5000, "PAL_HARNESS_READY_TIMEOUT_MS", "how long the first exec after a restore waits for the guest"
+    )
+    idle_sweep_interval_s: float = setting(10.0, "PAL_IDLE_SWEEP_INTERVAL", "idle sweeper period, seconds")
+    heartbeat_interval_s: float = setting(5.0, "PAL_HEARTBEAT_INTERVAL", "guest heartbeat period, seconds")
+    templates: bool = setting(
+        True,
+        "PAL_TEMPLATES",
+        "`0` disables warm templates (always cold boot)",
+        read=lambda _n, raw: raw not in ("0", "false", "no"),
+        shown="`1`",
+    )
+    template_sizes: tuple[str, ...] | None = setting(
+        sizes.DEFAULT_TEMPLATE_SIZES,
+        "PAL_TEMPLATE_SIZES",
+        "sizes (`<memoryMib>m-<vcpus>c-<diskMib>d`) that get a warm template on first use;"
+        " other sizes boot cold; `*` = any size",
+        read=lambda _n, raw: parse_template_sizes(raw),
+    )
+    template_builds: int = setting(
+        1, "PAL_TEMPLATE_BUILDS", "template builds at once (each boots a VM)", lo=1
+    )
+    templates_keep: int = setting(
+        8, "PAL_TEMPLATES_KEEP", "templates a node keeps; past it the least recently used are removed", lo=1
+    )
+    parked_max: int = setting(
+        8,
+        "PAL_PARKED_MAX",
+        "QEMUs of snapshot-paused VMs a node keeps stopped (RAM handed back) so that their"
+        " resume continues them instead of starting a new QEMU; `0` turns it off",
+        lo=0,
+    )
+    parked_secs: float = setting(
+        900.0, "PAL_PARKED_SECS", "how long a node keeps such a parked QEMU at most, seconds", lo=1.0
+    )
+    metrics_interval_s: float = setting(
+        5.0, "PAL_METRICS_INTERVAL", "per-VM metrics sample period, seconds (15 minutes are kept)", lo=0.5
+    )
+    dashboard_secret: str | None = setting(
+        None,
+        "PAL_DASHBOARD_SECRET",
+        "signs dashboard sessions and port links (replicas must share it)",
+        shown="random, in `<data dir>/dashboard.key`; `pal server`: derived from `PAL_CLUSTER_SECRET`",
+    )
+    metrics_token: str | None = setting(
+        None,
+        "PAL_METRICS_TOKEN",
+        "a second bearer token that opens `/metrics` (and the health details) alone, for a"
+        " scraper; the operator token opens it too",
+    )
+    egress_default: Egress = setting(
+        "open",
+        "PAL_EGRESS_DEFAULT",
+        "egress of a VM whose spec has none: `open`, `none` or a JSON allow/deny object",
+        read=lambda _n, raw: parse_egress_default(raw),
+    )
+    egress_allow_internal: list[str] = setting(
+        [],
+        "PAL_EGRESS_ALLOW_INTERNAL",
+        "internal addresses/CIDRs (optionally `:port`) guests may reach, e.g. `10.0.5.0/24:5432`",
+    )
+    egress_resolve: str | None = setting(
+        None, "PAL_EGRESS_RESOLVE", "`name=ip,...`: fixed DNS answers for guests (like curl `--resolve`)"
+    )
+    cors_origins: list[str] = setting(
+        [],
+        "PAL_CORS_ORIGINS",
+        "`https://app.example,...`: browser origins allowed to call the API with a key (the"
+        " TypeScript SDK in a web page); no cookies cross origins",
+    )
+    ports_port: int = setting(
+        DEFAULT_PORTS_PORT,
+        "PAL_PORTS_PORT",
+        "the ports listener (`--ports-port`): each VM port has an origin of its own there,"
+        " `http://{port}-{vmId}.localhost:8082` (docs/ports.md, pal/api/port_origins.py);"
+        " it serves nothing else",
+        read=read_ports_port,
+    )
+    ports_domain: str | None = setting(
+        None,
+        "PAL_PORTS_DOMAIN",
+        "`ports.example.com` (https) or `http(s)://name[:port]`: port links name"
+        " `{port}-{vmId}.<domain>`, for a wildcard DNS name and certificate in front of Pal",
+        shown="unset (`*.localhost`)",
+    )
+    egress_host_dns: bool = setting(
+        True,
+        "PAL_EGRESS_DNS",
+        "`host`: other names through the host's resolver; `static`: only"
+        " `PAL_EGRESS_RESOLVE`'s names resolve, no lookup leaves the node (an air-gapped"
+        " node; the tests)",
+        read=read_egress_dns,
+        shown="`host`",
+    )
+    egress_nameservers: str | None = setting(
+        None,
+        "PAL_EGRESS_NAMESERVERS",
+        "`ip[:port],...`: the name servers the egress gateway asks (asynchronously, 2 s per"
+        " try, 5 s per lookup)",
+        read=read_nameservers,
+        shown="`/etc/resolv.conf`'s",
+    )
+    max_connections: int = setting(
+        4096,
+        "PAL_MAX_CONNECTIONS",
+        "ceiling of a spec's `limits.maxConnections` (above: 400 naming the field; a spec that"
+        " does not say gets at most this)",
+        read=read_at_least(1),
+    )
+    max_buffer_bytes: int = setting(
+        64 << 20,
+        "PAL_MAX_BUFFER_BYTES",
+        "ceiling of a spec's `waitPause.maxBufferBytes`, also the hold buffer of a VM without"
+        " `waitPause` when lower than 16 MiB",
+        read=read_at_least(64 * 1024),
+        shown="`67108864` (64 MiB)",
+    )
+    max_egress_mbps: int | None = setting(
+        None,
+        "PAL_MAX_EGRESS_MBPS",
+        "ceiling of a spec's `limits.egressMbps`, and the rate of a VM that asks none; unset: no ceiling",
+        read=read_at_least(1),
+    )
+    gateway_max_buffer_bytes: int = setting(
+        1 << 30,
+        "PAL_GATEWAY_MAX_BUFFER_BYTES",
+        "node total of bytes the egress gateway buffers for all VMs (each VM keeps its first"
+        " 1 MiB); past it, backpressure",
+        read=read_at_least(1 << 20),
+        shown="`1073741824` (1 GiB)",
+    )
+    gateway_max_connections: int | None = setting(
+        None,
+        "PAL_GATEWAY_MAX_CONNECTIONS",
+        "node total of guest connections (each VM keeps its first 32); past it, new ones are"
+        " reset with an event",
+        read=read_at_least(1),
+        shown="what the gateway's descriptor limit allows",
+    )
+    wait_pause_default: WaitPause | None = setting(
+        None,
+        "PAL_WAIT_PAUSE",
+        "`waitPause` of a VM whose spec has none: `off`, `on` (defaults) or a JSON object"
+        ' (`{"afterMs": 500, "offloadAfterMs": 5000, "deliver": "first-byte",'
+        ' "maxBufferBytes": 16777216}`)',
+        read=lambda _n, raw: parse_wait_pause_default(raw),
+        shown="`off`",
+    )
+    xfs_image_size_gib: int = setting(
+        64,
+        "PAL_XFS_IMAGE_GIB",
+        "size of the loop-mounted XFS made when the data dir cannot reflink"
+        " (`pal data-dir umount` takes it down; `pal up` does not)",
+    )
+    cgroups: bool = setting(
+        True,
+        "PAL_CGROUPS",
+        "`off` lets VMs run without host CPU/memory/pids/IO limits; by default a VM whose"
+        " limits cannot be applied does not start (503)",
+        read=read_switch("required"),
+        shown="`required`",
+    )
+    seccomp: bool = setting(
+        True,
+        "PAL_SECCOMP",
+        "`off` runs QEMU without its seccomp filter (`-sandbox`, logged and shown by `pal"
+        " doctor`); by default a QEMU built without `-sandbox` starts no VM (503)",
+        read=read_switch("required"),
+        shown="`required`",
+    )
+    exec_buffer_mib: int = setting(
+        64,
+        "PAL_EXEC_BUFFER_MIB",
+        "output (MiB of characters) a tenant's buffered, non-streamed execs may hold at once"
+        " on an API server (pal/api/exec_budget.py): a new one past it is 429"
+        " `RESOURCE_EXHAUSTED`, a running one is cut (`truncated: true`)",
+        lo=1,
+    )
+    hosts: list[str] = setting(
+        [],
+        "PAL_HOSTS",
+        "`pal.example.com,...`: the names the API and dashboard answer as (the `Host`"
+        " header), besides `localhost`, the loopback addresses and the listen/advertised"
+        " address; any other name gets 421 (DNS rebinding)",
+    )
+    image_max_gib: int = setting(
+        16, "PAL_IMAGE_MAX_GIB", "largest image `pal image import` / `pal image build -f` accepts", lo=1
+    )
+    s3_endpoint: str | None = setting(
+        None,
+        "S3_ENDPOINT",
+        "S3 / MinIO endpoint snapshots are mirrored to, with `S3_BUCKET` (a cluster needs"
+        " it: snapshots move between nodes through it)",
+    )
+    s3_bucket: str | None = setting(None, "S3_BUCKET", "the bucket of `S3_ENDPOINT`")
+    snapshot_encryption: bool = setting(
+        True,
+        "PAL_SNAPSHOT_ENCRYPTION",
+        "snapshots are encrypted on the node before they go to S3 (docs/security.md,"
+        ' "Snapshots at rest"); `off` uploads them in the clear (encrypted ones still restore)',
+        read=read_switch("on"),
+        shown="`on`",
+    )
+    snapshot_encryption_key_file: Path | None = setting(
+        None,
+        "PAL_SNAPSHOT_ENCRYPTION_KEY_FILE",
+        "key wrapping each snapshot's data key in S3 (made on first use, 0600; give every"
+        " node of a bucket the same file; rotate with `pal snapshots rekey`)",
+        shown=_KEYS + "snapshot-encryption.key`",
+    )
+    s3_sse: str | None = setting(
+        None,
+        "PAL_S3_SSE",
+        "S3 server-side encryption asked for on every object: `AES256` or `aws:kms`;"
+        " besides or instead of Pal's own",
+        read=lambda name, raw: read_s3_sse(name, raw, S3_SSE_MODES),
+    )
+    s3_sse_kms_key_id: str | None = setting(
+        None, "PAL_S3_SSE_KMS_KEY_ID", "the KMS key of `PAL_S3_SSE=aws:kms` (unset: the bucket's default)"
+    )
     # -- cluster (docs/deploy.md) --
-    database_url: str | None = None  # PAL_DATABASE_URL / --database; unset = SQLite in the data dir
-    # PAL_CLUSTER_SECRET (control plane): each node's token is derived from it (pal node token)
-    cluster_secret: str | None = None
-    node_token: str | None = None  # PAL_NODE_TOKEN (node): this node's token
-    # PAL_ADMIN_TOKEN: the operator token (operator routes, /metrics, health details); unset =
-    # <data dir>/keys/operator.token (pal up) or derived from PAL_CLUSTER_SECRET (pal server)
-    admin_token: str | None = None
-    # PAL_HOSTS=pal.example.com,...: the names the API and dashboard answer as (the Host
-    # header; besides localhost, loopback addresses and the listen/advertised address)
-    hosts: list[str] = field(default_factory=list)
-    node_heartbeat_interval_s: float = 5.0  # PAL_NODE_HEARTBEAT_INTERVAL
-    node_lost_after_s: float = 30.0  # PAL_NODE_LOST_AFTER: a node silent this long has lost its VMs
-    leader_lease_s: float = 5.0  # PAL_LEADER_LEASE: failover comes within about this long
-    node_name: str | None = None  # PAL_NODE_NAME / --name: this node's id (default: host name)
-    node_region: str = ""  # PAL_NODE_REGION / --region
-    node_labels: dict[str, str] = field(default_factory=dict)  # PAL_NODE_LABELS "k=v,k2=v2"
-    node_memory_mib: int = 0  # PAL_NODE_MEMORY_MIB: guest RAM to hand out; 0 = host RAM - 1 GiB
-    cgroups: bool = True  # PAL_CGROUPS=off: VMs run without host limits (else fail closed)
-    seccomp: bool = True  # PAL_SECCOMP=off: QEMU runs without -sandbox (else fail closed)
-    # PAL_EXEC_BUFFER_MIB: output a tenant's buffered (non-streamed) execs may hold at once
-    # on an API server, in MiB of characters (pal/api/exec_budget.py)
-    exec_buffer_mib: int = 64
-    # PAL_WAIT_PAUSE: waitPause of a VM whose spec has none (None: off)
-    wait_pause_default: WaitPause | None = None
-    # PAL_EXEC_DEFAULT_TIMEOUT: seconds a buffered exec without timeoutSecs may run (0: none)
-    exec_default_timeout_s: float | None = EXEC_DEFAULT_TIMEOUT_S
+    database_url: str | None = setting(
+        None, "PAL_DATABASE_URL", "PostgreSQL (`--database`); unset: SQLite in the data dir (`pal up`)"
+    )
+    cluster_secret: str | None = setting(
+        None, "PAL_CLUSTER_SECRET", "control plane: node tokens derive from it (`pal node token NODE`)"
+    )
+    admin_token: str | None = setting(
+        None,
+        "PAL_ADMIN_TOKEN",
+        "the operator token (pal/operator.py): operator routes (`pal node ls/drain/activate`),"
+        " `/metrics`, the `/healthz` and `/readyz` details; no caller is the operator by its"
+        " address",
+        shown=_KEYS + "operator.token` (`pal up`, made at first start, 0600); `pal server`:"
+        " derived from `PAL_CLUSTER_SECRET`",
+    )
+    leader_lease_s: float = setting(
+        5.0,
+        "PAL_LEADER_LEASE",
+        "leadership lease, seconds (a killed leader is replaced within about this long)",
+        lo=1.0,
+    )
+    node_token: str | None = setting(
+        None, "PAL_NODE_TOKEN", "node: its token (printed by `pal node token NODE` where the secret is)"
+    )
+    node_name: str | None = setting(None, "PAL_NODE_NAME", "node: its id (`--name`)", shown="host name")
+    node_region: str = setting("", "PAL_NODE_REGION", "node: its region (`--region`)", shown="none")
+    node_labels: dict[str, str] = setting(
+        {},
+        "PAL_NODE_LABELS",
+        "node: `k=v,...` labels for placement",
+        read=lambda _n, raw: parse_labels(raw),
+        shown="none",
+    )
+    node_memory_mib: int = setting(
+        0,
+        "PAL_NODE_MEMORY_MIB",
+        "guest RAM (MiB) a node hands out (placement's capacity); `0`: host RAM - 1 GiB",
+        lo=0,
+        shown="host RAM - 1 GiB",
+    )
+    servers: list[str] = setting([], "PAL_SERVERS", "node: control-plane URLs it heartbeats to (`--server`)")
+    node_heartbeat_interval_s: float = setting(
+        5.0, "PAL_NODE_HEARTBEAT_INTERVAL", "node heartbeat period, seconds", lo=0.5
+    )
+    node_lost_after_s: float = setting(
+        30.0, "PAL_NODE_LOST_AFTER", "a node silent this long (seconds) has lost its running VMs", lo=2.0
+    )
+    egress_ca_bundle: Path | None = setting(
+        None,
+        "PAL_EGRESS_CA_BUNDLE",
+        "PEM file of CAs the egress gateway trusts (besides the system store) when it"
+        " connects upstream for a brokered secret (a private or test CA)",
+    )
+    snapshot_key_file: Path | None = setting(
+        None,
+        "PAL_SNAPSHOT_KEY_FILE",
+        "HMAC key authenticating snapshot `meta.json` (made on first use; give every node of"
+        " a cluster and its control plane the same file)",
+        shown=_KEYS + "snapshot.key`",
+    )
+    secrets_key_file: Path | None = setting(
+        None,
+        "PAL_SECRETS_KEY_FILE",
+        "key sealing every VM secret in the store (made on first use, 0600; every"
+        " control-plane replica needs the same file)",
+        shown=_KEYS + "secrets.key`",
+    )
+    log_level: str = setting(
+        "INFO", "PAL_LOG_LEVEL", "the server's log level", read=lambda _n, raw: raw.upper()
+    )
+    failpoint: str = setting(
+        "", "PAL_FAILPOINT", "tests only: the server kills itself at this named step (`pal/failpoints.py`)"
+    )
+    s3_region: str = setting(
+        "us-east-1",
+        "AWS_DEFAULT_REGION",
+        "S3 region (credentials: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, read by boto3)",
+    )
 
-    # PAL_SNAPSHOT_KEY_FILE: HMAC key authenticating snapshot meta.json (share it across a
-    # cluster's control plane and nodes); default <data_dir>/keys/snapshot.key, made on first use
-    snapshot_key_file: Path | None = None
-    # PAL_SECRETS_KEY_FILE: key encrypting secrets in the store (every control plane replica
-    # needs the same one); default <data_dir>/keys/secrets.key, made on first use
-    secrets_key_file: Path | None = None
-    # PAL_SNAPSHOT_ENCRYPTION_KEY_FILE: key wrapping the data keys of snapshots in S3 (share
-    # it across the nodes of a bucket); default <data_dir>/keys/snapshot-encryption.key
-    snapshot_encryption_key_file: Path | None = None
-    log_level: str = "INFO"  # PAL_LOG_LEVEL: the server's log level
-    servers: list[str] = field(default_factory=list)  # PAL_SERVERS (node): control-plane URLs
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_bounds(cls, value: Any, info: Any) -> Any:
+        return clamp(cls.model_fields[info.field_name], value)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, *_: Any, **__: Any
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, EnvSource(settings_cls))
+
+    @classmethod
+    def from_env(cls, data_dir: Path | str | None = None) -> Settings:
+        """The settings of the environment; ``data_dir`` (``--data-dir``) over PAL_DATA_DIR."""
+        with reading_env():
+            given: dict[str, Any] = {"data_dir": Path(data_dir)} if data_dir else {}
+            return cls(**given)
 
     @property
     def snapshots_root(self) -> Path:
@@ -290,69 +481,59 @@ class Settings:
     def s3_enabled(self) -> bool:
         return bool(self.s3_endpoint and self.s3_bucket)
 
-    @classmethod
-    def from_env(cls, data_dir: Path | str | None = None) -> Settings:
-        dd = Path(data_dir or os.environ.get("PAL_DATA_DIR") or DEFAULT_DATA_DIR)
-        snap = os.environ.get("SNAPSHOT_DIR")
-        max_fork = _int_env("PAL_MAX_FORK_COUNT", 100)
-        if max_fork < 1:
-            raise ValueError("PAL_MAX_FORK_COUNT must be at least 1")
-        return cls(
-            data_dir=dd,
-            snapshot_dir=Path(snap) if snap else None,
-            accel=os.environ.get("PAL_ACCEL", "auto"),
-            max_fork_count=min(max_fork, FORK_COUNT_CEILING),
-            fork_concurrency=max(1, _int_env("PAL_FORK_CONCURRENCY", 16)),
-            harness_ready_timeout_ms=_int_env("PAL_HARNESS_READY_TIMEOUT_MS", 5000),
-            idle_sweep_interval_s=_float_env("PAL_IDLE_SWEEP_INTERVAL", 10.0),
-            heartbeat_interval_s=_float_env("PAL_HEARTBEAT_INTERVAL", 5.0),
-            s3_endpoint=os.environ.get("S3_ENDPOINT") or None,
-            s3_bucket=os.environ.get("S3_BUCKET") or None,
-            s3_region=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
-            snapshot_encryption=_snapshot_encryption_env(),
-            s3_sse=_s3_sse_env(),
-            s3_sse_kms_key_id=os.environ.get("PAL_S3_SSE_KMS_KEY_ID") or None,
-            xfs_image_size_gib=_int_env("PAL_XFS_IMAGE_GIB", 64),
-            templates=os.environ.get("PAL_TEMPLATES", "1") not in ("0", "false", "no"),
-            template_sizes=parse_template_sizes(os.environ.get("PAL_TEMPLATE_SIZES")),
-            template_builds=max(1, _int_env("PAL_TEMPLATE_BUILDS", 1)),
-            templates_keep=max(1, _int_env("PAL_TEMPLATES_KEEP", 8)),
-            parked_max=max(0, _int_env("PAL_PARKED_MAX", 8)),
-            parked_secs=max(1.0, _float_env("PAL_PARKED_SECS", 900.0)),
-            metrics_interval_s=max(0.5, _float_env("PAL_METRICS_INTERVAL", 5.0)),
-            metrics_token=os.environ.get("PAL_METRICS_TOKEN") or None,
-            dashboard_secret=os.environ.get("PAL_DASHBOARD_SECRET") or None,
-            egress_default=parse_egress_default(os.environ.get("PAL_EGRESS_DEFAULT")),
-            egress_resolve=os.environ.get("PAL_EGRESS_RESOLVE") or None,
-            egress_host_dns=_egress_dns_env(),
-            egress_ca_bundle=Path(bundle) if (bundle := os.environ.get("PAL_EGRESS_CA_BUNDLE")) else None,
-            egress_allow_internal=[
-                p.strip() for p in os.environ.get("PAL_EGRESS_ALLOW_INTERNAL", "").split(",") if p.strip()
-            ],
-            image_max_gib=max(1, _int_env("PAL_IMAGE_MAX_GIB", 16)),
-            cors_origins=[o.strip() for o in os.environ.get("PAL_CORS_ORIGINS", "").split(",") if o.strip()],
-            ports_port=_ports_port_env(),
-            ports_domain=os.environ.get("PAL_PORTS_DOMAIN") or None,
-            database_url=os.environ.get("PAL_DATABASE_URL") or None,
-            cluster_secret=os.environ.get("PAL_CLUSTER_SECRET") or None,
-            node_token=os.environ.get("PAL_NODE_TOKEN") or None,
-            admin_token=os.environ.get("PAL_ADMIN_TOKEN") or None,
-            hosts=[h.strip() for h in os.environ.get("PAL_HOSTS", "").split(",") if h.strip()],
-            node_heartbeat_interval_s=max(0.5, _float_env("PAL_NODE_HEARTBEAT_INTERVAL", 5.0)),
-            node_lost_after_s=max(2.0, _float_env("PAL_NODE_LOST_AFTER", 30.0)),
-            leader_lease_s=max(1.0, _float_env("PAL_LEADER_LEASE", 5.0)),
-            node_name=os.environ.get("PAL_NODE_NAME") or None,
-            node_region=os.environ.get("PAL_NODE_REGION", ""),
-            node_labels=parse_labels(os.environ.get("PAL_NODE_LABELS", "")),
-            node_memory_mib=max(0, _int_env("PAL_NODE_MEMORY_MIB", 0)),
-            snapshot_key_file=_path_env("PAL_SNAPSHOT_KEY_FILE"),
-            secrets_key_file=_path_env("PAL_SECRETS_KEY_FILE"),
-            snapshot_encryption_key_file=_path_env("PAL_SNAPSHOT_ENCRYPTION_KEY_FILE"),
-            cgroups=_cgroups_env(),
-            seccomp=_seccomp_env(),
-            exec_buffer_mib=max(1, _int_env("PAL_EXEC_BUFFER_MIB", 64)),
-            wait_pause_default=parse_wait_pause_default(os.environ.get("PAL_WAIT_PAUSE")),
-            exec_default_timeout_s=_exec_default_timeout(),
-            log_level=env_log_level(),
-            servers=[s.strip() for s in os.environ.get("PAL_SERVERS", "").split(",") if s.strip()],
+    @property
+    def net_budgets(self) -> NetBudgets:
+        return NetBudgets(
+            max_connections=self.max_connections,
+            max_buffer_bytes=self.max_buffer_bytes,
+            max_egress_mbps=self.max_egress_mbps,
+            node_buffer_bytes=self.gateway_max_buffer_bytes,
+            node_connections=self.gateway_max_connections,
+            nameservers=self.egress_nameservers,
         )
+
+
+@dataclass(frozen=True)
+class NetBudgets:
+    """The ceilings on what a spec may ask of the network (checked at schedule: a 400 that
+    names the field; pal/scheduler/ceilings.py) and the egress gateway's node totals
+    (pal/network/budgets.py), as the settings above give them."""
+
+    max_connections: int = 4096
+    max_buffer_bytes: int = 64 << 20
+    max_egress_mbps: int | None = None  # also the rate of a VM that asks none
+    node_buffer_bytes: int = 1 << 30
+    node_connections: int | None = None  # None: what the descriptor limit allows
+    nameservers: str | None = None  # None: resolv.conf's
+
+    def gateway_json(self) -> dict[str, object]:
+        """What the egress gateway takes (its ``configure`` message)."""
+        return {
+            "nameservers": self.nameservers,
+            "nodeBufferBytes": self.node_buffer_bytes,
+            "nodeConnections": self.node_connections,
+            "maxBufferBytes": self.max_buffer_bytes,
+        }
+
+
+def _one(field: str) -> Any:
+    """One setting from the environment, by its declaration (for a process without Settings)."""
+    from pal.config_env import read_field
+
+    return read_field(Settings.model_fields[field], Settings.model_fields[field].default)
+
+
+def env_log_level() -> str:
+    """PAL_LOG_LEVEL, also for the processes Pal starts (the egress gateway)."""
+    return str(_one("log_level"))
+
+
+def armed_failpoint() -> str:
+    """PAL_FAILPOINT: the crash point armed in this process (tests only; see failpoints.py)."""
+    return str(_one("failpoint"))
+
+
+if __name__ == "__main__":
+    from pal.config_env import main
+
+    raise SystemExit(main(Settings, Path(__file__).resolve().parents[1] / "README.md"))

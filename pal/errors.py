@@ -13,6 +13,8 @@ import re
 class PalError(Exception):
     status: int = 500
     code: str = "INTERNAL"
+    # What the status means to a client: its description in /openapi.json's error responses.
+    summary: str = "internal error"
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None) -> None:
         super().__init__(message)
@@ -42,6 +44,7 @@ def public_message(message: str, limit: int = PUBLIC_MESSAGE_MAX) -> str:
 
 class InvalidRequest(PalError):
     status, code = 400, "INVALID_ARGUMENT"
+    summary = "invalid request"
 
 
 class PathEscape(InvalidRequest):
@@ -50,24 +53,29 @@ class PathEscape(InvalidRequest):
 
 class Unauthorized(PalError):
     status, code = 401, "UNAUTHENTICATED"
+    summary = "missing or invalid API key"
 
 
 class QuotaExceeded(PalError):
     status, code = 402, "QUOTA_EXCEEDED"
+    summary = "tenant quota exhausted"
 
 
 class Forbidden(PalError):
     status, code = 403, "PERMISSION_DENIED"
+    summary = "this key or client may not do this"
 
 
 class NotFound(PalError):
     status, code = 404, "NOT_FOUND"
+    summary = "unknown VM (or another tenant's)"
 
 
 class Conflict(PalError):
     """Wrong lifecycle state for the call (an illegal transition, exec on a paused VM...)."""
 
     status, code = 409, "FAILED_PRECONDITION"
+    summary = "wrong lifecycle state"
 
 
 class LivePaused(Conflict):
@@ -79,34 +87,40 @@ class LivePaused(Conflict):
 
 class TooLarge(PalError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
+    summary = "body too large"
 
 
 class UnsupportedMediaType(PalError):
     status, code = 415, "UNSUPPORTED_MEDIA_TYPE"
+    summary = "body not sent as `Content-Type: application/json`"
 
 
 class TooManyRequests(PalError):
     """The tenant holds too much of a shared budget right now (buffered exec output)."""
 
     status, code = 429, "RESOURCE_EXHAUSTED"
+    summary = "the tenant holds its whole budget of this right now"
 
 
 class BackendError(PalError):
     """The VMM, guest or storage failed doing something that should have worked."""
 
     status, code = 500, "BACKEND_ERROR"
+    summary = "the backend failed doing something that should have worked"
 
 
 class BadGateway(PalError):
     """A server in the guest that Pal proxies to (ports) is not there or broke the exchange."""
 
     status, code = 502, "BAD_GATEWAY"
+    summary = "the sandbox's own server is not there or broke"
 
 
 class Unavailable(PalError):
     """The backend cannot do this at all (no image, no accelerator, manager down)."""
 
     status, code = 503, "UNAVAILABLE"
+    summary = "backend cannot do it"
 
 
 class NotLeader(Unavailable):
@@ -118,33 +132,32 @@ class NotLeader(Unavailable):
 
 class GuestTimeout(PalError):
     status, code = 504, "GUEST_TIMEOUT"
+    summary = "the sandbox did not answer in time"
 
 
 class InsufficientStorage(PalError):
     """The node lacks the disk or memory this would need (checked before any work)."""
 
     status, code = 507, "INSUFFICIENT_STORAGE"
+    summary = "the node has no room for it (disk or memory)"
 
 
-_BY_STATUS: dict[int, type[PalError]] = {
-    400: InvalidRequest,
-    401: Unauthorized,
-    402: QuotaExceeded,
-    403: Forbidden,
-    404: NotFound,
-    409: Conflict,
-    413: TooLarge,
-    415: UnsupportedMediaType,
-    429: TooManyRequests,
-    500: BackendError,
-    502: BadGateway,
-    503: Unavailable,
-    504: GuestTimeout,
-    507: InsufficientStorage,
-}
+def _status_classes() -> dict[int, type[PalError]]:
+    """Each status and the one class that states it (with its code): PalError's direct
+    subclasses here. Their subclasses keep the status and may give a finer code."""
+    found: dict[int, type[PalError]] = {}
+    for cls in PalError.__subclasses__():
+        if cls.__module__ == __name__:
+            if cls.status in found:
+                raise TypeError(f"{cls.__name__} and {found[cls.status].__name__} both state {cls.status}")
+            found[cls.status] = cls
+    return found
+
+
+BY_STATUS: dict[int, type[PalError]] = _status_classes()
 
 
 def from_wire(status: int, code: str, message: str) -> PalError:
     """Rebuild an error that crossed the manager RPC boundary."""
-    cls = _BY_STATUS.get(status, PalError)
+    cls = BY_STATUS.get(status, PalError)
     return cls(message, code=code, status=status)

@@ -33,6 +33,7 @@ fi
 # never downloads a browser).
 # skopeo + umoci import container images (OCI / Docker archives, registries); buildah
 # builds Dockerfiles (`pal image build -f`). runsc (gVisor): the peer `pal bench peer` measures.
+# golang-go: builds and tests the Go SDK (sdk/go; standard library only, nothing downloaded).
 PACKAGES=(
   qemu-system-x86 qemu-utils mmdebstrap busybox-static xfsprogs lz4 e2fsprogs cpio kmod
   zstd xz-utils ca-certificates python3 python3-venv python3-dev gcc
@@ -41,6 +42,7 @@ PACKAGES=(
   skopeo umoci buildah
   runsc
   postgresql
+  golang-go
 )
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -23,11 +23,10 @@ from fastapi_offline import FastAPIOffline
 import pal
 from pal.config import Settings
 
-from .auth import make_tenant_dependency
 from .callers import Callers
 from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
-from .forward import ForwardToLeader, forwarding_key
+from .forward import forward_to_leader, forwarding_key
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .models import HealthOut, ReadyOut
@@ -100,31 +99,28 @@ def create_app(
     install_error_handlers(app)
     # Credentials a follower checks before it holds a large body (the dashboard adds its own).
     app.state.callers = Callers(store, settings)
-    require_tenant = make_tenant_dependency(store)
-    budget = app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
-    app.include_router(runtime_router(scheduler, require_tenant, budget, settings.exec_default_timeout_s))
-    app.include_router(processes_router(scheduler, require_tenant))
+    app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
+    app.include_router(runtime_router)  # its handlers find the above on app.state
+    app.include_router(processes_router)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)
     app.state.links = links = Links(shared, store)  # the dashboard's port form too
     origins = PortsOrigins.from_settings(settings)
-    app.include_router(ports_router(scheduler, store, links, origins))
-    app.include_router(images_router(scheduler, require_tenant))
+    app.state.port_origins = origins
+    app.include_router(ports_router)  # its handlers find links and origins on app.state
+    app.include_router(images_router)
     app.include_router(metrics_router(scheduler, settings))
     app.include_router(nodes_router(scheduler, settings))
-    leader = getattr(scheduler, "leader", None)
-    if leader is not None:
-        # Followers forward what they cannot answer from the store (pal/api/forward.py).
-        # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
-        app.add_middleware(
-            ForwardToLeader,
-            is_leader=leader.is_leader,
-            leader_url=leader.leader_url,
-            failover_s=settings.leader_lease_s + 2.0,
-            key=forwarding_key(shared),
-            known_caller=app.state.callers.known,
-        )
+    # Followers forward what they cannot answer from the store (pal/api/forward.py).
+    # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
+    forward_to_leader(
+        app,
+        scheduler,
+        failover_s=settings.leader_lease_s + 2.0,
+        key=forwarding_key(shared),
+        known_caller=app.state.callers.known,
+    )
 
     # Outermost last: every request gets its id first, then the body limit applies.
     app.add_middleware(BodyLimitMiddleware)
@@ -156,7 +152,6 @@ def create_app(
         forwarding_key=forwarding_key(shared),
         known_caller=app.state.callers.known,
     )
-    app.state.port_origins = origins
     app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
     @app.get(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -39,26 +39,24 @@ async def tenant_for_key_hash(store: Any, key_hash: str) -> Any | None:
     return await run_in_threadpool(lookup, key_hash)
 
 
-def make_tenant_dependency(store: Any) -> Any:
-    from fastapi import Depends
-
-    async def require_tenant(
-        request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
-    ) -> str:
-        if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
-            raise Unauthorized(
-                "missing API key: send 'Authorization: Bearer <apiKey>' (the SDKs and the CLI "
-                "send PAL_API_KEY; a key comes from `pal tenants create`)"
-            )
-        tenant = await tenant_for_key(store, creds.credentials)
-        if tenant is None:
-            why = getattr(store, "why_key_refused", None)
-            # expired, rotated out, tenant being deleted, or unknown: said plainly (never
-            # which tenant an unknown key might have belonged to)
-            raise Unauthorized(
-                await run_in_threadpool(why, creds.credentials) if why is not None else "invalid API key"
-            )
-        request.state.tenant = tenant
-        return str(tenant.id)
-
-    return require_tenant
+async def require_tenant(
+    request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
+) -> str:
+    """The id of the tenant whose API key the request carries (looked up in the app's store,
+    ``app.state.store``); 401 without a valid one."""
+    if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+        raise Unauthorized(
+            "missing API key: send 'Authorization: Bearer <apiKey>' (the SDKs and the CLI "
+            "send PAL_API_KEY; a key comes from `pal tenants create`)"
+        )
+    store = request.app.state.store
+    tenant = await tenant_for_key(store, creds.credentials)
+    if tenant is None:
+        why = getattr(store, "why_key_refused", None)
+        # expired, rotated out, tenant being deleted, or unknown: said plainly (never
+        # which tenant an unknown key might have belonged to)
+        raise Unauthorized(
+            await run_in_threadpool(why, creds.credentials) if why is not None else "invalid API key"
+        )
+    request.state.tenant = tenant
+    return str(tenant.id)

@@ -16,40 +16,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pal.errors import PalError, public_message
+from pal.errors import BY_STATUS, InvalidRequest, PalError, public_message
 
 from .middleware import current_request_id
 from .models import ErrorOut
 
 log = logging.getLogger("pal.api")
 
+# The code of an HTTPException (Starlette's own 404, 405...): a status Pal states has its code.
 _HTTP_CODES = {
-    400: "INVALID_ARGUMENT",
-    401: "UNAUTHENTICATED",
-    403: "PERMISSION_DENIED",
-    404: "NOT_FOUND",
+    **{status: cls.code for status, cls in BY_STATUS.items()},
     405: "METHOD_NOT_ALLOWED",
     406: "NOT_ACCEPTABLE",
-    413: "PAYLOAD_TOO_LARGE",
-    415: "UNSUPPORTED_MEDIA_TYPE",
 }
-
-
-_DESCRIPTIONS = {
-    400: "invalid request",
-    401: "missing or invalid API key",
-    402: "tenant quota exhausted",
-    403: "this key or client may not do this",
-    404: "unknown VM (or another tenant's)",
-    409: "wrong lifecycle state",
-    413: "body too large",
-    415: "body not sent as `Content-Type: application/json`",
-    429: "the tenant holds its whole budget of this right now",
-    502: "the sandbox's own server is not there or broke",
-    503: "backend cannot do it",
-    504: "the sandbox did not answer in time",
-    507: "the node has no room for it (disk or memory)",
-}
+_DESCRIPTIONS = {status: cls.summary for status, cls in BY_STATUS.items()}
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -137,7 +117,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, "INVALID_ARGUMENT", validation_message(list(exc.errors())))
+        bad = InvalidRequest(validation_message(list(exc.errors())))
+        return error_response(bad.status, bad.code, bad.message)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -441,3 +441,28 @@ async def _error(send: Send, err: Any) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def forward_to_leader(
+    app: Any,
+    scheduler: Any,
+    *,
+    failover_s: float,
+    key: bytes,
+    known_caller: Callable[[Scope], Awaitable[bool]] | None,
+    keep_host: bool = False,
+) -> None:
+    """Put :class:`ForwardToLeader` on ``app`` when ``scheduler`` runs under a leadership
+    (a replica of ``pal server``); ``pal up``'s single process has none."""
+    leader = getattr(scheduler, "leader", None)
+    if leader is None:
+        return
+    app.add_middleware(
+        ForwardToLeader,
+        is_leader=leader.is_leader,
+        leader_url=leader.leader_url,
+        failover_s=failover_s,
+        key=key,
+        known_caller=known_caller,
+        keep_host=keep_host,
+    )

@@ -24,6 +24,8 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pal.errors import InvalidRequest, PalError, TooLarge
+
 REQUEST_ID_HEADER = "x-request-id"
 MAX_BODY_BYTES = 2 * 1024 * 1024
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
@@ -102,11 +104,11 @@ class BodyLimitMiddleware:
             try:
                 too_big = int(declared) > self.limit
             except ValueError:
-                await _error(send, 400, "INVALID_ARGUMENT", "Content-Length is not a number", scope)
+                await _error(send, InvalidRequest("Content-Length is not a number"), scope)
                 return
             if too_big:
                 msg = f"request body is {declared} bytes; the limit is {self.limit} bytes"
-                await _error(send, 413, "PAYLOAD_TOO_LARGE", msg, scope)
+                await _error(send, TooLarge(msg), scope)
                 return
         seen = 0
 
@@ -131,16 +133,16 @@ def _header(scope: Scope, name: str) -> str | None:
     return None
 
 
-async def _error(send: Send, status: int, code: str, message: str, scope: Scope) -> None:
+async def _error(send: Send, exc: PalError, scope: Scope) -> None:
     rid = scope.get("state", {}).get("request_id")
-    err: dict[str, Any] = {"code": code, "message": message}
+    err: dict[str, Any] = {"code": exc.code, "message": exc.message}
     if rid:
         err["requestId"] = rid
     body = json.dumps({"error": err}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": status,
+            "status": exc.status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from pal.errors import Forbidden, PalError, Unauthorized
 
 from .errors import install_error_handlers
-from .forward import ForwardToLeader
+from .forward import forward_to_leader
 from .middleware import RequestIdMiddleware
 from .port_links import Links
 from .port_origins import PortsOrigins, scope_host
@@ -150,17 +150,14 @@ def create_ports_app(
             ws, stream, headers, _target(scope["raw_path"], query, under_prefix=False), port, ""
         )
 
-    leader = getattr(scheduler, "leader", None)
-    if leader is not None:
-        app.add_middleware(
-            ForwardToLeader,
-            is_leader=leader.is_leader,
-            leader_url=leader.leader_url,
-            failover_s=failover_s,
-            key=forwarding_key,
-            known_caller=known_caller,
-            keep_host=True,
-        )
+    forward_to_leader(
+        app,
+        scheduler,
+        failover_s=failover_s,
+        key=forwarding_key,
+        known_caller=known_caller,
+        keep_host=True,
+    )
     # No body limit: a port's bodies stream to the guest's server, whose business their size is.
     app.add_middleware(RequestIdMiddleware)
     return app

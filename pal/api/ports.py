@@ -328,105 +328,114 @@ MISSING_CREDENTIALS = (
 )
 
 
-def ports_router(scheduler: Any, store: Any, links: Links, origins: PortsOrigins) -> APIRouter:
-    r = APIRouter(prefix="/v1/runtime", tags=["ports"])
+# Its handlers find the scheduler, store, links and port origins on app.state (create_app).
+ports_router = APIRouter(prefix="/v1/runtime", tags=["ports"])
 
-    async def authorise(headers: list[tuple[bytes, bytes]], query: bytes, vm_id: str, port: int) -> str:
-        """The tenant: the key first, else a link's ``?palToken=`` (cookies are not read on
-        the API's origin)."""
-        by_key = await key_tenant(store, headers)
-        if by_key is not None:
-            return by_key[0]
-        _, token = _query_without_token(query)
-        if token is None:
-            raise Unauthorized(MISSING_CREDENTIALS)
-        return await links.tenant(token, vm_id, port)
 
-    @r.post(
-        "/vms/{vm_id}/ports/{port}/url",
-        response_model=PortUrlOut,
-        summary="A signed link that opens the port on its own origin without the API key, until it expires",
-        dependencies=[Depends(require_json)],
-        responses=error_responses(400, 401, 404, 413, 415),
+async def authorise(
+    state: Any, headers: list[tuple[bytes, bytes]], query: bytes, vm_id: str, port: int
+) -> str:
+    """The tenant: the key first, else a link's ``?palToken=`` (cookies are not read on
+    the API's origin)."""
+    by_key = await key_tenant(state.store, headers)
+    if by_key is not None:
+        return by_key[0]
+    _, token = _query_without_token(query)
+    if token is None:
+        raise Unauthorized(MISSING_CREDENTIALS)
+    return await state.links.tenant(token, vm_id, port)
+
+
+@ports_router.post(
+    "/vms/{vm_id}/ports/{port}/url",
+    response_model=PortUrlOut,
+    summary="A signed link that opens the port on its own origin without the API key, until it expires",
+    dependencies=[Depends(require_json)],
+    responses=error_responses(400, 401, 404, 413, 415),
+)
+async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request) -> PortUrlOut:
+    state = request.app.state
+    by_key = await key_tenant(state.store, _header_items(request.scope))
+    if by_key is None:
+        raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
+    tenant, key_hash = by_key
+    check_port(port)
+    await state.scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
+    return port_link(state.links, state.port_origins, tenant, key_hash, vm_id, port, body.expires_in_secs)
+
+
+@ports_router.delete(
+    "/vms/{vm_id}/port-links/{link_id}",
+    response_model=PortLinkRevokedOut,
+    summary="Revoke a port link: it opens nothing from now on, on every replica",
+    responses=error_responses(400, 401, 404),
+)
+async def revoke_link(vm_id: str, link_id: str, request: Request) -> PortLinkRevokedOut:
+    state = request.app.state
+    by_key = await key_tenant(state.store, _header_items(request.scope))
+    if by_key is None:
+        raise Unauthorized("revoking a link needs the API key: send 'Authorization: Bearer <apiKey>'")
+    if not is_link_id(link_id):
+        raise InvalidRequest(f"{link_id[:40]!r} is not a link id (POST .../ports/{{port}}/url gives linkId)")
+    await state.scheduler.get(by_key[0], vm_id)  # 404 for unknown and other tenants' VMs
+    await state.links.revoke(by_key[0], link_id)
+    return PortLinkRevokedOut(link_id=link_id, revoked=True)
+
+
+@ports_router.api_route("/vms/{vm_id}/ports/{port}/{path:path}", methods=METHODS, include_in_schema=False)
+async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
+    scope = request.scope
+    query, _ = _query_without_token(scope.get("query_string") or b"")
+    state = request.app.state
+    tenant = await authorise(state, _header_items(scope), scope.get("query_string") or b"", vm_id, port)
+    check_port(port)
+    prefix = PREFIX.format(vm_id=vm_id, port=port)
+    target = _target(scope["raw_path"], query)
+    return await proxy_http(
+        state.scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True
     )
-    async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request) -> PortUrlOut:
-        by_key = await key_tenant(store, _header_items(request.scope))
-        if by_key is None:
-            raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
-        tenant, key_hash = by_key
+
+
+@ports_router.websocket("/vms/{vm_id}/ports/{port}/{path:path}")
+async def proxy_ws(ws: WebSocket, vm_id: str, port: int, path: str) -> None:
+    scope = ws.scope
+    headers = _header_items(scope)
+    query, _ = _query_without_token(scope.get("query_string") or b"")
+    try:
+        tenant = await authorise(ws.app.state, headers, scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        await scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
-        return port_link(links, origins, tenant, key_hash, vm_id, port, body.expires_in_secs)
+        stream = await ws.app.state.scheduler.open_port(tenant, vm_id, port)
+    except PalError as exc:
+        await _refuse(ws, exc)
+        return
+    prefix = PREFIX.format(vm_id=vm_id, port=port)
+    await proxy_websocket(ws, stream, headers, _target(scope["raw_path"], query), port, prefix)
 
-    @r.delete(
-        "/vms/{vm_id}/port-links/{link_id}",
-        response_model=PortLinkRevokedOut,
-        summary="Revoke a port link: it opens nothing from now on, on every replica",
-        responses=error_responses(400, 401, 404),
-    )
-    async def revoke_link(vm_id: str, link_id: str, request: Request) -> PortLinkRevokedOut:
-        by_key = await key_tenant(store, _header_items(request.scope))
-        if by_key is None:
-            raise Unauthorized("revoking a link needs the API key: send 'Authorization: Bearer <apiKey>'")
-        if not is_link_id(link_id):
-            raise InvalidRequest(
-                f"{link_id[:40]!r} is not a link id (POST .../ports/{{port}}/url gives linkId)"
-            )
-        await scheduler.get(by_key[0], vm_id)  # 404 for unknown and other tenants' VMs
-        await links.revoke(by_key[0], link_id)
-        return PortLinkRevokedOut(link_id=link_id, revoked=True)
 
-    @r.api_route("/vms/{vm_id}/ports/{port}/{path:path}", methods=METHODS, include_in_schema=False)
-    async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
-        scope = request.scope
-        query, _ = _query_without_token(scope.get("query_string") or b"")
-        tenant = await authorise(_header_items(scope), scope.get("query_string") or b"", vm_id, port)
+@ports_router.websocket("/vms/{vm_id}/tunnel/{port}")
+async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
+    """A raw TCP stream to the port (manager/tunnel.py's framing): `pal vm port-forward`."""
+    headers = _header_items(ws.scope)
+    try:
+        tenant = await authorise(ws.app.state, headers, ws.scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        prefix = PREFIX.format(vm_id=vm_id, port=port)
-        target = _target(scope["raw_path"], query)
-        return await proxy_http(scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True)
-
-    @r.websocket("/vms/{vm_id}/ports/{port}/{path:path}")
-    async def proxy_ws(ws: WebSocket, vm_id: str, port: int, path: str) -> None:
-        scope = ws.scope
-        headers = _header_items(scope)
-        query, _ = _query_without_token(scope.get("query_string") or b"")
-        try:
-            tenant = await authorise(headers, scope.get("query_string") or b"", vm_id, port)
-            check_port(port)
-            stream = await scheduler.open_port(tenant, vm_id, port)
-        except PalError as exc:
-            await _refuse(ws, exc)
-            return
-        prefix = PREFIX.format(vm_id=vm_id, port=port)
-        await proxy_websocket(ws, stream, headers, _target(scope["raw_path"], query), port, prefix)
-
-    @r.websocket("/vms/{vm_id}/tunnel/{port}")
-    async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
-        """A raw TCP stream to the port (manager/tunnel.py's framing): `pal vm port-forward`."""
-        headers = _header_items(ws.scope)
-        try:
-            tenant = await authorise(headers, ws.scope.get("query_string") or b"", vm_id, port)
-            check_port(port)
-            stream = await scheduler.open_port(tenant, vm_id, port)
-        except PalError as exc:
-            await ws.accept()
-            await ws.send_text(error_frame(exc))
-            await ws.close()
-            return
+        stream = await ws.app.state.scheduler.open_port(tenant, vm_id, port)
+    except PalError as exc:
         await ws.accept()
-        await ws.send_text(status_frame(stream.route))
-        sock, pump = await socket_bridge(stream)
-        try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-            await serve_stream(ws, reader, writer)
-        finally:
-            pump.cancel()
-            with contextlib.suppress(BaseException):
-                await pump
-            await stream.aclose()
-
-    return r
+        await ws.send_text(error_frame(exc))
+        await ws.close()
+        return
+    await ws.accept()
+    await ws.send_text(status_frame(stream.route))
+    sock, pump = await socket_bridge(stream)
+    try:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        await serve_stream(ws, reader, writer)
+    finally:
+        pump.cancel()
+        with contextlib.suppress(BaseException):
+            await pump
+        await stream.aclose()
 
 
 async def proxy_http(

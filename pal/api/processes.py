@@ -20,6 +20,7 @@ from pal.manager.process_models import ProcessDeleted, ProcessInfo, ProcessList,
 from pal.manager.processes import MAX_READ_BYTES, MAX_STDIN_BYTES, MAX_WAIT_MS
 from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
+from .auth import require_tenant
 from .body import read_bounded, require_json
 from .errors import error_responses
 from .exec_stream import PROCESS_ID_HEADER, TIMEOUT_EXIT_CODE
@@ -74,108 +75,131 @@ def _resume_offset(last_event_id: str | None, start: int) -> int:
     return value
 
 
-def processes_router(scheduler: Any, require_tenant: Any) -> APIRouter:
-    r = APIRouter(prefix="/v1/runtime/vms/{vm_id}/processes", tags=["processes"])
-    r.responses = error_responses(400, 401, 404, 409, 429, 503)
-    Tenant = Annotated[str, Depends(require_tenant)]
+def _scheduler(request: Request) -> Any:
+    return request.app.state.scheduler
 
-    @r.post(
-        "",
-        status_code=201,
-        response_model=ProcessInfo,
-        summary="Start a process that outlives the request (output journal, stdin, terminal)",
-        dependencies=[Depends(require_json)],
-        responses=error_responses(415),
-    )
-    async def start_process(tenant: Tenant, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
-        return await scheduler.start_process(tenant, vm_id, req)  # type: ignore[no-any-return]
 
-    @r.get("", response_model=ProcessList, summary="The VM's processes, running and recently exited")
-    async def list_processes(tenant: Tenant, vm_id: str) -> ProcessList:
-        return ProcessList(processes=await scheduler.list_processes(tenant, vm_id))
+# What the handlers need, from the app (create_app puts the scheduler on app.state).
+Tenant = Annotated[str, Depends(require_tenant)]
+Scheduler = Annotated[Any, Depends(_scheduler)]
 
-    @r.get("/{pid}", response_model=ProcessInfo)
-    async def get_process(tenant: Tenant, vm_id: str, pid: Pid) -> ProcessInfo:
-        return await scheduler.get_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
+processes_router = APIRouter(
+    prefix="/v1/runtime/vms/{vm_id}/processes",
+    tags=["processes"],
+    responses=error_responses(400, 401, 404, 409, 429, 503),
+)
 
-    @r.delete("/{pid}", response_model=ProcessDeleted, summary="Kill the process (its group) and forget it")
-    async def delete_process(tenant: Tenant, vm_id: str, pid: Pid) -> ProcessDeleted:
-        return await scheduler.delete_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
 
-    @r.get(
-        "/{pid}/output",
-        response_model=ProcessOutputOut,
-        response_model_exclude_none=True,
-        summary="Its output from an offset: JSON (long poll with `waitMs`), or SSE with "
-        "`Accept: text/event-stream` (event ids are offsets; `Last-Event-ID` resumes)",
-        responses={200: {"content": {"text/event-stream": {}}}},
-    )
-    async def output(
-        tenant: Tenant,
-        vm_id: str,
-        pid: Pid,
-        request: Request,
-        start: Annotated[int, Query(alias="from", ge=0, le=2**62)] = 0,
-        wait_ms: Annotated[int, Query(alias="waitMs", ge=0, le=MAX_WAIT_MS)] = 0,
-        max_bytes: Annotated[int, Query(alias="maxBytes", ge=1, le=MAX_READ_BYTES)] = MAX_READ_BYTES,
-        encoding: Encoding = "text",
-        last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
-    ) -> Any:
-        if "text/event-stream" in request.headers.get("accept", ""):
-            offset = _resume_offset(last_event_id, start)
-            return await sse_output(lambda: scheduler.attach_process(tenant, vm_id, pid, offset), encoding)
-        res = await scheduler.read_output(tenant, vm_id, pid, start, max_bytes, wait_ms)
-        return JSONResponse(read_view(res, encoding))
+@processes_router.post(
+    "",
+    status_code=201,
+    response_model=ProcessInfo,
+    summary="Start a process that outlives the request (output journal, stdin, terminal)",
+    dependencies=[Depends(require_json)],
+    responses=error_responses(415),
+)
+async def start_process(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ProcessStartRequest
+) -> ProcessInfo:
+    return await scheduler.start_process(tenant, vm_id, req)  # type: ignore[no-any-return]
 
-    @r.post(
-        "/{pid}/stdin",
-        response_model=StdinWritten,
-        summary="Write raw bytes to its stdin (`eof=true` closes it after them)",
-        openapi_extra={
-            "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string"}}}}
-        },
-        responses=error_responses(413),
-    )
-    async def write_stdin(
-        tenant: Tenant, vm_id: str, pid: Pid, request: Request, eof: bool = False
-    ) -> StdinWritten:
-        data = await read_bounded(request, MAX_STDIN_BYTES)
-        return await scheduler.write_stdin(tenant, vm_id, pid, data, eof)  # type: ignore[no-any-return]
 
-    @r.post("/{pid}/stdin/close", response_model=StdinWritten, summary="Close its stdin")
-    async def close_stdin(tenant: Tenant, vm_id: str, pid: Pid) -> StdinWritten:
-        return await scheduler.write_stdin(tenant, vm_id, pid, b"", True)  # type: ignore[no-any-return]
+@processes_router.get(
+    "", response_model=ProcessList, summary="The VM's processes, running and recently exited"
+)
+async def list_processes(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> ProcessList:
+    return ProcessList(processes=await scheduler.list_processes(tenant, vm_id))
 
-    @r.post(
-        "/{pid}/signal",
-        response_model=SignalOut,
-        summary="Send a signal to its process group",
-        dependencies=[Depends(require_json)],
-    )
-    async def signal(tenant: Tenant, vm_id: str, pid: Pid, req: SignalRequest) -> SignalOut:
-        await scheduler.signal_process(tenant, vm_id, pid, req)
-        return SignalOut(process_id=pid, signal=req.signal)
 
-    @r.post(
-        "/{pid}/resize",
-        response_model=ResizeOut,
-        summary="Resize its terminal",
-        dependencies=[Depends(require_json)],
-    )
-    async def resize(tenant: Tenant, vm_id: str, pid: Pid, req: Terminal) -> ResizeOut:
-        await scheduler.resize_process(tenant, vm_id, pid, req)
-        return ResizeOut(process_id=pid, cols=req.cols, rows=req.rows)
+@processes_router.get("/{pid}", response_model=ProcessInfo)
+async def get_process(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> ProcessInfo:
+    return await scheduler.get_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
 
-    @r.post("/{pid}/wait", response_model=ProcessInfo, summary="Wait for it to exit (long poll)")
-    async def wait(
-        tenant: Tenant,
-        vm_id: str,
-        pid: Pid,
-        timeout_secs: Annotated[float, Query(alias="timeoutSecs", ge=0, le=MAX_WAIT_SECS)] = 30,
-    ) -> ProcessInfo:
-        return await scheduler.wait_process(tenant, vm_id, pid, int(timeout_secs * 1000))  # type: ignore[no-any-return]
 
-    return r
+@processes_router.delete(
+    "/{pid}", response_model=ProcessDeleted, summary="Kill the process (its group) and forget it"
+)
+async def delete_process(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> ProcessDeleted:
+    return await scheduler.delete_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
+
+
+@processes_router.get(
+    "/{pid}/output",
+    response_model=ProcessOutputOut,
+    response_model_exclude_none=True,
+    summary="Its output from an offset: JSON (long poll with `waitMs`), or SSE with "
+    "`Accept: text/event-stream` (event ids are offsets; `Last-Event-ID` resumes)",
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def output(
+    tenant: Tenant,
+    scheduler: Scheduler,
+    vm_id: str,
+    pid: Pid,
+    request: Request,
+    start: Annotated[int, Query(alias="from", ge=0, le=2**62)] = 0,
+    wait_ms: Annotated[int, Query(alias="waitMs", ge=0, le=MAX_WAIT_MS)] = 0,
+    max_bytes: Annotated[int, Query(alias="maxBytes", ge=1, le=MAX_READ_BYTES)] = MAX_READ_BYTES,
+    encoding: Encoding = "text",
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> Any:
+    if "text/event-stream" in request.headers.get("accept", ""):
+        offset = _resume_offset(last_event_id, start)
+        return await sse_output(lambda: scheduler.attach_process(tenant, vm_id, pid, offset), encoding)
+    res = await scheduler.read_output(tenant, vm_id, pid, start, max_bytes, wait_ms)
+    return JSONResponse(read_view(res, encoding))
+
+
+@processes_router.post(
+    "/{pid}/stdin",
+    response_model=StdinWritten,
+    summary="Write raw bytes to its stdin (`eof=true` closes it after them)",
+    openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string"}}}}},
+    responses=error_responses(413),
+)
+async def write_stdin(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, request: Request, eof: bool = False
+) -> StdinWritten:
+    data = await read_bounded(request, MAX_STDIN_BYTES)
+    return await scheduler.write_stdin(tenant, vm_id, pid, data, eof)  # type: ignore[no-any-return]
+
+
+@processes_router.post("/{pid}/stdin/close", response_model=StdinWritten, summary="Close its stdin")
+async def close_stdin(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> StdinWritten:
+    return await scheduler.write_stdin(tenant, vm_id, pid, b"", True)  # type: ignore[no-any-return]
+
+
+@processes_router.post(
+    "/{pid}/signal",
+    response_model=SignalOut,
+    summary="Send a signal to its process group",
+    dependencies=[Depends(require_json)],
+)
+async def signal(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, req: SignalRequest) -> SignalOut:
+    await scheduler.signal_process(tenant, vm_id, pid, req)
+    return SignalOut(process_id=pid, signal=req.signal)
+
+
+@processes_router.post(
+    "/{pid}/resize",
+    response_model=ResizeOut,
+    summary="Resize its terminal",
+    dependencies=[Depends(require_json)],
+)
+async def resize(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, req: Terminal) -> ResizeOut:
+    await scheduler.resize_process(tenant, vm_id, pid, req)
+    return ResizeOut(process_id=pid, cols=req.cols, rows=req.rows)
+
+
+@processes_router.post("/{pid}/wait", response_model=ProcessInfo, summary="Wait for it to exit (long poll)")
+async def wait(
+    tenant: Tenant,
+    scheduler: Scheduler,
+    vm_id: str,
+    pid: Pid,
+    timeout_secs: Annotated[float, Query(alias="timeoutSecs", ge=0, le=MAX_WAIT_SECS)] = 30,
+) -> ProcessInfo:
+    return await scheduler.wait_process(tenant, vm_id, pid, int(timeout_secs * 1000))  # type: ignore[no-any-return]
 
 
 async def yield_exec(scheduler: Any, tenant: str, vm_id: str, req: ExecRequest) -> JSONResponse:

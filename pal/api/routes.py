@@ -12,9 +12,9 @@ from fastapi import APIRouter, Body, Depends, Query, Request, Response
 
 from pal.spec import AgentSpec, EgressUpdate, ExecRequest, ForkRequest, PauseRequest, SecretUpdate
 
+from .auth import require_tenant
 from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
 from .errors import error_responses
-from .exec_budget import ExecBudget
 from .exec_stream import budgeted_exec, sse_exec
 from .models import (
     EventListOut,
@@ -42,190 +42,216 @@ from .processes import yield_exec
 _ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
 
-def runtime_router(
-    scheduler: Any, require_tenant: Any, budget: ExecBudget, exec_default_timeout_s: float | None = None
-) -> APIRouter:
-    """``budget``: the tenants' buffered exec output on this server (exec_budget.py);
-    ``exec_default_timeout_s``: the timeout of a buffered exec that names none
-    (Settings.exec_default_timeout_s, PAL_EXEC_DEFAULT_TIMEOUT; None: no default)."""
-    r = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
-    Tenant = Annotated[str, Depends(require_tenant)]
-
-    json_body = [Depends(require_json)]
-    json_errors = error_responses(415)
-
-    @r.post(
-        "/schedule",
-        response_model=VmOut,
-        summary="Schedule a sandbox microVM",
-        dependencies=json_body,
-        responses=json_errors,
-    )
-    async def schedule(tenant: Tenant, spec: Annotated[AgentSpec | None, Body()] = None) -> VmOut:
-        vm, boot_method = await scheduler.schedule(tenant, spec or AgentSpec.model_validate({}))
-        return VmOut.of(vm, boot_method)
-
-    @r.get("/vms", response_model=VmListOut, summary="List the tenant's VMs")
-    async def list_vms(tenant: Tenant) -> VmListOut:
-        return VmListOut(vms=[VmOut.of(v) for v in await scheduler.list(tenant)])
-
-    @r.get("/vms/{vm_id}", response_model=VmOut)
-    async def get_vm(tenant: Tenant, vm_id: str) -> VmOut:
-        vm = await scheduler.get(tenant, vm_id)
-        return VmOut.of(vm, network=await scheduler.network(vm), pause=await scheduler.live.view(vm))
-
-    @r.delete("/vms/{vm_id}", response_model=VmOut, summary="Stop the VM (terminated)")
-    async def delete_vm(tenant: Tenant, vm_id: str) -> VmOut:
-        return VmOut.of(await scheduler.delete(tenant, vm_id))
-
-    @r.put(
-        "/vms/{vm_id}/egress",
-        response_model=VmOut,
-        summary="Change the egress policy (running VMs: new connections at once, refused open ones reset)",
-        dependencies=json_body,
-        responses=json_errors,
-    )
-    async def set_egress(tenant: Tenant, vm_id: str, update: EgressUpdate) -> VmOut:
-        vm = await scheduler.set_egress(tenant, vm_id, update)
-        return VmOut.of(vm, network=await scheduler.network(vm))
-
-    @r.put(
-        "/vms/{vm_id}/secrets/{name}",
-        response_model=SecretRotatedOut,
-        summary="Rotate a brokered secret's value (the guest holds only its placeholder: untouched)",
-        dependencies=json_body,
-        responses=json_errors,
-    )
-    async def rotate_secret(tenant: Tenant, vm_id: str, name: str, update: SecretUpdate) -> SecretRotatedOut:
-        live = await scheduler.rotate_secret(tenant, vm_id, name, update)
-        return SecretRotatedOut(name=name, applied="now" if live else "next start")
-
-    @r.post(
-        "/vms/{vm_id}/pause",
-        response_model=SnapshotStateOut,
-        summary='Pause: a snapshot (default; frees the slot) or live (`{"mode": "live", "offload": true}`)',
-        dependencies=json_body,
-        responses=json_errors,
-    )
-    async def pause(
-        tenant: Tenant, vm_id: str, req: Annotated[PauseRequest | None, Body()] = None
-    ) -> SnapshotStateOut:
-        v = await scheduler.pause(tenant, vm_id, req)
-        out = SnapshotStateOut.model_validate(v)
-        if req is not None and req.mode == "live":
-            # A live pause takes no snapshot: the VM's snapshotId is an older pause's.
-            out.snapshot_id = None
-        view = await scheduler.live.view(v, measure=False)
-        out.pause = PauseOut.model_validate(view) if view is not None else None
-        return out
-
-    @r.post(
-        "/vms/{vm_id}/resume",
-        response_model=SnapshotStateOut,
-        summary="Resume: a live-paused VM continues in place; a snapshot-paused one is restored",
-    )
-    async def resume(tenant: Tenant, vm_id: str) -> SnapshotStateOut:
-        v = await scheduler.resume(tenant, vm_id)
-        return SnapshotStateOut.model_validate(v)
-
-    @r.post(
-        "/vms/{vm_id}/fork",
-        response_model=ForkOut,
-        response_model_exclude_none=True,
-        dependencies=json_body,
-        responses=json_errors,
-    )
-    async def fork(tenant: Tenant, vm_id: str, req: ForkRequest) -> ForkOut:
-        return ForkOut.model_validate(await scheduler.fork(tenant, vm_id, req.count))
-
-    @r.post(
-        "/vms/{vm_id}/exec",
-        response_model=ExecOut,
-        response_model_exclude_none=True,
-        summary="Run a command (execve-style); `Accept: text/event-stream` streams it",
-        responses={200: {"content": {"text/event-stream": {}}}, **json_errors, **error_responses(429)},
-        dependencies=json_body,
-    )
-    async def exec_(tenant: Tenant, vm_id: str, req: ExecRequest, request: Request) -> Any:
-        if req.yield_after_ms is not None:  # a process waited for a while (processes.py)
-            return await yield_exec(scheduler, tenant, vm_id, req)
-        if "text/event-stream" in request.headers.get("accept", ""):
-            return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
-        if req.timeout_secs is None and exec_default_timeout_s:
-            req = req.model_copy(update={"timeout_secs": exec_default_timeout_s})
-        return await budgeted_exec(budget, tenant, lambda: scheduler.exec_stream(tenant, vm_id, req))
-
-    @r.get("/vms/{vm_id}/files", response_model=FileListOut)
-    async def list_files(tenant: Tenant, vm_id: str, path: str = "") -> FileListOut:
-        res = await scheduler.list_files(tenant, vm_id, check_workspace_path(path, required=False))
-        entries = [FileEntryOut.model_validate(e) for e in res.entries]
-        return FileListOut(path=res.path, entries=entries, truncated=res.truncated)
-
-    @r.get(
-        "/vms/{vm_id}/files/content",
-        response_class=Response,
-        responses={
-            200: {
-                "content": {"text/plain": {}, "application/octet-stream": {}},
-                "description": f"the file's bytes, cut at {MAX_FILE_WORDS} (`X-Pal-Truncated: true`); "
-                "`text/plain; charset=utf-8` when they are UTF-8, else `application/octet-stream`",
-            }
-        },
-    )
-    async def read_file(tenant: Tenant, vm_id: str, path: Annotated[str, Query()]) -> Response:
-        data, truncated = await scheduler.read_file(tenant, vm_id, check_workspace_path(path, required=True))
-        if len(data) > MAX_FILE_BYTES:
-            data, truncated = data[:MAX_FILE_BYTES], True
-        headers = {"X-Pal-Truncated": "true"} if truncated else {}
-        return Response(data, media_type=content_type(data, truncated), headers=headers)
-
-    @r.put(
-        "/vms/{vm_id}/files/content",
-        response_model=FileWrittenOut,
-        openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}},
-    )
-    async def write_file(
-        tenant: Tenant, vm_id: str, path: Annotated[str, Query()], request: Request
-    ) -> FileWrittenOut:
-        checked = check_workspace_path(path, required=True)
-        data = await read_bounded(request)
-        res = await scheduler.write_file(tenant, vm_id, checked, data)
-        return FileWrittenOut(path=res.path, bytes_written=res.bytes_written)
-
-    @r.delete("/vms/{vm_id}/files/content", response_model=FileDeletedOut, summary="Remove a file or symlink")
-    async def delete_file(tenant: Tenant, vm_id: str, path: Annotated[str, Query()]) -> FileDeletedOut:
-        res = await scheduler.delete_file(tenant, vm_id, check_workspace_path(path, required=True))
-        return FileDeletedOut.model_validate(res)
-
-    @r.get("/vms/{vm_id}/events", response_model=EventListOut, summary="Status and audit events")
-    async def events(tenant: Tenant, vm_id: str) -> EventListOut:
-        return EventListOut(
-            events=[EventOut.model_validate(e) for e in await scheduler.events(tenant, vm_id)]
-        )
-
-    @r.get(
-        "/vms/{vm_id}/metrics",
-        response_model=VmMetricsOut,
-        summary="CPU, memory, disk and network samples of the last 15 minutes (every 5 s)",
-    )
-    async def metrics(tenant: Tenant, vm_id: str) -> VmMetricsOut:
-        m = await scheduler.metrics(tenant, vm_id)
-        return VmMetricsOut.model_validate(m.model_dump())
-
-    @r.get("/vms/{vm_id}/snapshots", response_model=SnapshotListOut, summary="The VM's snapshots, with sizes")
-    async def snapshots(tenant: Tenant, vm_id: str) -> SnapshotListOut:
-        snaps = await scheduler.snapshots(tenant, vm_id)
-        return SnapshotListOut(snapshots=[SnapshotOut.model_validate(x.model_dump()) for x in snaps])
-
-    return r
+def _scheduler(request: Request) -> Any:
+    return request.app.state.scheduler
 
 
-def images_router(scheduler: Any, require_tenant: Any) -> APIRouter:
-    r = APIRouter(prefix="/v1", tags=["images"], responses=error_responses(401))
-    Tenant = Annotated[str, Depends(require_tenant)]
+# What the handlers need, from the app (create_app puts them on app.state).
+Tenant = Annotated[str, Depends(require_tenant)]
+Scheduler = Annotated[Any, Depends(_scheduler)]
 
-    @r.get("/images", response_model=ImageListOut, summary="Images this tenant may schedule")
-    async def list_images(tenant: Tenant) -> ImageListOut:
-        return ImageListOut(images=[ImageOut.from_info(i) for i in await scheduler.list_images(tenant)])
+runtime_router = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
+json_body = [Depends(require_json)]
+json_errors = error_responses(415)
 
-    return r
+
+@runtime_router.post(
+    "/schedule",
+    response_model=VmOut,
+    summary="Schedule a sandbox microVM",
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def schedule(
+    tenant: Tenant, scheduler: Scheduler, spec: Annotated[AgentSpec | None, Body()] = None
+) -> VmOut:
+    vm, boot_method = await scheduler.schedule(tenant, spec or AgentSpec.model_validate({}))
+    return VmOut.of(vm, boot_method)
+
+
+@runtime_router.get("/vms", response_model=VmListOut, summary="List the tenant's VMs")
+async def list_vms(tenant: Tenant, scheduler: Scheduler) -> VmListOut:
+    return VmListOut(vms=[VmOut.of(v) for v in await scheduler.list(tenant)])
+
+
+@runtime_router.get("/vms/{vm_id}", response_model=VmOut)
+async def get_vm(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> VmOut:
+    vm = await scheduler.get(tenant, vm_id)
+    return VmOut.of(vm, network=await scheduler.network(vm), pause=await scheduler.live.view(vm))
+
+
+@runtime_router.delete("/vms/{vm_id}", response_model=VmOut, summary="Stop the VM (terminated)")
+async def delete_vm(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> VmOut:
+    return VmOut.of(await scheduler.delete(tenant, vm_id))
+
+
+@runtime_router.put(
+    "/vms/{vm_id}/egress",
+    response_model=VmOut,
+    summary="Change the egress policy (running VMs: new connections at once, refused open ones reset)",
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def set_egress(tenant: Tenant, scheduler: Scheduler, vm_id: str, update: EgressUpdate) -> VmOut:
+    vm = await scheduler.set_egress(tenant, vm_id, update)
+    return VmOut.of(vm, network=await scheduler.network(vm))
+
+
+@runtime_router.put(
+    "/vms/{vm_id}/secrets/{name}",
+    response_model=SecretRotatedOut,
+    summary="Rotate a brokered secret's value (the guest holds only its placeholder: untouched)",
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def rotate_secret(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, name: str, update: SecretUpdate
+) -> SecretRotatedOut:
+    live = await scheduler.rotate_secret(tenant, vm_id, name, update)
+    return SecretRotatedOut(name=name, applied="now" if live else "next start")
+
+
+@runtime_router.post(
+    "/vms/{vm_id}/pause",
+    response_model=SnapshotStateOut,
+    summary='Pause: a snapshot (default; frees the slot) or live (`{"mode": "live", "offload": true}`)',
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def pause(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, req: Annotated[PauseRequest | None, Body()] = None
+) -> SnapshotStateOut:
+    v = await scheduler.pause(tenant, vm_id, req)
+    out = SnapshotStateOut.model_validate(v)
+    if req is not None and req.mode == "live":
+        # A live pause takes no snapshot: the VM's snapshotId is an older pause's.
+        out.snapshot_id = None
+    view = await scheduler.live.view(v, measure=False)
+    out.pause = PauseOut.model_validate(view) if view is not None else None
+    return out
+
+
+@runtime_router.post(
+    "/vms/{vm_id}/resume",
+    response_model=SnapshotStateOut,
+    summary="Resume: a live-paused VM continues in place; a snapshot-paused one is restored",
+)
+async def resume(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> SnapshotStateOut:
+    v = await scheduler.resume(tenant, vm_id)
+    return SnapshotStateOut.model_validate(v)
+
+
+@runtime_router.post(
+    "/vms/{vm_id}/fork",
+    response_model=ForkOut,
+    response_model_exclude_none=True,
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def fork(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ForkRequest) -> ForkOut:
+    return ForkOut.model_validate(await scheduler.fork(tenant, vm_id, req.count))
+
+
+@runtime_router.post(
+    "/vms/{vm_id}/exec",
+    response_model=ExecOut,
+    response_model_exclude_none=True,
+    summary="Run a command (execve-style); `Accept: text/event-stream` streams it",
+    responses={200: {"content": {"text/event-stream": {}}}, **json_errors, **error_responses(429)},
+    dependencies=json_body,
+)
+async def exec_(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ExecRequest, request: Request) -> Any:
+    if req.yield_after_ms is not None:  # a process waited for a while (processes.py)
+        return await yield_exec(scheduler, tenant, vm_id, req)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
+    # the tenants' buffered exec output on this server (exec_budget.py), and the timeout of
+    # a buffered exec that names none (PAL_EXEC_DEFAULT_TIMEOUT; None: no default)
+    state = request.app.state
+    default_timeout = state.settings.exec_default_timeout_s
+    if req.timeout_secs is None and default_timeout:
+        req = req.model_copy(update={"timeout_secs": default_timeout})
+    return await budgeted_exec(state.exec_budget, tenant, lambda: scheduler.exec_stream(tenant, vm_id, req))
+
+
+@runtime_router.get("/vms/{vm_id}/files", response_model=FileListOut)
+async def list_files(tenant: Tenant, scheduler: Scheduler, vm_id: str, path: str = "") -> FileListOut:
+    res = await scheduler.list_files(tenant, vm_id, check_workspace_path(path, required=False))
+    entries = [FileEntryOut.model_validate(e) for e in res.entries]
+    return FileListOut(path=res.path, entries=entries, truncated=res.truncated)
+
+
+@runtime_router.get(
+    "/vms/{vm_id}/files/content",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {"text/plain": {}, "application/octet-stream": {}},
+            "description": f"the file's bytes, cut at {MAX_FILE_WORDS} (`X-Pal-Truncated: true`); "
+            "`text/plain; charset=utf-8` when they are UTF-8, else `application/octet-stream`",
+        }
+    },
+)
+async def read_file(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, path: Annotated[str, Query()]
+) -> Response:
+    data, truncated = await scheduler.read_file(tenant, vm_id, check_workspace_path(path, required=True))
+    if len(data) > MAX_FILE_BYTES:
+        data, truncated = data[:MAX_FILE_BYTES], True
+    headers = {"X-Pal-Truncated": "true"} if truncated else {}
+    return Response(data, media_type=content_type(data, truncated), headers=headers)
+
+
+@runtime_router.put(
+    "/vms/{vm_id}/files/content",
+    response_model=FileWrittenOut,
+    openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}, "required": True}},
+)
+async def write_file(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, path: Annotated[str, Query()], request: Request
+) -> FileWrittenOut:
+    checked = check_workspace_path(path, required=True)
+    data = await read_bounded(request)
+    res = await scheduler.write_file(tenant, vm_id, checked, data)
+    return FileWrittenOut(path=res.path, bytes_written=res.bytes_written)
+
+
+@runtime_router.delete(
+    "/vms/{vm_id}/files/content", response_model=FileDeletedOut, summary="Remove a file or symlink"
+)
+async def delete_file(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, path: Annotated[str, Query()]
+) -> FileDeletedOut:
+    res = await scheduler.delete_file(tenant, vm_id, check_workspace_path(path, required=True))
+    return FileDeletedOut.model_validate(res)
+
+
+@runtime_router.get("/vms/{vm_id}/events", response_model=EventListOut, summary="Status and audit events")
+async def events(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> EventListOut:
+    return EventListOut(events=[EventOut.model_validate(e) for e in await scheduler.events(tenant, vm_id)])
+
+
+@runtime_router.get(
+    "/vms/{vm_id}/metrics",
+    response_model=VmMetricsOut,
+    summary="CPU, memory, disk and network samples of the last 15 minutes (every 5 s)",
+)
+async def metrics(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> VmMetricsOut:
+    m = await scheduler.metrics(tenant, vm_id)
+    return VmMetricsOut.model_validate(m.model_dump())
+
+
+@runtime_router.get(
+    "/vms/{vm_id}/snapshots", response_model=SnapshotListOut, summary="The VM's snapshots, with sizes"
+)
+async def snapshots(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> SnapshotListOut:
+    snaps = await scheduler.snapshots(tenant, vm_id)
+    return SnapshotListOut(snapshots=[SnapshotOut.model_validate(x.model_dump()) for x in snaps])
+
+
+images_router = APIRouter(prefix="/v1", tags=["images"], responses=error_responses(401))
+
+
+@images_router.get("/images", response_model=ImageListOut, summary="Images this tenant may schedule")
+async def list_images(tenant: Tenant, scheduler: Scheduler) -> ImageListOut:
+    return ImageListOut(images=[ImageOut.from_info(i) for i in await scheduler.list_images(tenant)])

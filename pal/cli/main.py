@@ -177,7 +177,7 @@ def doctor(
     runtime manager."""
     import logging
 
-    from pal import doctor as doc
+    from pal.ops import doctor as doc
 
     # The first KVM probe boots a tiny VM (up to a few seconds): say so while it runs.
     logging.basicConfig(level=logging.WARNING, format="pal: %(message)s")
@@ -410,7 +410,7 @@ def bench(
     steady state (repeated cycles of one VM, under load, readiness → first exec)."""
     if ctx.invoked_subcommand is not None:
         return
-    from pal import bench as bench_mod
+    from pal.bench import latency as bench_mod
 
     if only not in (None, *bench_mod.SECTIONS):
         raise typer.BadParameter(f"--only takes one of {', '.join(bench_mod.SECTIONS)}")
@@ -440,7 +440,7 @@ def bench_cluster(
     out_dir: Annotated[Path, typer.Option(help="where cluster.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Cluster on one machine: schedule throughput (1 vs 3 nodes), failover, resume from S3."""
-    from pal import bench_cluster as mod
+    from pal.bench import cluster as mod
 
     mod.main(
         iterations=iterations,
@@ -461,7 +461,7 @@ def bench_s3(
     out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
-    from pal import bench_s3
+    from pal.bench import s3 as bench_s3
 
     bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
@@ -479,7 +479,7 @@ def bench_network(
     gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
     first byte through a port, a brokered HTTPS request vs a pass-through one, and the cost
     of the SNI/Host checks and of the response redaction as ratios."""
-    from pal import bench_network
+    from pal.bench import network as bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
 
@@ -495,7 +495,7 @@ def bench_images(
 
     Import, first schedule (cold) and schedule from its own template to the first exec,
     beside the default image's rows of the same run."""
-    from pal import bench_images
+    from pal.bench import images as bench_images
 
     bench_images.main(iterations=iterations, memory_mib=memory_mib, data_dir=data_dir, out_dir=out_dir)
 
@@ -512,7 +512,7 @@ def bench_wait(
 
     Live pause and resume, offload, first exec after a wake (idle live tier), the wait
     scenario (a model answering after 10 s), waits in a row, fork RAM mapping."""
-    from pal import bench_wait
+    from pal.bench import wait as bench_wait
 
     bench_wait.main(
         iterations=iterations, waits=waits, scenario_runs=scenario_runs, data_dir=data_dir, out_dir=out_dir
@@ -531,7 +531,7 @@ def bench_peer(
     Checkpoint, restore, first exec after it and warm exec of a container running Pal's
     default image tree, its workload holding 0 and 64 MiB; every p50 also as a ratio to the
     peer's own warm exec. Needs root, runsc and a built default image in the data dir."""
-    from pal import bench_peer
+    from pal.bench import peer as bench_peer
 
     if platform not in bench_peer.PLATFORMS:
         raise typer.BadParameter(f"--platform takes one of {', '.join(bench_peer.PLATFORMS)}")

@@ -127,9 +127,10 @@ class Process:
             self.cond.notify_all()
 
     def drained(self) -> None:
+        """Its output is all in the journal: readers and waiters are told by :meth:`settled`
+        (after the table has done its bookkeeping, so a waiter sees the table as it stays)."""
         with self.cond:
             self.output_done = True
-            self.cond.notify_all()
         self.close_stdin()
         if self.master_fd is not None:
             with contextlib.suppress(OSError):
@@ -181,9 +182,14 @@ class Process:
                     return
                 self.cond.wait(left)
 
-    def wait_exit(self, timeout: float) -> bool:
+    def settled(self) -> None:
         with self.cond:
-            return self.cond.wait_for(lambda: self.exit_code is not None, timeout)
+            self.cond.notify_all()
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Until it has exited and its output is all in the journal (or the timeout)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.output_done, timeout)
 
     # -- input
 
@@ -270,6 +276,7 @@ class Pump:
             self.children.release(self.popen.pid)
             self.proc.drained()
             on_exit(self.proc)
+            self.proc.settled()
 
     def _sources(self) -> dict[int, int]:
         if self.proc.master_fd is not None:

@@ -48,7 +48,8 @@ Host -> guest kinds (``k``):
             read nothing for a while; send the rest again)
   psignal   {tok, pid, signal:"INT"|...} -> ok {}   (to the process group)
   presize   {tok, pid, cols, rows} -> ok {}
-  pwait     {tok, pid, timeout_ms} -> ok {process}  (once it exited, or at the timeout)
+  pwait     {tok, pid, timeout_ms} -> ok {process}  (once it exited and its output is all in
+            the journal, or at the timeout)
   pdelete   {tok, pid}             -> ok {pid, deleted:true}  (killed first if running)
   process   {pid, os_pid, argv, tag, user, cwd, pty:{cols,rows}|null, stdin:bool,
             keep_awake, started_ms, ended_ms, running, exit_code, timed_out,

@@ -102,6 +102,7 @@ class VmNetworking:
             allow_internal=settings.egress_allow_internal,
             ca_bundle=_read_bundle(settings.egress_ca_bundle),
             api_addresses=control_plane_addresses(settings.servers),
+            budgets=settings.net_budgets.gateway_json(),
         )
 
     def ns_name(self, vm_id: str) -> str:

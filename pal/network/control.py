@@ -106,6 +106,7 @@ class GatewayProcess:
         host_dns: bool = True,
         ca_bundle: str | None = None,
         api_addresses: list[str] | None = None,
+        budgets: dict[str, Any] | None = None,
         on_restart: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
@@ -118,6 +119,7 @@ class GatewayProcess:
         self.allow_internal = allow_internal
         self.ca_bundle = ca_bundle  # PEM text: the gateway cannot read root's files after its drop
         self.api_addresses = api_addresses or []  # the control plane's: internal like the host's
+        self.budgets = budgets or {}  # node totals and name servers (config.NetBudgets.gateway_json)
         self.on_restart = on_restart
         self.pid: int | None = None
         self.adopted = False
@@ -149,6 +151,7 @@ class GatewayProcess:
             "allowInternal": self.allow_internal,
             "caBundle": self.ca_bundle,
             "apiAddresses": self.api_addresses,
+            "budgets": self.budgets,
         }
 
     async def _try_adopt(self) -> bool:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import ipaddress
 import json
 import logging
@@ -45,9 +44,20 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
-from pal.config import env_log_level
-from pal.network import broker, namecheck, sniff
+from pal.config import NetBudgets, env_log_level, parse_nameservers
+from pal.network import broker, lookups, namecheck, sniff
 from pal.network.broker import EGRESS_DENIED
+from pal.network.budgets import (
+    FDS_PER_CONNECTION,
+    VM_BYTES_FLOOR,
+    VM_FD_FLOOR,
+    Account,
+    Pool,
+    node_descriptors,
+)
+from pal.network.events import Events
+from pal.network.hostaddrs import host_addresses
+from pal.network.lookups import Resolver
 from pal.network.names import NameTable, is_synthetic
 from pal.network.policy import INTERNAL_RULE, Address, InternalGuard, Policy, parse_static_names
 from pal.network.relay import READ_LIMIT, Connection, GuestSide, TokenBucket, UpstreamSide, reset
@@ -63,70 +73,15 @@ SO_ORIGINAL_DST = 80
 PEEK_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 10.0
 DNS_TTL_S = 30  # of synthetic answers; the table keeps the address longer
-RESOLVE_CACHE_S = 30.0
 MAX_DNS_INFLIGHT = 32  # per VM; more are dropped (the guest retries)
 EVENT_RATE_PER_S = 2.0  # egress_denied events per VM, burst EVENT_BURST
 EVENT_BURST = 10
-EVENT_RING = 2000  # per gateway; the node pulls them every few seconds
+NODE_CONNECTIONS_RULE = "node connection budget (PAL_GATEWAY_MAX_CONNECTIONS)"
 ORPHAN_EXIT_S = 15.0  # no node connected and no VM: exit
 # deliver "complete": a response counts as complete once the upstream closed, the buffer
 # is full, or no byte came for this long after the last one (keep-alive responses).
 COMPLETE_QUIET_S = 0.2
 HOST_ADDR_REFRESH_S = 30.0
-
-
-class Events:
-    """A bounded ring of events with sequence numbers; the node pulls with ``after``."""
-
-    def __init__(self) -> None:
-        self.ring: deque[dict[str, Any]] = deque(maxlen=EVENT_RING)
-        self.seq = 0
-        self.epoch = f"{os.getpid()}-{time.time_ns()}"  # a restarted gateway numbers anew
-
-    def add(self, ev: dict[str, Any]) -> None:
-        self.seq += 1
-        self.ring.append({"seq": self.seq, "at": time.time(), **ev})
-
-    def since(self, after: int) -> list[dict[str, Any]]:
-        return [e for e in self.ring if e["seq"] > after]
-
-
-class Resolver:
-    """Names to addresses: PAL_EGRESS_RESOLVE first, then (unless PAL_EGRESS_DNS=static)
-    the host's resolver (cached)."""
-
-    def __init__(self) -> None:
-        self.static: dict[str, list[Address]] = {}
-        self.host_dns = True
-        self._cache: dict[str, tuple[float, list[Address]]] = {}
-
-    async def resolve(self, name: str) -> list[Address]:
-        if name in self.static:
-            return list(self.static[name])
-        if not self.host_dns:
-            return []
-        hit = self._cache.get(name)
-        now = time.monotonic()
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        loop = asyncio.get_running_loop()
-        try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), timeout=CONNECT_TIMEOUT_S
-            )
-        except (OSError, TimeoutError, UnicodeError):
-            infos = []
-        addrs: list[Address] = []
-        for info in infos:
-            with contextlib.suppress(ValueError):
-                a = ipaddress.ip_address(info[4][0])
-                if a not in addrs:
-                    addrs.append(a)
-        addrs.sort(key=lambda a: a.version)  # IPv4 first: the host may lack IPv6 routes
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[name] = (now + RESOLVE_CACHE_S, addrs)
-        return addrs
 
 
 class VmGateway:
@@ -151,6 +106,10 @@ class VmGateway:
         self.issuer = gw.tls.issuer(ca["cert"], ca["key"]) if ca else None
         self._brokering: set[asyncio.Task[None]] = set()
         self.conns: dict[int, Connection] = {}
+        # Budgets (budgets.py): lookups in flight, buffered bytes and descriptors.
+        self.lookup_slots = gw.resolver.vm_slots()
+        self.buffer = Account(gw.buffer_pool, min(DEFAULT_HOLD_BUFFER, gw.max_buffer), VM_BYTES_FLOOR)
+        self.fds = Account(gw.fd_pool, DEFAULT_MAX_CONNECTIONS * FDS_PER_CONNECTION, VM_FD_FLOOR)
         self.counters = {
             "bytesIn": 0,  # delivered to the guest
             "bytesOut": 0,  # sent by the guest
@@ -176,14 +135,16 @@ class VmGateway:
 
     def set_wait(self, wait: dict[str, Any] | None) -> None:
         self.wait = dict(wait) if isinstance(wait, dict) else None
+        self.buffer.set_limit(self.max_buffer)  # the VM's buffers in all, not each one's
 
     @property
     def max_buffer(self) -> int:
         raw = (self.wait or {}).get("maxBufferBytes")
-        return int(raw) if isinstance(raw, int) and raw > 0 else DEFAULT_HOLD_BUFFER
+        return int(raw) if isinstance(raw, int) and raw > 0 else min(DEFAULT_HOLD_BUFFER, self.gw.max_buffer)
 
     def set_limits(self, limits: dict[str, Any]) -> None:
         self.max_connections = int(limits.get("maxConnections") or DEFAULT_MAX_CONNECTIONS)
+        self.fds.set_limit(self.max_connections * FDS_PER_CONNECTION)
         mbps = limits.get("egressMbps")
         rate = float(mbps) * 125_000 if mbps else None  # Mbit/s -> bytes/s
         self.up_bucket = TokenBucket(rate) if rate else None
@@ -231,6 +192,11 @@ class VmGateway:
         except OSError:
             reset(transport)
             return
+        self.admit(side, transport, ip, port)
+
+    def admit(self, side: GuestSide, transport: asyncio.Transport, ip: str, port: int) -> None:
+        """A guest connection to ``ip``:``port``: within the VM's and the node's budgets,
+        decided and relayed; else reset with an event."""
         self.counters["connections"] += 1
         conn = Connection(
             self.gw.next_id(),
@@ -243,6 +209,7 @@ class VmGateway:
             max_buffer=self.max_buffer,
             on_waiting=self._waiting_changed,
             on_held=self._held_event,
+            budget=self.buffer,
         )
         if self.held:
             conn.hold()  # a connection the guest opened just before its vCPUs stopped
@@ -251,6 +218,11 @@ class VmGateway:
             self.denied(name=None, address=ip, port=port, rule=f"maxConnections ({self.max_connections})")
             conn.reset()
             return
+        if not self.fds.fits(FDS_PER_CONNECTION):  # the node's connections are at their cap
+            self.denied(name=None, address=ip, port=port, rule=NODE_CONNECTIONS_RULE)
+            conn.reset()
+            return
+        self.fds.take(FDS_PER_CONNECTION)
         self.conns[conn.id] = conn
         asyncio.get_running_loop().create_task(self._open(conn))
 
@@ -259,7 +231,8 @@ class VmGateway:
         self.counters["bytesIn"] += down
 
     def _closed(self, conn: Connection) -> None:
-        self.conns.pop(conn.id, None)
+        if self.conns.pop(conn.id, None) is not None:
+            self.fds.give(FDS_PER_CONNECTION)
 
     async def _open(self, conn: Connection) -> None:
         t0 = time.perf_counter()
@@ -272,15 +245,14 @@ class VmGateway:
             conn.reset()
 
     async def _peek_name(self, conn: Connection) -> str | None:
-        deadline = time.monotonic() + PEEK_TIMEOUT_S
+        deadline = asyncio.get_running_loop().time() + PEEK_TIMEOUT_S
         while conn.state == "deciding":
             try:
                 return sniff.name_in(conn.pending_bytes())
             except sniff.NeedMore:
                 pass
-            if time.monotonic() >= deadline or len(conn.pending_bytes()) > sniff.MAX_PEEK:
+            if len(conn.pending_bytes()) > sniff.MAX_PEEK or not await conn.more_pending(deadline):
                 return None
-            await asyncio.sleep(0.005)
         return None
 
     async def _decide_and_connect(self, conn: Connection) -> None:
@@ -304,7 +276,7 @@ class VmGateway:
         by_name = name is not None and (is_synthetic(ip) or policy.domain_rule(name, port) is not None)
         if by_name:
             assert name is not None
-            candidates = await self.gw.resolver.resolve(name)
+            candidates = await self.gw.resolver.resolve(name, self.lookup_slots)
             if ip in candidates:
                 candidates.remove(ip)
                 candidates.insert(0, ip)
@@ -374,12 +346,13 @@ class VmGateway:
     async def _starts_with_tls(self, conn: Connection) -> bool:
         """Wait for the guest's first bytes: a ClientHello or not (a server-speaks-first
         protocol sends nothing: it is relayed untouched)."""
-        deadline = time.monotonic() + PEEK_TIMEOUT_S
-        while conn.state != "closed" and time.monotonic() < deadline:
+        deadline = asyncio.get_running_loop().time() + PEEK_TIMEOUT_S
+        while conn.state != "closed":
             tls = broker.is_tls(conn.pending_bytes())
             if tls is not None:
                 return tls
-            await asyncio.sleep(0.005)
+            if not await conn.more_pending(deadline):
+                return False
         return False
 
     async def _broker(
@@ -473,9 +446,10 @@ class VmGateway:
             if rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
                 self.denied(name=name, address=None, port=None, rule=rule)
             return (dns.rcode.REFUSED if self.policy.mode == "none" else dns.rcode.NXDOMAIN), None
-        addrs = await self.gw.resolver.resolve(name)
-        if not addrs:
-            return dns.rcode.NXDOMAIN, None
+        found = await self.gw.resolver.lookup(name, self.lookup_slots)
+        if not found.addresses:
+            return found.rcode, None  # NXDOMAIN, or SERVFAIL when no server answered in time
+        addrs = list(found.addresses)
         if not any(self.gw.guard.permits(a, None) for a in addrs):
             # An allowed name pointing only at internal addresses (DNS rebinding).
             if rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
@@ -581,6 +555,9 @@ class VmGateway:
             server.close()
         for conn in list(self.conns.values()):
             conn.reset()
+        self.buffer.close()
+        self.fds.close()
+        self.gw.events.vm_closed(self.vm_id)
 
 
 class Gateway:
@@ -588,6 +565,10 @@ class Gateway:
         self.vms: dict[str, VmGateway] = {}
         self.events = Events()
         self.resolver = Resolver()
+        # The node's totals (budgets.py): buffered bytes and connection descriptors.
+        self.max_buffer = DEFAULT_HOLD_BUFFER  # PAL_MAX_BUFFER_BYTES: of a VM without a wait rule
+        self.buffer_pool = Pool(NetBudgets.node_buffer_bytes)
+        self.fd_pool = Pool(node_descriptors())
         self.guard = InternalGuard()
         self.tls = broker.Tls()
         self._allow_internal: list[str] = []
@@ -612,9 +593,15 @@ class Gateway:
         allow_internal: list[str],
         api_addresses: Sequence[str] = (),
         host_dns: bool = True,
+        budgets: dict[str, Any] | None = None,
     ) -> None:
-        self.resolver.static = parse_static_names(resolve)
-        self.resolver.host_dns = host_dns
+        b = budgets or {}
+        self.resolver.configure(
+            parse_static_names(resolve), host_dns, parse_nameservers(b.get("nameservers"))
+        )
+        self.buffer_pool.resize(int(b.get("nodeBufferBytes") or NetBudgets.node_buffer_bytes))
+        self.fd_pool.resize(node_descriptors(b.get("nodeConnections")))
+        self.max_buffer = int(b.get("maxBufferBytes") or DEFAULT_HOLD_BUFFER)
         self._allow_internal = list(allow_internal)
         self._api_addresses = [ipaddress.ip_address(a) for a in api_addresses]
         self.refresh_host_addresses()
@@ -639,6 +626,7 @@ class Gateway:
         table = NameTable.from_json(msg.get("names"))
         rules = broker.Rules(msg.get("brokered"))
         ca = msg.get("ca") if isinstance(msg.get("ca"), dict) else None
+        self.events.vm_registered(vm_id)
         vm = VmGateway(self, vm_id, policy, dict(msg.get("limits") or {}), table, rules, ca)
         vm.set_wait(msg.get("wait"))
         loop = asyncio.get_running_loop()
@@ -666,6 +654,7 @@ class Gateway:
                 list(msg.get("allowInternal") or []),
                 list(msg.get("apiAddresses") or []),
                 host_dns=msg.get("hostDns") is not False,
+                budgets=msg.get("budgets") if isinstance(msg.get("budgets"), dict) else None,
             )
             self.tls.configure(msg.get("caBundle") or None)
             return {}
@@ -737,22 +726,6 @@ class _DnsSide(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         if self.transport is not None:
             self.vm.dns_query(self.transport, data, addr)
-
-
-def host_addresses() -> list[Address]:
-    """This host's own addresses (its interfaces in the gateway's namespace)."""
-    out: list[Address] = []
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _idx, name in socket.if_nameindex():
-            with contextlib.suppress(OSError):
-                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-                out.append(ipaddress.IPv4Address(raw[20:24]))
-    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as f:
-        for line in f:
-            with contextlib.suppress(ValueError, IndexError):
-                out.append(ipaddress.IPv6Address(bytes.fromhex(line.split()[0])))
-    return out
 
 
 # ------------------------------------------------------------------------------ control socket
@@ -913,8 +886,6 @@ def _raise_nofile() -> None:
 async def _warm_up() -> None:
     """Run every code path once before dropping privileges: Python imports lazily, and
     after the drop the code (a pyenv under /root, say) may no longer be readable."""
-    import encodings.idna  # noqa: F401  (getaddrinfo of non-ASCII names)
-
     for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.HTTPS, dns.rdatatype.TXT):
         q = dns.message.make_query("warm.test", rdtype, use_edns=0)
         dns.message.from_wire(q.to_wire())
@@ -966,8 +937,7 @@ async def _warm_up() -> None:
     udp.close()
     guests.close()
     echo.close()
-    with contextlib.suppress(OSError):
-        await loop.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)
+    await lookups.warm_up()
     host_addresses()
     await asyncio.wait_for(_warm_up_broker(), 60)
     try:

@@ -26,6 +26,7 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pal.network import internal
 from pal.spec import Egress, EgressAllow, EgressEntry, parse_entry
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -159,9 +160,8 @@ class Policy:
 class InternalGuard:
     """Which addresses are internal, and which of them the operator opened.
 
-    Internal: everything that is not globally routable (loopback, link-local including
-    169.254.169.254, RFC 1918, CGNAT, ULA, multicast, the benchmark range the gateway's
-    synthetic addresses come from, ...) plus the host's own addresses. ``allowed`` entries
+    Internal: see pal/network/internal.py (not globally routable, the host's own
+    addresses, and IPv6 forms judged by the IPv4 address they carry). ``allowed`` entries
     come from PAL_EGRESS_ALLOW_INTERNAL (addresses or CIDRs, optionally with a port).
     """
 
@@ -173,14 +173,14 @@ class InternalGuard:
         self.host_addresses: frozenset[Address] = frozenset(_unmapped(a) for a in host_addresses)
 
     def is_internal(self, addr: Address) -> bool:
-        a = _unmapped(addr)
-        return not a.is_global or a.is_multicast or a in self.host_addresses
+        return internal.is_internal(addr, self.host_addresses)
 
     def permits(self, addr: Address, port: int | None) -> bool:
-        """May a connection go to ``addr``:``port`` as far as internal ranges go?"""
-        if not self.is_internal(addr):
-            return True
-        a = _unmapped(addr)
+        """May a connection go to ``addr``:``port`` as far as internal ranges go? Each form
+        that makes it internal (itself, an IPv4 address it embeds) must be opened."""
+        return all(self._opened(v, port) for v in internal.internal_views(addr, self.host_addresses))
+
+    def _opened(self, a: Address, port: int | None) -> bool:
         for e in self.allowed:
             assert e.network is not None
             if a.version == e.network.version and a in e.network and _port_ok(e, port):

@@ -13,6 +13,9 @@ A :class:`Connection` is the object the node can ask about and steer:
 
 Flow control is end to end: a side whose socket buffer fills pauses reading on the other
 side, and the VM's rate limit (egressMbps) pauses reading for the time its bucket needs.
+The bytes a connection keeps itself (the guest's before the upstream is connected, the
+upstream's while held) are charged to the VM's byte budget (``budget``, budgets.py): over
+it, reading stops until the budget has room again (backpressure; nothing is dropped).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pal.network.budgets import Account
 from pal.spec import DEFAULT_HOLD_BUFFER
 
 READ_LIMIT = 256 * 1024  # asyncio transport high-water mark per direction
@@ -102,6 +106,7 @@ class Connection:
         max_buffer: int = DEFAULT_HOLD_BUFFER,
         on_waiting: Callable[[Connection, bool], None] | None = None,
         on_held: Callable[[Connection, str], None] | None = None,
+        budget: Account | None = None,
     ) -> None:
         self.id = conn_id
         self.dst = dst  # what the guest asked for: (ip, port)
@@ -134,6 +139,9 @@ class Connection:
         self._on_waiting = on_waiting
         self._on_held = on_held
         self._was_waiting = False
+        self._budget = budget
+        self._charged = 0  # bytes of _pending_up and _held_data charged to the budget
+        self._more = asyncio.Event()  # guest bytes arrived (or the end) while deciding
         # Checks of what the connection says (namecheck.py): the guest's bytes pass
         # ``inspect_up`` before they go up (it returns what may go now; None: it reset the
         # connection); the upstream's are shown to ``inspect_down``.
@@ -177,6 +185,7 @@ class Connection:
             data, self._held_data = bytes(self._held_data), bytearray()
             self._deliver(data)
         self._held_data = bytearray()
+        self._refund(n)
         self.up_valve.open("hold")
         if self._up_eof and self.state == "open":
             # The upstream finished while held: the guest gets the end now, after the data.
@@ -205,11 +214,49 @@ class Connection:
             self._send_up(data)
         elif self.state in ("deciding", "connecting"):
             self._pending_up += data
+            self._more.set()
             if len(self._pending_up) > READ_LIMIT:
                 self.guest_valve.close("pending")
+            self._charge(len(data), self.guest_valve)
 
     def pending_bytes(self) -> bytes:
         return bytes(self._pending_up)
+
+    async def more_pending(self, deadline: float) -> bool:
+        """Wait (no polling) until more guest bytes arrive while deciding, the connection
+        closes, or the loop's clock reaches ``deadline``; False on the deadline."""
+        self._more.clear()
+        if self.state == "closed":
+            return False
+        timeout = deadline - asyncio.get_running_loop().time()
+        if timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._more.wait(), timeout)
+        except TimeoutError:
+            return False
+        return self.state != "closed"
+
+    # -- the VM's byte budget ------------------------------------------------------------------
+
+    def _charge(self, n: int, valve: Valve) -> None:
+        if self._budget is None:
+            return
+        self._budget.take(n)
+        self._charged += n
+        if not self._budget.has_room():
+            valve.close("budget")
+            self._budget.wait_for_room(self._budget_room)
+
+    def _refund(self, n: int) -> None:
+        n = min(n, self._charged)
+        if self._budget is not None and n > 0:
+            self._charged -= n
+            self._budget.give(n)
+
+    def _budget_room(self) -> None:
+        self.guest_valve.open("budget")
+        self.up_valve.open("budget")
 
     def guest_eof(self) -> None:
         self._guest_eof = True
@@ -233,6 +280,7 @@ class Connection:
         if self._pending_up:
             data, self._pending_up = bytes(self._pending_up), bytearray()
             self._send_up(data)
+            self._refund(len(data))
         self.guest_valve.open("pending")
         if self._guest_eof and transport.can_write_eof():
             transport.write_eof()
@@ -245,6 +293,8 @@ class Connection:
             full = len(self._held_data) >= self.max_buffer
             if full:
                 self.up_valve.close("hold")
+            self._charge(len(data), self.up_valve)
+            full = full or "budget" in self.up_valve.reasons  # the VM's buffers are full
             self._held_event("full" if full else "data")
             return
         self._deliver(data)
@@ -333,6 +383,10 @@ class Connection:
     def _finish(self) -> None:
         held = self.held
         self.state = "closed"
+        self._more.set()
+        self._refund(self._charged)
+        if self._budget is not None:
+            self._budget.forget(self._budget_room)
         for t in self._timers:
             t.cancel()
         self._timers.clear()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pal import failpoints
 from pal.errors import PalError
-from pal.scheduler import placement
+from pal.scheduler import ceilings, placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps, as_pal, new_token, new_vm_id
 from pal.scheduler.spawning import Spawner, spawn_details
@@ -35,6 +35,7 @@ class Scheduling:
         Success: running, on the node placement chose (its reason in the status event).
         Failure: failed (503 NO_NODE, or the node's spawn error); the node leaves no QEMU."""
         d = self.d
+        spec = ceilings.apply(spec, d.settings.net_budgets, d.settings.wait_pause_default)  # PAL_MAX_*
         await self.spawner.require_image(tenant_id, spec.image)
         await d.nodes.register_local()
         placement.check_satisfiable(d.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -120,7 +120,7 @@ class AsyncRuntime:
         cwd: str | None = None,
         timeout_secs: float | None = None,
         user: str | None = None,
-    ) -> AsyncIterator[ExecEvent]:
+    ) -> AsyncGenerator[ExecEvent, None]:
         """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         http = self._c._http

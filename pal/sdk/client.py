@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -120,8 +120,10 @@ class Runtime:
         cwd: str | None = None,
         timeout_secs: float | None = None,
         user: str | None = None,
-    ) -> Iterator[ExecEvent]:
-        """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
+    ) -> Generator[ExecEvent, None, None]:
+        """Yield stdout/stderr events as the command produces them, then `exit` or `error`.
+        ``close()`` (or leaving a ``with contextlib.closing(...)``) closes the connection early,
+        which stops the command in the guest."""
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         http = self._c._http
         try:

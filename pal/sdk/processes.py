@@ -26,11 +26,6 @@ from .models import OutputEvent
 STREAM_HEADERS = {"Accept": "text/event-stream"}
 
 
-def _path(vm_id: str, pid: int | None = None, tail: str = "") -> str:
-    base = f"/v1/runtime/vms/{vm_id}/processes"
-    return base if pid is None else f"{base}/{pid}{tail}"
-
-
 def _read_result(body: dict[str, Any]) -> dict[str, Any]:
     """A read's answer with each output item's ``data`` as bytes."""
     out = [{"stream": o["stream"], "data": base64.b64decode(o["data"])} for o in body["output"]]
@@ -42,26 +37,28 @@ class Processes:
         self._c = client
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return self._c.request(method, path, **kw).json()
+        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
 
     def start(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
     ) -> dict[str, Any]:
         """Start ``command``; ``opts``: env, cwd, timeout_secs, user, stdin (bool), pty
         ((cols, rows) or {cols, rows}), tag, keep_awake, journal_bytes. The process."""
-        return dict(self._json("POST", _path(vm_id), json=pw.start_body(command, argv, **opts)))
+        return dict(self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts)))
 
     def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list(self._json("GET", _path(vm_id))["processes"])
+        return list(self._json("GET", f"/vms/{vm_id}/processes")["processes"])
 
     def get(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(self._json("GET", _path(vm_id, pid)))
+        return dict(self._json("GET", f"/vms/{vm_id}/processes/{pid}"))
 
     def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         """One read from ``offset``: ``{from, next, gap, output: [{stream, data: bytes}], process}``."""
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}
         timeout = httpx.Timeout(self._c.timeout + wait_ms / 1000)
-        return _read_result(self._json("GET", _path(vm_id, pid, "/output"), params=params, timeout=timeout))
+        return _read_result(
+            self._json("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params, timeout=timeout)
+        )
 
     def output(
         self, vm_id: str, pid: int, offset: int = 0, *, reattach_timeout: float = pw.REATTACH_TIMEOUT_S
@@ -91,7 +88,7 @@ class Processes:
         try:
             with self._c._http.stream(
                 "GET",
-                _path(vm_id, pid, "/output"),
+                f"/v1/runtime/vms/{vm_id}/processes/{pid}/output",
                 params=params,
                 headers=STREAM_HEADERS,
                 timeout=_wire.exec_timeout(self._c.timeout),
@@ -116,24 +113,26 @@ class Processes:
             part = bytes(view[: 1 << 20])
             last = len(part) == len(view)
             params = {"eof": "true" if eof and last else "false"}
-            body = self._json("POST", _path(vm_id, pid, "/stdin"), params=params, content=part)
+            body = self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part)
             view = view[int(body["written"]) :]
             if not view:
                 return
 
     def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(self._json("POST", _path(vm_id, pid, "/stdin/close")))
+        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin/close"))
 
     def signal(self, vm_id: str, pid: int, signal: str = "INT") -> dict[str, Any]:
         """To its whole process group: INT, TERM, KILL, HUP, QUIT, USR1, USR2, STOP, CONT, WINCH."""
-        return dict(self._json("POST", _path(vm_id, pid, "/signal"), json={"signal": signal}))
+        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/signal", json={"signal": signal}))
 
     def resize(self, vm_id: str, pid: int, cols: int, rows: int) -> dict[str, Any]:
-        return dict(self._json("POST", _path(vm_id, pid, "/resize"), json={"cols": cols, "rows": rows}))
+        return dict(
+            self._json("POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows})
+        )
 
     def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
         """Kill it (its group) and forget it."""
-        return dict(self._json("DELETE", _path(vm_id, pid)))
+        return dict(self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))
 
     def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
         """The process once it exited, or as it is at ``timeout_secs`` (None: no limit)."""
@@ -144,7 +143,7 @@ class Processes:
             proc = dict(
                 self._json(
                     "POST",
-                    _path(vm_id, pid, "/wait"),
+                    f"/vms/{vm_id}/processes/{pid}/wait",
                     params={"timeoutSecs": poll},
                     timeout=httpx.Timeout(self._c.timeout + poll),
                 )
@@ -160,23 +159,25 @@ class AsyncProcesses:
         self._c = client
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return (await self._c.request(method, path, **kw)).json()
+        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
 
     async def start(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
     ) -> dict[str, Any]:
-        return dict(await self._json("POST", _path(vm_id), json=pw.start_body(command, argv, **opts)))
+        return dict(
+            await self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts))
+        )
 
     async def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", _path(vm_id)))["processes"])
+        return list((await self._json("GET", f"/vms/{vm_id}/processes"))["processes"])
 
     async def get(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("GET", _path(vm_id, pid)))
+        return dict(await self._json("GET", f"/vms/{vm_id}/processes/{pid}"))
 
     async def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}
         timeout = httpx.Timeout(self._c.timeout + wait_ms / 1000)
-        body = await self._json("GET", _path(vm_id, pid, "/output"), params=params, timeout=timeout)
+        body = await self._json("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params, timeout=timeout)
         return _read_result(body)
 
     async def output(
@@ -206,7 +207,7 @@ class AsyncProcesses:
         try:
             async with self._c._http.stream(
                 "GET",
-                _path(vm_id, pid, "/output"),
+                f"/v1/runtime/vms/{vm_id}/processes/{pid}/output",
                 params=params,
                 headers=STREAM_HEADERS,
                 timeout=_wire.exec_timeout(self._c.timeout),
@@ -230,22 +231,28 @@ class AsyncProcesses:
             part = bytes(view[: 1 << 20])
             last = len(part) == len(view)
             params = {"eof": "true" if eof and last else "false"}
-            body = await self._json("POST", _path(vm_id, pid, "/stdin"), params=params, content=part)
+            body = await self._json(
+                "POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part
+            )
             view = view[int(body["written"]) :]
             if not view:
                 return
 
     async def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("POST", _path(vm_id, pid, "/stdin/close")))
+        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin/close"))
 
     async def signal(self, vm_id: str, pid: int, signal: str = "INT") -> dict[str, Any]:
-        return dict(await self._json("POST", _path(vm_id, pid, "/signal"), json={"signal": signal}))
+        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/signal", json={"signal": signal}))
 
     async def resize(self, vm_id: str, pid: int, cols: int, rows: int) -> dict[str, Any]:
-        return dict(await self._json("POST", _path(vm_id, pid, "/resize"), json={"cols": cols, "rows": rows}))
+        return dict(
+            await self._json(
+                "POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows}
+            )
+        )
 
     async def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("DELETE", _path(vm_id, pid)))
+        return dict(await self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))
 
     async def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
         deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
@@ -255,7 +262,7 @@ class AsyncProcesses:
             proc = dict(
                 await self._json(
                     "POST",
-                    _path(vm_id, pid, "/wait"),
+                    f"/vms/{vm_id}/processes/{pid}/wait",
                     params={"timeoutSecs": poll},
                     timeout=httpx.Timeout(self._c.timeout + poll),
                 )

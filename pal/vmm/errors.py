@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pal.errors import BackendError
+from pal.errors import BackendError, Conflict
 
 
 class VmmError(BackendError):
@@ -16,4 +16,4 @@ class VmExited(VmmError):
 class RunstateError(VmmError):
     """A QemuVm operation was asked for in a runstate it is not valid in (qemu.py)."""
 
-    status, code = 409, "FAILED_PRECONDITION"
+    status, code = Conflict.status, Conflict.code

@@ -159,7 +159,6 @@ async def test_a_failing_health_probe_shows_nothing_without_a_key(tmp_path: Path
 async def test_cors_only_for_the_operators_origins(tmp_path: Path) -> None:
     """A browser page on an origin in PAL_CORS_ORIGINS may call the API with its key (the
     TypeScript SDK in a page); any other origin gets no CORS grant; none is the default."""
-    import dataclasses
 
     from pal.api.app import create_app
     from tests.fakes import make_env
@@ -170,7 +169,7 @@ async def test_cors_only_for_the_operators_origins(tmp_path: Path) -> None:
         (["https://app.example"], "https://app.example", True),
         (["https://app.example"], "https://evil.example", False),
     ):
-        settings = dataclasses.replace(env.settings, cors_origins=origins)
+        settings = env.settings.model_copy(update={"cors_origins": origins})
         app = create_app(env.sched, env.store, settings)
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://localhost"

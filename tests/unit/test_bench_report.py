@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pal import bench
+from pal.bench import latency as bench
 
 
 def report(samples: dict[str, list[float]]) -> dict[str, Any]:
@@ -173,7 +173,7 @@ def _target(md: str, start: str) -> str:
 
 
 def test_wait_report_judges_each_target_and_a_wait_counts_only_if_it_was_paused() -> None:
-    from pal import bench_wait
+    from pal.bench import wait as bench_wait
 
     md = bench_wait.render(wait_report(wait_pauses=100))
     assert "Some CPU model" in md and "accelerator **TCG**" in md

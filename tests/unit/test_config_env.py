@@ -1,5 +1,5 @@
-"""Every environment variable the server side honours is read in pal/config.py, and the
-README's Configuration table names each one: config.py's claim stays true."""
+"""Every environment variable the server side honours is declared in pal/config.py, and the
+README's Configuration table is made from those declarations: config.py's claim stays true."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ OTHER_READERS = {
     "cli/nodes.py",  # client side: PAL_URL of the server it talks to
     "guest/harness.py",  # runs inside the VM
     "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
-    "bench.py",  # sets variables for the servers it starts
-    "bench_network.py",
-    "bench_cluster.py",
-    "bench_s3.py",
+    "bench/latency.py",  # sets variables for the servers it starts
+    "bench/network.py",
+    "bench/cluster.py",
+    "bench/s3.py",
     "localcluster/demo.py",  # a demo launcher for developers
     "localcluster/processes.py",  # passes the environment on to the processes it starts
     "network/control.py",  # passes chosen variables on to the gateway process
@@ -46,16 +46,28 @@ def test_only_config_reads_the_servers_environment() -> None:
     strays = {}
     for path in sorted(PAL.rglob("*.py")):
         rel = str(path.relative_to(PAL))
-        if rel == "config.py" or rel in OTHER_READERS:
+        if rel in ("config.py", "config_env.py") or rel in OTHER_READERS:
             continue
         if re.search(r"\bos\.environ\b|\bgetenv\(", path.read_text()):
             strays[rel] = sorted(_env_reads(path)) or ["os.environ"]
     assert strays == {}, "read these in pal/config.py (Settings) instead"
 
 
-def test_the_readme_lists_every_variable_config_reads() -> None:
-    names = {n for n in _env_reads(PAL / "config.py") if n not in CLIENT_SIDE}
-    assert len(names) > 20
-    table = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    missing = sorted(n for n in names if f"`{n}`" not in table)
-    assert missing == [], "add them to README.md's Configuration table"
+def test_the_readme_table_is_the_declarations() -> None:
+    from pal.config import Settings
+    from pal.config_env import BEGIN, END, markdown
+
+    text = README.read_text()
+    table = text.split(BEGIN + "\n", 1)[1].split(END, 1)[0]
+    assert table == markdown(Settings), "run: python -m pal.config --write"
+
+
+def test_every_setting_declares_its_variable_once() -> None:
+    from pal.config import Settings
+    from pal.config_env import env_of
+
+    names = [env_of(f).name for f in Settings.model_fields.values()]
+    assert len(names) > 40 and len(set(names)) == len(names)
+    assert all(env_of(f).doc for f in Settings.model_fields.values())
+    # config.py reads no variable but through a declaration
+    assert _env_reads(PAL / "config.py") <= set(names)

@@ -4,14 +4,16 @@ not resolved, and no query for it leaves the gateway (dnspython on the wire)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import dns.message
 import dns.rcode
 import dns.rdatatype
 
 from pal.network.gateway import Gateway, VmGateway
+from pal.network.lookups import Found
 from pal.network.names import NameTable
-from pal.network.policy import Address, Policy
+from pal.network.policy import Policy
 from pal.spec import EgressAllow
 
 
@@ -37,13 +39,13 @@ async def test_a_cidr_entry_sends_no_other_name_to_the_resolver() -> None:
     gw = Gateway()
     gw.configure("api.test=151.101.0.1,other.test=151.101.0.2", [])  # host DNS on, as by default
     asked: list[str] = []
-    resolve = gw.resolver.resolve
+    lookup = gw.resolver.lookup
 
-    async def counting(name: str) -> list[Address]:
+    async def counting(name: str, slots: Any = None) -> Found:
         asked.append(name)
-        return await resolve(name)
+        return await lookup(name, slots)
 
-    gw.resolver.resolve = counting  # type: ignore[method-assign]
+    gw.resolver.lookup = counting  # type: ignore[method-assign]
     vm = VmGateway(gw, "vm-1", Policy(EgressAllow(allow=["api.test", "151.101.0.0/16"])), {}, NameTable())
     assert (await ask(vm, "api.test")).rcode() == dns.rcode.NOERROR
     for name in ("other.test", "c2VjcmV0.exfil.example"):

@@ -20,6 +20,7 @@ from pal.network.names import MAX_NAMES, SYNTHETIC_NET, NameTable, is_synthetic
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide, TokenBucket, UpstreamSide
 from pal.spec import EgressAllow
+from tests.dnsserver import loopback_dns
 
 
 async def _until(cond: Any) -> None:
@@ -220,22 +221,17 @@ async def test_denied_events_are_rate_limited_and_counted() -> None:
     assert last["name"] == "late.test" and last["suppressed"] > 80
 
 
-async def test_static_dns_sends_no_lookup_off_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_static_dns_sends_no_lookup_off_the_node() -> None:
     """PAL_EGRESS_DNS=static: names outside PAL_EGRESS_RESOLVE do not resolve, and the
-    host's resolver is never asked (with the default, it is)."""
-    asked: list[str] = []
-
-    async def getaddrinfo(host: str, *a: Any, **kw: Any) -> list[Any]:
-        asked.append(host)
-        return [(0, 0, 0, "", ("151.101.0.1", 0))]
-
-    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
-    gw = Gateway()
-    gw.configure("api.test=127.0.0.2", ["127.0.0.2"], host_dns=False)
-    vm = VmGateway(gw, "vm-1", Policy("open"), {}, NameTable())
-    assert (await _ask(vm, "api.test")).rcode() == dns.rcode.NOERROR
-    assert (await _ask(vm, "elsewhere.example")).rcode() == dns.rcode.NXDOMAIN
-    assert asked == []
-    gw.configure("api.test=127.0.0.2", ["127.0.0.2"])
-    assert (await _ask(vm, "elsewhere.example")).rcode() == dns.rcode.NOERROR
-    assert asked == ["elsewhere.example"]
+    host's name servers are never asked (with the default, they are)."""
+    with loopback_dns({"elsewhere.example": "151.101.0.1"}) as server:
+        budgets = {"nameservers": server.nameserver}
+        gw = Gateway()
+        gw.configure("api.test=127.0.0.2", ["127.0.0.2"], host_dns=False, budgets=budgets)
+        vm = VmGateway(gw, "vm-1", Policy("open"), {}, NameTable())
+        assert (await _ask(vm, "api.test")).rcode() == dns.rcode.NOERROR
+        assert (await _ask(vm, "elsewhere.example")).rcode() == dns.rcode.NXDOMAIN
+        assert server.queries == []
+        gw.configure("api.test=127.0.0.2", ["127.0.0.2"], budgets=budgets)
+        assert (await _ask(vm, "elsewhere.example")).rcode() == dns.rcode.NOERROR
+        assert sorted(server.queries) == ["elsewhere.example"] * 2  # A and AAAA

@@ -161,8 +161,8 @@ async def test_a_connection_connecting_when_the_policy_changes_is_judged_by_the_
     resolve = net.gw.resolver.resolve
     changed: list[int] = []
 
-    async def resolve_then_change(name: str) -> Any:
-        found = await resolve(name)
+    async def resolve_then_change(name: str, slots: Any = None) -> Any:
+        found = await resolve(name, slots)
         changed.append(net.vm.apply_policy(refusing))
         return found
 

@@ -14,6 +14,7 @@ import type {
   FileBytes,
   FileList,
   FileText,
+  FileDeleted,
   FileWritten,
   ForkOptions,
   ForkResult,
@@ -21,6 +22,9 @@ import type {
   JsonOf,
   Method,
   PathWith,
+  PortLink,
+  PortLinkRevoked,
+  SecretRotated,
   Snapshot,
   SnapshotState,
   Vm,
@@ -86,8 +90,7 @@ export class Pal {
 
   /** GET /healthz: `{ok, ...}` (ok is false when the server cannot schedule VMs). */
   async health(): Promise<{ ok: boolean; [k: string]: unknown }> {
-    const resp = await this.send("/healthz", "GET", {}, true);
-    return (await resp.json()) as { ok: boolean };
+    return (await this.json("get", "/healthz")) as { ok: boolean; [k: string]: unknown };
   }
 
   /** GET /v1/images: the images this tenant may schedule (`image` in a schedule request). */
@@ -301,6 +304,40 @@ export class Runtime {
       params: { vm_id: vmId },
       query: { path },
       body,
+    });
+  }
+
+  /** Remove a file or symlink under /workspace (not a directory). */
+  deleteFile(vmId: string, path: string): Promise<FileDeleted> {
+    return this.client.json("delete", "/v1/runtime/vms/{vm_id}/files/content", {
+      params: { vm_id: vmId },
+      query: { path },
+    });
+  }
+
+  /** A brokered secret's new value; the VM's next request carries it (the guest, which holds
+   * only the placeholder, is not touched). `applied` is `"now"` or `"next start"`. */
+  rotateSecret(vmId: string, name: string, value: string): Promise<SecretRotated> {
+    return this.client.json("put", "/v1/runtime/vms/{vm_id}/secrets/{name}", {
+      params: { vm_id: vmId, name },
+      json: { value },
+    });
+  }
+
+  /** A signed link to the server on `port` in the VM (`{url, expiresAt, linkId}`) that opens
+   * it without the API key until it expires (default one hour) or `revokePortUrl` revokes it;
+   * bound to this VM and port. */
+  portUrl(vmId: string, port: number, options: { expiresInSecs?: number } = {}): Promise<PortLink> {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/ports/{port}/url", {
+      params: { vm_id: vmId, port: String(port) },
+      json: { expiresInSecs: options.expiresInSecs ?? 3600 },
+    });
+  }
+
+  /** Revoke a link `portUrl` made (its `linkId`): it opens nothing from now on. */
+  revokePortUrl(vmId: string, linkId: string): Promise<PortLinkRevoked> {
+    return this.client.json("delete", "/v1/runtime/vms/{vm_id}/port-links/{link_id}", {
+      params: { vm_id: vmId, link_id: linkId },
     });
   }
 

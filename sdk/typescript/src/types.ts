@@ -25,6 +25,11 @@ export type ExecResult = Schemas["ExecOut"];
 export type FileList = Schemas["FileListOut"];
 export type FileEntry = Schemas["FileEntryOut"];
 export type FileWritten = Schemas["FileWrittenOut"];
+export type FileDeleted = Schemas["FileDeletedOut"];
+/** A signed port link: `{url, expiresAt, linkId}` (expiresAt in Unix seconds). */
+export type PortLink = Schemas["PortUrlOut"];
+export type PortLinkRevoked = Schemas["PortLinkRevokedOut"];
+export type SecretRotated = Schemas["SecretRotatedOut"];
 export type VmEvent = Schemas["EventOut"];
 export type VmMetrics = Schemas["VmMetricsOut"];
 export type MetricSample = Schemas["MetricSampleOut"];

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from pal import bench_steady
+from pal.bench import steady as bench_steady
 from pal.sizes import DEFAULT_MEMORY_MIB, size_name
 
 # The reference's published p50s (its lifecycle specification's "Cost and latency" table).

@@ -8,7 +8,7 @@ baseline):
 - a custom image (pal/images/sample.py: a static-busybox OCI archive, no libc, no Python):
   `pal image import` (skopeo, umoci, mkfs.ext4), its first schedule (cold: no template yet)
   → first exec, and schedules from its own template → first exec.
-These are the same rows `pal bench` measures (pal/bench.py), without the pause/fork/floor
+These are the same rows `pal bench` measures (pal/bench/latency.py), without the pause/fork/floor
 rows, so they can be measured on their own. Writes JSON and docs/benchmarks/images.md.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench import (
+from pal.bench.latency import (
     BASELINES,
     ROWS,
     Api,

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench import (
+from pal.bench.latency import (
     Api,
     data_dir_info,
     data_dir_lines,

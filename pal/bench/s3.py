@@ -32,7 +32,7 @@ from typing import Any
 
 import boto3
 
-from pal.bench import Api, local_server, machine, pct, server_accel, timed
+from pal.bench.latency import Api, local_server, machine, pct, server_accel, timed
 from pal.config import Settings
 from pal.localcluster.s3 import TEST_ENV, S3Server
 

@@ -7,7 +7,7 @@
   (checksums) in the background;
 - fork ×10 from a VM that has been resumed 10 times, all running;
 - host memory (PSS) of the VM's QEMU after 10 cycles;
-- readiness → first exec of the first schedule after `pal up` (bench.py measures it as
+- readiness → first exec of the first schedule after `pal up` (latency.py measures it as
   it starts its servers).
 
 Every latency is also shown as a ratio to the same run's warm exec: the warm exec measures

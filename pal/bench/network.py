@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench import Api, local_server, machine, pct, server_accel, wait_template
+from pal.bench.latency import Api, local_server, machine, pct, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 HOST = "127.0.0.2"

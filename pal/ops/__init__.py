@@ -1,0 +1,1 @@
+"""Operator tools beside the server: `pal doctor` (doctor.py)."""

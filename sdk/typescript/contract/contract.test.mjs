@@ -1,0 +1,159 @@
+// The shared SDK contract (sdk/contract/scenarios.json) against a real Pal server, under
+// `node --test`. PAL_URL and PAL_API_KEY name the server and a tenant with room for the
+// file's tenantMaxVms VMs; tests/e2e/test_sdk_contract.py starts a server and runs this
+// (after `npm run build`). One test per scenario, named by its id, in the file's order.
+
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { after, test } from "node:test";
+
+import {
+  AuthenticationError,
+  BadRequestError,
+  ConflictError,
+  NotFoundError,
+  Pal,
+  PalError,
+  PayloadTooLargeError,
+  QuotaExceededError,
+} from "../dist/index.js";
+
+if (!process.env.PAL_URL || !process.env.PAL_API_KEY) throw new Error("set PAL_URL and PAL_API_KEY");
+
+const file = JSON.parse(readFileSync(new URL("../../contract/scenarios.json", import.meta.url), "utf8"));
+const client = new Pal();
+const rt = client.runtime;
+const st = { vm: "" };
+const shell = (line) => ({ command: "/bin/sh", argv: ["-c", line] });
+
+async function expectError(promise, cls, status, code) {
+  await assert.rejects(promise, (err) => {
+    assert.ok(err instanceof cls, `${err} is not a ${cls.name}`);
+    assert.ok(err instanceof PalError);
+    assert.equal(err.status, status);
+    assert.equal(err.code, code);
+    assert.ok(err.message && err.requestId, `message and requestId: ${err.message} ${err.requestId}`);
+    return true;
+  });
+}
+
+function needVm() {
+  assert.ok(st.vm, "no VM: the schedule scenario failed");
+}
+
+const scenarios = {
+  async schedule() {
+    const vm = await rt.schedule({});
+    assert.ok(vm.vmId);
+    assert.equal(vm.state, "running");
+    st.vm = vm.vmId;
+    const got = await rt.get(st.vm);
+    assert.equal(got.vmId, st.vm);
+    assert.equal(got.state, "running");
+    assert.ok((await rt.list()).some((v) => v.vmId === st.vm));
+  },
+
+  async "exec-buffered"() {
+    needVm();
+    const res = await rt.exec(st.vm, shell("echo out; echo err >&2; exit 3"));
+    assert.deepEqual([res.exitCode, res.stdout, res.stderr], [3, "out\n", "err\n"]);
+  },
+
+  async "exec-stream"() {
+    needVm();
+    const events = [];
+    for await (const ev of rt.execStream(st.vm, shell("echo one; echo two >&2; exit 5"))) events.push(ev);
+    const join = (type) => events.filter((e) => e.type === type).map((e) => e.data).join("");
+    assert.equal(join("stdout"), "one\n");
+    assert.equal(join("stderr"), "two\n");
+    const exits = events.filter((e) => e.type === "exit");
+    assert.equal(exits.length, 1);
+    assert.deepEqual(events.at(-1), { type: "exit", exitCode: 5 });
+  },
+
+  async "exec-stream-close"() {
+    needVm();
+    const seen = [];
+    for await (const ev of rt.execStream(st.vm, shell("echo ready; exec sleep 600"))) {
+      seen.push(ev);
+      break; // leaving the loop closes the stream
+    }
+    assert.deepEqual(seen, [{ type: "stdout", data: "ready\n" }]);
+    const res = await rt.exec(st.vm, shell("echo again"));
+    assert.deepEqual([res.exitCode, res.stdout], [0, "again\n"]);
+  },
+
+  async "files-bytes"() {
+    needVm();
+    const data = Uint8Array.from({ length: 256 }, (_, i) => i);
+    assert.equal((await rt.writeFile(st.vm, "contract/bin.dat", data)).bytesWritten, 256);
+    const got = await rt.readFileBytes(st.vm, "contract/bin.dat");
+    assert.equal(got.truncated, false);
+    assert.deepEqual(got.content, data);
+    const list = await rt.listFiles(st.vm, "contract");
+    assert.ok(list.entries.some((e) => e.name === "bin.dat" && e.type === "file" && e.size === 256), JSON.stringify(list));
+    assert.equal((await rt.deleteFile(st.vm, "contract/bin.dat")).deleted, true);
+    await expectError(rt.readFileBytes(st.vm, "contract/bin.dat"), NotFoundError, 404, "FILE_NOT_FOUND");
+  },
+
+  async "pause-resume"() {
+    needVm();
+    await rt.writeFile(st.vm, "keep.txt", "kept");
+    const paused = await rt.pause(st.vm);
+    assert.equal(paused.state, "paused");
+    assert.ok(paused.snapshotId);
+    assert.equal((await rt.get(st.vm)).state, "paused");
+    await expectError(rt.exec(st.vm, { command: "/bin/true" }), ConflictError, 409, "FAILED_PRECONDITION");
+    const resumed = await rt.resume(st.vm);
+    assert.deepEqual([resumed.vmId, resumed.state], [st.vm, "running"]);
+    assert.equal((await rt.readFile(st.vm, "keep.txt")).content, "kept");
+  },
+
+  async fork() {
+    needVm();
+    const res = await rt.fork(st.vm, { count: 1 });
+    assert.equal(res.sourceVmId, st.vm);
+    assert.equal(res.forks.length, 1);
+    const child = res.forks[0];
+    try {
+      assert.equal(child.state, "running");
+      assert.ok(!child.error && child.vmId && child.vmId !== st.vm, JSON.stringify(child));
+      assert.equal((await rt.readFile(child.vmId, "keep.txt")).content, "kept");
+      assert.equal((await rt.get(child.vmId)).parentVmId, st.vm);
+      assert.equal((await rt.delete(child.vmId)).state, "terminated");
+    } finally {
+      await rt.delete(child.vmId).catch(() => undefined);
+    }
+  },
+
+  async errors() {
+    needVm();
+    await expectError(rt.get("vm-does-not-exist"), NotFoundError, 404, "NOT_FOUND");
+    const stranger = new Pal({ apiKey: "pal_not_a_key" });
+    await expectError(stranger.runtime.list(), AuthenticationError, 401, "UNAUTHENTICATED");
+    await expectError(rt.readFile(st.vm, "../etc/passwd"), BadRequestError, 400, "PATH_ESCAPE");
+    await expectError(rt.writeFile(st.vm, "big.bin", new Uint8Array(1024 * 1024 + 1)), PayloadTooLargeError, 413, "PAYLOAD_TOO_LARGE");
+    await expectError(rt.resume(st.vm), ConflictError, 409, "FAILED_PRECONDITION");
+    await expectError(rt.fork(st.vm, { count: 50 }), QuotaExceededError, 402, "QUOTA_EXCEEDED");
+  },
+
+  async delete() {
+    needVm();
+    assert.equal((await rt.delete(st.vm)).state, "terminated");
+    st.vm = "";
+  },
+};
+
+const listed = new Set(file.scenarios.map((s) => s.id));
+for (const id of Object.keys(scenarios)) {
+  if (!listed.has(id)) throw new Error(`the TypeScript runner implements ${id}, which scenarios.json does not list`);
+}
+for (const sc of file.scenarios) {
+  if (sc.status === "todo") test(sc.id, { skip: sc.note }, () => {});
+  else if (!scenarios[sc.id]) test(sc.id, () => assert.fail(`scenario ${sc.id} has no TypeScript implementation`));
+  else test(sc.id, { timeout: 600_000 }, scenarios[sc.id]);
+}
+
+after(async () => {
+  if (st.vm) await rt.delete(st.vm).catch(() => undefined);
+});

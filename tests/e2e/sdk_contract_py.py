@@ -1,0 +1,172 @@
+"""The shared SDK contract (sdk/contract/scenarios.json) in the Python SDK: one function
+per active scenario, keyed by its id. tests/e2e/test_sdk_contract.py runs them in the file's
+order against a real server; the Go and TypeScript runners implement the same ids."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pal.sdk import (
+    AuthenticationError,
+    BadRequestError,
+    Client,
+    ConflictError,
+    NotFoundError,
+    PalApiError,
+    PayloadTooLargeError,
+    QuotaExceededError,
+)
+
+SCENARIOS_FILE = Path(__file__).resolve().parents[2] / "sdk" / "contract" / "scenarios.json"
+
+
+def load() -> dict[str, Any]:
+    return dict(json.loads(SCENARIOS_FILE.read_text()))
+
+
+@dataclass
+class State:
+    """What the scenarios share: the client, and the VM `schedule` made."""
+
+    client: Client
+    vm: str = ""
+
+    def need_vm(self) -> str:
+        assert self.vm, "no VM: the schedule scenario failed"
+        return self.vm
+
+
+def _shell(line: str) -> tuple[str, list[str]]:
+    return "/bin/sh", ["-c", line]
+
+
+def expect_error(exc: pytest.ExceptionInfo[PalApiError], status: int, code: str) -> None:
+    err = exc.value
+    assert (err.status, err.code) == (status, code), err
+    assert err.message and err.request_id, err
+
+
+def schedule(st: State) -> None:
+    rt = st.client.runtime
+    vm = rt.schedule()
+    assert vm["vmId"] and vm["state"] == "running", vm
+    st.vm = vm["vmId"]
+    got = rt.get(st.vm)
+    assert (got["vmId"], got["state"]) == (st.vm, "running")
+    assert st.vm in {v["vmId"] for v in rt.list()}
+
+
+def exec_buffered(st: State) -> None:
+    res = st.client.runtime.exec(st.need_vm(), *_shell("echo out; echo err >&2; exit 3"))
+    assert (res.exit_code, res.stdout, res.stderr) == (3, "out\n", "err\n"), res
+
+
+def exec_stream(st: State) -> None:
+    events = list(st.client.runtime.exec_stream(st.need_vm(), *_shell("echo one; echo two >&2; exit 5")))
+    assert "".join(e.data or "" for e in events if e.type == "stdout") == "one\n", events
+    assert "".join(e.data or "" for e in events if e.type == "stderr") == "two\n", events
+    assert [e.type for e in events].count("exit") == 1, events
+    assert events[-1].type == "exit" and events[-1].exit_code == 5, events
+
+
+def exec_stream_close(st: State) -> None:
+    vm = st.need_vm()
+    stream = st.client.runtime.exec_stream(vm, *_shell("echo ready; exec sleep 600"))
+    first = next(stream)
+    assert (first.type, first.data) == ("stdout", "ready\n"), first
+    stream.close()  # closes the connection: the server stops the command
+    res = st.client.runtime.exec(vm, *_shell("echo again"))
+    assert (res.exit_code, res.stdout) == (0, "again\n"), res
+
+
+def files_bytes(st: State) -> None:
+    rt, vm = st.client.runtime, st.need_vm()
+    data = bytes(range(256))
+    assert rt.write_file(vm, "contract/bin.dat", data)["bytesWritten"] == 256
+    got = rt.read_file_bytes(vm, "contract/bin.dat")
+    assert bytes(got) == data and not got.truncated
+    entries = rt.list_files(vm, "contract")["entries"]
+    assert {"name": "bin.dat", "type": "file", "size": 256} in entries, entries
+    assert rt.delete_file(vm, "contract/bin.dat")["deleted"] is True
+    with pytest.raises(NotFoundError) as nf:
+        rt.read_file_bytes(vm, "contract/bin.dat")
+    expect_error(nf, 404, "FILE_NOT_FOUND")
+
+
+def pause_resume(st: State) -> None:
+    rt, vm = st.client.runtime, st.need_vm()
+    rt.write_file(vm, "keep.txt", "kept")
+    paused = rt.pause(vm)
+    assert paused["state"] == "paused" and paused["snapshotId"], paused
+    assert rt.get(vm)["state"] == "paused"
+    with pytest.raises(ConflictError) as conflict:
+        rt.exec(vm, "/bin/true")
+    expect_error(conflict, 409, "FAILED_PRECONDITION")
+    resumed = rt.resume(vm)
+    assert (resumed["vmId"], resumed["state"]) == (vm, "running"), resumed
+    assert rt.read_file(vm, "keep.txt") == "kept"
+
+
+def fork(st: State) -> None:
+    rt, vm = st.client.runtime, st.need_vm()
+    res = rt.fork(vm, 1)
+    assert res["sourceVmId"] == vm and len(res["forks"]) == 1, res
+    child = res["forks"][0]
+    try:
+        assert child["state"] == "running" and not child.get("error"), child
+        assert child["vmId"] and child["vmId"] != vm
+        assert rt.read_file(child["vmId"], "keep.txt") == "kept"
+        assert rt.get(child["vmId"])["parentVmId"] == vm
+        assert rt.delete(child["vmId"])["state"] == "terminated"
+    finally:
+        try:
+            rt.delete(child["vmId"])
+        except PalApiError:
+            pass
+
+
+def errors(st: State) -> None:
+    rt, vm = st.client.runtime, st.need_vm()
+    with pytest.raises(NotFoundError) as nf:
+        rt.get("vm-does-not-exist")
+    expect_error(nf, 404, "NOT_FOUND")
+    with Client(st.client.base_url, "pal_not_a_key") as stranger:
+        with pytest.raises(AuthenticationError) as unauth:
+            stranger.runtime.list()
+    expect_error(unauth, 401, "UNAUTHENTICATED")
+    with pytest.raises(BadRequestError) as bad:
+        rt.read_file(vm, "../etc/passwd")
+    expect_error(bad, 400, "PATH_ESCAPE")
+    with pytest.raises(PayloadTooLargeError) as big:
+        rt.write_file(vm, "big.bin", bytes(1024 * 1024 + 1))
+    expect_error(big, 413, "PAYLOAD_TOO_LARGE")
+    with pytest.raises(ConflictError) as conflict:
+        rt.resume(vm)
+    expect_error(conflict, 409, "FAILED_PRECONDITION")
+    with pytest.raises(QuotaExceededError) as quota:
+        rt.fork(vm, 50)
+    expect_error(quota, 402, "QUOTA_EXCEEDED")
+
+
+def delete(st: State) -> None:
+    assert st.client.runtime.delete(st.need_vm())["state"] == "terminated"
+    st.vm = ""
+
+
+SCENARIOS: dict[str, Callable[[State], None]] = {
+    "schedule": schedule,
+    "exec-buffered": exec_buffered,
+    "exec-stream": exec_stream,
+    "exec-stream-close": exec_stream_close,
+    "files-bytes": files_bytes,
+    "pause-resume": pause_resume,
+    "fork": fork,
+    "errors": errors,
+    "delete": delete,
+}
