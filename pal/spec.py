@@ -502,6 +502,9 @@ class AgentSpec(_Model):
 MAX_EXEC_TIMEOUT_S = 24 * 3600  # the ceiling of an exec's timeoutSecs (and of the default)
 
 
+MAX_YIELD_AFTER_MS = 60_000  # the longest an exec may wait before it yields
+
+
 class ExecRequest(_Model):
     command: str = Field(
         ..., min_length=1, max_length=MAX_PATH_CHARS, description="executable (path or name)"
@@ -524,6 +527,14 @@ class ExecRequest(_Model):
         None,
         description="`pal` (default: the image's workload user, whatever its name), `root`, "
         "or the workload user's own name (an image's USER)",
+    )
+    yield_after_ms: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_YIELD_AFTER_MS,
+        description="buffered exec only: the whole result if the command ends within this "
+        "long, else `{processId, running: true}` with the output so far and the offset to read "
+        "on from (`/processes/{processId}/output`); the command keeps running (docs/processes.md)",
     )
 
     @field_validator("env")
@@ -604,7 +615,9 @@ class ProcessStartRequest(ExecRequest):
     pty: Terminal | None = Field(None, description="run on a terminal of this size (stdin included)")
     tag: str = Field("", max_length=P.MAX_TAG_CHARS, description="free text to find the process by")
     keep_awake: bool = Field(
-        False, description="while it runs, the VM is not idle-suspended (others pause with the VM)"
+        False,
+        description="while it runs, the guest reports the VM active (a guest's claim: it delays "
+        "an idle suspend by at most one idle timeout; docs/processes.md)",
     )
     journal_bytes: int = Field(
         P.JOURNAL_DEFAULT_BYTES,
@@ -619,6 +632,12 @@ class ProcessStartRequest(ExecRequest):
         if "\0" in v:
             raise ValueError("must not contain a NUL byte")
         return v
+
+    @model_validator(mode="after")
+    def _no_yield(self) -> ProcessStartRequest:
+        if self.yield_after_ms is not None:
+            raise ValueError("yieldAfterMs is for exec; a process runs on by itself")
+        return self
 
 
 class SignalRequest(_Model):

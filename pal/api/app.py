@@ -37,6 +37,7 @@ from .port_links import Links
 from .port_origins import PortsHostDispatch, PortsOrigins
 from .ports import ports_router
 from .ports_openapi import document_port_proxy
+from .processes import processes_router
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
 
@@ -100,6 +101,7 @@ def create_app(
     app.state.callers = Callers(store, settings)
     app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
     app.include_router(runtime_router)  # its handlers find the above on app.state
+    app.include_router(processes_router)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)

@@ -66,25 +66,38 @@ class _Capped:
         return "".join(self.parts)
 
 
-def _out(code: int, out: _Capped, err: _Capped, timed_out: bool | None = None) -> ExecOut:
+PROCESS_ID_HEADER = "X-Pal-Process-Id"  # every exec answer names its process (docs/processes.md)
+
+
+def _out(code: int, out: _Capped, err: _Capped, pid: int | None, timed_out: bool | None = None) -> ExecOut:
     cut = (out.cut or err.cut) or None
-    return ExecOut(exit_code=code, stdout=out.text(), stderr=err.text(), timed_out=timed_out, truncated=cut)
+    return ExecOut(
+        exit_code=code,
+        stdout=out.text(),
+        stderr=err.text(),
+        timed_out=timed_out,
+        truncated=cut,
+        process_id=pid,
+    )
 
 
 async def buffered_exec(events: AsyncIterator[ExecEvent], lease: Lease | None = None) -> ExecOut:
     """The exec's answer once it ends; its output counted against ``lease`` (the tenant's
     budget), which the caller releases once the answer is sent."""
     stdout, stderr = _Capped(lease), _Capped(lease)
+    pid: int | None = None
     try:
         async for ev in events:
-            if ev.type == "stdout":
+            if ev.type == "process":
+                pid = ev.process_id
+            elif ev.type == "stdout":
                 stdout.add(ev.data or "")
             elif ev.type == "stderr":
                 stderr.add(ev.data or "")
             elif ev.type == "exit":
-                return _out(ev.exit_code if ev.exit_code is not None else -1, stdout, stderr)
+                return _out(ev.exit_code if ev.exit_code is not None else -1, stdout, stderr, pid)
             elif _is_timeout(ev):
-                return _out(TIMEOUT_EXIT_CODE, stdout, stderr, timed_out=True)
+                return _out(TIMEOUT_EXIT_CODE, stdout, stderr, pid, timed_out=True)
             else:
                 raise to_pal_error(ev.code, ev.message, "exec")
     finally:
@@ -103,7 +116,10 @@ async def budgeted_exec(
     except BaseException:
         lease.release()
         raise
-    return LeasedJSON(out.model_dump(mode="json", by_alias=True, exclude_none=True), lease)
+    resp = LeasedJSON(out.model_dump(mode="json", by_alias=True, exclude_none=True), lease)
+    if out.process_id is not None:
+        resp.headers[PROCESS_ID_HEADER] = str(out.process_id)
+    return resp
 
 
 def sse_frame(event: str, data: dict[str, Any]) -> bytes:
@@ -111,6 +127,8 @@ def sse_frame(event: str, data: dict[str, Any]) -> bytes:
 
 
 def event_frame(ev: ExecEvent) -> bytes:
+    if ev.type == "process":
+        return sse_frame("process", {"processId": ev.process_id})
     if ev.type in ("stdout", "stderr"):
         return sse_frame(ev.type, {"data": ev.data or ""})
     if ev.type == "exit":
@@ -205,4 +223,6 @@ async def sse_exec(
             await _stop(task)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if isinstance(first, ExecEvent) and first.type == "process":
+        headers[PROCESS_ID_HEADER] = str(first.process_id)
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

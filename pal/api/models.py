@@ -155,9 +155,19 @@ class ForkOut(_Out):
 
 
 class ExecOut(_Out):
-    exit_code: int
+    exit_code: int | None = Field(default=None, description="absent only while it runs (`running`)")
     stdout: str
     stderr: str
+    process_id: int | None = Field(
+        default=None, description="the exec's process (`/processes/{processId}`); also `X-Pal-Process-Id`"
+    )
+    running: bool | None = Field(
+        default=None,
+        description="`yieldAfterMs` only: true when the command still runs; read on from `next`",
+    )
+    next: int | None = Field(
+        default=None, description="`yieldAfterMs` while running: the output offset after what is here"
+    )
     timed_out: bool | None = Field(
         default=None, description="true when the guest killed the command at timeoutSecs; absent otherwise"
     )

@@ -37,6 +37,7 @@ from .models import (
     VmOut,
 )
 from .paths import check_workspace_path
+from .processes import yield_exec
 
 _ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
@@ -160,6 +161,8 @@ async def fork(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ForkReques
     dependencies=json_body,
 )
 async def exec_(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ExecRequest, request: Request) -> Any:
+    if req.yield_after_ms is not None:  # a process waited for a while (processes.py)
+        return await yield_exec(scheduler, tenant, vm_id, req)
     if "text/event-stream" in request.headers.get("accept", ""):
         return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
     # the tenants' buffered exec output on this server (exec_budget.py), and the timeout of

@@ -272,7 +272,9 @@ def exec_(
             sys.stderr.write(res.stderr)
             _exit(res.exit_code, res.timed_out, timeout)
         for ev in rt.exec_stream(vm_id, exe, args, **kw):  # type: ignore[arg-type]
-            if ev.type == "stdout":
+            if ev.type == "process":
+                continue  # its process id (docs/processes.md)
+            elif ev.type == "stdout":
                 sys.stdout.write(ev.data or "")
                 sys.stdout.flush()
             elif ev.type == "stderr":

@@ -365,8 +365,19 @@ class Launch:
     journal_bytes: int = 0
 
 
+# The harness is PID 1 and ignores these (system.py); an ignored signal stays ignored
+# across exec, so without this no command could be interrupted (psignal INT) or trap them.
+_DEFAULT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _default_signals() -> None:
+    for sig in _DEFAULT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _take_terminal() -> None:
     # In the child, after setsid: the terminal on fd 0 becomes its controlling terminal.
+    _default_signals()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
@@ -410,7 +421,7 @@ class ProcessTable:
             "stdout": subprocess.PIPE,
             "stderr": subprocess.PIPE,
         }
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"preexec_fn": _default_signals}
         if launch.pty is not None:
             cols, rows = launch.pty
             master, slave = os.openpty()

@@ -38,8 +38,9 @@ from pal.manager.models import (
     WarmRequest,
     WarmResult,
 )
+from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
-from pal.spec import ExecRequest
+from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
 
 class RuntimeManager(Protocol):
@@ -108,6 +109,41 @@ class RuntimeManager(Protocol):
     def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Run a command; yields stdout/stderr chunks as they come, then exit or error."""
         ...
+
+    # Processes (docs/processes.md; node side pal/manager/processes.py). Prerequisites of
+    # each: the VM runs here (409, or 409 LIVE_PAUSED, which the scheduler turns into a
+    # wake); the process exists (404 PROCESS_NOT_FOUND). Failure: the guest's error mapped
+    # by guest_errors.py (400 bad input, 409 PROCESS_STATE, 429 TOO_MANY_PROCESSES).
+    async def start_process(self, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
+        """Success: the process runs (a missing executable is 400, as for exec)."""
+        ...
+
+    async def list_processes(self, vm_id: str) -> list[ProcessInfo]: ...
+
+    async def get_process(self, vm_id: str, pid: int) -> ProcessInfo: ...
+
+    async def delete_process(self, vm_id: str, pid: int) -> ProcessDeleted:
+        """Success: killed (its group) if it ran, and forgotten."""
+        ...
+
+    async def read_output(
+        self, vm_id: str, pid: int, start: int, max_bytes: int, wait_ms: int
+    ) -> ProcessOutput:
+        """Its journal from ``start`` (waiting up to ``wait_ms`` for output past it);
+        400 when ``start`` is past the output's end."""
+        ...
+
+    def attach_process(self, vm_id: str, pid: int, start: int) -> AsyncIterator[ProcessEvent]:
+        """Its output as it comes; ends with ``exit`` or ``detached`` (never a made-up exit)."""
+        ...
+
+    async def write_stdin(self, vm_id: str, pid: int, data: bytes, eof: bool) -> StdinWritten: ...
+
+    async def signal_process(self, vm_id: str, pid: int, req: SignalRequest) -> None: ...
+
+    async def resize_process(self, vm_id: str, pid: int, size: Terminal) -> None: ...
+
+    async def wait_process(self, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo: ...
 
     async def open_port(self, vm_id: str, port: int) -> TunnelStream:
         """A byte stream to the server listening on ``port`` inside the guest (on 0.0.0.0

@@ -340,7 +340,8 @@ class HarnessChannel:
                 if reply is _CLOSED:
                     finished = True
                     raise ChannelClosed(f"VM {self.vm_id}: guest channel closed during exec")
-                if reply["k"] in (p.K_EXIT, p.K_ERR):
+                # ``ok`` ends a stream the guest detached (an attach's end without an exit).
+                if reply["k"] in (p.K_EXIT, p.K_ERR, p.K_OK):
                     finished = True
                 yield reply
                 if finished:

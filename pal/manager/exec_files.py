@@ -127,7 +127,11 @@ async def _exec_events(lv: LiveVm, replies: AsyncIterator[p.Message]) -> AsyncIt
     }
     async for reply in replies:
         kind = reply["k"]
-        if kind == p.K_OUT:
+        if kind == p.K_STARTED:
+            pid = gi.integer(reply.get("pid"), 1, gi.MAX_JSON_INT)
+            if pid is not None:
+                yield ExecEvent(type="process", process_id=pid)
+        elif kind == p.K_OUT:
             lv.last_output_mono = time.monotonic()  # an exec producing output: not waiting
             fd = gi.out_fd(reply)
             data = gi.payload(reply)

@@ -1,16 +1,22 @@
 """The one mapping of the harness's error codes (pal.guest.protocol ERR_*) to Pal's errors,
-and so to HTTP statuses. Exec and file requests share it; the few codes that mean
-something else for an exec (a missing *executable*) say so in ``_EXEC``.
+and so to HTTP statuses. Exec, file and process requests share it; the few codes that
+mean something else for an exec (a missing *executable*) or a process request (a missing
+*process*) say so in ``_EXEC`` and ``_PROCESS``.
 
-| guest code | file requests | exec |
-|---|---|---|
-| EESCAPE | 400 PATH_ESCAPE | 400 PATH_ESCAPE |
-| ENOENT | 404 FILE_NOT_FOUND | 400 EXECUTABLE_NOT_FOUND |
-| EPERM | 400 EPERM | 400 NOT_EXECUTABLE |
-| EINVAL, ENOTDIR, EISDIR | 400 (the guest's code) | 400 INVALID_ARGUMENT (bad cwd, argv...) |
-| ETOOBIG | 413 PAYLOAD_TOO_LARGE | 413 PAYLOAD_TOO_LARGE |
-| ETIMEDOUT | 504 GUEST_TIMEOUT | 504 GUEST_TIMEOUT (see below) |
-| EAUTH, EIO, anything else | 503 (the guest's code) | 503 (the guest's code) |
+| guest code | file requests | exec | process requests |
+|---|---|---|---|
+| EESCAPE | 400 PATH_ESCAPE | 400 PATH_ESCAPE | 400 PATH_ESCAPE |
+| ENOENT | 404 FILE_NOT_FOUND | 400 EXECUTABLE_NOT_FOUND | 404 PROCESS_NOT_FOUND |
+| EPERM | 400 EPERM | 400 NOT_EXECUTABLE | 400 NOT_EXECUTABLE |
+| EINVAL, ENOTDIR, EISDIR | 400 (the guest's code) | 400 INVALID_ARGUMENT (bad cwd) | 400 INVALID_ARGUMENT |
+| ETOOBIG | 413 PAYLOAD_TOO_LARGE | 413 PAYLOAD_TOO_LARGE | 413 PAYLOAD_TOO_LARGE |
+| ETIMEDOUT | 504 GUEST_TIMEOUT | 504 GUEST_TIMEOUT (see below) | 504 GUEST_TIMEOUT |
+| ESTATE | 409 PROCESS_STATE | 409 PROCESS_STATE | 409 PROCESS_STATE (exited, no stdin, no terminal) |
+| ELIMIT | 429 TOO_MANY_PROCESSES | 429 TOO_MANY_PROCESSES | 429 TOO_MANY_PROCESSES |
+| EAUTH, EIO, anything else | 503 (the guest's code) | 503 (the guest's code) | 503 (the guest's code) |
+
+ELIMIT is 429, not 409: the VM is in the right state, it has too many processes running
+now, and the same request succeeds once some of them end (or are deleted).
 
 An exec's ETIMEDOUT (its ``timeoutSecs`` ran out) never reaches this map through the API:
 api/exec_stream.py turns it into exit status 124 with ``timedOut``, before asking here.
@@ -23,10 +29,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pal.errors import GuestTimeout, InvalidRequest, NotFound, PalError, PathEscape, TooLarge, Unavailable
+from pal.errors import (
+    Conflict,
+    GuestTimeout,
+    InvalidRequest,
+    NotFound,
+    PalError,
+    PathEscape,
+    TooLarge,
+    TooManyRequests,
+    Unavailable,
+)
 from pal.guest import protocol as p
 
-Op = Literal["file", "exec"]
+Op = Literal["file", "exec", "process"]
 
 # guest code -> (error class, API code; None keeps the guest's code)
 _FILE: dict[str, tuple[type[PalError], str | None]] = {
@@ -38,6 +54,8 @@ _FILE: dict[str, tuple[type[PalError], str | None]] = {
     p.ERR_ISDIR: (InvalidRequest, None),
     p.ERR_TOOBIG: (TooLarge, "PAYLOAD_TOO_LARGE"),
     p.ERR_TIMEOUT: (GuestTimeout, "GUEST_TIMEOUT"),
+    p.ERR_STATE: (Conflict, "PROCESS_STATE"),
+    p.ERR_LIMIT: (TooManyRequests, "TOO_MANY_PROCESSES"),
 }
 _EXEC: dict[str, tuple[type[PalError], str | None]] = {
     **_FILE,
@@ -47,10 +65,16 @@ _EXEC: dict[str, tuple[type[PalError], str | None]] = {
     p.ERR_NOTDIR: (InvalidRequest, "INVALID_ARGUMENT"),
     p.ERR_ISDIR: (InvalidRequest, "INVALID_ARGUMENT"),
 }
+_PROCESS: dict[str, tuple[type[PalError], str | None]] = {
+    **_EXEC,
+    p.ERR_NOENT: (NotFound, "PROCESS_NOT_FOUND"),
+}
+_OPS = {"file": _FILE, "exec": _EXEC, "process": _PROCESS}
 
 
 def to_pal_error(code: str | None, message: str | None, op: Op) -> PalError:
-    """The error for a guest ``err`` reply with ``code`` to a file request or an exec."""
+    """The error for a guest ``err`` reply with ``code`` to a file request, an exec or a
+    process request."""
     guest_code = code or "GUEST_ERROR"
-    cls, api_code = (_EXEC if op == "exec" else _FILE).get(guest_code, (Unavailable, None))
+    cls, api_code = _OPS[op].get(guest_code, (Unavailable, None))
     return cls(message or f"guest error {guest_code}", code=api_code or guest_code)

@@ -236,3 +236,134 @@ def probe(msg: dict[str, Any]) -> dict[str, Any]:
     raw = res.get("timer_ms")
     timer = integer(raw, 0, MAX_JSON_INT) if raw is not None else None
     return {"runnable": runnable, "cpu_busy": busy, "cpu_total": total, "timer_ms": timer}
+
+
+# --------------------------------------------------------------------------- processes
+
+MAX_PROCESSES = 1024  # a process list longer than this is no harness's (it keeps 256 + 128)
+MAX_ARGV_ITEMS = 4096
+
+
+def _bool(res: dict[str, Any], name: str) -> bool:
+    value = res.get(name)
+    if not isinstance(value, bool):
+        raise BadReply(f"process has no valid {name}")
+    return value
+
+
+def _int_field(res: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_JSON_INT) -> int:
+    value = integer(res.get(name), lo, hi)
+    if value is None:
+        raise BadReply(f"process has no valid {name}")
+    return value
+
+
+def process(raw: object) -> dict[str, Any]:
+    """A process as the harness describes it (protocol.py ``process``), each field of its
+    type and range, strings cleaned of lone surrogates and cut; BadReply otherwise."""
+    if not isinstance(raw, dict):
+        raise BadReply("process is not an object")
+    argv = raw.get("argv")
+    if not isinstance(argv, list) or len(argv) > MAX_ARGV_ITEMS or not all(isinstance(a, str) for a in argv):
+        raise BadReply("process has no valid argv")
+    pty = raw.get("pty")
+    if pty is not None:
+        if not isinstance(pty, dict):
+            raise BadReply("process has no valid pty")
+        pty = {"cols": _int_field(pty, "cols", 1, 1000), "rows": _int_field(pty, "rows", 1, 1000)}
+    journal = raw.get("journal")
+    if not isinstance(journal, dict):
+        raise BadReply("process has no journal")
+    start, end = _int_field(journal, "start"), _int_field(journal, "end")
+    capacity = _int_field(journal, "capacity", 0, p.JOURNAL_MAX_BYTES)
+    if start > end:
+        raise BadReply("process journal starts after its end")
+    running = _bool(raw, "running")
+    code = raw.get("exit_code")
+    exit_code_ = None if running or code is None else integer(code, -MAX_EXIT_CODE, MAX_EXIT_CODE)
+    ended = raw.get("ended_ms")
+    strings = {}
+    for name, limit in (("tag", p.MAX_TAG_CHARS), ("user", 64), ("cwd", 4096)):
+        value = raw.get(name)
+        if not isinstance(value, str):
+            raise BadReply(f"process has no valid {name}")
+        strings[name] = _unicode(value[:limit])
+    return {
+        "process_id": _int_field(raw, "pid", 1),
+        "os_pid": _int_field(raw, "os_pid", 0, 2**31 - 1),
+        "argv": [_unicode(a[:4096]) for a in argv],
+        **strings,
+        "pty": pty,
+        "stdin": _bool(raw, "stdin"),
+        "keep_awake": _bool(raw, "keep_awake"),
+        "started_ms": _int_field(raw, "started_ms"),
+        "ended_ms": None if running or ended is None else integer(ended, 0, MAX_JSON_INT),
+        "running": running,
+        "exit_code": exit_code_,
+        "timed_out": _bool(raw, "timed_out"),
+        "journal": {"start": start, "end": end, "capacity": capacity},
+    }
+
+
+def process_reply(msg: dict[str, Any]) -> dict[str, Any]:
+    """The ``process`` of an ``ok`` reply (pstart, pget, pwait)."""
+    return process(_result(msg).get("process"))
+
+
+def process_list(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    procs = _result(msg).get("processes")
+    if not isinstance(procs, list) or len(procs) > MAX_PROCESSES:
+        raise BadReply("reply has no valid processes")
+    return [process(x) for x in procs]
+
+
+def process_read(msg: dict[str, Any], data: bytes, start: int, max_bytes: int) -> dict[str, Any]:
+    """``{from, next, gap, chunks: [(offset, fd, bytes)], process}`` of a ``pread`` reply.
+
+    The records must tile the payload exactly, in order, without overlap, from ``start``
+    plus the gap on, at most ``max_bytes`` in all, and end where ``next`` says: a guest
+    cannot hand a reader bytes twice nor skip any it does not call lost."""
+    res = _result(msg)
+    records = res.get("records")
+    gap = integer(res.get("gap"), 0, MAX_JSON_INT)
+    nxt = integer(res.get("next"), 0, MAX_JSON_INT)
+    if res.get("from") != start or gap is None or nxt is None or not isinstance(records, list):
+        raise BadReply("reply has no valid from/next/gap/records")
+    if len(data) > max_bytes or len(records) > max_bytes:
+        raise BadReply("reply carries more output than asked")
+    pos, used, chunks = start + gap, 0, []
+    for rec in records:
+        if not isinstance(rec, dict):
+            raise BadReply("a record is not an object")
+        off, n = integer(rec.get("o"), 0, MAX_JSON_INT), integer(rec.get("n"), 1, max_bytes)
+        if off != pos or n is None or rec.get("fd") not in (1, 2):
+            raise BadReply("records do not follow each other")
+        chunks.append((off, int(rec["fd"]), data[used : used + n]))
+        pos, used = pos + n, used + n
+    if used != len(data) or nxt != pos:
+        raise BadReply("records do not match the payload or next")
+    proc = process(res.get("process"))
+    if proc["journal"]["end"] < nxt:
+        raise BadReply("reply reads past the journal's end")
+    return {"from": start, "next": nxt, "gap": gap, "chunks": chunks, "process": proc}
+
+
+def stream_out(msg: dict[str, Any], offset: int) -> tuple[int, bytes] | None:
+    """(fd, bytes) of an ``out`` chunk of a stream now at ``offset``: its ``o`` must be
+    ``offset`` plus its length (None otherwise: the stream is not to be trusted)."""
+    data = payload(msg)
+    if data is None or not data or integer(msg.get("o"), 0, MAX_JSON_INT) != offset + len(data):
+        return None
+    return out_fd(msg), data
+
+
+def gap(msg: dict[str, Any]) -> int | None:
+    return integer(msg.get("n"), 1, MAX_JSON_INT)
+
+
+def stdin_result(msg: dict[str, Any], sent: int) -> dict[str, Any]:
+    res = _result(msg)
+    written = integer(res.get("written"), 0, sent)
+    if written is None:
+        raise BadReply("reply has no valid written count")
+    return {"written": written, "closed": res.get("closed") is True}

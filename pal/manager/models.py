@@ -284,7 +284,10 @@ class HeartbeatAck(_Model):
 class ExecEvent(_Model):
     """One line of the exec NDJSON stream; mirrors the API's SSE events."""
 
-    type: Literal["stdout", "stderr", "exit", "error"]
+    # ``process``: the first event, naming the exec's process (``process_id``), whose output
+    # stays readable by that id (pal/manager/processes.py).
+    type: Literal["process", "stdout", "stderr", "exit", "error"]
+    process_id: int | None = None
     data: str | None = None
     exit_code: int | None = None
     code: str | None = None

@@ -41,6 +41,7 @@ from pal.manager.metrics import MetricsBook
 from pal.manager.notices import NoticeBoard
 from pal.manager.parked import Parking
 from pal.manager.ports import GuestConnection, PortRoutes
+from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
 from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
@@ -87,6 +88,7 @@ class NodeRuntime:
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
         self.guest = GuestCalls(reg)
+        self.processes = GuestProcesses(reg)  # the RPC calls it directly (rpc_processes.py)
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
         self.adopter = Adopter(AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks))

@@ -24,16 +24,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pal.errors import InvalidRequest, PalError
+from pal.errors import InvalidRequest, PalError, Unavailable
 from pal.manager.api import RuntimeManager
 from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
+from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
 from pal.scheduler.deps import Deps
 from pal.scheduler.live import is_live_paused_error
 from pal.scheduler.wake import WAKE_RETRIES, Waker
-from pal.spec import ExecRequest
+from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
 R = TypeVar("R")
+
+
+NODE_UNREACHABLE = "NODE_UNREACHABLE"  # pal/manager/client.py's code for a node gone away
 
 
 def _check_port(port: int) -> None:
@@ -116,3 +120,69 @@ class ExecAndFiles:
     async def delete_file(self, tenant_id: str, vm_id: str, path: str) -> FileDeleted:
         async with self.waker.request(tenant_id, vm_id):
             return await self.d.node(self.d.reload(vm_id)).delete_file(vm_id, path)
+
+    # -- processes (issue 22; docs/processes.md) -----------------------------------------------
+    # Each one a guest request like the files': the tenant's VM (404), woken when an automatic
+    # pause stopped it (an operator's pause: 409), in flight while it lasts (so a long poll or
+    # an attached reader keeps the VM awake).
+
+    async def start_process(self, tenant_id: str, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.start_process(vm_id, req))
+
+    async def list_processes(self, tenant_id: str, vm_id: str) -> list[ProcessInfo]:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.list_processes(vm_id))
+
+    async def get_process(self, tenant_id: str, vm_id: str, pid: int) -> ProcessInfo:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.get_process(vm_id, pid))
+
+    async def delete_process(self, tenant_id: str, vm_id: str, pid: int) -> ProcessDeleted:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.delete_process(vm_id, pid))
+
+    async def read_output(
+        self, tenant_id: str, vm_id: str, pid: int, start: int, max_bytes: int, wait_ms: int
+    ) -> ProcessOutput:
+        return await self._files_call(
+            tenant_id, vm_id, lambda n: n.read_output(vm_id, pid, start, max_bytes, wait_ms)
+        )
+
+    async def write_stdin(self, tenant_id: str, vm_id: str, pid: int, data: bytes, eof: bool) -> StdinWritten:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.write_stdin(vm_id, pid, data, eof))
+
+    async def signal_process(self, tenant_id: str, vm_id: str, pid: int, req: SignalRequest) -> None:
+        await self._files_call(tenant_id, vm_id, lambda n: n.signal_process(vm_id, pid, req))
+
+    async def resize_process(self, tenant_id: str, vm_id: str, pid: int, size: Terminal) -> None:
+        await self._files_call(tenant_id, vm_id, lambda n: n.resize_process(vm_id, pid, size))
+
+    async def wait_process(self, tenant_id: str, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.wait_process(vm_id, pid, timeout_ms))
+
+    async def attach_process(
+        self, tenant_id: str, vm_id: str, pid: int, start: int
+    ) -> AsyncIterator[ProcessEvent]:
+        """The process's output from ``start`` on, as it comes; errors (404/409/400) are
+        raised on the first ``__anext__``, before any event, like an exec's. The stream ends
+        with ``exit``, or with ``detached`` (never a made-up exit) when the VM stopped
+        running or its node went away; the reader reattaches from the last offset."""
+        d = self.d
+        async with self.waker.request(tenant_id, vm_id):
+            for attempt in range(WAKE_RETRIES + 1):
+                events = d.node(d.reload(vm_id)).attach_process(vm_id, pid, start)
+                try:
+                    first = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except PalError as exc:
+                    if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
+                        await self.waker.ensure_running(tenant_id, vm_id)
+                        continue
+                    raise
+                yield first
+                try:
+                    async for ev in events:
+                        yield ev
+                except Unavailable as exc:
+                    if exc.code != NODE_UNREACHABLE:
+                        raise
+                    yield ProcessEvent(type="detached", reason="node-unreachable")
+                return

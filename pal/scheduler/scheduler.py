@@ -9,7 +9,7 @@ public call; the work, the checks and the docs of each operation are in its modu
 | live pause and resume, wait management, wakes | live.py           |
 | fork                                          | fork.py           |
 | delete, removed tenants                       | delete.py         |
-| exec, files, ports (processes next)           | exec_files.py     |
+| exec, files, ports, processes                 | exec_files.py     |
 | a request's wake and in-flight count          | wake.py           |
 | egress policy and brokered secrets            | egress_secrets.py |
 | node drain, server shutdown                   | drain.py          |
@@ -48,6 +48,7 @@ from pal.manager.models import (
     SnapshotInfo,
     VmMetrics,
 )
+from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
 from pal.scheduler.background import Background, LeaderChores, LeaderState
 from pal.scheduler.brokering import SecretBroker
@@ -72,7 +73,16 @@ from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.scheduler.views import ForkChild, ForkResult, OperatorStats
 from pal.scheduler.wake import Waker
-from pal.spec import AgentSpec, EgressUpdate, ExecRequest, PauseRequest, SecretUpdate
+from pal.spec import (
+    AgentSpec,
+    EgressUpdate,
+    ExecRequest,
+    PauseRequest,
+    ProcessStartRequest,
+    SecretUpdate,
+    SignalRequest,
+    Terminal,
+)
 from pal.store import EventRecord, Store, VmRecord
 
 __all__ = ["ForkChild", "ForkResult", "Scheduler"]
@@ -275,6 +285,39 @@ class Scheduler:
 
     async def delete_file(self, tenant_id: str, vm_id: str, path: str) -> FileDeleted:
         return await self.guest.delete_file(tenant_id, vm_id, path)
+
+    # -- processes (exec_files.py; docs/processes.md) -------------------------------------------
+    async def start_process(self, tenant_id: str, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
+        return await self.guest.start_process(tenant_id, vm_id, req)
+
+    async def list_processes(self, tenant_id: str, vm_id: str) -> builtins.list[ProcessInfo]:
+        return await self.guest.list_processes(tenant_id, vm_id)
+
+    async def get_process(self, tenant_id: str, vm_id: str, pid: int) -> ProcessInfo:
+        return await self.guest.get_process(tenant_id, vm_id, pid)
+
+    async def delete_process(self, tenant_id: str, vm_id: str, pid: int) -> ProcessDeleted:
+        return await self.guest.delete_process(tenant_id, vm_id, pid)
+
+    async def read_output(
+        self, tenant_id: str, vm_id: str, pid: int, start: int, max_bytes: int, wait_ms: int
+    ) -> ProcessOutput:
+        return await self.guest.read_output(tenant_id, vm_id, pid, start, max_bytes, wait_ms)
+
+    def attach_process(self, tenant_id: str, vm_id: str, pid: int, start: int) -> AsyncIterator[ProcessEvent]:
+        return self.guest.attach_process(tenant_id, vm_id, pid, start)
+
+    async def write_stdin(self, tenant_id: str, vm_id: str, pid: int, data: bytes, eof: bool) -> StdinWritten:
+        return await self.guest.write_stdin(tenant_id, vm_id, pid, data, eof)
+
+    async def signal_process(self, tenant_id: str, vm_id: str, pid: int, req: SignalRequest) -> None:
+        await self.guest.signal_process(tenant_id, vm_id, pid, req)
+
+    async def resize_process(self, tenant_id: str, vm_id: str, pid: int, size: Terminal) -> None:
+        await self.guest.resize_process(tenant_id, vm_id, pid, size)
+
+    async def wait_process(self, tenant_id: str, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo:
+        return await self.guest.wait_process(tenant_id, vm_id, pid, timeout_ms)
 
     # -- nodes (operator and node-facing) --------------------------------------------------------
 

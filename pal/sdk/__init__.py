@@ -15,7 +15,7 @@ from .errors import (
     QuotaExceededError,
     ServerError,
 )
-from .models import ExecEvent, ExecResult, FileBytes, FileText
+from .models import ExecEvent, ExecResult, FileBytes, FileText, OutputEvent
 
 __all__ = [
     "AsyncClient",
@@ -28,6 +28,7 @@ __all__ = [
     "FileBytes",
     "FileText",
     "NotFoundError",
+    "OutputEvent",
     "PalApiError",
     "PalConnectionError",
     "PayloadTooLargeError",

@@ -97,6 +97,8 @@ def to_event(name: str, data: str) -> ExecEvent:
         payload = json.loads(data) if data else {}
     except ValueError:
         payload = {"data": data}
+    if name == "process":
+        return ExecEvent(type="process", process_id=int(payload.get("processId", 0)))
     if name in ("stdout", "stderr"):
         return ExecEvent(type=name, data=str(payload.get("data", "")))
     if name == "exit":

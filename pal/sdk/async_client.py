@@ -10,6 +10,7 @@ import httpx
 
 from . import _wire
 from .models import ExecEvent, ExecResult, FileBytes, FileText
+from .processes import AsyncProcesses
 
 
 class AsyncClient:
@@ -59,6 +60,7 @@ class AsyncRuntime:
 
     def __init__(self, client: AsyncClient) -> None:
         self._c = client
+        self.processes = AsyncProcesses(client)  # start/list/get/read/output/send_stdin/...
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
         return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
@@ -104,7 +106,9 @@ class AsyncRuntime:
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         timeout = _wire.exec_timeout(self._c.timeout)
         out = await self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout)
-        return ExecResult(out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")))
+        return ExecResult(
+            out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")), out.get("processId")
+        )
 
     async def exec_stream(
         self,

@@ -10,6 +10,7 @@ import httpx
 
 from . import _wire
 from .models import ExecEvent, ExecResult, FileBytes, FileText
+from .processes import Processes
 
 
 class Client:
@@ -59,6 +60,7 @@ class Runtime:
 
     def __init__(self, client: Client) -> None:
         self._c = client
+        self.processes = Processes(client)  # start/list/get/read/output/send_stdin/...
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         return self._c.request(method, f"/v1/runtime{path}", **kw).json()
@@ -104,7 +106,9 @@ class Runtime:
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         timeout = _wire.exec_timeout(self._c.timeout)
         out = self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout)
-        return ExecResult(out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")))
+        return ExecResult(
+            out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")), out.get("processId")
+        )
 
     def exec_stream(
         self,

@@ -13,11 +13,28 @@ class ExecResult:
     stdout: str
     stderr: str
     timed_out: bool = False
+    process_id: int | None = None  # the exec's process: its output and status stay readable
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """One event of a process's output (``runtime.processes.output``): ``stdout``/``stderr``
+    (``data`` bytes; ``offset``: the journal offset after them, where a reader resumes),
+    ``gap`` (``lost`` bytes the journal's bound dropped), ``exit`` (``exit_code``)."""
+
+    type: str
+    data: bytes
+    offset: int
+    lost: int = 0
+    exit_code: int | None = None
+    timed_out: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)
 class ExecEvent:
-    """One streamed exec event: `stdout`/`stderr` (data), `exit` (exit_code) or `error`."""
+    """One streamed exec event: `process` (process_id, first), `stdout`/`stderr` (data),
+    `exit` (exit_code) or `error`."""
 
     type: str
     data: str | None = None
@@ -25,6 +42,7 @@ class ExecEvent:
     code: str | None = None
     message: str | None = None
     timed_out: bool = False
+    process_id: int | None = None
 
 
 class FileText(str):

@@ -80,10 +80,13 @@ def test_sync_lifecycle(client: Client, vms: list[str]) -> None:
     assert vm["state"] == "running"
     assert vm_id in [v["vmId"] for v in rt.list()]
 
-    assert rt.exec(vm_id, "/bin/sh", SHELL_LINE) == ExecResult(3, "hello\n", "err\n")
+    res = rt.exec(vm_id, "/bin/sh", SHELL_LINE)
+    assert res == ExecResult(3, "hello\n", "err\n", process_id=res.process_id) and res.process_id
     assert rt.exec(vm_id, "printenv", ["X"], env={"X": "a b"}).stdout == "a b\n"
     assert rt.exec(vm_id, "pwd", cwd="/tmp").stdout == "/tmp\n"
-    assert list(rt.exec_stream(vm_id, "/bin/sh", SHELL_LINE)) == [
+    streamed = list(rt.exec_stream(vm_id, "/bin/sh", SHELL_LINE))
+    assert streamed[0].type == "process" and streamed[0].process_id  # every exec is a process
+    assert streamed[1:] == [
         ExecEvent("stdout", data="hello\n"),
         ExecEvent("stderr", data="err\n"),
         ExecEvent("exit", exit_code=3),
@@ -150,6 +153,8 @@ def test_exec_stream_yields_output_as_it_happens(client: Client, vms: list[str])
     line = "echo first; while [ ! -e gate ]; do sleep 0.1; done; echo second"
     seen: list[ExecEvent] = []
     for ev in client.runtime.exec_stream(vm_id, "/bin/sh", ["-c", line]):
+        if ev.type == "process":
+            continue
         seen.append(ev)
         if ev.data == "first\n":
             client.runtime.write_file(vm_id, "gate", b"")
@@ -192,6 +197,7 @@ async def test_async_client_concurrent_execs_and_stream(pal_server: PalServer, s
             assert await rt.read_file(ids[0], "a.txt") == "async\n"
             assert [e["name"] for e in (await rt.list_files(ids[0]))["entries"]] == ["a.txt"]
             events = [ev async for ev in rt.exec_stream(ids[0], "/bin/sh", SHELL_LINE)]
+            assert events.pop(0).type == "process"
             assert events == [
                 ExecEvent("stdout", data="hello\n"),
                 ExecEvent("stderr", data="err\n"),

@@ -160,3 +160,39 @@ def test_exec_errors_are_the_same_on_the_embedded_and_a_remote_node(
     print("embedded:", embedded, "\nremote:  ", on_remote)
     assert on_remote == embedded
     assert embedded == EXPECTED
+
+
+def test_processes_work_the_same_through_a_remote_node(remote: tuple[LocalCluster, str]) -> None:
+    """Issue 22: the process calls and the output stream over the node's RPC on the
+    network (pal/manager/rpc_processes.py, client_processes.py)."""
+    from tests.integration.test_processes import follow, read_all, start, wait
+
+    cluster, remote_key = remote
+    leader = cluster.wait_leader(30)
+    with httpx.Client(
+        base_url=leader.url, headers={"Authorization": f"Bearer {remote_key}"}, timeout=300
+    ) as c:
+        r = c.post("/v1/runtime/schedule", json={})
+        assert r.status_code == 200, r.text
+        vm = r.json()["vmId"]
+        try:
+            expected = "".join(f"{i}\n" for i in range(1, 50_001)).encode()
+            pid = start(c, vm, "seq 1 50000")
+            first, offset, how, _ = follow(c, vm, pid, 0, stop_after=len(expected) // 2)
+            assert how == "dropped"
+            rest, _end, how, body = follow(c, vm, pid, offset)
+            assert how == "exit" and body["exitCode"] == 0 and first + rest == expected
+            assert read_all(c, vm, pid)[0] == expected
+            cat = start(c, vm, "cat", stdin=True)
+            r = c.post(
+                f"/v1/runtime/vms/{vm}/processes/{cat}/stdin", params={"eof": "true"}, content=b"\x00\x01"
+            )
+            assert r.status_code == 200 and r.json() == {"written": 2, "closed": True}, r.text
+            assert wait(c, vm, cat)["exitCode"] == 0 and read_all(c, vm, cat)[0] == b"\x00\x01"
+            assert c.get(f"/v1/runtime/vms/{vm}/processes/424242").status_code == 404
+            assert (
+                c.post(f"/v1/runtime/vms/{vm}/processes/{cat}/signal", json={"signal": "INT"}).status_code
+                == 409
+            )
+        finally:
+            c.delete(f"/v1/runtime/vms/{vm}")

@@ -45,7 +45,8 @@ def test_schedule_get_list_shape(api: httpx.Client, vm: str) -> None:
 def test_exec_buffered_returns_both_streams_and_exit_code(api: httpx.Client, vm: str) -> None:
     r = api.post(f"/v1/runtime/vms/{vm}/exec", json=SHELL_LINE)
     assert r.status_code == 200, r.text
-    assert r.json() == {"exitCode": 3, "stdout": "hello\n", "stderr": "err\n"}
+    pid = int(r.headers["X-Pal-Process-Id"])  # every exec is a process (docs/processes.md)
+    assert r.json() == {"exitCode": 3, "stdout": "hello\n", "stderr": "err\n", "processId": pid}
 
 
 def test_exec_sse_delivers_stdout_stderr_exit_in_order(api: httpx.Client, vm: str) -> None:
@@ -55,7 +56,9 @@ def test_exec_sse_delivers_stdout_stderr_exit_in_order(api: httpx.Client, vm: st
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
+        pid = int(r.headers["X-Pal-Process-Id"])
     assert events == [
+        ("process", {"processId": pid}),
         ("stdout", {"data": "hello\n"}),
         ("stderr", {"data": "err\n"}),
         ("exit", {"exitCode": 3}),
@@ -69,7 +72,8 @@ def test_exec_sse_streams_output_as_it_happens(api: httpx.Client, vm: str) -> No
     with api.stream(
         "POST", f"/v1/runtime/vms/{vm}/exec", json=cmd, headers={"Accept": "text/event-stream"}
     ) as r:
-        lines = r.iter_lines()
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines) == "event: process" and next(lines).startswith('data: {"processId":')
         assert next(lines) == "event: stdout" and next(lines) == 'data: {"data":"first\\n"}'
         api.put(f"/v1/runtime/vms/{vm}/files/content", params={"path": "gate"}, content=b"")
         rest = list(lines)
@@ -81,7 +85,12 @@ def test_exec_env_cwd_argv_are_execve_style(api: httpx.Client, vm: str) -> None:
         f"/v1/runtime/vms/{vm}/exec",
         json={"command": "printenv", "argv": ["GREETING"], "env": {"GREETING": "hi there"}},
     )
-    assert r.json() == {"exitCode": 0, "stdout": "hi there\n", "stderr": ""}
+    assert {**r.json(), "processId": None} == {
+        "exitCode": 0,
+        "stdout": "hi there\n",
+        "stderr": "",
+        "processId": None,
+    }
     r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "pwd"})
     assert r.json()["stdout"] == "/workspace\n"
     # argv is passed verbatim: no shell splitting of "a b"

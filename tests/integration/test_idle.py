@@ -43,7 +43,12 @@ def test_idle_vm_suspends_shows_paused_and_wakes_on_exec(pal_server: PalServer, 
         # the next request wakes it transparently, same vmId, files intact
         r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["keep.txt"]})
         assert r.status_code == 200, r.text
-        assert r.json() == {"exitCode": 0, "stdout": "kept\n", "stderr": ""}
+        assert {**r.json(), "processId": 0} == {
+            "exitCode": 0,
+            "stdout": "kept\n",
+            "stderr": "",
+            "processId": 0,
+        }
         assert api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "running"
         events = api.get(f"/v1/runtime/vms/{vm}/events").json()["events"]
         assert any(e["kind"] == "auto_resume" for e in events), events
@@ -89,7 +94,9 @@ def test_vm_with_exec_in_flight_is_never_idle(
         release = api.put(f"/v1/runtime/vms/{busy}/files/content", params={"path": "release"}, content=b"")
         assert release.status_code == 200, release.text
         t.join(DEADLINE_S)
-        assert result == {"status": 200, "body": {"exitCode": 0, "stdout": "released\n", "stderr": ""}}
+        body = result["body"]
+        assert result["status"] == 200 and isinstance(body.pop("processId"), int), result
+        assert body == {"exitCode": 0, "stdout": "released\n", "stderr": ""}
     finally:
         if t.is_alive():
             api.delete(f"/v1/runtime/vms/{busy}")  # ends the exec

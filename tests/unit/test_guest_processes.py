@@ -249,3 +249,25 @@ def test_bad_process_requests_are_refused(host: Host) -> None:
     assert call(host, p.K_PREAD, pid=pid, **{"from": 10**6})["code"] == p.ERR_INVAL
     assert call(host, p.K_PGET, pid="1")["code"] == p.ERR_NOENT
     assert host.call(p.K_PLIST, tok="stale")["code"] == p.ERR_AUTH
+
+
+@pytest.mark.parametrize("pty", [None, {"cols": 80, "rows": 24}])
+def test_a_process_does_not_inherit_the_harness_ignoring_signals(
+    host: Host, pty: dict[str, int] | None
+) -> None:
+    # In the VM the harness is PID 1 and ignores SIGINT/SIGTERM/SIGHUP (system.py); an
+    # ignored signal stays ignored across exec, so no command could be interrupted.
+    import signal
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        proc = start(host, "/bin/sh", "-c", "grep SigIgn /proc/self/status", pty=pty)
+        wait(host, proc["pid"])
+        out = read_all(host, proc["pid"])[1].decode()
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+    ignored = int(out.split()[1], 16)
+    for sig in sigs:
+        assert not ignored & (1 << (sig - 1)), (sig, out)

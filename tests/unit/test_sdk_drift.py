@@ -38,6 +38,24 @@ NOT_SDK_CALLS = {
 
 Route = tuple[str, str]  # (METHOD, path with every {param} as {})
 
+# Routes an SDK does not call yet, each with its reason and the SDKs it excuses (the Python
+# SDK has them all). A path prefix (after /v1/runtime/vms/{}) covers every route under it.
+PENDING = {
+    "/processes": (
+        "issue 22: the TypeScript and Go SDKs' process calls come in a later session",
+        ("TypeScript (sdk/typescript/src)", "Go (sdk/go/routes.go)"),
+    ),
+}
+
+
+def _pending(sdk: str) -> set[Route]:
+    out = set()
+    for method, path in public_routes():
+        for prefix, (_why, sdks) in PENDING.items():
+            if sdk in sdks and path.startswith("/v1/runtime/vms/{}" + prefix):
+                out.add((method, path))
+    return out
+
 
 def _norm(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", path)
@@ -135,8 +153,13 @@ def go_routes(sdk: Path) -> set[Route]:
 
 PY_SDK = REPO / "pal" / "sdk"
 SDKS = {
-    "Python Client (pal/sdk/client.py)": lambda: python_routes(PY_SDK / "client.py"),
-    "Python AsyncClient (pal/sdk/async_client.py)": lambda: python_routes(PY_SDK / "async_client.py"),
+    # runtime.processes (processes.py) holds both clients' process calls
+    "Python Client (pal/sdk/client.py)": lambda: (
+        python_routes(PY_SDK / "client.py") | python_routes(PY_SDK / "processes.py")
+    ),
+    "Python AsyncClient (pal/sdk/async_client.py)": lambda: (
+        python_routes(PY_SDK / "async_client.py") | python_routes(PY_SDK / "processes.py")
+    ),
     "TypeScript (sdk/typescript/src)": lambda: typescript_routes(REPO / "sdk" / "typescript" / "src"),
     "Go (sdk/go/routes.go)": lambda: go_routes(REPO / "sdk" / "go"),
 }
@@ -144,7 +167,7 @@ SDKS = {
 
 @pytest.mark.parametrize("sdk", sorted(SDKS))
 def test_every_public_route_has_a_call_in_the_sdk(sdk: str) -> None:
-    missing = public_routes() - SDKS[sdk]()
+    missing = public_routes() - SDKS[sdk]() - _pending(sdk)
     assert not missing, f"{sdk} has no call for {sorted(missing)} (or add it to NOT_SDK_CALLS with a reason)"
 
 

@@ -245,6 +245,144 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runtime/vms/{vm_id}/processes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The VM's processes, running and recently exited */
+        get: operations["list_processes_v1_runtime_vms__vm_id__processes_get"];
+        put?: never;
+        /** Start a process that outlives the request (output journal, stdin, terminal) */
+        post: operations["start_process_v1_runtime_vms__vm_id__processes_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get Process */
+        get: operations["get_process_v1_runtime_vms__vm_id__processes__pid__get"];
+        put?: never;
+        post?: never;
+        /** Kill the process (its group) and forget it */
+        delete: operations["delete_process_v1_runtime_vms__vm_id__processes__pid__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/output": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Its output from an offset: JSON (long poll with `waitMs`), or SSE with `Accept: text/event-stream` (event ids are offsets; `Last-Event-ID` resumes) */
+        get: operations["output_v1_runtime_vms__vm_id__processes__pid__output_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/stdin": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Write raw bytes to its stdin (`eof=true` closes it after them) */
+        post: operations["write_stdin_v1_runtime_vms__vm_id__processes__pid__stdin_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/stdin/close": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Close its stdin */
+        post: operations["close_stdin_v1_runtime_vms__vm_id__processes__pid__stdin_close_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/signal": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Send a signal to its process group */
+        post: operations["signal_v1_runtime_vms__vm_id__processes__pid__signal_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/resize": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Resize its terminal */
+        post: operations["resize_v1_runtime_vms__vm_id__processes__pid__resize_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/wait": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Wait for it to exit (long poll) */
+        post: operations["wait_v1_runtime_vms__vm_id__processes__pid__wait_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/ports/{port}/url": {
         parameters: {
             query?: never;
@@ -619,12 +757,30 @@ export interface components {
         };
         /** ExecOut */
         ExecOut: {
-            /** Exitcode */
-            exitCode: number;
+            /**
+             * Exitcode
+             * @description absent only while it runs (`running`)
+             */
+            exitCode?: number | null;
             /** Stdout */
             stdout: string;
             /** Stderr */
             stderr: string;
+            /**
+             * Processid
+             * @description the exec's process (`/processes/{processId}`); also `X-Pal-Process-Id`
+             */
+            processId?: number | null;
+            /**
+             * Running
+             * @description `yieldAfterMs` only: true when the command still runs; read on from `next`
+             */
+            running?: boolean | null;
+            /**
+             * Next
+             * @description `yieldAfterMs` while running: the output offset after what is here
+             */
+            next?: number | null;
             /**
              * Timedout
              * @description true when the guest killed the command at timeoutSecs; absent otherwise
@@ -667,6 +823,11 @@ export interface components {
              * @description `pal` (default: the image's workload user, whatever its name), `root`, or the workload user's own name (an image's USER)
              */
             user?: string | null;
+            /**
+             * Yieldafterms
+             * @description buffered exec only: the whole result if the command ends within this long, else `{processId, running: true}` with the output so far and the offset to read on from (`/processes/{processId}/output`); the command keeps running (docs/processes.md)
+             */
+            yieldAfterMs?: number | null;
         };
         /** FileDeletedOut */
         FileDeletedOut: {
@@ -845,6 +1006,19 @@ export interface components {
              * @description sizes with a warm template (`<mem>m-<vcpus>c-<disk>d`)
              */
             warmSizes?: string[];
+        };
+        /**
+         * JournalBounds
+         * @description The output journal's offsets: bytes before ``start`` were dropped by its bound
+         *     (``capacity``); ``end`` is the offset after the newest byte.
+         */
+        JournalBounds: {
+            /** Start */
+            start: number;
+            /** End */
+            end: number;
+            /** Capacity */
+            capacity: number;
         };
         /** Limits */
         Limits: {
@@ -1089,6 +1263,19 @@ export interface components {
             /** Health */
             health?: string | null;
         };
+        /** OutputItem */
+        OutputItem: {
+            /**
+             * Stream
+             * @enum {string}
+             */
+            stream: "stdout" | "stderr";
+            /**
+             * Data
+             * @description text (UTF-8; never a cut character), or base64 with `encoding`
+             */
+            data: string;
+        };
         /**
          * PauseOut
          * @description What kind of pause a paused VM is in (its tier).
@@ -1190,6 +1377,148 @@ export interface components {
              */
             expiresInSecs: number;
         };
+        /** ProcessDeleted */
+        ProcessDeleted: {
+            /** Processid */
+            processId: number;
+            /** Deleted */
+            deleted: boolean;
+        };
+        /** ProcessInfo */
+        ProcessInfo: {
+            /**
+             * Processid
+             * @description the process's id in its VM (stable across pauses and forks)
+             */
+            processId: number;
+            /**
+             * Ospid
+             * @description its pid inside the guest
+             */
+            osPid: number;
+            /** Argv */
+            argv: string[];
+            /** Tag */
+            tag: string;
+            /** User */
+            user: string;
+            /** Cwd */
+            cwd: string;
+            pty?: components["schemas"]["TerminalSize"] | null;
+            /**
+             * Stdin
+             * @description its stdin is open for writes
+             */
+            stdin: boolean;
+            /** Keepawake */
+            keepAwake: boolean;
+            /** Startedms */
+            startedMs: number;
+            /** Endedms */
+            endedMs?: number | null;
+            /** Running */
+            running: boolean;
+            /** Exitcode */
+            exitCode?: number | null;
+            /** Timedout */
+            timedOut: boolean;
+            journal: components["schemas"]["JournalBounds"];
+        };
+        /** ProcessList */
+        ProcessList: {
+            /** Processes */
+            processes: components["schemas"]["ProcessInfo"][];
+        };
+        /** ProcessOutputOut */
+        ProcessOutputOut: {
+            /**
+             * From
+             * @description where this read started
+             */
+            from: number;
+            /**
+             * Next
+             * @description where the next read starts (after the last byte here)
+             */
+            next: number;
+            /**
+             * Gap
+             * @description bytes lost to the journal's bound before the first one here
+             */
+            gap: number;
+            /** Output */
+            output: components["schemas"]["OutputItem"][];
+            process: components["schemas"]["ProcessInfo"];
+            /** Encoding */
+            encoding?: "base64" | null;
+        };
+        /**
+         * ProcessStartRequest
+         * @description Body of POST .../processes: an exec request, plus what a process that outlives its
+         *     request needs (docs/processes.md).
+         */
+        ProcessStartRequest: {
+            /**
+             * Command
+             * @description executable (path or name)
+             */
+            command: string;
+            /**
+             * Argv
+             * @description arguments, without argv[0]
+             */
+            argv?: string[];
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+            /**
+             * Cwd
+             * @description working directory, default /workspace
+             */
+            cwd?: string | null;
+            /**
+             * Timeoutsecs
+             * @description kill the command after this long (`exitCode: 124, timedOut: true`); a buffered exec without it gets the server's default (PAL_EXEC_DEFAULT_TIMEOUT, 300 s)
+             */
+            timeoutSecs?: number | null;
+            /**
+             * User
+             * @description `pal` (default: the image's workload user, whatever its name), `root`, or the workload user's own name (an image's USER)
+             */
+            user?: string | null;
+            /**
+             * Yieldafterms
+             * @description buffered exec only: the whole result if the command ends within this long, else `{processId, running: true}` with the output so far and the offset to read on from (`/processes/{processId}/output`); the command keeps running (docs/processes.md)
+             */
+            yieldAfterMs?: number | null;
+            /**
+             * Stdin
+             * @description keep a stdin pipe open for POST .../stdin
+             * @default false
+             */
+            stdin?: boolean;
+            /** @description run on a terminal of this size (stdin included) */
+            pty?: components["schemas"]["Terminal"] | null;
+            /**
+             * Tag
+             * @description free text to find the process by
+             * @default
+             */
+            tag?: string;
+            /**
+             * Keepawake
+             * @description while it runs, the guest reports the VM active (a guest's claim: it delays an idle suspend by at most one idle timeout; docs/processes.md)
+             * @default false
+             */
+            keepAwake?: boolean;
+            /**
+             * Journalbytes
+             * @description output kept for readers; past it the oldest goes and a reader sees a gap
+             * @default 8388608
+             */
+            journalBytes?: number;
+        };
         /**
          * ReadyOut
          * @description /readyz: ``ready`` for anyone; the operator's token also shows ``waitingFor``.
@@ -1204,6 +1533,15 @@ export interface components {
             waitingFor?: string | null;
         } & {
             [key: string]: unknown;
+        };
+        /** ResizeOut */
+        ResizeOut: {
+            /** Processid */
+            processId: number;
+            /** Cols */
+            cols: number;
+            /** Rows */
+            rows: number;
         };
         /** SecretRotatedOut */
         SecretRotatedOut: {
@@ -1222,6 +1560,22 @@ export interface components {
         SecretUpdate: {
             /** Value */
             value: string;
+        };
+        /** SignalOut */
+        SignalOut: {
+            /** Processid */
+            processId: number;
+            /** Signal */
+            signal: string;
+        };
+        /** SignalRequest */
+        SignalRequest: {
+            /**
+             * Signal
+             * @description sent to the process's whole group
+             * @enum {string}
+             */
+            signal: "INT" | "TERM" | "KILL" | "HUP" | "QUIT" | "USR1" | "USR2" | "STOP" | "CONT" | "WINCH";
         };
         /** SnapshotListOut */
         SnapshotListOut: {
@@ -1264,6 +1618,42 @@ export interface components {
             state: string;
             /** @description paused: the kind of pause; absent otherwise */
             pause?: components["schemas"]["PauseOut"] | null;
+        };
+        /** StdinWritten */
+        StdinWritten: {
+            /**
+             * Written
+             * @description bytes the process took; fewer than sent: send the rest again
+             */
+            written: number;
+            /**
+             * Closed
+             * @description its stdin is closed now
+             */
+            closed: boolean;
+        };
+        /**
+         * Terminal
+         * @description A process's terminal (PTY): its size in characters.
+         */
+        Terminal: {
+            /**
+             * Cols
+             * @default 80
+             */
+            cols?: number;
+            /**
+             * Rows
+             * @default 24
+             */
+            rows?: number;
+        };
+        /** TerminalSize */
+        TerminalSize: {
+            /** Cols */
+            cols: number;
+            /** Rows */
+            rows: number;
         };
         /**
          * VmActivity
@@ -2973,6 +3363,828 @@ export interface operations {
             };
             /** @description body too large */
             413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    list_processes_v1_runtime_vms__vm_id__processes_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessList"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    start_process_v1_runtime_vms__vm_id__processes_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ProcessStartRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessInfo"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    get_process_v1_runtime_vms__vm_id__processes__pid__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessInfo"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    delete_process_v1_runtime_vms__vm_id__processes__pid__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessDeleted"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    output_v1_runtime_vms__vm_id__processes__pid__output_get: {
+        parameters: {
+            query?: {
+                from?: number;
+                waitMs?: number;
+                maxBytes?: number;
+                encoding?: "text" | "base64";
+            };
+            header?: {
+                "Last-Event-ID"?: string | null;
+            };
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessOutputOut"];
+                    "text/event-stream": unknown;
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    write_stdin_v1_runtime_vms__vm_id__processes__pid__stdin_post: {
+        parameters: {
+            query?: {
+                eof?: boolean;
+            };
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/octet-stream": string;
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["StdinWritten"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body too large */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    close_stdin_v1_runtime_vms__vm_id__processes__pid__stdin_close_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["StdinWritten"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    signal_v1_runtime_vms__vm_id__processes__pid__signal_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["SignalRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["SignalOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    resize_v1_runtime_vms__vm_id__processes__pid__resize_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Terminal"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ResizeOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    wait_v1_runtime_vms__vm_id__processes__pid__wait_post: {
+        parameters: {
+            query?: {
+                timeoutSecs?: number;
+            };
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessInfo"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
                 headers: {
                     [name: string]: unknown;
                 };
