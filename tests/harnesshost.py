@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pal.guest import protocol as p
+from pal.guest.children import kill_group
 from pal.guest.harness import Harness
 
 TOKEN = "tok-1"
@@ -109,7 +110,14 @@ def host(workspace: Path) -> Iterator[Host]:
     t.start()
     h = Host(ours)
     assert h.recv()["k"] == p.K_HEARTBEAT  # sent on connect
-    yield h
+    try:
+        yield h
+    finally:
+        # A test that failed half-way must not leave its commands running (a gated loop
+        # would poll for ever): kill every process group the harness started.
+        for proc in harness.processes.table.all():
+            if proc.running:
+                kill_group(proc.os_pid)
     ours.close()
     t.join(5)
     theirs.close()
