@@ -149,6 +149,29 @@ async def _aclose(events: AsyncIterator[Any]) -> None:
             await close()
 
 
+def start_pump(
+    open_events: Callable[[], AsyncIterator[Any]], what: str
+) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
+    """Drive ``open_events()`` in one task (the scheduler's iterator lives in a single
+    task) into a small queue: its events, then a PalError if it failed, then ``_DONE``."""
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
+
+    async def pump() -> None:
+        events = open_events()
+        try:
+            async for ev in events:
+                await queue.put(ev)
+        except PalError as exc:
+            await queue.put(exc)
+        except Exception as exc:
+            await queue.put(PalError(f"{what} failed: {type(exc).__name__}: {exc}", status=503))
+        finally:
+            await _aclose(events)
+            await queue.put(_DONE)
+
+    return queue, asyncio.create_task(pump())
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     """Cancel the pump once and let it clean up (close the manager stream, which cancels
     the command in the guest). Not ``await task``: when the client went away, Starlette's
@@ -170,22 +193,7 @@ async def sse_exec(
     generator is cancelled, which cancels the pump, which closes the iterator and so
     cancels the command in the guest.
     """
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
-
-    async def pump() -> None:
-        events = open_events()
-        try:
-            async for ev in events:
-                await queue.put(ev)
-        except PalError as exc:
-            await queue.put(exc)
-        except Exception as exc:
-            await queue.put(PalError(f"exec failed: {type(exc).__name__}: {exc}", status=503))
-        finally:
-            await _aclose(events)
-            await queue.put(_DONE)
-
-    task = asyncio.create_task(pump())
+    queue, task = start_pump(open_events, "exec")
     first: Any = None
     try:
         first = await asyncio.wait_for(queue.get(), timeout=grace_s)

@@ -22,7 +22,7 @@ from pal.errors import PalError
 from pal.manager.process_models import ProcessEvent, ProcessOutput
 
 from .errors import error_response, public_error
-from .exec_stream import FIRST_EVENT_GRACE_S, KEEPALIVE_S, _aclose, _stop, sse_frame
+from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, KEEPALIVE_S, _stop, sse_frame, start_pump
 
 Encoding = Literal["text", "base64"]
 Piece = tuple[str, str, int]  # (stream, data, offset after it)
@@ -159,9 +159,6 @@ class _Frames:
         return sse_frame("error", public_error(ev.status or 503, ev.code or "GUEST_ERROR", ev.message or ""))
 
 
-_DONE = object()
-
-
 async def sse_output(
     open_events: Callable[[], AsyncIterator[ProcessEvent]],
     encoding: Encoding,
@@ -171,22 +168,7 @@ async def sse_output(
     status, one after it is an ``error`` event. One pump task drives the scheduler's
     iterator (exec_stream.py's reasons); when the client goes away it is cancelled, which
     detaches the reader in the guest (the process runs on)."""
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
-
-    async def pump() -> None:
-        events = open_events()
-        try:
-            async for ev in events:
-                await queue.put(ev)
-        except PalError as exc:
-            await queue.put(exc)
-        except Exception as exc:
-            await queue.put(PalError(f"output stream failed: {type(exc).__name__}: {exc}", status=503))
-        finally:
-            await _aclose(events)
-            await queue.put(_DONE)
-
-    task = asyncio.create_task(pump())
+    queue, task = start_pump(open_events, "output stream")
     try:
         first: Any = await asyncio.wait_for(queue.get(), timeout=grace_s)
     except TimeoutError:
