@@ -33,19 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import (
-    Api,
-    data_dir_info,
-    data_dir_lines,
-    local_server,
-    machine,
-    pct,
-    pss_kib,
-    qemu_pid_of,
-    server_accel,
-    timed,
-    wait_template,
-)
+from pal.bench.common import Api, data_dir_info, data_dir_lines, machine, pct, pss_kib, qemu_pid_of, timed
+from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 HOST = "127.0.0.2"
