@@ -78,7 +78,8 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
                     "type": "integer",
                     "minimum": 0,
                     "maximum": 7 * 24 * 3600,
-                    "description": "suspend after this many idle seconds (0: never); it wakes on its next call",
+                    "description": "suspend after this many idle seconds (0: never); "
+                    "it wakes on its next call",
                 },
                 "metadata": {
                     "type": "object",

@@ -94,7 +94,10 @@ async def _process_result(
             f"with processId={pid}, offset={nxt}]"
         )
     if running:
-        status = f"Process {pid} is still running. Read on with read_process_output(processId={pid}, offset={nxt})."
+        status = (
+            f"Process {pid} is still running. "
+            f"Read on with read_process_output(processId={pid}, offset={nxt})."
+        )
     else:
         code = proc.get("exitCode")
         how = "timed out (killed), " if proc.get("timedOut") else ""

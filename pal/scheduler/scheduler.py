@@ -51,6 +51,7 @@ from pal.manager.models import (
 )
 from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
+from pal.scheduler.audit import ToolAudit
 from pal.scheduler.background import Background, LeaderChores, LeaderState
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.delete import Deleting
@@ -59,7 +60,6 @@ from pal.scheduler.drain import Draining
 from pal.scheduler.egress_events import EgressEvents
 from pal.scheduler.egress_secrets import EgressAndSecrets
 from pal.scheduler.exec_files import ExecAndFiles
-from pal.scheduler.audit import ToolAudit
 from pal.scheduler.fork import Forking
 from pal.scheduler.idle import IdleSweeper
 from pal.scheduler.leader import Leadership, SingleProcessLeader
