@@ -253,7 +253,18 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
         "Pause a sandbox: its memory, processes and files are kept in a snapshot and it stops using "
         "CPU and its quota slot (mode snapshot, default), or its CPUs stop in place (mode live). "
         "resume_sandbox continues it exactly where it was; running processes continue too.",
-        _obj({"vmId": _VM, "mode": {"type": "string", "enum": ["snapshot", "live"]}}, ["vmId"]),
+        _obj(
+            {
+                "vmId": _VM,
+                "mode": {
+                    "type": "string",
+                    "enum": ["snapshot", "live"],
+                    "description": "snapshot (default: frees its slot) or live (stops in place, "
+                    "connections kept)",
+                },
+            },
+            ["vmId"],
+        ),
         types.ToolAnnotations(title="Pause a sandbox", destructive_hint=False, idempotent_hint=True),
     ),
     (

@@ -76,11 +76,11 @@ class McpEndpoint:
 
 
 async def _unauthorized(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"code": "UNAUTHORIZED", "message": message}}).encode()
+    body = json.dumps({"error": {"code": "UNAUTHENTICATED", "message": message}}).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b'Bearer realm="pal"'),
+        (b"www-authenticate", b"Bearer"),
     ]
     await send({"type": "http.response.start", "status": 401, "headers": headers})
     await send({"type": "http.response.body", "body": body})
