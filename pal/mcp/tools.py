@@ -118,7 +118,7 @@ async def _process_result(
 async def run_command(c: AsyncClient, a: dict[str, Any]) -> Outcome:
     vm_id = a["vmId"]
     procs = c.runtime.processes
-    opts = {k: a[k] for k in ("env", "cwd") if k in a}
+    opts: dict[str, Any] = {k: a[k] for k in ("env", "cwd") if k in a}
     if "timeoutSecs" in a:
         opts["timeout_secs"] = a["timeoutSecs"]
     proc = await procs.start(vm_id, SHELL, ["-c", a["command"]], stdin=bool(a.get("stdin")), **opts)
