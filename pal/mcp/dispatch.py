@@ -15,7 +15,7 @@ from pal.sdk import AsyncClient, PalApiError
 
 from .catalog import SCHEMAS
 from .shaping import api_error, error_result
-from .tools import HANDLERS, Outcome
+from .tools import HANDLERS
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +46,27 @@ async def call_tool(
     except PalApiError as exc:
         vm = args.get("vmId")
         # A VM that is not the caller's (or not there) has no log to write to.
-        vms = (vm,) if isinstance(vm, str) and exc.status not in (0, 401, 404) else ()
-        outcome = Outcome(api_error(exc), vms)
-        await _audit(client, name, outcome, transport, exc)
-        return outcome.result
-    await _audit(client, name, outcome, transport, None)
+        vms: tuple[str, ...] = (vm,) if isinstance(vm, str) and exc.status not in (0, 401, 404) else ()
+        await audit(client, name, vms, transport, False, exc)
+        return api_error(exc)
+    await audit(client, name, outcome.vms, transport, not outcome.result.is_error, None)
     return outcome.result
 
 
-async def _audit(
-    client: AsyncClient, name: str, outcome: Outcome, transport: Transport, exc: PalApiError | None
+async def audit(
+    client: AsyncClient,
+    name: str,
+    vms: tuple[str, ...],
+    transport: Transport,
+    ok: bool,
+    exc: PalApiError | None,
 ) -> None:
-    body: dict[str, Any] = {"tool": name, "transport": transport, "ok": not outcome.result.is_error}
+    """An ``mcp_tool`` event on each of ``vms``: the tool's (or resource read's) name, the
+    transport, the outcome and a failure's status and code; never the arguments."""
+    body: dict[str, Any] = {"tool": name, "transport": transport, "ok": ok}
     if exc is not None:
         body.update(status=exc.status, code=re.sub(r"[^A-Z0-9_]", "_", exc.code.upper())[:64] or "ERROR")
-    for vm in outcome.vms:
+    for vm in vms:
         try:
             await client.request("POST", f"/v1/runtime/vms/{vm}/audit", json=body)
         except PalApiError as err:  # the call itself is done: its answer still goes back

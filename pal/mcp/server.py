@@ -16,6 +16,7 @@ import pal
 
 from .catalog import TOOLS
 from .dispatch import Transport, call_tool
+from .resources import TEMPLATES, read_resource
 from .shaping import error_result
 
 # The Pal client for one request (its HTTP request, when the transport has one).
@@ -44,6 +45,22 @@ def build_server(clients: ClientSource, transport: Transport) -> Server[Any]:
         except PermissionError as exc:  # the HTTP transport found no key on the request
             return error_result(str(exc))
 
+    async def list_templates(
+        ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListResourceTemplatesResult:
+        return types.ListResourceTemplatesResult(resource_templates=TEMPLATES)
+
+    async def list_resources(
+        ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListResourcesResult:
+        return types.ListResourcesResult(resources=[])  # a template only (resources.py)
+
+    async def on_read(
+        ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
+    ) -> types.ReadResourceResult:
+        async with clients(ctx) as client:
+            return await read_resource(client, str(params.uri), transport)
+
     return Server(
         "pal",
         version=getattr(pal, "__version__", "0.1.0"),
@@ -51,4 +68,7 @@ def build_server(clients: ClientSource, transport: Transport) -> Server[Any]:
         instructions=INSTRUCTIONS,
         on_list_tools=list_tools,
         on_call_tool=on_call,
+        on_list_resources=list_resources,
+        on_list_resource_templates=list_templates,
+        on_read_resource=on_read,
     )

@@ -3,7 +3,8 @@
 client starts it) and Streamable HTTP (``/mcp`` with the API key as a bearer token).
 
 One VM per transport: a whole session each (create, a command that yields and is read to
-its end, files, pause and resume, delete), every call audited on the VM."""
+its end, files as tools and as a resource, pause and resume, delete), every call audited on
+the VM."""
 
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ async def _session(c: Client, api: httpx.AsyncClient, other: Client) -> str:
         assert f"offset={s['next']}" in _text(r)
         offset = s["next"]
     assert got.decode() == TEXT
+    read = await c.read_resource(f"pal://sandboxes/{vm}/workspace/notes/a.txt")
+    assert read.contents[0].text == TEXT
     listing = (await _call(c, "list_files", vmId=vm, path="notes")).structured_content
     assert [e["name"] for e in listing["entries"]] == ["a.txt"]
 
@@ -149,7 +152,14 @@ async def test_a_whole_session_over_each_transport(
             vm = await _session(c, api, other)
         audited = await _audited(api, vm, transport)
     tools = [d["tool"] for d in audited]
-    for name in ("create_sandbox", "run_command", "read_process_output", "write_file", "read_file"):
+    for name in (
+        "create_sandbox",
+        "run_command",
+        "read_process_output",
+        "write_file",
+        "read_file",
+        "read_resource",
+    ):
         assert name in tools
     assert tools[-1] == "delete_sandbox" and all(d["ok"] for d in audited)
     # The audit names the tool, never its arguments (a command or a file's content).

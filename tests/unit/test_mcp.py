@@ -4,6 +4,7 @@ official ``mcp`` client (tests/integration/test_mcp.py drives both transports on
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,13 @@ import jsonschema
 import pytest
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
 
 from pal.api.auth import key_refusal
 from pal.mcp.catalog import SCHEMAS, TOOLS
 from pal.mcp.dispatch import check_arguments
 from pal.mcp.http import install_mcp
+from pal.mcp.resources import URI_TEMPLATE
 from pal.mcp.shaping import api_error, cut_items, render_output, utf8_prefix
 from pal.mcp.tools import HANDLERS
 from pal.sdk import NotFoundError
@@ -100,6 +103,42 @@ async def test_the_http_endpoint_runs_tools_with_the_callers_key(env: ApiEnv) ->
     assert audited == [
         {"tool": "create_sandbox", "transport": "http", "ok": True},
         {"tool": "get_sandbox", "transport": "http", "ok": True},
+    ]
+
+
+async def test_files_as_tools_and_as_resources(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            vm = (await c.call_tool("create_sandbox", {})).structured_content["vmId"]
+            text = "ligne é ✓\n" * 50
+            wrote = await c.call_tool("write_file", {"vmId": vm, "path": "a.txt", "content": text})
+            assert not wrote.is_error, wrote.content
+            blob = base64.b64encode(b"\xff\x00\xfe").decode()
+            args = {"vmId": vm, "path": "b.bin", "content": blob, "encoding": "base64"}
+            assert not (await c.call_tool("write_file", args)).is_error
+            part = await c.call_tool("read_file", {"vmId": vm, "path": "a.txt", "maxBytes": 100})
+            s = part.structured_content
+            assert s["next"] <= 100 and s["size"] == len(text.encode()) and text.startswith(s["content"])
+            assert f"offset={s['next']}" in part.content[0].text
+            templates = (await c.list_resource_templates()).resource_templates
+            assert [t.uri_template for t in templates] == [URI_TEMPLATE]
+            read = await c.read_resource(f"pal://sandboxes/{vm}/workspace/a.txt")
+            assert read.contents[0].text == text
+            read = await c.read_resource(f"pal://sandboxes/{vm}/workspace/b.bin")
+            assert base64.b64decode(read.contents[0].blob) == b"\xff\x00\xfe"
+            with pytest.raises(MCPError, match="not a Pal resource"):
+                await c.read_resource("file:///etc/passwd")
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+            events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    tools = [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
+    assert tools == [
+        "create_sandbox",
+        "write_file",
+        "write_file",
+        "read_file",
+        "read_resource",
+        "read_resource",
     ]
 
 
