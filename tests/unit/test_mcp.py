@@ -142,6 +142,21 @@ async def test_files_as_tools_and_as_resources(env: ApiEnv) -> None:
     ]
 
 
+async def test_a_fork_is_audited_on_the_parent_and_each_child(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            vm = (await c.call_tool("create_sandbox", {})).structured_content["vmId"]
+            forked = await c.call_tool("fork_sandbox", {"vmId": vm, "count": 1})
+            assert not forked.is_error, forked.content
+            kids = [f["vmId"] for f in forked.structured_content["forks"]]
+            assert len(kids) == 1 and kids[0] in forked.content[0].text
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+            for one in (vm, kids[0]):
+                events = (await api.get(f"/v1/runtime/vms/{one}/events")).json()["events"]
+                assert "fork_sandbox" in [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
+
+
 async def test_the_http_endpoint_refuses_a_wrong_key(env: ApiEnv) -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     headers = {"Accept": "application/json, text/event-stream"}
