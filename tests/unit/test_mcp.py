@@ -18,12 +18,12 @@ from mcp.shared.exceptions import MCPError
 
 from pal.api.auth import key_refusal
 from pal.mcp.catalog import SCHEMAS, TOOLS
-from pal.mcp.dispatch import check_arguments
+from pal.mcp.dispatch import call_tool, check_arguments
 from pal.mcp.http import install_mcp
 from pal.mcp.resources import URI_TEMPLATE
 from pal.mcp.shaping import api_error, cut_items, render_output, utf8_prefix
 from pal.mcp.tools import HANDLERS
-from pal.sdk import NotFoundError
+from pal.sdk import AsyncClient, NotFoundError
 from tests.apienv import ApiEnv, make_api, serve
 
 
@@ -65,6 +65,14 @@ def test_an_api_error_says_what_happened_and_what_to_do() -> None:
     text = result.content[0].text  # type: ignore[union-attr]
     assert result.is_error
     assert "404 NOT_FOUND: VM vm-x not found" in text and "list_sandboxes" in text
+
+
+async def test_an_unreachable_server_is_a_tool_error_that_names_pal_url() -> None:
+    async with AsyncClient("http://127.0.0.1:9", "pal_key") as client:  # port 9: nothing listens
+        result = await call_tool(client, "list_sandboxes", {}, "stdio")
+        unknown = await call_tool(client, "no_such_tool", {}, "stdio")
+    assert result.is_error and "PAL_URL" in result.content[0].text  # type: ignore[union-attr]
+    assert unknown.is_error and "run_command" in unknown.content[0].text  # type: ignore[union-attr]
 
 
 @pytest.fixture
