@@ -372,10 +372,13 @@ def control_plane_app(
     share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
     what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
+    from pal.api.auth import key_refusal
     from pal.dashboard.app import install_dashboard
+    from pal.mcp.http import install_mcp
 
     app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
     install_dashboard(app, scheduler, store, settings, secret)
+    install_mcp(app, lambda key: key_refusal(store, key))  # /mcp: the MCP server (docs/agents.md)
     return app
 
 

@@ -20,6 +20,7 @@ from fastapi_offline import FastAPIOffline
 import pal
 from pal.config import Settings
 
+from .audit import audit_router
 from .callers import Callers
 from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
@@ -82,6 +83,7 @@ def create_app(
     app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
     app.include_router(runtime_router)  # its handlers find the above on app.state
     app.include_router(processes_router)
+    app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)

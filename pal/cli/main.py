@@ -196,6 +196,26 @@ def doctor(
         raise typer.Exit(1)
 
 
+@app.command(
+    epilog=cli_help.examples(
+        "PAL_URL=http://127.0.0.1:8080 PAL_API_KEY=... pal mcp   # what a desktop client runs",
+    )
+)
+def mcp(
+    url: Annotated[
+        str | None, typer.Option(help="Pal server (default PAL_URL or http://127.0.0.1:8080)")
+    ] = None,
+) -> None:
+    """Serve Pal's sandbox tools to an MCP client over stdio (docs/agents.md).
+
+    Started by the client (Claude Desktop, an agent framework) as a subprocess; every tool
+    call goes to the Pal server at PAL_URL with PAL_API_KEY. The server also serves the same
+    tools at /mcp (Streamable HTTP, the key as a bearer token)."""
+    from pal.mcp.stdio import run_stdio
+
+    run_stdio(url)
+
+
 def _store_settings(data_dir: Path | None, database: str | None) -> Any:
     settings = server_settings(data_dir)
     if database:

@@ -34,6 +34,8 @@ NOT_SDK_CALLS = {
     "port_proxy_": "the reverse proxy to the guest's own server: reached by URL (PortURL's "
     "signed link, or the key), any method; not a call of the SDK",
     "GET /readyz": "the load balancer's readiness probe, for operators",
+    "POST /v1/runtime/vms/{vm_id}/audit": "the MCP server's audit record of a tool call (pal/mcp "
+    "writes it); not a call for an SDK's users",
 }
 
 Route = tuple[str, str]  # (METHOD, path with every {param} as {})
