@@ -59,8 +59,6 @@ const BACKOFF_MAX_MS = 2_000;
 const WAIT_POLL_SECS = 60; // the server's longest wait; a longer one is several polls
 const STDIN_CHUNK = 1 << 20; // the server's bound on one stdin write
 
-const PROC = "/v1/runtime/vms/{vm_id}/processes/{pid}";
-
 /** A stream event that says the stream ended while the process may run on: reattach. */
 class Detached extends Error {}
 
