@@ -42,7 +42,8 @@ export interface ProcessRead {
 /** One event of `output()`: `stdout`/`stderr` bytes with the journal `offset` after them,
  * `gap` (`lost` bytes dropped by the journal's bound, `offset` after them), then one `exit`. */
 export type OutputEvent =
-  | { type: "stdout" | "stderr"; data: Uint8Array; offset: number }
+  | { type: "stdout"; data: Uint8Array; offset: number }
+  | { type: "stderr"; data: Uint8Array; offset: number }
   | { type: "gap"; lost: number; offset: number }
   | { type: "exit"; exitCode: number | null; timedOut: boolean };
 
