@@ -4,6 +4,7 @@ package pal
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -11,6 +12,7 @@ import (
 const (
 	contractPScript = `echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3`
 	contractQScript = `trap "echo caught; exit 42" INT; echo armed; while :; do sleep 1; done`
+	contractRScript = `i=0; while :; do i=$((i+1)); echo tick $i; [ -e /tmp/stop ] && exit 0; sleep 0.2; done`
 )
 
 // followOutput reads a stream to its end: stdout joined, and the exit event. onText sees the
@@ -122,9 +124,52 @@ func scenarioProcesses(t *testing.T, ctx context.Context, st *contract) {
 		t.Fatalf("%q %+v", text, exit)
 	}
 
+	contractAcrossAPause(t, ctx, st, vm.VMID)
+
 	s, err := pr.Start(ctx, vm.VMID, ProcessStart{Command: "sleep", Argv: []string{"600"}})
 	must(t, err)
 	must(t, pr.Kill(ctx, vm.VMID, s.ProcessID))
 	_, err = pr.Get(ctx, vm.VMID, s.ProcessID)
 	expectAPIError(t, err, ErrNotFound, 404, "PROCESS_NOT_FOUND")
+}
+
+// contractAcrossAPause follows a process's output while its VM is live-paused and resumed:
+// the stream reattaches by itself and no line is lost or repeated.
+func contractAcrossAPause(t *testing.T, ctx context.Context, st *contract, vmID string) {
+	pr := st.c.Runtime.Processes
+	r, err := pr.Start(ctx, vmID, ProcessStart{Command: "/bin/sh", Argv: []string{"-c", contractRScript}})
+	must(t, err)
+	out, err := pr.Output(ctx, vmID, r.ProcessID, 0)
+	must(t, err)
+	var resumed chan error
+	text, exit := followOutput(t, out, 0, func(s string) {
+		if strings.Contains(s, "tick 3\n") && resumed == nil {
+			p, err := st.c.Runtime.PauseVM(ctx, vmID, PauseLive(false))
+			must(t, err)
+			if p.State != "paused" {
+				t.Fatalf("%+v", p)
+			}
+			resumed = make(chan error, 1)
+			go func() { // resumed while the stream waits: it reattaches by itself
+				_, err := st.c.Runtime.ResumeVM(ctx, vmID)
+				if err == nil {
+					_, err = st.c.Runtime.Exec(ctx, vmID, shell("touch /tmp/stop"))
+				}
+				resumed <- err
+			}()
+		}
+	})
+	if resumed == nil {
+		t.Fatal("never paused")
+	}
+	must(t, <-resumed)
+	lines := strings.Split(strings.TrimSuffix(text, "\n"), "\n")
+	for i, line := range lines {
+		if line != "tick "+strconv.Itoa(i+1) {
+			t.Fatalf("line %d of %q", i, text)
+		}
+	}
+	if len(lines) < 3 || exit.ExitCode != 0 {
+		t.Fatalf("%q %+v", text, exit)
+	}
 }

@@ -5,6 +5,7 @@ order against a real server; the Go and TypeScript runners implement the same id
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,13 @@ def delete(st: State) -> None:
 
 P_SCRIPT = 'echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3'
 Q_SCRIPT = 'trap "echo caught; exit 42" INT; echo armed; while :; do sleep 1; done'
+R_SCRIPT = "i=0; while :; do i=$((i+1)); echo tick $i; [ -e /tmp/stop ] && exit 0; sleep 0.2; done"
+
+
+def ticks_in_order(text: str) -> bool:
+    """'tick 1\\n' ... 'tick N\\n' for some N >= 3: no line lost or repeated."""
+    lines = text.splitlines()
+    return len(lines) >= 3 and lines == [f"tick {i}" for i in range(1, len(lines) + 1)]
 
 
 def follow(events: Iterable[OutputEvent]) -> tuple[bytes, list[OutputEvent]]:
@@ -183,6 +191,8 @@ def processes(st: State) -> None:
     pvm = rt.schedule()["vmId"]
     try:
         _processes(rt.processes, pvm)
+        _across_a_pause(st.client, pvm)
+        _kill(rt.processes, pvm)
     finally:
         assert rt.delete(pvm)["state"] == "terminated"
 
@@ -227,6 +237,33 @@ def _processes(pr: Processes, vm: str) -> None:
         last = ev
     assert text.index(b"24 80") < text.index(b"30 100") and last.exit_code == 0, (text, last)
 
+
+def _across_a_pause(client: Client, vm: str) -> None:
+    rt = client.runtime
+    r = rt.processes.start(vm, *_shell(R_SCRIPT))["processId"]
+    text, resumer, failed = b"", None, []
+
+    def resume() -> None:
+        try:
+            rt.resume(vm)
+            rt.exec(vm, "touch", ["/tmp/stop"])
+        except PalApiError as exc:  # the reader then fails too: say why
+            failed.append(exc)
+
+    for ev in rt.processes.output(vm, r):
+        text += ev.data
+        if b"tick 3\n" in text and resumer is None:
+            assert rt.pause(vm, "live")["state"] == "paused"
+            resumer = threading.Thread(target=resume)
+            resumer.start()
+        last = ev
+    assert resumer is not None
+    resumer.join()
+    assert not failed, failed
+    assert ticks_in_order(text.decode()) and (last.type, last.exit_code) == ("exit", 0), (text, last)
+
+
+def _kill(pr: Processes, vm: str) -> None:
     s = pr.start(vm, "sleep", ["600"])["processId"]
     assert pr.kill(vm, s)["deleted"] is True
     with pytest.raises(NotFoundError) as nf:

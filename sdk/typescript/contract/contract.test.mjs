@@ -155,6 +155,7 @@ const scenarios = {
 
 const P_SCRIPT = 'echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3';
 const Q_SCRIPT = 'trap "echo caught; exit 42" INT; echo armed; while :; do sleep 1; done';
+const R_SCRIPT = "i=0; while :; do i=$((i+1)); echo tick $i; [ -e /tmp/stop ] && exit 0; sleep 0.2; done";
 const text = (bytes) => new TextDecoder().decode(bytes);
 
 // Every event of an output iterator (`onEvent` may act as they come): stdout joined as text,
@@ -213,6 +214,21 @@ async function processScenario(pr, vm) {
   });
   assert.ok(term.out.indexOf("24 80") >= 0 && term.out.indexOf("24 80") < term.out.indexOf("30 100"), term.out);
   assert.equal(term.exit.exitCode, 0);
+
+  const r = (await pr.start(vm, shell(R_SCRIPT))).processId;
+  let resumer;
+  const paused = await follow(pr.output(vm, r), async (out) => {
+    if (out.includes("tick 3\n") && !resumer) {
+      assert.equal((await rt.pause(vm, { mode: "live" })).state, "paused");
+      // resumed while the iterator waits: it reattaches by itself
+      resumer = rt.resume(vm).then(() => rt.exec(vm, shell("touch /tmp/stop")));
+    }
+  });
+  await resumer;
+  const lines = paused.out.split("\n").slice(0, -1);
+  assert.ok(lines.length >= 3, paused.out);
+  assert.deepEqual(lines, lines.map((_, i) => `tick ${i + 1}`));
+  assert.equal(paused.exit.exitCode, 0);
 
   const s = (await pr.start(vm, { command: "sleep", argv: ["600"] })).processId;
   assert.equal((await pr.kill(vm, s)).deleted, true);
