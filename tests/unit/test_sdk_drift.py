@@ -42,12 +42,7 @@ Route = tuple[str, str]  # (METHOD, path with every {param} as {})
 
 # Routes an SDK does not call yet, each with its reason and the SDKs it excuses (the Python
 # SDK has them all). A path prefix (after /v1/runtime/vms/{}) covers every route under it.
-PENDING = {
-    "/processes": (
-        "issue 22: the TypeScript and Go SDKs' process calls come in a later session",
-        ("TypeScript (sdk/typescript/src)", "Go (sdk/go/routes.go)"),
-    ),
-}
+PENDING: dict[str, tuple[str, tuple[str, ...]]] = {}
 
 
 def _pending(sdk: str) -> set[Route]:
