@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import SkipJsonSchema
 
 from pal import sizes
 from pal.guest import protocol as P
@@ -536,6 +537,9 @@ class ExecRequest(_Model):
         "long, else `{processId, running: true}` with the output so far and the offset to read "
         "on from (`/processes/{processId}/output`); the command keeps running (docs/processes.md)",
     )
+    # Set by the API for an SSE exec, never in the public schema: a client that drops the
+    # stream leaves the command running, to be read on through /processes/{id}/output.
+    detach_on_close: SkipJsonSchema[bool] = False
 
     @field_validator("env")
     @classmethod
