@@ -615,6 +615,7 @@ class ProcessStartRequest(ExecRequest):
     """Body of POST .../processes: an exec request, plus what a process that outlives its
     request needs (docs/processes.md)."""
 
+    detach_on_close: SkipJsonSchema[Literal[False]] = False  # exec's: a process never dies with a stream
     stdin: bool = Field(False, description="keep a stdin pipe open for POST .../stdin")
     pty: Terminal | None = Field(None, description="run on a terminal of this size (stdin included)")
     tag: str = Field("", max_length=P.MAX_TAG_CHARS, description="free text to find the process by")
