@@ -135,6 +135,29 @@ def sse_throughput(api: Api, vm: str, size: int) -> tuple[float, int]:
     return secs, got
 
 
+def journal_fill_and_replay(api: Api, vm: str, size: int) -> tuple[float, float]:
+    """The two halves of the SSE path, apart: seconds the guest took to put ``size`` bytes
+    into a journal with nobody reading (its own clock: pipe, harness, journal), and seconds
+    to read the finished journal over SSE (channel, node, API, HTTP)."""
+    pid = _start(api, vm, f"exec head -c {size} /dev/zero", journalBytes=64 * 1024 * 1024)
+    info = api.call("POST", f"{_procs(vm)}/{pid}/wait", params={"timeoutSecs": 60})
+    while info["running"]:
+        info = api.call("POST", f"{_procs(vm)}/{pid}/wait", params={"timeoutSecs": 60})
+    fill = (info["endedMs"] - info["startedMs"]) / 1000
+    t0, got = time.perf_counter(), 0
+    with api.http.stream("GET", f"{_procs(vm)}/{pid}/output?encoding=base64", headers=SSE) as resp:
+        for event, _, data in _sse(resp):
+            if event == "stdout":
+                got += len(base64.b64decode(data["data"]))
+            elif event in ("exit", "detached", "gap"):
+                break
+    replay = time.perf_counter() - t0
+    api.call("DELETE", f"{_procs(vm)}/{pid}")
+    if got != size:
+        raise RuntimeError(f"replay: got {got} of {size} bytes")
+    return fill, replay
+
+
 def guest_pipe_secs(api: Api, vm: str, size: int) -> float:
     """The guest's own pipe: ``size`` bytes through `cat`, timed by the guest's clock."""
     script = f"s=$(date +%s%N); head -c {size} /dev/zero | cat >/dev/null; e=$(date +%s%N); echo $((e-s))"
@@ -203,10 +226,13 @@ def run(api: Api, iterations: int, size_mib: int, idle_processes: int, log: Any)
         if any(got != size for _, got in sse):
             raise RuntimeError(f"SSE throughput: got {[g for _, g in sse]} of {size} bytes")
         pipe = [guest_pipe_secs(api, vm, size) for _ in range(3)]
+        halves = [journal_fill_and_replay(api, vm, size) for _ in range(2)]
         throughput = {
             "bytes": size,
             "sseMBps": [round(size / MB / s, 2) for s, _ in sse],
             "pipeMBps": [round(size / MB / s, 2) for s in pipe],
+            "journalFillMBps": [round(size / MB / f, 2) for f, _ in halves],
+            "journalReplayMBps": [round(size / MB / r, 2) for _, r in halves],
         }
         log(f"throughput {throughput}")
         samples.update(reattach_after_resume(api, vm, max(3, iterations // 2)))
@@ -294,6 +320,12 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"- SSE: {', '.join(map(str, tp['sseMBps']))} MB/s (p50 {pct(tp['sseMBps'], 0.5):.1f})",
         f"- In-guest pipe: {', '.join(map(str, tp['pipeMBps']))} MB/s (p50 {pct(tp['pipeMBps'], 0.5):.1f})",
+        "",
+        "The SSE path in two halves (which step holds it): the guest filling a journal with "
+        "nobody reading (timed by the guest), and the finished journal read over SSE.",
+        "",
+        f"- Guest into the journal: {', '.join(map(str, tp.get('journalFillMBps', [])))} MB/s",
+        f"- Finished journal over SSE: {', '.join(map(str, tp.get('journalReplayMBps', [])))} MB/s",
         "",
         "## Guest memory per idle process",
         "",
