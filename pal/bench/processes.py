@@ -263,7 +263,7 @@ def targets(report: dict[str, Any]) -> list[str]:
     sse, pipe = pct(tp["sseMBps"], 0.5), pct(tp["pipeMBps"], 0.5)
     add(
         "SSE throughput ≥ 50 % of the in-guest pipe",
-        f"{sse:.1f} / {pipe:.1f} MB/s = {sse / pipe * 100:.1f} %",
+        f"{sse:.2f} / {pipe:.2f} MB/s = {sse / pipe * 100:.1f} %",
         sse >= THROUGHPUT_TARGET * pipe,
     )
     re, first = pct(s["resume_to_reattach"], 0.5), pct(s["resume_to_first_exec"], 0.5)
@@ -321,8 +321,8 @@ def render(report: dict[str, Any]) -> str:
         "`encoding=base64` from the start call to the exit event, against the same bytes through "
         "a pipe in the guest (`head -c N /dev/zero | cat >/dev/null`, timed by the guest).",
         "",
-        f"- SSE: {', '.join(map(str, tp['sseMBps']))} MB/s (p50 {pct(tp['sseMBps'], 0.5):.1f})",
-        f"- In-guest pipe: {', '.join(map(str, tp['pipeMBps']))} MB/s (p50 {pct(tp['pipeMBps'], 0.5):.1f})",
+        f"- SSE: {', '.join(map(str, tp['sseMBps']))} MB/s (p50 {pct(tp['sseMBps'], 0.5):.2f})",
+        f"- In-guest pipe: {', '.join(map(str, tp['pipeMBps']))} MB/s (p50 {pct(tp['pipeMBps'], 0.5):.2f})",
         "",
         "The SSE path in two halves (which step holds it): the guest filling a journal with "
         "nobody reading (timed by the guest), and the finished journal read over SSE.",
