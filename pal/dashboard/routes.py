@@ -14,6 +14,7 @@ import html
 import json
 import posixpath
 import re
+import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +41,7 @@ from pal.spec import AgentSpec, ExecRequest
 from pal.store.store import hash_api_key
 
 from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_secret
+from .terminal import open_terminal, with_style_nonce
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = MAX_FILE_BYTES + 64 * 1024  # one uploaded file plus the form's other fields
@@ -185,7 +187,9 @@ def dashboard_router(
     def render(request: Request, name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         s = sessions.read(request)
         ctx.setdefault("session", s)
-        return templates.TemplateResponse(request, name, ctx, status_code=status, headers=PAGE_HEADERS)
+        nonce = ctx.setdefault("style_nonce", secrets.token_urlsafe(16))  # terminal.py
+        headers = with_style_nonce(PAGE_HEADERS, nonce)
+        return templates.TemplateResponse(request, name, ctx, status_code=status, headers=headers)
 
     def message(
         request: Request, text: str, status: int = 200, *, trigger: str | None = None
@@ -476,6 +480,11 @@ def dashboard_router(
         finally:
             if isinstance(upload, UploadFile):
                 await upload.close()
+
+    @r.post("/{vm_id}/terminal")
+    async def terminal(request: Request, vm_id: str) -> Response:
+        s, _ = await mutating(request, "json")
+        return await open_terminal(request, scheduler, s, vm_id)
 
     # -- exec console --------------------------------------------------------------------------
 
