@@ -5,6 +5,7 @@ reattach from an offset with no byte lost or repeated, a pause ending the socket
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
@@ -39,12 +40,15 @@ def ws_url(server: PalServer, vm: str, pid: int, query: str = "") -> str:
     return server.url.replace("http", "ws", 1) + f"{procs(vm)}/{pid}/attach" + (f"?{query}" if query else "")
 
 
-def attach(server: PalServer, vm: str, pid: int, key: str | None, query: str = "") -> ClientConnection:
+@contextlib.contextmanager
+def attach(
+    server: PalServer, vm: str, pid: int, key: str | None, query: str = ""
+) -> Iterator[ClientConnection]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    ws = connect(ws_url(server, vm, pid, query), additional_headers=headers, open_timeout=RECV_S)
-    hello = json.loads(ws.recv(timeout=RECV_S))
-    assert hello["type"] == "attached" and hello["processId"] == pid, hello
-    return ws
+    with connect(ws_url(server, vm, pid, query), additional_headers=headers, open_timeout=RECV_S) as ws:
+        hello = json.loads(ws.recv(timeout=RECV_S))
+        assert hello["type"] == "attached" and hello["processId"] == pid, hello
+        yield ws
 
 
 class Screen:
@@ -126,7 +130,9 @@ def test_binary_stdin_and_reattach_from_an_offset(
     assert end["offset"] == len(expected)
 
 
-def test_a_frame_over_the_bound_closes_the_socket(pal_server: PalServer, tenant_key: str, shared: Any) -> None:
+def test_a_frame_over_the_bound_closes_the_socket(
+    pal_server: PalServer, tenant_key: str, shared: Any
+) -> None:
     api, vm = shared
     pid = start(api, vm, "cat >/dev/null", stdin=True)
     with attach(pal_server, vm, pid, tenant_key) as ws:
@@ -143,8 +149,8 @@ def test_who_may_attach(pal_server: PalServer, tenant_key: str, shared: Any) -> 
     pid = start(api, vm, "echo linked; sleep 600")
 
     def refused(key: str | None, query: str = "", pid_: int = pid) -> int:
-        with pytest.raises(InvalidStatus) as exc:
-            attach(pal_server, vm, pid_, key, query)
+        with pytest.raises(InvalidStatus) as exc, attach(pal_server, vm, pid_, key, query):
+            pass
         return exc.value.response.status_code
 
     assert refused(None) == 401
