@@ -97,8 +97,9 @@ def attach(
     pid: Pid,
     from_: Annotated[int, typer.Option("--from", metavar="OFFSET", help="output offset to start at")] = 0,
 ) -> None:
-    """Follow a process's output from OFFSET (its bytes exactly) until it exits; exits with
-    its exit status. On a terminal process, with this terminal a TTY: interactive, as
+    """Follow a process's output from OFFSET until it exits; exits with its exit status.
+
+    Its bytes exactly. On a terminal process, with this terminal a TTY: interactive, as
     `pal vm shell`. Reattaches by itself across pauses and dropped connections."""
     if from_ < 0:
         raise typer.BadParameter("--from is an output offset (0 or more)")

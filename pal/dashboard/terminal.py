@@ -43,7 +43,7 @@ async def _shell(scheduler: Any, tenant: str, vm_id: str, size: Terminal) -> int
         if proc.running and proc.tag == TAG and proc.pty is not None:
             return int(proc.process_id)
     for i, (exe, args) in enumerate(SHELLS):
-        req = ProcessStartRequest(command=exe, argv=args, pty=size, tag=TAG)
+        req = ProcessStartRequest.model_validate({"command": exe, "argv": args, "pty": size, "tag": TAG})
         try:
             return int((await scheduler.start_process(tenant, vm_id, req)).process_id)
         except PalError as exc:

@@ -131,7 +131,7 @@ async def open_attach(
             open_timeout=OPEN_TIMEOUT_S,
         )
     except websockets.InvalidStatus as exc:
-        raise _wire.error_from(exc.response.status_code, exc.response.body or b"") from None
+        raise _wire.error_from(exc.response.status_code, bytes(exc.response.body or b"")) from None
     except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
         raise PalConnectionError(0, "CONNECTION_ERROR", f"cannot reach Pal at {url}: {exc}") from exc
     try:
