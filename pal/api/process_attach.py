@@ -42,13 +42,12 @@ from .body import require_json
 from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
 from .port_links import Links
-from .ports import _header_items, _query_without_token, _refuse, key_tenant
+from .ports import TOKEN_PARAM, _header_items, _query_without_token, _refuse, key_tenant
 
 MAX_INPUT_FRAME = 64 * 1024  # one stdin frame from a client (a paste; the SDK splits more)
 MAX_CONTROL_FRAME = 4096  # one JSON control message
 ATTACH_LINK_MAX_SECS = 3600
 ATTACH_LINK_DEFAULT_SECS = 300
-TOKEN_PARAM = "palToken"
 ATTACH_PATH = "/v1/runtime/vms/{vm_id}/processes/{pid}/attach"
 
 

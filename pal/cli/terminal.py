@@ -45,8 +45,9 @@ def _write_all(fd: int, data: bytes) -> None:
 class Session:
     """One attached process; ``interactive``: this terminal in raw mode drives it."""
 
-    def __init__(self, open_: Opener, offset: int, interactive: bool, label: str) -> None:
+    def __init__(self, open_: Opener, offset: int, interactive: bool, label: str, owned: bool) -> None:
         self.open_ = open_
+        self.owned = owned  # we started it (`pal vm shell`): our hangup is its hangup
         self.offset = offset
         self.interactive = interactive
         self.label = label  # how to reattach, for the notes
@@ -90,9 +91,11 @@ class Session:
 
     async def _hangup(self) -> None:
         self.hung_up = True
-        if self.att is not None:
+        if self.att is not None and self.owned:
             with contextlib.suppress(Exception):
                 await self.att.signal("HUP")
+        if self.att is not None:
+            with contextlib.suppress(Exception):
                 await self.att.close()
 
     async def _attached(self) -> int:
@@ -162,9 +165,10 @@ class Session:
                 return
 
 
-def attach_terminal(open_: Opener, offset: int, interactive: bool, label: str) -> int:
-    """Run a session; the remote exit status."""
-    return asyncio.run(Session(open_, offset, interactive, label).run())
+def attach_terminal(open_: Opener, offset: int, interactive: bool, label: str, owned: bool = False) -> int:
+    """Run a session; the remote exit status (HANGUP_EXIT when our terminal went away).
+    ``owned``: the process is this session's (`pal vm shell`), hung up with it."""
+    return asyncio.run(Session(open_, offset, interactive, label, owned).run())
 
 
 def terminal_size() -> dict[str, Any]:

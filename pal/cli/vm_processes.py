@@ -73,7 +73,7 @@ def shell(
     with api_errors():
         proc = _start_shell(c, vm_id, command, user)
         pid = int(proc["processId"])
-        code = attach_terminal(_opener(c, vm_id, pid), 0, True, f"process {pid}")
+        code = attach_terminal(_opener(c, vm_id, pid), 0, True, f"process {pid}", owned=True)
     raise typer.Exit(code)
 
 
