@@ -96,7 +96,9 @@ class Terminal:
         return code
 
 
-def test_shell_is_an_interactive_terminal_with_the_remote_exit_status(env: dict[str, str], vm: str) -> None:
+def test_shell_is_an_interactive_terminal_that_outlives_a_pause_with_the_remote_exit_status(
+    env: dict[str, str], vm: str
+) -> None:
     t = Terminal(env, "vm", "shell", vm, rows=30, cols=100)
     try:
         t.expect(rb"\$ ")  # the prompt: typed before it, a line may be dropped by the starting shell
@@ -112,6 +114,12 @@ def test_shell_is_an_interactive_terminal_with_the_remote_exit_status(env: dict[
         procs = pal_json(env, "vm", "ps", vm)
         shells = [p for p in procs if p["running"] and p["tag"] == "pal vm shell"]
         assert shells and shells[0]["pty"] == {"cols": 120, "rows": 40}, procs
+        # a pause detaches it; it reattaches by itself after the resume and goes on
+        pal_json(env, "vm", "pause", vm)
+        t.expect(rb"\[pal\] detached \(")
+        pal_json(env, "vm", "resume", vm)
+        t.send(b"echo back-$((1+1))\r")
+        t.expect(rb"back-2")
         t.send(b"exit 5\r")
         assert t.wait() == 5
     finally:
