@@ -129,6 +129,11 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
             raise InvalidRequest("the process id is out of range")
         tenant = await _tenant(state, ws.scope, vm_id, pid)
         offset = _offset(ws)
+        # Asked first, however slow the guest: an unknown VM or process, or a VM paused by
+        # an operator, is the handshake's answer (404, 409), never a socket that then fails.
+        proc = await scheduler.get_process(tenant, vm_id, pid)
+        if offset > proc.journal.end:
+            raise InvalidRequest(f"from={offset} is past the output's end ({proc.journal.end})")
     except PalError as exc:
         await _refuse(ws, exc)
         return
@@ -143,22 +148,13 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
         return
     try:
         await ws.accept()
-        info = await _info(scheduler, tenant, vm_id, pid)
-        hello = {"type": "attached", "processId": pid, "from": offset, "pty": info}
+        pty = proc.pty.model_dump() if proc.pty is not None else None
+        hello = {"type": "attached", "processId": pid, "from": offset, "pty": pty}
         await ws.send_text(json.dumps(hello))
         session = _Session(ws, scheduler, tenant, vm_id, pid, offset)
         await session.run(queue, first)
     finally:
         await _stop(task)
-
-
-async def _info(scheduler: Any, tenant: str, vm_id: str, pid: int) -> dict[str, int] | None:
-    """The process's terminal size, or None (no terminal)."""
-    try:
-        proc = await scheduler.get_process(tenant, vm_id, pid)
-    except PalError:
-        return None
-    return proc.pty.model_dump() if proc.pty is not None else None
 
 
 class _Session:

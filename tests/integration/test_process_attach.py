@@ -159,6 +159,7 @@ def test_who_may_attach(pal_server: PalServer, tenant_key: str, shared: Any) -> 
     assert refused(other) == 404  # another tenant's VM: as if it did not exist
     assert refused(tenant_key, pid_=999_999) == 404
     assert refused(tenant_key, "from=-1") == 400
+    assert refused(tenant_key, "from=99999999") == 400  # past the output's end
 
     # a signed link opens this process, and only it
     r = api.post(f"{procs(vm)}/{pid}/attach-url", json={"expiresInSecs": 60})
