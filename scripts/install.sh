@@ -103,6 +103,10 @@ else
   log "TypeScript SDK dev packages up to date"
 fi
 
+# The dashboard terminal's xterm.js, pinned, into the package's static files.
+log "dashboard terminal assets (xterm.js)"
+bash scripts/vendor-xterm.sh
+
 export PAL_DATA_DIR="${PAL_DATA_DIR:-/var/lib/pal}"
 log "guest image 'default' in $PAL_DATA_DIR (reused when already built)"
 .venv/bin/pal image build default --data-dir "$PAL_DATA_DIR"

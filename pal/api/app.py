@@ -34,6 +34,7 @@ from .port_links import Links
 from .port_origins import PortsHostDispatch, PortsOrigins
 from .ports import ports_router
 from .ports_openapi import document_port_proxy
+from .process_attach import attach_links, attach_router
 from .processes import processes_router
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
@@ -88,6 +89,8 @@ def create_app(
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)
     app.state.links = Links(shared, store)  # the dashboard's port form too
+    app.state.attach_links = attach_links(shared, store)  # processes' WebSocket attach
+    app.include_router(attach_router)
     origins = PortsOrigins.from_settings(settings)
     app.state.port_origins = origins
     app.include_router(ports_router)  # its handlers find links and origins on app.state

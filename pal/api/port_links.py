@@ -61,9 +61,15 @@ def is_link_id(value: str) -> bool:
 class Links:
     """Makes and checks port links; ``store`` answers the revocation and key checks."""
 
-    def __init__(self, secret: bytes, store: Any) -> None:
-        self._signer = URLSafeSerializer(secret, salt="pal-port-link-v2")
+    def __init__(
+        self, secret: bytes, store: Any, *, salt: str = "pal-port-link-v2", noun: str = "port"
+    ) -> None:
+        """``salt`` keeps one kind of link from opening another (a process attach link,
+        pal/api/process_attach.py, names a process id where a port link names a port);
+        ``noun``: what the number names, in the errors."""
+        self._signer = URLSafeSerializer(secret, salt=salt)
         self._store = store
+        self._noun = noun
 
     def sign(self, tenant_id: str, vm_id: str, port: int, expires_at: int, key_hash: str) -> Link:
         return Link(tenant_id, vm_id, port, expires_at, new_link_id(), key_fingerprint(key_hash))
@@ -85,15 +91,15 @@ class Links:
             d = self._signer.loads(token)
             return Link(str(d["t"]), str(d["v"]), int(d["p"]), int(d["e"]), str(d["i"]), str(d["k"]))
         except (BadSignature, KeyError, TypeError, ValueError):
-            raise Unauthorized("invalid port link") from None
+            raise Unauthorized(f"invalid {self._noun} link") from None
 
     def check_bounds(self, token: str, vm_id: str, port: int, now: float) -> Link:
         """The link, if it is for this VM and port and unexpired (no store read)."""
         link = self.decode(token)
         if link.vm_id != vm_id or link.port != port:
-            raise Unauthorized("this link is for another VM or port")
+            raise Unauthorized(f"this link is for another VM or {self._noun}")
         if link.expires_at <= now:
-            raise Unauthorized("this port link has expired")
+            raise Unauthorized(f"this {self._noun} link has expired")
         return link
 
     async def tenant(self, token: str, vm_id: str, port: int, now: float | None = None) -> str:
@@ -102,11 +108,12 @@ class Links:
         link = self.check_bounds(token, vm_id, port, time.time() if now is None else now)
         state = await run_in_threadpool(self._store.port_link_check, link.tenant_id, link.link_id)
         if state is None:
-            raise Unauthorized("invalid port link")
+            raise Unauthorized(f"invalid {self._noun} link")
         if state.revoked:
-            raise Unauthorized("this port link was revoked")
+            raise Unauthorized(f"this {self._noun} link was revoked")
         if link.key_fingerprint not in {key_fingerprint(h) for h in state.key_hashes}:
-            raise Unauthorized("this port link ended with the API key it was made with (key rotated)")
+            ended = f"this {self._noun} link ended with the API key it was made with (key rotated)"
+            raise Unauthorized(ended)
         return link.tenant_id
 
     async def first_valid(self, tokens: list[str], vm_id: str, port: int) -> str:

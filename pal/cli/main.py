@@ -20,6 +20,7 @@ from .output import Table, fail, mode, print_json, print_table
 from .settings import say, server_settings
 from .snapshots import snapshots_app
 from .vm import files_app, vm_app
+from .vm_processes import vm_app as _processes  # noqa: F401  (registers shell, ps, attach, kill)
 
 cli_help.install()
 app = typer.Typer(

@@ -13,9 +13,10 @@ from pal.guest.protocol import MAX_FILE_BYTES
 from pal.sdk import Client
 from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 
+from .exec_process import exec_process
 from .help import examples
 from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_table
-from .stdin import piped_input
+from .stdin import pending_input
 
 FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
 
@@ -247,22 +248,22 @@ def exec_(
         str | None,
         typer.Option(help="`root`, or the workload user (`pal`, or the image's USER; the default)"),
     ] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="start it in the background; print its process id")
+    ] = False,
 ) -> None:
     """Run a command execve-style; exits with the command's exit status (124 on timeout).
 
-    The command gets no stdin yet: input piped or redirected into `pal vm exec` is refused
-    (exit status 2) rather than dropped; send data as a file (`pal files put`)."""
-    given = piped_input()
-    if given is not None:
-        fail(
-            f"stdin is {given} with data, but exec does not pass stdin to the command yet; "
-            "write the data to a file first (`pal files put VM PATH -`) and give the command "
-            "that file, or run with `< /dev/null`",
-            "STDIN_NOT_SUPPORTED",
-            status=2,
-        )
+    Input piped or redirected into `pal vm exec` is the command's stdin (then it runs as a
+    process, docs/processes.md). --detach prints the process id at once: follow it with
+    `pal vm attach VM PID`, stop it with `pal vm kill VM PID`."""
+    given = pending_input()
     exe, args = command[0], command[1:]
     envs = parse_pairs(env, "--env")
+    if detach or given is not None:
+        opts = {"env": envs, "cwd": cwd, "timeout_secs": timeout, "user": user}
+        exec_process(vm_id, exe, args, opts, detach=detach, stdin=given[1] if given else None)
+        return
     rt = client().runtime
     kw = {"env": envs, "cwd": cwd, "timeout_secs": timeout, "user": user}
     with api_errors():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +26,7 @@ from pal.scheduler import states
 from pal.scheduler.states import Action, VmState
 
 from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_secret
+from .terminal import with_style_nonce
 
 TEMPLATES = Path(__file__).parent / "templates"
 MAX_FORM_BYTES = MAX_FILE_BYTES + 64 * 1024  # one uploaded file plus the form's other fields
@@ -173,7 +175,9 @@ class Dashboard:
     def render(self, request: Request, name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         s = self.sessions.read(request)
         ctx.setdefault("session", s)
-        return self.templates.TemplateResponse(request, name, ctx, status_code=status, headers=PAGE_HEADERS)
+        nonce = ctx.setdefault("style_nonce", secrets.token_urlsafe(16))  # terminal.py
+        headers = with_style_nonce(PAGE_HEADERS, nonce)
+        return self.templates.TemplateResponse(request, name, ctx, status_code=status, headers=headers)
 
     def message(
         self, request: Request, text: str, status: int = 200, *, trigger: str | None = None

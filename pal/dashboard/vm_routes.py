@@ -24,6 +24,7 @@ from pal.errors import InvalidRequest, PalError, TooLarge
 from pal.spec import ExecRequest
 
 from .context import PORT_LINK_SECS, Dash, buttons_for, error_words
+from .terminal import open_terminal
 
 router = APIRouter(prefix="/runtime", include_in_schema=False)
 
@@ -199,6 +200,12 @@ async def upload(request: Request, dash: Dash, vm_id: str) -> Response:
     finally:
         if isinstance(upload, UploadFile):
             await upload.close()
+
+
+@router.post("/{vm_id}/terminal")
+async def terminal(request: Request, vm_id: str, dash: Dash) -> Response:
+    s, _ = await dash.mutating(request, "json")
+    return await open_terminal(request, dash.scheduler, s, vm_id)
 
 
 # -- exec console --------------------------------------------------------------------------

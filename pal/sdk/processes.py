@@ -20,6 +20,7 @@ import httpx
 
 from . import _procwire as pw
 from . import _wire
+from .attach import Attachment, open_attach
 from .errors import PalApiError
 from .models import OutputEvent
 from .terminal import AsyncTerminal, Terminal
@@ -144,6 +145,12 @@ class Processes:
         return dict(
             self._json("POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows})
         )
+
+    def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
+        """A signed link (``{url, expiresAt, linkId}``) that opens the process's WebSocket
+        attach without the API key (a browser's terminal); see ``AsyncProcesses.attach``."""
+        body = {"expiresInSecs": expires_in_secs}
+        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/attach-url", json=body))
 
     def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
         """Kill it (its group) and forget it."""
@@ -278,6 +285,15 @@ class AsyncProcesses:
                 "POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows}
             )
         )
+
+    async def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
+        body = {"expiresInSecs": expires_in_secs}
+        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/attach-url", json=body))
+
+    async def attach(self, vm_id: str, pid: int, offset: int = 0) -> Attachment:
+        """The process over a WebSocket from ``offset``: output bytes as they come, stdin,
+        resize, signals (pal/sdk/attach.py); close it when done."""
+        return await open_attach(self._c.base_url, self._c.api_key, vm_id, pid, offset)
 
     async def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
         return dict(await self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))

@@ -179,6 +179,24 @@ func (p *ProcessesService) Resize(ctx context.Context, vmID string, pid int64, c
 	return p.c.doJSON(ctx, call{route: routeResizeProcess, params: pidParams(vmID, pid), json: body}, nil)
 }
 
+// AttachURL is a signed link that opens a process's WebSocket attach without the API key,
+// for a browser's terminal (docs/processes.md, "WebSocket attach").
+type AttachURL struct {
+	URL       string `json:"url"`
+	ExpiresAt int64  `json:"expiresAt"`
+	LinkID    string `json:"linkId"`
+}
+
+// AttachURL returns a signed link to the process's WebSocket attach, valid for expires.
+func (p *ProcessesService) AttachURL(ctx context.Context, vmID string, pid int64, expires time.Duration) (*AttachURL, error) {
+	body := map[string]int64{"expiresInSecs": int64(expires.Seconds())}
+	var out AttachURL
+	if err := p.c.doJSON(ctx, call{route: routeAttachURL, params: pidParams(vmID, pid), json: body}, &out); err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
 // Kill kills the process (its group) and forgets it.
 func (p *ProcessesService) Kill(ctx context.Context, vmID string, pid int64) error {
 	return p.c.doJSON(ctx, call{route: routeKillProcess, params: pidParams(vmID, pid)}, nil)

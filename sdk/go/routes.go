@@ -47,6 +47,7 @@ var (
 	routeSignalProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/signal"}
 	routeResizeProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/resize"}
 	routeWaitProcess   = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/wait"}
+	routeAttachURL     = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

@@ -221,31 +221,28 @@ def exec_with_stdin(env: dict[str, str], stdin: Any, *args: str) -> subprocess.C
     )
 
 
-def test_exec_refuses_piped_stdin_and_runs_without_one(
+def test_exec_passes_piped_stdin_and_runs_without_one(
     user_env: dict[str, str], vms: list[str], tmp_path: Path
 ) -> None:
-    """Exec does not pass stdin yet: input piped in is refused (exit 2, saying why) rather
-    than dropped; a stdin that holds nothing (/dev/null, closed, empty, an idle pipe as
-    under CI) runs the command."""
+    """Input piped or redirected into exec is the command's stdin; a stdin that holds
+    nothing (/dev/null, closed, empty, an idle pipe as under CI) runs the command without
+    one, never waiting for input."""
     vm_id = str(schedule(user_env, vms)["vmId"])
     cmd = (vm_id, "--", "/bin/sh", "-c", "echo ran >> ran.txt; echo ran")
 
-    # `echo 'echo hi' | pal vm exec VM -- /bin/sh`: data waiting in a pipe
+    # `echo 'echo hi' | pal vm exec VM -- /bin/sh`: the shell reads its script from the pipe
     r, w = os.pipe()
-    os.write(w, b"echo hi\n")
+    os.write(w, b"echo hi; exit 4\n")
     os.close(w)
     with os.fdopen(r, "rb") as piped:
-        res = exec_with_stdin(user_env, piped, *cmd)
-    assert res.returncode == 2 and res.stdout == "", res
-    assert error_of(res)["code"] == "STDIN_NOT_SUPPORTED" and "stdin" in error_of(res)["message"]
-    # `pal vm exec VM -- sh < script.sh`: a file with data
+        res = exec_with_stdin(user_env, piped, vm_id, "--", "/bin/sh")
+    assert (res.returncode, res.stdout) == (4, "hi\n"), res
+    # `pal vm exec VM -- sh < script.sh`: from a file
     script = tmp_path / "script.sh"
-    script.write_text("echo hi\n")
+    script.write_text("echo from-a-file\n")
     with script.open("rb") as f:
-        res = exec_with_stdin(user_env, f, *cmd)
-    assert res.returncode == 2 and error_of(res)["code"] == "STDIN_NOT_SUPPORTED", res
-    # neither ran the command
-    assert pal(user_env, "files", "cat", vm_id, "ran.txt").returncode != 0
+        res = exec_with_stdin(user_env, f, vm_id, "--", "/bin/sh")
+    assert (res.returncode, res.stdout) == (0, "from-a-file\n"), res
 
     # stdin that holds nothing: the command runs
     empty = tmp_path / "empty"

@@ -249,3 +249,37 @@ async def test_buttons_follow_the_transition_table_and_a_port_gets_a_signed_link
         assert r.status_code == 400 and "port from 1 to 65535" in r.text, r.text
     other = await c.post("/runtime/vm-" + "0" * 24 + "/port-link", data={"port": "80", "csrf": token})
     assert other.status_code == 404
+
+
+async def test_the_terminal_needs_csrf_and_pages_admit_only_their_own_style_nonce(
+    env: tuple[SchedEnv, httpx.AsyncClient, str],
+) -> None:
+    """The VM page's terminal (pal/dashboard/terminal.py): its link needs the CSRF token;
+    each page's CSP admits the <style> elements of its own random nonce only (xterm.js
+    writes its layout into such elements), never inline styles in general."""
+    _, c, key = env
+    token = await _sign_in(c, key)
+    hdr = {"X-CSRF-Token": token}
+    vm = re.search(r"(vm-[0-9a-f]+)", (await c.post("/runtime/schedule", headers=hdr)).text).group(1)  # type: ignore[union-attr]
+    nonces = []
+    for _ in range(2):
+        page = await c.get(f"/runtime/{vm}")
+        csp = page.headers["content-security-policy"]
+        m = re.search(r"style-src 'self' 'nonce-([A-Za-z0-9_-]{16,})';", csp)
+        assert m, csp
+        assert "unsafe-inline" not in csp and "script-src 'self';" in csp
+        assert f'data-style-nonce="{m.group(1)}"' in page.text
+        assert 'src="/runtime/static/vendor/xterm-' in page.text and 'id="terminal-open"' in page.text
+        nonces.append(m.group(1))
+    assert nonces[0] != nonces[1]
+    forged = await c.post(f"/runtime/{vm}/terminal", json={"cols": 80, "rows": 24})
+    assert forged.status_code == 403
+    other = await c.post("/runtime/vm-" + "0" * 24 + "/terminal", json={"cols": 80, "rows": 24}, headers=hdr)
+    assert other.status_code == 404
+    bad = await c.post(f"/runtime/{vm}/terminal", json={"cols": 0, "rows": 24}, headers=hdr)
+    assert bad.status_code == 400
+    # the vendored files the page names are served (scripts/vendor-xterm.sh put them there)
+    for name in ("xterm.js", "xterm.css", "addon-fit.js"):
+        src = re.search(rf'"(/runtime/static/vendor/xterm-[0-9.]+/{name})"', page.text)
+        assert src, name
+        assert (await c.get(src.group(1))).status_code == 200

@@ -400,6 +400,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** A signed, short-lived link that opens the process's WebSocket attach without the API key */
+        post: operations["attach_url_v1_runtime_vms__vm_id__processes__pid__attach_url_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/ports/{port}/url": {
         parameters: {
             query?: never;
@@ -665,6 +682,33 @@ export interface components {
              */
             boot?: string;
             placement?: components["schemas"]["Placement"];
+        };
+        /** AttachUrlOut */
+        AttachUrlOut: {
+            /**
+             * Url
+             * @description the attach path with its token (open it as a WebSocket on this server)
+             */
+            url: string;
+            /**
+             * Expiresat
+             * @description unix seconds
+             */
+            expiresAt: number;
+            /**
+             * Linkid
+             * @description revokes the link: DELETE /v1/runtime/vms/{id}/port-links/{linkId}
+             */
+            linkId: string;
+        };
+        /** AttachUrlRequest */
+        AttachUrlRequest: {
+            /**
+             * Expiresinsecs
+             * @description how long the link opens sockets
+             * @default 300
+             */
+            expiresInSecs?: number;
         };
         /** AuditedOut */
         AuditedOut: {
@@ -4281,6 +4325,69 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["AuditedOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    attach_url_v1_runtime_vms__vm_id__processes__pid__attach_url_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["AttachUrlRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AttachUrlOut"];
                 };
             };
             /** @description invalid request */

@@ -223,6 +223,15 @@ export class Processes {
     });
   }
 
+  /** A signed link (`{url, expiresAt, linkId}`) that opens the process's WebSocket attach
+   * without the API key, for a browser's terminal (docs/processes.md, "WebSocket attach"). */
+  attachUrl(vmId: string, pid: number, expiresInSecs = 300) {
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url", {
+      params: params(vmId, pid),
+      json: { expiresInSecs },
+    });
+  }
+
   /** Kill it (its group) and forget it. */
   kill(vmId: string, pid: number): Promise<ProcessDeleted> {
     return this.client.json("delete", "/v1/runtime/vms/{vm_id}/processes/{pid}", { params: params(vmId, pid) });
