@@ -13,6 +13,7 @@ export {
   ServerError,
 } from "./errors.js";
 export { SseParser } from "./sse.js";
+export type { PageOptions, VmListOptions } from "./pages.js";
 export type { SseMessage } from "./sse.js";
 export type {
   AgentSpec,
@@ -30,6 +31,7 @@ export type {
   ForkOptions,
   ForkResult,
   Image,
+  LifetimeUpdate,
   Limits,
   MetricSample,
   PortLink,
