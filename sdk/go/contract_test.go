@@ -42,6 +42,9 @@ var contractScenarios = map[string]func(*testing.T, context.Context, *contract){
 	"fork":              scenarioFork,
 	"errors":            scenarioErrors,
 	"delete":            scenarioDelete,
+	"metadata":          scenarioMetadata,   // contract_meta_test.go
+	"lifetime":          scenarioLifetime,   // contract_meta_test.go
+	"pagination":        scenarioPagination, // contract_meta_test.go
 }
 
 func TestContract(t *testing.T) {
