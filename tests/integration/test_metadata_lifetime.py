@@ -142,15 +142,17 @@ def test_lifetime_ends_a_busy_vm_with_an_audit_event(
     assert ended["fromState"] == "running"
     changes = api.get(f"/v1/runtime/vms/{vm['vmId']}/events").json()["events"]
     assert [e["details"]["lifetimeSecs"] for e in changes if e["kind"] == "lifetime_changed"] == [3660, 1]
-    # the `sleep 600` it was running ended with the VM, long before its time
-    stream.join(DEADLINE_S)
-    assert not stream.is_alive(), seen
     if final == "paused":
         got = api.get(f"/v1/runtime/vms/{vm['vmId']}").json()
         assert got["pausedBy"] == "operator" and got.get("lifetimeSecs") is None, got
         # an operator-style pause: a request does not wake it
         r = api.post(f"/v1/runtime/vms/{vm['vmId']}/exec", json={"command": "true"})
         assert r.status_code == 409, r.text
+        # its exec stays frozen with it (as under any snapshot pause) until the VM goes
+        api.delete(f"/v1/runtime/vms/{vm['vmId']}")
+    # the `sleep 600` it was running ended with the VM, long before its time
+    stream.join(DEADLINE_S)
+    assert not stream.is_alive(), seen
 
 
 def test_lifetime_of_a_terminated_vm_cannot_change(api: httpx.Client) -> None:
