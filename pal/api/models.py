@@ -142,7 +142,10 @@ class SecretRotatedOut(_Out):
 
 class VmListOut(_Out):
     vms: list[VmOut]
-    next_cursor: str | None = Field(default=None, description="the next page's `cursor`; null: the last page")
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class SnapshotStateOut(_Out):
@@ -230,7 +233,10 @@ class EventOut(_Out):
 
 class EventListOut(_Out):
     events: list[EventOut]
-    next_cursor: str | None = Field(default=None, description="the next page's `cursor`; null: the last page")
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class ErrorBody(_Out):
@@ -281,7 +287,10 @@ class SnapshotOut(_Out):
 
 class SnapshotListOut(_Out):
     snapshots: list[SnapshotOut]
-    next_cursor: str | None = Field(default=None, description="the next page's `cursor`; null: the last page")
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class ImageOut(_Out):
@@ -319,7 +328,10 @@ class ImageOut(_Out):
 
 class ImageListOut(_Out):
     images: list[ImageOut]
-    next_cursor: str | None = Field(default=None, description="the next page's `cursor`; null: the last page")
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class HealthOut(_Out):

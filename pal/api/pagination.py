@@ -1,6 +1,6 @@
 """Cursor pagination of the API's lists (VMs, a VM's events and snapshots, images).
 
-A page is ``?limit=N&cursor=C``; its answer carries ``nextCursor`` (null on the last page),
+A page is ``?limit=N&cursor=C``; its answer carries ``nextCursor`` (absent on the last page),
 next to the list in the same envelope as before (``{vms: [...], nextCursor}``), so a client
 that never pages still reads the list where it was. Without ``limit`` a page holds
 :data:`MAX_PAGE_LIMIT` items, the most one answer ever holds.

@@ -173,8 +173,9 @@ def ls(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM ids")] = False,
     meta: Meta = None,
 ) -> None:
-    """List your VMs (terminated ones only with --all; --meta K=V: only those tagged so, all
-    of them when repeated). Every page of the list, however long."""
+    """List your VMs, every page (terminated ones only with --all).
+
+    --meta K=V keeps those tagged so (repeat it: all must match)."""
     wanted = parse_pairs(meta, "--meta") if meta else None
     vms = [v for v in call(lambda: client().runtime.list(wanted)) if all_ or v["state"] != "terminated"]
     if quiet:

@@ -767,7 +767,7 @@ export interface components {
             events: components["schemas"]["EventOut"][];
             /**
              * Nextcursor
-             * @description the next page's `cursor`; null: the last page
+             * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
         };
@@ -992,7 +992,7 @@ export interface components {
             images: components["schemas"]["ImageOut"][];
             /**
              * Nextcursor
-             * @description the next page's `cursor`; null: the last page
+             * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
         };
@@ -1644,7 +1644,7 @@ export interface components {
             snapshots: components["schemas"]["SnapshotOut"][];
             /**
              * Nextcursor
-             * @description the next page's `cursor`; null: the last page
+             * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
         };
@@ -1769,7 +1769,7 @@ export interface components {
             vms: components["schemas"]["VmOut"][];
             /**
              * Nextcursor
-             * @description the next page's `cursor`; null: the last page
+             * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
         };
