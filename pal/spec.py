@@ -56,8 +56,7 @@ MAX_EXEC_STRINGS_BYTES = 1024 * 1024  # argv + env, all strings together
 MAX_PATH_CHARS = 4096
 MAX_EGRESS_ENTRIES = 256
 DEFAULT_MAX_CONNECTIONS = 256  # limits.maxConnections when a spec does not say
-# metadata: an orchestrator's tags (user, session, run ids), stored with the VM's row and
-# filtered on by GET /vms?metadata.k=v: small, and keys that are safe in a query string.
+# metadata (an orchestrator's tags): small, keys safe in a query string (GET /vms?metadata.k=v)
 MAX_METADATA_KEYS = 32
 METADATA_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,62}$")
 MAX_METADATA_VALUE_CHARS = 256
@@ -396,8 +395,7 @@ LifetimeEnd = Literal["pause", "delete"]
 
 
 def check_metadata(v: object) -> dict[str, str]:
-    """The one check of a VM's metadata (schedule; the CLI's and the API's filters use
-    :data:`METADATA_KEY` too): string keys and values within the bounds above."""
+    """The one check of a VM's metadata: string keys and values within the bounds above."""
     if not isinstance(v, dict):
         raise ValueError("metadata must be an object of string values")
     if len(v) > MAX_METADATA_KEYS:
@@ -405,8 +403,7 @@ def check_metadata(v: object) -> dict[str, str]:
     for k, val in v.items():
         if not isinstance(k, str) or not METADATA_KEY.match(k):
             raise ValueError(
-                f"metadata key {str(k)[:64]!r} must be 1-63 characters of A-Z a-z 0-9 _ . : / - "
-                "(not starting with . : / -)"
+                f"metadata key {str(k)[:64]!r} must be 1-63 of A-Z a-z 0-9 _ . : / - (first: no . : / -)"
             )
         if not isinstance(val, str):
             raise ValueError(f"metadata value of {k!r} must be a string")
@@ -449,22 +446,11 @@ class AgentSpec(_Model):
     )
     boot: str = Field("auto", description="`auto` (warm template when one fits) or `cold`")
     placement: Placement = Field(default_factory=Placement)  # type: ignore[arg-type]
-    metadata: Metadata = Field(
-        default_factory=dict,
-        description=f"your tags, string to string (at most {MAX_METADATA_KEYS} keys of [A-Za-z0-9_.:/-], "
-        f"values of {MAX_METADATA_VALUE_CHARS} characters, {MAX_METADATA_JSON_BYTES} bytes as JSON); "
-        "fork children inherit them; GET /vms?metadata.k=v filters on them",
-    )
+    metadata: Metadata = Field(default_factory=dict, description="your tags; forks inherit them (README)")
     lifetime_secs: int = Field(
-        0,
-        ge=0,
-        le=MAX_LIFETIME_SECS,
-        description="the VM ends this many seconds after its schedule, busy or not (0 = never); "
-        "PUT .../lifetime extends it",
+        0, ge=0, le=MAX_LIFETIME_SECS, description="end it this long after its schedule; 0 = never"
     )
-    on_lifetime_end: LifetimeEnd = Field(
-        "delete", description="what its lifetime's end does: `pause` or `delete`"
-    )
+    on_lifetime_end: LifetimeEnd = Field("delete", description="what its lifetime's end does")
 
     @field_validator("image")
     @classmethod
@@ -649,9 +635,7 @@ class PauseRequest(_Model):
 
 
 class LifetimeUpdate(_Model):
-    """Body of PUT .../lifetime: exactly one of ``lifetimeSecs`` (the new lifetime, counted
-    from the schedule like the spec's; 0 = none) or ``extendSecs`` (added to the current end,
-    or to now for a VM without one); ``onLifetimeEnd`` optionally changes what the end does."""
+    """PUT .../lifetime: ``lifetimeSecs`` (from the schedule; 0 = none) or ``extendSecs``."""
 
     lifetime_secs: int | None = Field(None, ge=0, le=MAX_LIFETIME_SECS)
     extend_secs: int | None = Field(None, ge=1, le=MAX_LIFETIME_SECS)

@@ -11,8 +11,9 @@ from datetime import datetime
 from sqlalchemy import and_, or_, select
 
 from pal.store.records import EventRecord, VmRecord
-from pal.store.store import Store, _event_from_row, _vm_from_row
+from pal.store.store import Store
 from pal.store.tables import events, vms
+from pal.store.write_tx import event_from_row, vm_from_row
 
 
 def vm_page(
@@ -37,7 +38,7 @@ def vm_page(
         q = q.where(or_(vms.c.created_at > at, and_(vms.c.created_at == at, vms.c.vm_id > vm_id)))
     with store._read() as conn:
         rows = conn.execute(q.order_by(vms.c.created_at, vms.c.vm_id).limit(limit)).all()
-    return [_vm_from_row(r) for r in rows]
+    return [vm_from_row(r) for r in rows]
 
 
 def event_page(store: Store, vm_id: str, *, after: int | None, limit: int) -> list[EventRecord]:
@@ -47,7 +48,7 @@ def event_page(store: Store, vm_id: str, *, after: int | None, limit: int) -> li
         q = q.where(events.c.id > after)
     with store._read() as conn:
         rows = conn.execute(q.order_by(events.c.id).limit(limit)).all()
-    return [_event_from_row(r) for r in rows]
+    return [event_from_row(r) for r in rows]
 
 
 def lifetime_over(store: Store, now: datetime) -> list[VmRecord]:
@@ -56,4 +57,4 @@ def lifetime_over(store: Store, now: datetime) -> list[VmRecord]:
     q = q.where(vms.c.state != "terminated").order_by(vms.c.lifetime_ends_at)
     with store._read() as conn:
         rows = conn.execute(q).all()
-    return [_vm_from_row(r) for r in rows]
+    return [vm_from_row(r) for r in rows]

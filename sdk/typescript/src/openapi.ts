@@ -667,20 +667,20 @@ export interface components {
             placement?: components["schemas"]["Placement"];
             /**
              * Metadata
-             * @description your tags, string to string (at most 32 keys of [A-Za-z0-9_.:/-], values of 256 characters, 4096 bytes as JSON); fork children inherit them; GET /vms?metadata.k=v filters on them
+             * @description your tags; forks inherit them (README)
              */
             metadata?: {
                 [key: string]: string;
             };
             /**
              * Lifetimesecs
-             * @description the VM ends this many seconds after its schedule, busy or not (0 = never); PUT .../lifetime extends it
+             * @description end it this long after its schedule; 0 = never
              * @default 0
              */
             lifetimeSecs?: number;
             /**
              * Onlifetimeend
-             * @description what its lifetime's end does: `pause` or `delete`
+             * @description what its lifetime's end does
              * @default delete
              * @enum {string}
              */
@@ -1069,9 +1069,7 @@ export interface components {
         };
         /**
          * LifetimeUpdate
-         * @description Body of PUT .../lifetime: exactly one of ``lifetimeSecs`` (the new lifetime, counted
-         *     from the schedule like the spec's; 0 = none) or ``extendSecs`` (added to the current end,
-         *     or to now for a VM without one); ``onLifetimeEnd`` optionally changes what the end does.
+         * @description PUT .../lifetime: ``lifetimeSecs`` (from the schedule; 0 = none) or ``extendSecs``.
          */
         LifetimeUpdate: {
             /** Lifetimesecs */
