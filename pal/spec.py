@@ -57,6 +57,12 @@ MAX_EXEC_STRINGS_BYTES = 1024 * 1024  # argv + env, all strings together
 MAX_PATH_CHARS = 4096
 MAX_EGRESS_ENTRIES = 256
 DEFAULT_MAX_CONNECTIONS = 256  # limits.maxConnections when a spec does not say
+# metadata (an orchestrator's tags): small, keys safe in a query string (GET /vms?metadata.k=v)
+MAX_METADATA_KEYS = 32
+METADATA_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,62}$")
+MAX_METADATA_VALUE_CHARS = 256
+MAX_METADATA_JSON_BYTES = 4096
+MAX_LIFETIME_SECS = 30 * 24 * 3600  # lifetimeSecs, counted from the schedule
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _PORTED = re.compile(r"^(?P<host>[^:\[\]]+):(?P<port>[0-9]{1,5})$")
 _BRACKETED = re.compile(r"^\[(?P<host>[^\]]+)\](?::(?P<port>[0-9]{1,5}))?$")
@@ -386,6 +392,33 @@ def parse_wait_pause_default(raw: str | None) -> WaitPause | None:
         raise ValueError(f"PAL_WAIT_PAUSE is not `on`, `off` or a waitPause object: {exc}") from exc
 
 
+LifetimeEnd = Literal["pause", "delete"]
+
+
+def check_metadata(v: object) -> dict[str, str]:
+    """The one check of a VM's metadata: string keys and values within the bounds above."""
+    if not isinstance(v, dict):
+        raise ValueError("metadata must be an object of string values")
+    if len(v) > MAX_METADATA_KEYS:
+        raise ValueError(f"metadata has {len(v)} keys; at most {MAX_METADATA_KEYS}")
+    for k, val in v.items():
+        if not isinstance(k, str) or not METADATA_KEY.match(k):
+            raise ValueError(
+                f"metadata key {str(k)[:64]!r} must be 1-63 of A-Z a-z 0-9 _ . : / - (first: no . : / -)"
+            )
+        if not isinstance(val, str):
+            raise ValueError(f"metadata value of {k!r} must be a string")
+        if len(val) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata value of {k!r} is longer than {MAX_METADATA_VALUE_CHARS} characters")
+    size = len(json.dumps(v, ensure_ascii=False).encode())
+    if size > MAX_METADATA_JSON_BYTES:
+        raise ValueError(f"metadata takes {size} bytes as JSON; at most {MAX_METADATA_JSON_BYTES}")
+    return dict(v)
+
+
+Metadata = Annotated[dict[str, str], BeforeValidator(check_metadata)]
+
+
 class AgentSpec(_Model):
     image: str = Field("default", description="guest image name (GET /v1/images lists them)")
     isolation: str = Field("microvm", description="isolation kind; only `microvm` exists")
@@ -414,6 +447,11 @@ class AgentSpec(_Model):
     )
     boot: str = Field("auto", description="`auto` (warm template when one fits) or `cold`")
     placement: Placement = Field(default_factory=Placement)  # type: ignore[arg-type]
+    metadata: Metadata = Field(default_factory=dict, description="your tags; forks inherit them (README)")
+    lifetime_secs: int = Field(
+        0, ge=0, le=MAX_LIFETIME_SECS, description="end it this long after its schedule; 0 = never"
+    )
+    on_lifetime_end: LifetimeEnd = Field("delete", description="what its lifetime's end does")
 
     @field_validator("image")
     @classmethod
@@ -597,6 +635,20 @@ class PauseRequest(_Model):
     def _offload_live(self) -> PauseRequest:
         if self.offload and self.mode != "live":
             raise ValueError("offload needs mode 'live'")
+        return self
+
+
+class LifetimeUpdate(_Model):
+    """PUT .../lifetime: ``lifetimeSecs`` (from the schedule; 0 = none) or ``extendSecs``."""
+
+    lifetime_secs: int | None = Field(None, ge=0, le=MAX_LIFETIME_SECS)
+    extend_secs: int | None = Field(None, ge=1, le=MAX_LIFETIME_SECS)
+    on_lifetime_end: LifetimeEnd | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> LifetimeUpdate:
+        if (self.lifetime_secs is None) == (self.extend_secs is None):
+            raise ValueError("give exactly one of lifetimeSecs and extendSecs")
         return self
 
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
+from pal.scheduler.lifetime import lifetime_secs
 from pal.spec import Egress, Limits, WaitPause
 from pal.store import VmRecord
 
@@ -103,6 +104,17 @@ class VmOut(_Out):
         default=None, description="paused VMs: the kind of pause (GET of one VM); absent otherwise"
     )
     live_stats: LiveStatsOut | None = Field(default=None, description="live pauses over the VM's life")
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="the tags given at schedule (or inherited)"
+    )
+    forked_from: str | None = Field(default=None, description="a fork child: the VM it was forked from")
+    lifetime_secs: int | None = Field(
+        default=None, description="its lifetime, counted from its schedule; null: none (or it ended)"
+    )
+    lifetime_ends_at: datetime | None = Field(default=None, description="when its lifetime ends")
+    on_lifetime_end: str = Field(
+        default="delete", description="what its lifetime's end does: `pause` or `delete`"
+    )
     _omit_null = frozenset({"pause"})
 
     @classmethod
@@ -118,6 +130,8 @@ class VmOut(_Out):
         out.network = NetworkOut.model_validate(network) if network is not None else None
         out.pause = PauseOut.model_validate(pause) if pause is not None else None
         out.live_stats = LiveStatsOut.model_validate(vm.live_stats or {})
+        out.forked_from = vm.parent_vm_id  # only a fork sets it
+        out.lifetime_secs = lifetime_secs(vm)
         return out
 
 
@@ -128,6 +142,10 @@ class SecretRotatedOut(_Out):
 
 class VmListOut(_Out):
     vms: list[VmOut]
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class SnapshotStateOut(_Out):
@@ -215,6 +233,10 @@ class EventOut(_Out):
 
 class EventListOut(_Out):
     events: list[EventOut]
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class ErrorBody(_Out):
@@ -265,6 +287,10 @@ class SnapshotOut(_Out):
 
 class SnapshotListOut(_Out):
     snapshots: list[SnapshotOut]
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class ImageOut(_Out):
@@ -302,6 +328,10 @@ class ImageOut(_Out):
 
 class ImageListOut(_Out):
     images: list[ImageOut]
+    next_cursor: str | None = Field(
+        default=None, description="the next page's `cursor`; absent on the last page"
+    )
+    _omit_null = frozenset({"next_cursor"})
 
 
 class HealthOut(_Out):

@@ -10,8 +10,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request, Response
 
-from pal.spec import AgentSpec, EgressUpdate, ExecRequest, ForkRequest, PauseRequest, SecretUpdate
+from pal.spec import (
+    AgentSpec,
+    EgressUpdate,
+    ExecRequest,
+    ForkRequest,
+    LifetimeUpdate,
+    PauseRequest,
+    SecretUpdate,
+)
 
+from . import pagination as pages
 from .auth import require_tenant
 from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
 from .errors import error_responses
@@ -69,9 +78,22 @@ async def schedule(
     return VmOut.of(vm, boot_method)
 
 
-@runtime_router.get("/vms", response_model=VmListOut, summary="List the tenant's VMs")
-async def list_vms(tenant: Tenant, scheduler: Scheduler) -> VmListOut:
-    return VmListOut(vms=[VmOut.of(v) for v in await scheduler.list(tenant)])
+@runtime_router.get(
+    "/vms",
+    response_model=VmListOut,
+    summary="List the tenant's VMs, a page at a time; `?metadata.k=v` (repeatable, all must match) filters",
+)
+async def list_vms(
+    tenant: Tenant,
+    scheduler: Scheduler,
+    request: Request,
+    limit: pages.Limit = None,
+    cursor: pages.Cursor = None,
+) -> VmListOut:
+    size, after, wanted = pages.page_size(limit), pages.vm_after(cursor), pages.metadata_filter(request)
+    rows = await scheduler.list_page(tenant, after=after, limit=size + 1, metadata=wanted)
+    page, nxt = pages.next_cursor("vms", rows, size, lambda v: (v.created_at.isoformat(), v.vm_id))
+    return VmListOut(vms=[VmOut.of(v) for v in page], next_cursor=nxt)
 
 
 @runtime_router.get("/vms/{vm_id}", response_model=VmOut)
@@ -95,6 +117,17 @@ async def delete_vm(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> VmOut:
 async def set_egress(tenant: Tenant, scheduler: Scheduler, vm_id: str, update: EgressUpdate) -> VmOut:
     vm = await scheduler.set_egress(tenant, vm_id, update)
     return VmOut.of(vm, network=await scheduler.network(vm))
+
+
+@runtime_router.put(
+    "/vms/{vm_id}/lifetime",
+    response_model=VmOut,
+    summary="Set (`lifetimeSecs`, from the schedule; 0: none) or extend (`extendSecs`) the VM's lifetime",
+    dependencies=json_body,
+    responses=json_errors,
+)
+async def set_lifetime(tenant: Tenant, scheduler: Scheduler, vm_id: str, update: LifetimeUpdate) -> VmOut:
+    return VmOut.of(await scheduler.set_lifetime(tenant, vm_id, update))
 
 
 @runtime_router.put(
@@ -229,8 +262,13 @@ async def delete_file(
 
 
 @runtime_router.get("/vms/{vm_id}/events", response_model=EventListOut, summary="Status and audit events")
-async def events(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> EventListOut:
-    return EventListOut(events=[EventOut.model_validate(e) for e in await scheduler.events(tenant, vm_id)])
+async def events(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, limit: pages.Limit = None, cursor: pages.Cursor = None
+) -> EventListOut:
+    size, after = pages.page_size(limit), pages.event_after(cursor)
+    rows = await scheduler.events_page(tenant, vm_id, after=after, limit=size + 1)
+    page, nxt = pages.next_cursor("events", rows, size, lambda e: e.id)
+    return EventListOut(events=[EventOut.model_validate(e) for e in page], next_cursor=nxt)
 
 
 @runtime_router.get(
@@ -246,14 +284,25 @@ async def metrics(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> VmMetrics
 @runtime_router.get(
     "/vms/{vm_id}/snapshots", response_model=SnapshotListOut, summary="The VM's snapshots, with sizes"
 )
-async def snapshots(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> SnapshotListOut:
+async def snapshots(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, limit: pages.Limit = None, cursor: pages.Cursor = None
+) -> SnapshotListOut:
     snaps = await scheduler.snapshots(tenant, vm_id)
-    return SnapshotListOut(snapshots=[SnapshotOut.model_validate(x.model_dump()) for x in snaps])
+    page, nxt = pages.in_memory(
+        "snapshots", snaps, lambda x: (x.created_at or "", x.snapshot_id), limit, cursor
+    )
+    return SnapshotListOut(
+        snapshots=[SnapshotOut.model_validate(x.model_dump()) for x in page], next_cursor=nxt
+    )
 
 
-images_router = APIRouter(prefix="/v1", tags=["images"], responses=error_responses(401))
+images_router = APIRouter(prefix="/v1", tags=["images"], responses=error_responses(400, 401))
 
 
 @images_router.get("/images", response_model=ImageListOut, summary="Images this tenant may schedule")
-async def list_images(tenant: Tenant, scheduler: Scheduler) -> ImageListOut:
-    return ImageListOut(images=[ImageOut.from_info(i) for i in await scheduler.list_images(tenant)])
+async def list_images(
+    tenant: Tenant, scheduler: Scheduler, limit: pages.Limit = None, cursor: pages.Cursor = None
+) -> ImageListOut:
+    images = await scheduler.list_images(tenant)
+    page, nxt = pages.in_memory("images", images, lambda i: i.name, limit, cursor)
+    return ImageListOut(images=[ImageOut.from_info(i) for i in page], next_cursor=nxt)

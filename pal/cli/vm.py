@@ -29,7 +29,8 @@ vm_app = typer.Typer(
         "pal vm exec $VM --stream -- python3 train.py",
         "pal vm pause $VM; pal vm resume $VM",
         "pal vm fork $VM -n 3",
-        "pal vm ls --table",
+        "pal vm ls --table --meta run=42",
+        "pal vm extend $VM 3600",
         "pal vm rm $VM",
     ),
 )
@@ -49,6 +50,7 @@ VmId = Annotated[str, typer.Argument(metavar="VM", help="VM id (vm-...)")]
 Allow = Annotated[list[str] | None, typer.Option(help="only this destination (repeatable)")]
 Deny = Annotated[list[str] | None, typer.Option(help="everything but this destination (repeatable)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM id")]
+Meta = Annotated[list[str] | None, typer.Option("--meta", help="K=V metadata tag (repeatable)")]
 
 
 @vm_app.command(
@@ -83,6 +85,13 @@ def schedule(
     deny: Deny = None,
     egress_mbps: Annotated[int | None, typer.Option(help="network cap per direction, Mbit/s")] = None,
     max_connections: Annotated[int | None, typer.Option(help="concurrent outbound connections")] = None,
+    meta: Meta = None,
+    lifetime: Annotated[
+        int, typer.Option(help="end the VM N seconds after its schedule, busy or not (0 = never)")
+    ] = 0,
+    on_lifetime_end: Annotated[
+        str, typer.Option(help="what the lifetime's end does: delete | pause")
+    ] = "delete",
     quiet: Quiet = False,
 ) -> None:
     """Start a sandbox microVM; prints its JSON (with vmId), or only the id with -q.
@@ -108,6 +117,10 @@ def schedule(
         spec["secrets"] = parse_pairs(secret, "--secret")
     if cold:
         spec["boot"] = "cold"
+    if meta:
+        spec["metadata"] = parse_pairs(meta, "--meta")
+    if lifetime:
+        spec["lifetimeSecs"], spec["onLifetimeEnd"] = lifetime, on_lifetime_end
     policy = egress_option(egress, allow, deny)
     if policy is not None:
         spec["egress"] = policy
@@ -159,9 +172,13 @@ def ls(
     table: Table = False,
     all_: Annotated[bool, typer.Option("--all", "-a", help="include terminated VMs")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM ids")] = False,
+    meta: Meta = None,
 ) -> None:
-    """List your VMs (terminated ones only with --all)."""
-    vms = [v for v in call(lambda: client().runtime.list()) if all_ or v["state"] != "terminated"]
+    """List your VMs, every page (terminated ones only with --all).
+
+    --meta K=V keeps those tagged so (repeat it: all must match)."""
+    wanted = parse_pairs(meta, "--meta") if meta else None
+    vms = [v for v in call(lambda: client().runtime.list(wanted)) if all_ or v["state"] != "terminated"]
     if quiet:
         for v in vms:
             typer.echo(v["vmId"])
@@ -169,6 +186,15 @@ def ls(
         print_table(vms, VM_COLUMNS)
     else:
         print_json(vms)
+
+
+@vm_app.command("extend")
+def extend(
+    vm_id: VmId,
+    secs: Annotated[int, typer.Argument(metavar="SECS", help="seconds added to its lifetime")],
+) -> None:
+    """Extend a VM's lifetime by SECS (a VM without one gets one ending SECS from now)."""
+    print_json(call(lambda: client().runtime.extend_lifetime(vm_id, secs)))
 
 
 @vm_app.command("get")

@@ -34,11 +34,12 @@ class LeaderState:
 @dataclass(frozen=True)
 class LeaderChores:
     """What the leader does besides reconciling: seal old secrets once, and each sweep pull
-    the nodes' egress events and finish removed tenants."""
+    the nodes' egress events, finish removed tenants and end lifetimes."""
 
     reseal_secrets: Callable[[], int]
     record_egress_events: Callable[[], Awaitable[int]]
     purge_deleted_tenants: Callable[[], Awaitable[Any]]
+    end_lifetimes: Callable[[], Awaitable[Any]]  # lifetime.py: VMs past their lifetime
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Background:
                     last_sweep = now
                     await self.reconciler.reconcile_light()
                     await self.sweeper.sweep()
+                    await self.chores.end_lifetimes()
                     await self.chores.record_egress_events()
                     await self.chores.purge_deleted_tenants()
             except Exception:

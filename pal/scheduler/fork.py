@@ -19,6 +19,7 @@ from pal.errors import Conflict, InvalidRequest, public_message
 from pal.manager.models import RestoreFrom, SnapshotRequest
 from pal.scheduler import states
 from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token, new_vm_id
+from pal.scheduler.lifetime import inherited_end
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, spawn_details
 from pal.scheduler.states import Action, VmState, has_live_qemu
@@ -60,6 +61,9 @@ def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
         placement=src.placement,
         wait_pause=src.wait_pause,
         idle_live_pause_secs=src.idle_live_pause_secs,
+        metadata=dict(src.metadata),  # the source's tags (its id: parent_vm_id, shown as forkedFrom)
+        lifetime_ends_at=inherited_end(src, now),
+        on_lifetime_end=src.on_lifetime_end,
     )
 
 

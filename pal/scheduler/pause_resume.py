@@ -33,6 +33,7 @@ S, A = VmState, Action
 
 IDLE_REASON = "auto-suspended (idle timeout)"
 SHUTDOWN_REASON = "suspended (server shutdown); wakes on the next request"
+LIFETIME_REASON = "paused (its lifetime ended)"
 DRAIN_REASON = "suspended (node draining); wakes on another node on the next request"
 MAX_RESUME_NODES = 3  # a resume tries at most this many nodes that turn out unreachable
 
@@ -137,7 +138,8 @@ class PauseResume:
             reason=reason,
             snapshot_id=snap_id,
             new_snapshot_bytes=self.books.estimate(vm),
-            tenant_limits=reason != SHUTDOWN_REASON,  # a shutdown suspends whatever the limits
+            # a shutdown or a lifetime's end pauses whatever the tenant's limits
+            tenant_limits=reason not in (SHUTDOWN_REASON, LIFETIME_REASON),
         )
         failpoints.hit("pause:draining")
         try:

@@ -12,6 +12,7 @@ from pal.errors import PalError
 from pal.scheduler import ceilings, placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps, as_pal, new_token, new_vm_id
+from pal.scheduler.lifetime import ends_at
 from pal.scheduler.spawning import Spawner, spawn_details
 from pal.scheduler.states import Action
 from pal.spec import AgentSpec, WaitPause, egress_to_json
@@ -93,6 +94,9 @@ class Scheduling:
             placement=spec.placement.model_dump() if spec.placement.region or spec.placement.labels else None,
             wait_pause=self._wait_rule(spec),
             idle_live_pause_secs=spec.idle_live_pause_secs,
+            metadata=dict(spec.metadata),
+            lifetime_ends_at=ends_at(now, spec.lifetime_secs),
+            on_lifetime_end=spec.on_lifetime_end,
         )
 
     def _wait_rule(self, spec: AgentSpec) -> dict[str, object] | None:

@@ -15,6 +15,8 @@ public call; the work, the checks and the docs of each operation are in its modu
 | node drain, server shutdown                   | drain.py          |
 | reads (VMs, events, metrics, images, nodes)   | reads.py          |
 | clients' audit events (MCP tool calls)        | audit.py          |
+| paged reads (VMs by metadata, events)         | listing.py        |
+| lifetimes (their end, PUT lifetime)           | lifetime.py       |
 | reconciliation, node loss, node heartbeats    | reconcile.py      |
 | the idle sweeper                              | idle.py           |
 | leadership and the leader's periodic chores   | background.py     |
@@ -33,6 +35,7 @@ import builtins
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from datetime import datetime
 from typing import Any
 
 from pal.config import Settings
@@ -63,6 +66,8 @@ from pal.scheduler.exec_files import ExecAndFiles
 from pal.scheduler.fork import Forking
 from pal.scheduler.idle import IdleSweeper
 from pal.scheduler.leader import Leadership, SingleProcessLeader
+from pal.scheduler.lifetime import Lifetimes
+from pal.scheduler.listing import Listing
 from pal.scheduler.live import LiveOps
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.pause_resume import PauseResume
@@ -79,6 +84,7 @@ from pal.spec import (
     AgentSpec,
     EgressUpdate,
     ExecRequest,
+    LifetimeUpdate,
     PauseRequest,
     ProcessStartRequest,
     SecretUpdate,
@@ -130,6 +136,8 @@ class Scheduler:
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)
         self.audit = ToolAudit(d)
+        self.listing = Listing(d)
+        self.lifetimes = Lifetimes(d, self.pauses, self.deleting)
         self.egress_events = EgressEvents(store, self.nodes)
         self.reconciler = Reconciler(
             d,
@@ -142,6 +150,7 @@ class Scheduler:
             reseal_secrets=self.egress_secrets.reseal_secrets,
             record_egress_events=self.egress_events.record,
             purge_deleted_tenants=self.deleting.purge_deleted_tenants,
+            end_lifetimes=self.lifetimes.sweep,
         )
         self.background = Background(
             settings, self.leader, self.nodes, clock, self.reconciler, self.sweeper, chores, self.lead
@@ -239,6 +248,9 @@ class Scheduler:
     async def rotate_secret(self, tenant_id: str, vm_id: str, name: str, update: SecretUpdate) -> bool:
         return await self.egress_secrets.rotate_secret(tenant_id, vm_id, name, update)
 
+    async def set_lifetime(self, tenant_id: str, vm_id: str, update: LifetimeUpdate) -> VmRecord:
+        return await self.lifetimes.set_lifetime(tenant_id, vm_id, update)
+
     # -- reads ---------------------------------------------------------------------------------
 
     async def get(self, tenant_id: str, vm_id: str) -> VmRecord:
@@ -252,6 +264,16 @@ class Scheduler:
 
     async def record_tool_call(self, tenant_id: str, vm_id: str, details: dict[str, object]) -> None:
         await self.audit.record_tool_call(tenant_id, vm_id, details)
+
+    async def list_page(
+        self, tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str]
+    ) -> builtins.list[VmRecord]:
+        return await self.listing.vms(tenant_id, after=after, limit=limit, metadata=metadata)
+
+    async def events_page(
+        self, tenant_id: str, vm_id: str, *, after: int | None, limit: int
+    ) -> builtins.list[EventRecord]:
+        return await self.listing.events(tenant_id, vm_id, after=after, limit=limit)
 
     async def network(self, vm: VmRecord) -> dict[str, int]:
         return await self.reads.network(vm)

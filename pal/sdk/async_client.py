@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
 
-from . import _wire
+from . import _pages, _wire
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import AsyncProcesses
 
@@ -41,9 +41,17 @@ class AsyncClient:
     async def health(self) -> dict[str, Any]:
         return dict((await self.request("GET", "/healthz")).json())
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self, *, page_size: int | None = None) -> list[dict[str, Any]]:
         """The images this tenant may schedule (name, digest, user, workdir, env, warmSizes...)."""
-        return list((await self.request("GET", "/v1/images")).json()["images"])
+        return [i async for i in self.iter_images(page_size=page_size)]
+
+    def iter_images(self, *, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        """:meth:`images` a page at a time (``async for``)."""
+
+        async def fetch(q: dict[str, Any]) -> Any:
+            return (await self.request("GET", "/v1/images", params=q)).json()
+
+        return _pages.aiterate(fetch, "images", _pages.params(page_size))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -73,8 +81,37 @@ class AsyncRuntime:
     async def get(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("GET", f"/vms/{vm_id}"))
 
-    async def list(self) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", "/vms"))["vms"])
+    async def list(
+        self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        """The tenant's VMs (all pages); ``metadata``: only those carrying all these tags."""
+        return [vm async for vm in self.iter_vms(metadata, page_size=page_size)]
+
+    def iter_vms(
+        self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """:meth:`list` a page at a time (``async for``)."""
+
+        async def fetch(q: dict[str, Any]) -> Any:
+            return await self._json("GET", "/vms", params=q)
+
+        return _pages.aiterate(fetch, "vms", _pages.params(page_size, metadata))
+
+    async def set_lifetime(
+        self,
+        vm_id: str,
+        lifetime_secs: int | None = None,
+        *,
+        extend_secs: int | None = None,
+        on_lifetime_end: str | None = None,
+    ) -> dict[str, Any]:
+        """See :meth:`pal.sdk.client.Runtime.set_lifetime`."""
+        body = _pages.lifetime_body(lifetime_secs, extend_secs, on_lifetime_end)
+        return dict(await self._json("PUT", f"/vms/{vm_id}/lifetime", json=body))
+
+    async def extend_lifetime(self, vm_id: str, secs: int) -> dict[str, Any]:
+        """The VM's lifetime ends ``secs`` later. Returns the VM."""
+        return await self.set_lifetime(vm_id, extend_secs=secs)
 
     async def delete(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", f"/vms/{vm_id}"))
@@ -173,15 +210,27 @@ class AsyncRuntime:
         """Remove a file or symlink (not a directory)."""
         return dict(await self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
 
-    async def events(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", f"/vms/{vm_id}/events"))["events"])
+    async def events(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
+        return [e async for e in self.iter_events(vm_id, page_size=page_size)]
+
+    def iter_events(self, vm_id: str, *, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        async def fetch(q: dict[str, Any]) -> Any:
+            return await self._json("GET", f"/vms/{vm_id}/events", params=q)
+
+        return _pages.aiterate(fetch, "events", _pages.params(page_size))
 
     async def metrics(self, vm_id: str) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.metrics`."""
         return dict(await self._json("GET", f"/vms/{vm_id}/metrics"))
 
-    async def snapshots(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", f"/vms/{vm_id}/snapshots"))["snapshots"])
+    async def snapshots(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
+        return [x async for x in self.iter_snapshots(vm_id, page_size=page_size)]
+
+    def iter_snapshots(self, vm_id: str, *, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        async def fetch(q: dict[str, Any]) -> Any:
+            return await self._json("GET", f"/vms/{vm_id}/snapshots", params=q)
+
+        return _pages.aiterate(fetch, "snapshots", _pages.params(page_size))
 
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.port_url`."""

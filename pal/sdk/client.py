@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import httpx
 
-from . import _wire
+from . import _pages, _wire
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import Processes
 
@@ -41,9 +41,14 @@ class Client:
     def health(self) -> dict[str, Any]:
         return dict(self.request("GET", "/healthz").json())
 
-    def images(self) -> list[dict[str, Any]]:
+    def images(self, *, page_size: int | None = None) -> list[dict[str, Any]]:
         """The images this tenant may schedule (name, digest, user, workdir, env, warmSizes...)."""
-        return list(self.request("GET", "/v1/images").json()["images"])
+        return list(self.iter_images(page_size=page_size))
+
+    def iter_images(self, *, page_size: int | None = None) -> Iterator[dict[str, Any]]:
+        """:meth:`images` a page at a time (``page_size`` per request)."""
+        fetch = lambda q: self.request("GET", "/v1/images", params=q).json()  # noqa: E731
+        return _pages.iterate(fetch, "images", _pages.params(page_size))
 
     def close(self) -> None:
         self._http.close()
@@ -73,8 +78,36 @@ class Runtime:
     def get(self, vm_id: str) -> dict[str, Any]:
         return dict(self._json("GET", f"/vms/{vm_id}"))
 
-    def list(self) -> builtins.list[dict[str, Any]]:
-        return list(self._json("GET", "/vms")["vms"])
+    def list(
+        self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        """The tenant's VMs (all pages); ``metadata``: only those carrying all these tags."""
+        return list(self.iter_vms(metadata, page_size=page_size))
+
+    def iter_vms(
+        self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """:meth:`list` a page at a time (``page_size`` VMs per request), lazily."""
+        fetch = lambda q: self._json("GET", "/vms", params=q)  # noqa: E731
+        return _pages.iterate(fetch, "vms", _pages.params(page_size, metadata))
+
+    def set_lifetime(
+        self,
+        vm_id: str,
+        lifetime_secs: int | None = None,
+        *,
+        extend_secs: int | None = None,
+        on_lifetime_end: str | None = None,
+    ) -> dict[str, Any]:
+        """Set the VM's lifetime (``lifetime_secs`` from its schedule; 0: none) or extend it
+        (``extend_secs`` past its current end); ``on_lifetime_end``: ``pause`` or ``delete``.
+        Returns the VM."""
+        body = _pages.lifetime_body(lifetime_secs, extend_secs, on_lifetime_end)
+        return dict(self._json("PUT", f"/vms/{vm_id}/lifetime", json=body))
+
+    def extend_lifetime(self, vm_id: str, secs: int) -> dict[str, Any]:
+        """The VM's lifetime ends ``secs`` later. Returns the VM."""
+        return self.set_lifetime(vm_id, extend_secs=secs)
 
     def delete(self, vm_id: str) -> dict[str, Any]:
         return dict(self._json("DELETE", f"/vms/{vm_id}"))
@@ -174,17 +207,26 @@ class Runtime:
         """Remove a file or symlink (not a directory)."""
         return dict(self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
 
-    def events(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list(self._json("GET", f"/vms/{vm_id}/events")["events"])
+    def events(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
+        return list(self.iter_events(vm_id, page_size=page_size))
+
+    def iter_events(self, vm_id: str, *, page_size: int | None = None) -> Iterator[dict[str, Any]]:
+        """The VM's status and audit events, oldest first, a page at a time."""
+        fetch = lambda q: self._json("GET", f"/vms/{vm_id}/events", params=q)  # noqa: E731
+        return _pages.iterate(fetch, "events", _pages.params(page_size))
 
     def metrics(self, vm_id: str) -> dict[str, Any]:
         """CPU %, host RSS/PSS, guest memory, disk and network samples of the last 15
         minutes (one every 5 s): ``{vmId, intervalSecs, live, samples: [{t, cpuPct, ...}]}``."""
         return dict(self._json("GET", f"/vms/{vm_id}/metrics"))
 
-    def snapshots(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+    def snapshots(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
         """The VM's snapshots kept on its node, with artifact sizes."""
-        return list(self._json("GET", f"/vms/{vm_id}/snapshots")["snapshots"])
+        return list(self.iter_snapshots(vm_id, page_size=page_size))
+
+    def iter_snapshots(self, vm_id: str, *, page_size: int | None = None) -> Iterator[dict[str, Any]]:
+        fetch = lambda q: self._json("GET", f"/vms/{vm_id}/snapshots", params=q)  # noqa: E731
+        return _pages.iterate(fetch, "snapshots", _pages.params(page_size))
 
     def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
         """A signed link that opens the server on ``port`` in the VM on the port's own origin

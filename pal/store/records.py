@@ -55,6 +55,9 @@ class VmRecord:
     # freedMib, bytesWhilePaused (pal/scheduler/views.py add_live_stats)
     live_stats: dict[str, int] = field(default_factory=dict)
     snapshot_bytes: int = 0  # allocated bytes of its snapshots on its node
+    metadata: dict[str, str] = field(default_factory=dict)  # AgentSpec.metadata
+    lifetime_ends_at: datetime | None = None  # lifetimeSecs after the schedule; None: no lifetime
+    on_lifetime_end: str = "delete"  # pause | delete
 
 
 @dataclass(frozen=True)

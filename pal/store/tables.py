@@ -95,10 +95,16 @@ vms = Table(
     Column("live_stats", JSON, nullable=False, default=dict),  # live-pause counters over its life
     # Bytes its snapshots take on its node (allocated), for the tenant's snapshot limit.
     Column("snapshot_bytes", BigInteger, nullable=False, default=0),
+    Column("metadata", JSON, nullable=False, default=dict),  # AgentSpec.metadata (the tenant's tags)
+    # lifetimeSecs as a deadline (the leader ends the VM then: pal/scheduler/lifetime.py)
+    Column("lifetime_ends_at", UtcDateTime),
+    Column("on_lifetime_end", String(8), nullable=False, default="delete"),  # pause | delete
     Index("ix_vms_tenant_slot", "tenant_id", "holds_slot"),
     Index("ix_vms_state", "state"),
     Index("ix_vms_parent", "parent_vm_id"),
     Index("ix_vms_node", "node_id", "state"),
+    Index("ix_vms_lifetime", "lifetime_ends_at"),
+    Index("ix_vms_tenant_created", "tenant_id", "created_at", "vm_id"),  # the paged VM list
 )
 
 events = Table(

@@ -43,6 +43,9 @@ var contractScenarios = map[string]func(*testing.T, context.Context, *contract){
 	"errors":            scenarioErrors,
 	"delete":            scenarioDelete,
 	"processes":         scenarioProcesses,
+	"metadata":          scenarioMetadata,   // contract_meta_test.go
+	"lifetime":          scenarioLifetime,   // contract_meta_test.go
+	"pagination":        scenarioPagination, // contract_meta_test.go
 }
 
 func TestContract(t *testing.T) {

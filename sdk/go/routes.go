@@ -23,6 +23,7 @@ var (
 	routeDeleteVM     = route{"DELETE", "/v1/runtime/vms/{vm_id}"}
 	routeSetEgress    = route{"PUT", "/v1/runtime/vms/{vm_id}/egress"}
 	routeRotateSecret = route{"PUT", "/v1/runtime/vms/{vm_id}/secrets/{name}"}
+	routeSetLifetime  = route{"PUT", "/v1/runtime/vms/{vm_id}/lifetime"}
 	routePause        = route{"POST", "/v1/runtime/vms/{vm_id}/pause"}
 	routeResume       = route{"POST", "/v1/runtime/vms/{vm_id}/resume"}
 	routeFork         = route{"POST", "/v1/runtime/vms/{vm_id}/fork"}

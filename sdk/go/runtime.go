@@ -16,15 +16,6 @@ type RuntimeService struct {
 	c *Client
 }
 
-// ListOption narrows or pages a list call (List, Events, Snapshots, Images.List). None
-// exist yet: metadata filters and page sizes come with the server's paginated lists, and
-// the list calls will then follow the pages themselves, so calls written today keep
-// working.
-type ListOption func(*listParams)
-
-// listParams is what ListOptions set (to come: metadata filters, page size).
-type listParams struct{}
-
 // Schedule starts a sandbox microVM (ErrQuota when the tenant is full).
 func (r *RuntimeService) Schedule(ctx context.Context, spec AgentSpec) (*VM, error) {
 	var out VM
@@ -37,15 +28,10 @@ func (r *RuntimeService) Get(ctx context.Context, vmID string) (*VM, error) {
 	return &out, r.c.doJSON(ctx, call{route: routeGetVM, params: []string{vmID}}, &out)
 }
 
-// List returns the tenant's VMs.
+// List returns the tenant's VMs, every page (WithMetadata filters, WithPageSize sizes the
+// requests); IterVMs walks them a page at a time.
 func (r *RuntimeService) List(ctx context.Context, opts ...ListOption) ([]VM, error) {
-	var out struct {
-		VMs []VM `json:"vms"`
-	}
-	if err := r.c.doJSON(ctx, call{route: routeListVMs}, &out); err != nil {
-		return nil, err
-	}
-	return out.VMs, nil
+	return r.IterVMs(opts...).All(ctx)
 }
 
 // Delete stops a VM for good (state terminated) and releases its snapshots.
@@ -163,15 +149,10 @@ func (r *RuntimeService) RevokePortURL(ctx context.Context, vmID, linkID string)
 	return &out, r.c.doJSON(ctx, call{route: routeRevokeLink, params: []string{vmID, linkID}}, &out)
 }
 
-// Events returns a VM's status events and audits, oldest first.
+// Events returns a VM's status events and audits, oldest first, every page (IterEvents
+// walks them a page at a time).
 func (r *RuntimeService) Events(ctx context.Context, vmID string, opts ...ListOption) ([]Event, error) {
-	var out struct {
-		Events []Event `json:"events"`
-	}
-	if err := r.c.doJSON(ctx, call{route: routeEvents, params: []string{vmID}}, &out); err != nil {
-		return nil, err
-	}
-	return out.Events, nil
+	return r.IterEvents(vmID, opts...).All(ctx)
 }
 
 // Metrics returns a VM's CPU, memory, disk and network samples of the last 15 minutes
@@ -181,15 +162,10 @@ func (r *RuntimeService) Metrics(ctx context.Context, vmID string) (*Metrics, er
 	return &out, r.c.doJSON(ctx, call{route: routeMetrics, params: []string{vmID}}, &out)
 }
 
-// Snapshots returns the VM's snapshots kept on its node, with each artifact's size.
+// Snapshots returns the VM's snapshots kept on its node, with each artifact's size, every
+// page (IterSnapshots walks them a page at a time).
 func (r *RuntimeService) Snapshots(ctx context.Context, vmID string, opts ...ListOption) ([]Snapshot, error) {
-	var out struct {
-		Snapshots []Snapshot `json:"snapshots"`
-	}
-	if err := r.c.doJSON(ctx, call{route: routeSnapshots, params: []string{vmID}}, &out); err != nil {
-		return nil, err
-	}
-	return out.Snapshots, nil
+	return r.IterSnapshots(vmID, opts...).All(ctx)
 }
 
 // ImagesService lists images (Client.Images).
@@ -197,13 +173,7 @@ type ImagesService struct {
 	c *Client
 }
 
-// List returns the images this tenant may schedule (AgentSpec.Image).
+// List returns the images this tenant may schedule (AgentSpec.Image), every page.
 func (s *ImagesService) List(ctx context.Context, opts ...ListOption) ([]Image, error) {
-	var out struct {
-		Images []Image `json:"images"`
-	}
-	if err := s.c.doJSON(ctx, call{route: routeImages}, &out); err != nil {
-		return nil, err
-	}
-	return out.Images, nil
+	return s.Iter(opts...).All(ctx)
 }

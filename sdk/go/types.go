@@ -35,7 +35,23 @@ type AgentSpec struct {
 	Boot string `json:"boot,omitempty"`
 	// Placement picks the node (region, labels).
 	Placement *Placement `json:"placement,omitempty"`
-	// Metadata, LifetimeSecs and OnLifetimeEnd come with the server's support (issue 25).
+	// Metadata are the caller's tags (at most 32 keys of [A-Za-z0-9_.:/-], short string
+	// values); fork children inherit them, and List(WithMetadata(k, v)) finds them.
+	Metadata map[string]string `json:"metadata,omitempty"`
+	// LifetimeSecs ends the VM this long after its schedule, busy or not (0: never);
+	// RuntimeService.SetLifetime and ExtendLifetime move the end.
+	LifetimeSecs int `json:"lifetimeSecs,omitempty"`
+	// OnLifetimeEnd is what the end does: "delete" (the default) or "pause".
+	OnLifetimeEnd string `json:"onLifetimeEnd,omitempty"`
+}
+
+// LifetimeUpdate is SetLifetime's change: exactly one of LifetimeSecs (the new lifetime,
+// counted from the schedule; a pointer to 0 removes it) and ExtendSecs (added to the current
+// end, or to now for a VM without one); OnLifetimeEnd optionally changes what the end does.
+type LifetimeUpdate struct {
+	LifetimeSecs  *int   `json:"lifetimeSecs,omitempty"`
+	ExtendSecs    int    `json:"extendSecs,omitempty"`
+	OnLifetimeEnd string `json:"onLifetimeEnd,omitempty"`
 }
 
 // Limits are a VM's resources; a zero field takes the server's default.
@@ -156,6 +172,16 @@ type VM struct {
 	WaitPause       *WaitPause  `json:"waitPause,omitempty"`
 	Pause           *PauseState `json:"pause,omitempty"`
 	LiveStats       *LiveStats  `json:"liveStats,omitempty"`
+	// Metadata are the tags given at schedule (or inherited from the fork's source).
+	Metadata map[string]string `json:"metadata,omitempty"`
+	// ForkedFrom is, for a fork child, the VM it was forked from.
+	ForkedFrom string `json:"forkedFrom,omitempty"`
+	// LifetimeSecs is its lifetime from its schedule (nil: none, or it ended).
+	LifetimeSecs *int `json:"lifetimeSecs,omitempty"`
+	// LifetimeEndsAt is when its lifetime ends (RFC 3339; empty: no lifetime).
+	LifetimeEndsAt string `json:"lifetimeEndsAt,omitempty"`
+	// OnLifetimeEnd is what the lifetime's end does: "delete" or "pause".
+	OnLifetimeEnd string `json:"onLifetimeEnd,omitempty"`
 }
 
 // Network is a VM's egress counters.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from pal.sdk import (
 from pal.sdk.models import OutputEvent
 from pal.sdk.processes import Processes
 
+POLL_DEADLINE_S = 300  # a hang guard: the server sweeps lifetimes every second in the tests
 SCENARIOS_FILE = Path(__file__).resolve().parents[2] / "sdk" / "contract" / "scenarios.json"
 
 
@@ -271,6 +274,74 @@ def _kill(pr: Processes, vm: str) -> None:
     expect_error(nf, 404, "PROCESS_NOT_FOUND")
 
 
+def _unique() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _poll(what: str, fn: Callable[[], bool]) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < POLL_DEADLINE_S:
+        if fn():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"never: {what}")
+
+
+def metadata(st: State) -> None:
+    rt, run = st.client.runtime, _unique()
+    tags = {"sdk": "python", "run": run}
+    m = rt.schedule(metadata=tags)["vmId"]
+    child = ""
+    try:
+        assert rt.get(m)["metadata"] == tags
+        child = rt.fork(m, 1)["forks"][0]["vmId"]
+        got = rt.get(child)
+        assert (got["metadata"], got["forkedFrom"]) == (tags, m), got
+        assert [v["vmId"] for v in rt.list({"run": run})] == [m, child]
+        assert rt.list({"run": run, "sdk": "nobody"}) == []
+        with pytest.raises(BadRequestError) as bad:
+            rt.schedule(metadata={"bad key": "x"})
+        expect_error(bad, 400, "INVALID_ARGUMENT")
+    finally:
+        for vm in (child, m):
+            if vm:
+                assert rt.delete(vm)["state"] == "terminated"
+
+
+def lifetime(st: State) -> None:
+    rt = st.client.runtime
+    vm = rt.schedule(lifetimeSecs=3600, onLifetimeEnd="delete")
+    lid = vm["vmId"]
+    try:
+        assert (vm["lifetimeSecs"], vm["onLifetimeEnd"]) == (3600, "delete") and vm["lifetimeEndsAt"], vm
+        assert rt.extend_lifetime(lid, 60)["lifetimeSecs"] == 3660
+        assert rt.set_lifetime(lid, 1)["lifetimeSecs"] == 1
+        _poll(f"{lid} terminated", lambda: rt.get(lid)["state"] == "terminated")
+        ended = [e for e in rt.events(lid) if e["kind"] == "lifetime_ended"]
+        assert [e["details"]["action"] for e in ended] == ["deleted"], ended
+    finally:
+        rt.delete(lid)
+
+
+def pagination(st: State) -> None:
+    rt, page = st.client.runtime, _unique()
+    p1 = rt.schedule(metadata={"page": page})["vmId"]
+    p2 = rt.schedule(metadata={"page": page})["vmId"]
+    try:
+        assert [v["vmId"] for v in rt.iter_vms({"page": page}, page_size=1)] == [p1, p2]
+        events = list(rt.iter_events(p1, page_size=1))
+        assert events and events == rt.events(p1)
+        images = list(st.client.iter_images(page_size=1))
+        assert images and images == st.client.images()
+        assert list(rt.iter_snapshots(p1, page_size=1)) == rt.snapshots(p1)
+        with pytest.raises(BadRequestError) as bad:
+            st.client.request("GET", "/v1/runtime/vms", params={"cursor": "not-a-cursor"})
+        expect_error(bad, 400, "INVALID_ARGUMENT")
+    finally:
+        for vm in (p1, p2):
+            assert rt.delete(vm)["state"] == "terminated"
+
+
 SCENARIOS: dict[str, Callable[[State], None]] = {
     "schedule": schedule,
     "exec-buffered": exec_buffered,
@@ -282,4 +353,7 @@ SCENARIOS: dict[str, Callable[[State], None]] = {
     "errors": errors,
     "delete": delete,
     "processes": processes,
+    "metadata": metadata,
+    "lifetime": lifetime,
+    "pagination": pagination,
 }

@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import boto3
@@ -425,3 +426,28 @@ def test_a_process_paused_on_one_node_is_reattached_on_another(
     finally:
         pal_cli("node", "activate", home, env=env)
     slots_exact(store, "ta")
+
+
+def test_a_lifetime_ends_after_a_failover(cluster: LocalCluster, store: Store, keys: dict[str, str]) -> None:
+    """The deadline is in the store, not in the leader's memory: the leader that scheduled
+    the VM is killed -9, the deadline passes (written an hour ahead, as if that hour went
+    by during the failover), and the new leader ends the VM."""
+    leader = cluster.wait_leader(30)
+    with api(leader, keys["tc"]) as c:
+        vm = c.post("/v1/runtime/schedule", json={"lifetimeSecs": 3600}).json()
+        assert vm["state"] == "running" and vm["lifetimeSecs"] == 3600, vm
+    cluster.kill(leader)
+    new = cluster.wait_leader(10, exclude=leader)
+    store.update_vm(vm["vmId"], lifetime_ends_at=datetime.now(UTC) - timedelta(seconds=1))
+    with api(new, keys["tc"]) as c:
+        poll(
+            "the lifetime ends",
+            lambda: c.get(f"/v1/runtime/vms/{vm['vmId']}").json()["state"] == "terminated",
+            60,
+        )
+        events = c.get(f"/v1/runtime/vms/{vm['vmId']}/events").json()["events"]
+        ended = [e for e in events if e["kind"] == "lifetime_ended"]
+        assert [e["details"]["action"] for e in ended] == ["deleted"], events
+    restarted = cluster.restart(leader)  # back as a follower
+    poll("the restarted replica answers", lambda: cluster.health(restarted), 60)
+    slots_exact(store, "tc")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fastapi import Request
 from fastapi.routing import APIRoute, APIWebSocketRoute
 
 from pal.api import ports, routes
@@ -28,7 +29,7 @@ class _Scheduler:
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    async def list(self, tenant: str) -> list[Any]:
+    async def list_page(self, tenant: str, **_: Any) -> list[Any]:
         self.asked.append(tenant)
         return []
 
@@ -39,6 +40,7 @@ class _Scheduler:
 
 async def test_a_handler_runs_on_its_own() -> None:
     scheduler = _Scheduler()
-    assert await routes.list_vms("t-1", scheduler) == VmListOut(vms=[])
+    request = Request({"type": "http", "query_string": b"", "headers": []})
+    assert await routes.list_vms("t-1", scheduler, request) == VmListOut(vms=[])
     assert await routes.list_images("t-2", scheduler) == ImageListOut(images=[])
     assert scheduler.asked == ["t-1", "t-2"]

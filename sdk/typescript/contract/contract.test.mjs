@@ -151,6 +151,61 @@ const scenarios = {
       assert.equal((await rt.delete(pvm)).state, "terminated");
     }
   },
+
+  async metadata() {
+    const run = unique();
+    const tags = { sdk: "typescript", run };
+    const m = (await rt.schedule({ metadata: tags })).vmId;
+    let child = "";
+    try {
+      assert.deepEqual((await rt.get(m)).metadata, tags);
+      child = (await rt.fork(m, { count: 1 })).forks[0].vmId;
+      const got = await rt.get(child);
+      assert.deepEqual([got.metadata, got.forkedFrom], [tags, m]);
+      assert.deepEqual((await rt.list({ metadata: { run } })).map((v) => v.vmId), [m, child]);
+      assert.deepEqual(await rt.list({ metadata: { run, sdk: "nobody" } }), []);
+      await expectError(rt.schedule({ metadata: { "bad key": "x" } }), BadRequestError, 400, "INVALID_ARGUMENT");
+    } finally {
+      for (const vm of [child, m]) if (vm) assert.equal((await rt.delete(vm)).state, "terminated");
+    }
+  },
+
+  async lifetime() {
+    const vm = await rt.schedule({ lifetimeSecs: 3600, onLifetimeEnd: "delete" });
+    try {
+      assert.deepEqual([vm.lifetimeSecs, vm.onLifetimeEnd], [3600, "delete"]);
+      assert.ok(vm.lifetimeEndsAt);
+      assert.equal((await rt.extendLifetime(vm.vmId, 60)).lifetimeSecs, 3660);
+      assert.equal((await rt.setLifetime(vm.vmId, { lifetimeSecs: 1 })).lifetimeSecs, 1);
+      await poll(`${vm.vmId} terminated`, async () => (await rt.get(vm.vmId)).state === "terminated");
+      const ended = (await rt.events(vm.vmId)).filter((e) => e.kind === "lifetime_ended");
+      assert.deepEqual(ended.map((e) => e.details?.action), ["deleted"]);
+    } finally {
+      await rt.delete(vm.vmId).catch(() => undefined);
+    }
+  },
+
+  async pagination() {
+    const page = unique();
+    const p1 = (await rt.schedule({ metadata: { page } })).vmId;
+    const p2 = (await rt.schedule({ metadata: { page } })).vmId;
+    try {
+      const seen = [];
+      for await (const vm of rt.iterVms({ metadata: { page }, pageSize: 1 })) seen.push(vm.vmId);
+      assert.deepEqual(seen, [p1, p2]);
+      const events = await collect(rt.iterEvents(p1, { pageSize: 1 }));
+      assert.ok(events.length > 0);
+      assert.deepEqual(events, await rt.events(p1));
+      const images = await collect(client.iterImages({ pageSize: 1 }));
+      assert.ok(images.length > 0);
+      assert.deepEqual(images, await client.images());
+      assert.deepEqual(await collect(rt.iterSnapshots(p1, { pageSize: 1 })), await rt.snapshots(p1));
+      const bad = client.json("get", "/v1/runtime/vms", { query: { cursor: "not-a-cursor" } });
+      await expectError(bad, BadRequestError, 400, "INVALID_ARGUMENT");
+    } finally {
+      for (const vm of [p1, p2]) assert.equal((await rt.delete(vm)).state, "terminated");
+    }
+  },
 };
 
 const P_SCRIPT = 'echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3';
@@ -233,6 +288,26 @@ async function processScenario(pr, vm) {
   const s = (await pr.start(vm, { command: "sleep", argv: ["600"] })).processId;
   assert.equal((await pr.kill(vm, s)).deleted, true);
   await expectError(pr.get(vm, s), NotFoundError, 404, "PROCESS_NOT_FOUND");
+}
+
+function unique() {
+  return Math.random().toString(16).slice(2, 14);
+}
+
+async function collect(items) {
+  const out = [];
+  for await (const item of items) out.push(item);
+  return out;
+}
+
+// A hang guard, not a speed bound: the test server sweeps lifetimes every second.
+async function poll(what, fn) {
+  const deadline = Date.now() + 300_000;
+  while (Date.now() < deadline) {
+    if (await fn()) return;
+    await new Promise((r) => setTimeout(r, 250));
+  }
+  assert.fail(`never: ${what}`);
 }
 
 const listed = new Set(file.scenarios.map((s) => s.id));

@@ -6,6 +6,7 @@
 import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
 import { Processes } from "./processes.js";
 import { SseParser } from "./sse.js";
+import { collect, pageQuery, paginate, type PageOptions, type VmListOptions } from "./pages.js";
 import type {
   AgentSpec,
   Egress,
@@ -21,6 +22,7 @@ import type {
   ForkResult,
   Image,
   JsonOf,
+  LifetimeUpdate,
   Method,
   PathWith,
   PortLink,
@@ -97,9 +99,17 @@ export class Pal {
     return (await this.json("get", "/healthz")) as { ok: boolean; [k: string]: unknown };
   }
 
-  /** GET /v1/images: the images this tenant may schedule (`image` in a schedule request). */
-  async images(): Promise<Image[]> {
-    return (await this.json("get", "/v1/images")).images;
+  /** GET /v1/images: the images this tenant may schedule (`image` in a schedule request), all pages. */
+  images(options: PageOptions = {}): Promise<Image[]> {
+    return collect(this.iterImages(options));
+  }
+
+  /** The images, a page at a time: `for await (const image of pal.iterImages())`. */
+  iterImages(options: PageOptions = {}): AsyncGenerator<Image> {
+    return paginate(async (query) => {
+      const page = await this.json("get", "/v1/images", { query });
+      return { items: page.images, nextCursor: page.nextCursor };
+    }, pageQuery(options));
   }
 
   /** @internal A typed JSON call: the path must exist in the API with this method. */
@@ -180,8 +190,28 @@ export class Runtime {
     return this.client.json("get", "/v1/runtime/vms/{vm_id}", { params: { vm_id: vmId } });
   }
 
-  async list(): Promise<Vm[]> {
-    return (await this.client.json("get", "/v1/runtime/vms")).vms;
+  /** The tenant's VMs, all pages; `metadata`: only those carrying all these tags. */
+  list(options: VmListOptions = {}): Promise<Vm[]> {
+    return collect(this.iterVms(options));
+  }
+
+  /** The VMs a page at a time: `for await (const vm of runtime.iterVms({ metadata }))`. */
+  iterVms(options: VmListOptions = {}): AsyncGenerator<Vm> {
+    return paginate(async (query) => {
+      const page = await this.client.json("get", "/v1/runtime/vms", { query });
+      return { items: page.vms, nextCursor: page.nextCursor };
+    }, pageQuery(options));
+  }
+
+  /** Set the VM's lifetime (`{ lifetimeSecs }`, from its schedule; 0: none) or extend it
+   * (`{ extendSecs }`); `onLifetimeEnd`: `"pause"` or `"delete"`. Answers the VM. */
+  setLifetime(vmId: string, update: LifetimeUpdate): Promise<Vm> {
+    return this.client.json("put", "/v1/runtime/vms/{vm_id}/lifetime", { params: { vm_id: vmId }, json: update });
+  }
+
+  /** The VM's lifetime ends `secs` later. Answers the VM. */
+  extendLifetime(vmId: string, secs: number): Promise<Vm> {
+    return this.setLifetime(vmId, { extendSecs: secs });
   }
 
   /** Stop the VM (terminated); its snapshots are released. */
@@ -357,9 +387,17 @@ export class Runtime {
     });
   }
 
-  /** Status events and audits (auto_resume...), oldest first. */
-  async events(vmId: string): Promise<VmEvent[]> {
-    return (await this.client.json("get", "/v1/runtime/vms/{vm_id}/events", { params: { vm_id: vmId } })).events;
+  /** Status events and audits (auto_resume, lifetime_ended...), oldest first, all pages. */
+  events(vmId: string, options: PageOptions = {}): Promise<VmEvent[]> {
+    return collect(this.iterEvents(vmId, options));
+  }
+
+  /** The events a page at a time. */
+  iterEvents(vmId: string, options: PageOptions = {}): AsyncGenerator<VmEvent> {
+    return paginate(async (query) => {
+      const page = await this.client.json("get", "/v1/runtime/vms/{vm_id}/events", { params: { vm_id: vmId }, query });
+      return { items: page.events, nextCursor: page.nextCursor };
+    }, pageQuery(options));
   }
 
   /** CPU, memory, disk and network samples of the last 15 minutes (one every 5 s). */
@@ -367,9 +405,17 @@ export class Runtime {
     return this.client.json("get", "/v1/runtime/vms/{vm_id}/metrics", { params: { vm_id: vmId } });
   }
 
-  /** The VM's snapshots kept on its node, with the size of each artifact. */
-  async snapshots(vmId: string): Promise<Snapshot[]> {
-    return (await this.client.json("get", "/v1/runtime/vms/{vm_id}/snapshots", { params: { vm_id: vmId } })).snapshots;
+  /** The VM's snapshots kept on its node, with the size of each artifact, all pages. */
+  snapshots(vmId: string, options: PageOptions = {}): Promise<Snapshot[]> {
+    return collect(this.iterSnapshots(vmId, options));
+  }
+
+  /** The snapshots a page at a time. */
+  iterSnapshots(vmId: string, options: PageOptions = {}): AsyncGenerator<Snapshot> {
+    return paginate(async (query) => {
+      const page = await this.client.json("get", "/v1/runtime/vms/{vm_id}/snapshots", { params: { vm_id: vmId }, query });
+      return { items: page.snapshots, nextCursor: page.nextCursor };
+    }, pageQuery(options));
   }
 }
 

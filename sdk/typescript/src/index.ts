@@ -26,6 +26,7 @@ export type {
   StdinWritten,
 } from "./processes.js";
 export { SseParser } from "./sse.js";
+export type { PageOptions, VmListOptions } from "./pages.js";
 export type { SseMessage } from "./sse.js";
 export type {
   AgentSpec,
@@ -43,6 +44,7 @@ export type {
   ForkOptions,
   ForkResult,
   Image,
+  LifetimeUpdate,
   Limits,
   MetricSample,
   PortLink,

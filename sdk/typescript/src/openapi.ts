@@ -28,7 +28,7 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List the tenant's VMs */
+        /** List the tenant's VMs, a page at a time; `?metadata.k=v` (repeatable, all must match) filters */
         get: operations["list_vms_v1_runtime_vms_get"];
         put?: never;
         post?: never;
@@ -66,6 +66,23 @@ export interface paths {
         get?: never;
         /** Change the egress policy (running VMs: new connections at once, refused open ones reset) */
         put: operations["set_egress_v1_runtime_vms__vm_id__egress_put"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/lifetime": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /** Set (`lifetimeSecs`, from the schedule; 0: none) or extend (`extendSecs`) the VM's lifetime */
+        put: operations["set_lifetime_v1_runtime_vms__vm_id__lifetime_put"];
         post?: never;
         delete?: never;
         options?: never;
@@ -682,6 +699,26 @@ export interface components {
              */
             boot?: string;
             placement?: components["schemas"]["Placement"];
+            /**
+             * Metadata
+             * @description your tags; forks inherit them (README)
+             */
+            metadata?: {
+                [key: string]: string;
+            };
+            /**
+             * Lifetimesecs
+             * @description end it this long after its schedule; 0 = never
+             * @default 0
+             */
+            lifetimeSecs?: number;
+            /**
+             * Onlifetimeend
+             * @description what its lifetime's end does
+             * @default delete
+             * @enum {string}
+             */
+            onLifetimeEnd?: "pause" | "delete";
         };
         /** AttachUrlOut */
         AttachUrlOut: {
@@ -796,6 +833,11 @@ export interface components {
         EventListOut: {
             /** Events */
             events: components["schemas"]["EventOut"][];
+            /**
+             * Nextcursor
+             * @description the next page's `cursor`; absent on the last page
+             */
+            nextCursor?: string | null;
         };
         /**
          * EventOut
@@ -1016,6 +1058,11 @@ export interface components {
         ImageListOut: {
             /** Images */
             images: components["schemas"]["ImageOut"][];
+            /**
+             * Nextcursor
+             * @description the next page's `cursor`; absent on the last page
+             */
+            nextCursor?: string | null;
         };
         /** ImageOut */
         ImageOut: {
@@ -1087,6 +1134,18 @@ export interface components {
             end: number;
             /** Capacity */
             capacity: number;
+        };
+        /**
+         * LifetimeUpdate
+         * @description PUT .../lifetime: ``lifetimeSecs`` (from the schedule; 0 = none) or ``extendSecs``.
+         */
+        LifetimeUpdate: {
+            /** Lifetimesecs */
+            lifetimeSecs?: number | null;
+            /** Extendsecs */
+            extendSecs?: number | null;
+            /** Onlifetimeend */
+            onLifetimeEnd?: ("pause" | "delete") | null;
         };
         /** Limits */
         Limits: {
@@ -1649,6 +1708,11 @@ export interface components {
         SnapshotListOut: {
             /** Snapshots */
             snapshots: components["schemas"]["SnapshotOut"][];
+            /**
+             * Nextcursor
+             * @description the next page's `cursor`; absent on the last page
+             */
+            nextCursor?: string | null;
         };
         /** SnapshotOut */
         SnapshotOut: {
@@ -1801,6 +1865,11 @@ export interface components {
         VmListOut: {
             /** Vms */
             vms: components["schemas"]["VmOut"][];
+            /**
+             * Nextcursor
+             * @description the next page's `cursor`; absent on the last page
+             */
+            nextCursor?: string | null;
         };
         /** VmMetricsOut */
         VmMetricsOut: {
@@ -1882,6 +1951,34 @@ export interface components {
             pause?: components["schemas"]["PauseOut"] | null;
             /** @description live pauses over the VM's life */
             liveStats?: components["schemas"]["LiveStatsOut"] | null;
+            /**
+             * Metadata
+             * @description the tags given at schedule (or inherited)
+             */
+            metadata?: {
+                [key: string]: string;
+            };
+            /**
+             * Forkedfrom
+             * @description a fork child: the VM it was forked from
+             */
+            forkedFrom?: string | null;
+            /**
+             * Lifetimesecs
+             * @description its lifetime, counted from its schedule; null: none (or it ended)
+             */
+            lifetimeSecs?: number | null;
+            /**
+             * Lifetimeendsat
+             * @description when its lifetime ends
+             */
+            lifetimeEndsAt?: string | null;
+            /**
+             * Onlifetimeend
+             * @description what its lifetime's end does: `pause` or `delete`
+             * @default delete
+             */
+            onLifetimeEnd?: string;
         };
         /**
          * WaitPause
@@ -2036,7 +2133,12 @@ export interface operations {
     };
     list_vms_v1_runtime_vms_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description items per page (default and most: 1000) */
+                limit?: number | null;
+                /** @description `nextCursor` of the previous page; absent: the first page */
+                cursor?: string | null;
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -2299,6 +2401,104 @@ export interface operations {
         requestBody: {
             content: {
                 "application/json": components["schemas"]["EgressUpdate"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["VmOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body too large */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    set_lifetime_v1_runtime_vms__vm_id__lifetime_put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LifetimeUpdate"];
             };
         };
         responses: {
@@ -3228,7 +3428,12 @@ export interface operations {
     };
     events_v1_runtime_vms__vm_id__events_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description items per page (default and most: 1000) */
+                limit?: number | null;
+                /** @description `nextCursor` of the previous page; absent: the first page */
+                cursor?: string | null;
+            };
             header?: never;
             path: {
                 vm_id: string;
@@ -3398,7 +3603,12 @@ export interface operations {
     };
     snapshots_v1_runtime_vms__vm_id__snapshots_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description items per page (default and most: 1000) */
+                limit?: number | null;
+                /** @description `nextCursor` of the previous page; absent: the first page */
+                cursor?: string | null;
+            };
             header?: never;
             path: {
                 vm_id: string;
@@ -4552,7 +4762,12 @@ export interface operations {
     };
     list_images_v1_images_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description items per page (default and most: 1000) */
+                limit?: number | null;
+                /** @description `nextCursor` of the previous page; absent: the first page */
+                cursor?: string | null;
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -4566,6 +4781,15 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ImageListOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
                 };
             };
             /** @description missing or invalid API key */

@@ -35,6 +35,8 @@ export type VmMetrics = Schemas["VmMetricsOut"];
 export type MetricSample = Schemas["MetricSampleOut"];
 export type Snapshot = Schemas["SnapshotOut"];
 export type Image = Schemas["ImageOut"];
+/** PUT .../lifetime: `{ lifetimeSecs }` (from the schedule; 0: none) or `{ extendSecs }`, and `onLifetimeEnd`. */
+export type LifetimeUpdate = Schemas["LifetimeUpdate"];
 
 /** One event of `execStream`, in the order the command produced them. Every event but
  * `exit` has `data`, a text to show: the output for `stdout`/`stderr`; for `error` (the
