@@ -62,6 +62,7 @@ class _Spawning:
     """One spawn under way: what its steps acquired so far (``_rollback`` frees it)."""
 
     req: SpawnRequest
+    slot: str  # what its host resources are named by (slots.py)
     vm_dir: Path
     t0: float = field(default_factory=time.perf_counter)
     src: BootSource | None = None
@@ -95,7 +96,8 @@ class Spawner:
         await self.d.parking.discard(req.vm_id)
         await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
         reg.spawning.add(req.vm_id)
-        s = _Spawning(req, reg.vm_dir(req.vm_id))
+        slot = reg.slots.assign(req.vm_id)
+        s = _Spawning(req, slot, reg.slot_dir(slot))
         pinned = contextlib.ExitStack()  # the template restored from, kept until done
         try:
             s.src = await self.d.restores.source(req, pinned)
@@ -148,7 +150,7 @@ class Spawner:
         assert s.src is not None
         got_disk, got_net = await asyncio.gather(
             _disk_from(s.src.disk_src, s.src.image, s.vm_dir, s.req.disk_mib),
-            self.d.net.create(s.req.vm_id),
+            self.d.net.create(s.slot),
             return_exceptions=True,
         )
         if not isinstance(got_net, BaseException):
@@ -184,17 +186,18 @@ class Spawner:
         assert s.src.snap_dir is not None and s.src.ref is not None
         if (s.src.snap_dir / "mem").exists():
             s.mem_ref = s.src.ref
-            s.fork_mem, s.groups = await self.d.forks.map(s.src.ref, s.req.vm_id)
+            s.fork_mem, s.groups = await self.d.forks.map(s.src.ref, s.slot)
 
     def _vm_spec(self, s: _Spawning) -> VmSpec:
         assert s.src is not None and s.disk is not None and s.vnet is not None
         req = s.req
         return VmSpec(
-            run_as=self.d.jail.identity(req.vm_id),
+            run_as=self.d.jail.identity(s.slot),
             groups=s.groups,
             cgroup_limits=self.d.settings.cgroups,
             seccomp=self.d.settings.seccomp,
             vm_id=req.vm_id,
+            slot=s.slot,
             vm_dir=s.vm_dir,
             image=s.src.image,
             vcpus=req.vcpus,
@@ -259,6 +262,7 @@ class Spawner:
             mac=s.mac,
             brokered=brokered_of(req),
             wait=req.wait_pause,
+            slot=s.slot,
         )
         self.d.registry.vms[req.vm_id] = lv
         self.d.registry.write_state(lv)
@@ -291,12 +295,13 @@ class Spawner:
         if s.vnet is not None:
             s.vnet.close_fds()
             if s.registered:
-                await self.d.net.release(s.req.vm_id)
+                await self.d.net.release(s.req.vm_id, s.slot)
             else:
                 await asyncio.to_thread(_quiet_delete_netns, s.vnet.name)
         with contextlib.suppress(OSError):
             shutil.rmtree(s.vm_dir)
-        self.d.jail.release(s.req.vm_id)
+        self.d.jail.release(s.slot)
+        self.d.registry.slots.release(s.req.vm_id, s.slot)
         if s.mem_ref is not None:
             await self.d.forks.unmap(s.mem_ref.snapshot_id)
 

@@ -21,6 +21,7 @@ from pal.errors import Conflict
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
 from pal.manager.channel import HarnessChannel
+from pal.manager.slots import SlotMap
 from pal.manager.vm_states import require_running
 from pal.manager.vmnet import Brokered
 from pal.snapshots.layout import SnapshotRef
@@ -118,6 +119,7 @@ class LiveVm:
     sampled_paused_ms: int = 0  # what the metrics sampler counted so far
     resumed_at: float = 0.0  # host monotonic time of the latest live resume
     parked_snapshot: str | None = None  # parked (parked.py) after this snapshot
+    slot: str = ""  # what its host resources are named by (slots.py)
 
     def paused_ms(self) -> int:
         """Live-paused time of this incarnation, the current pause included."""
@@ -140,11 +142,12 @@ class VmRegistry:
         self.vms_dir = vms_dir
         self.vms: dict[str, LiveVm] = {}
         self.spawning: set[str] = set()
+        self.slots = SlotMap()  # vm id -> slot, of every VM holding host resources here
         self._seal = seal
 
-    def vm_dir(self, vm_id: str) -> Path:
-        # Every path the manager makes from a caller's vm id goes through here.
-        return self.vms_dir / validate_id(vm_id, "vm_id")
+    def slot_dir(self, slot: str) -> Path:
+        # Every VM dir is named by its slot (slots.py), never by a caller's vm id.
+        return self.vms_dir / validate_id(slot, "slot")
 
     def live(self, vm_id: str) -> LiveVm:
         """Prerequisite of every call on a VM: its QEMU runs here (else 409)."""
@@ -170,7 +173,7 @@ class VmRegistry:
     def write_state(self, lv: LiveVm) -> None:
         """Everything needed to re-adopt this VM if the manager process dies (root-only:
         it holds the exec token and the VM's secrets)."""
-        path = self.vm_dir(lv.vm_id) / "state.json"
+        path = self.slot_dir(lv.slot) / "state.json"
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -179,7 +182,8 @@ class VmRegistry:
 
     def _state(self, lv: LiveVm) -> dict[str, Any]:
         return {
-            "vmId": lv.vm_id,
+            "vmId": lv.vm_id,  # the slot's durable mapping (slots.py)
+            "slot": lv.slot,
             "tenantId": lv.tenant_id,
             "pid": lv.qemu.pid,
             "incarnation": lv.incarnation,
