@@ -103,8 +103,8 @@ class Adopter:
 
     async def _adopt(self, vm_dir: Path) -> LiveVm | None:
         st = json.loads((vm_dir / "state.json").read_text())
-        if st.get("parked"):
-            return None  # a parked process is a cache: its snapshot is on disk
+        if st.get("parked") or st.get("pooled"):
+            return None  # a cache: a parked QEMU's snapshot is on disk, a pool refills
         pid = int(st["pid"])
         run_as = tuple(st["runAs"]) if st.get("runAs") else None
         # The dir is the slot (a dir of an older Pal is named by its vm id, its slot then).

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from pal.vmm.qemu import QemuVm, VmSpec
 log = logging.getLogger(__name__)
 
 COLD_BOOT_TIMEOUT_S = 120.0  # TCG boots take seconds; a loaded CI machine more
+
+# A claim from the warm pool (pool.py): the spawn's result, or None to spawn as usual.
+Claim = Callable[[SpawnRequest], Awaitable[SpawnResult | None]]
 
 
 @dataclass
@@ -76,11 +80,14 @@ class _Spawning:
     channel: HarnessChannel | None = None
     mac: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    pooled: bool = False  # made for the warm pool: kept out of the registry (pool.py)
+    lv: LiveVm | None = None
 
 
 class Spawner:
     def __init__(self, deps: SpawnDeps) -> None:
         self.d = deps
+        self.claim: Claim | None = None  # the warm pool's (set by the runtime)
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         reg = self.d.registry
@@ -94,10 +101,36 @@ class Spawner:
             return unparked
         # A parked process of another snapshot of this VM (or too old) is in the way.
         await self.d.parking.discard(req.vm_id)
+        if self.claim is not None:
+            reg.spawning.add(req.vm_id)
+            try:
+                claimed = await self.claim(req)
+            finally:
+                reg.spawning.discard(req.vm_id)
+            if claimed is not None:
+                return claimed
         await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
+        return self._result(await self._build(req, pooled=False))
+
+    async def spawn_pooled(self, req: SpawnRequest) -> LiveVm:
+        """A VM for the warm pool (pool.py): spawned like any other, from the template of its
+        size, but kept out of the registry (no heartbeat reports it, no call reaches it) and
+        marked pooled in its state file (a restart kills it)."""
+        reg = self.d.registry
+        if req.vm_id in reg.vms or req.vm_id in reg.spawning:
+            raise Conflict(f"VM {req.vm_id} is already live on this node")
+        what = f"pooled VM {req.vm_id} ({req.memory_mib} MiB RAM)"
+        await asyncio.to_thread(admission.check_memory, req.memory_mib, what)
+        await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
+        s = await self._build(req, pooled=True)
+        assert s.lv is not None
+        return s.lv
+
+    async def _build(self, req: SpawnRequest, *, pooled: bool) -> _Spawning:
+        reg = self.d.registry
         reg.spawning.add(req.vm_id)
         slot = reg.slots.assign(req.vm_id)
-        s = _Spawning(req, slot, reg.slot_dir(slot))
+        s = _Spawning(req, slot, reg.slot_dir(slot), pooled=pooled)
         pinned = contextlib.ExitStack()  # the template restored from, kept until done
         try:
             s.src = await self.d.restores.source(req, pinned)
@@ -107,7 +140,8 @@ class Spawner:
             await self._map_fork_memory(s)
             await self._start_qemu(s)
             await self._identify(s)
-            return self._enlist(s)
+            self._enlist(s)
+            return s
         except BaseException as exc:
             await self._rollback(s, exc)
             raise
@@ -239,8 +273,9 @@ class Spawner:
         s.timings["identify_ms"] = round((time.perf_counter() - t_vmm) * 1000, 1)
         s.timings.update({f"identify_{k}": v for k, v in steps.items()})
 
-    def _enlist(self, s: _Spawning) -> SpawnResult:
-        """The VM is up: into the registry, its state file written (adoptable from now)."""
+    def _enlist(self, s: _Spawning) -> None:
+        """The VM is up: into the registry (a pooled one: into the pool's hands), its state
+        file written (adoptable from now, unless pooled)."""
         assert s.qemu is not None and s.channel is not None and s.src is not None
         req = s.req
         lv = LiveVm(
@@ -263,9 +298,16 @@ class Spawner:
             brokered=brokered_of(req),
             wait=req.wait_pause,
             slot=s.slot,
+            pooled=s.pooled,
         )
-        self.d.registry.vms[req.vm_id] = lv
+        s.lv = lv
+        if not s.pooled:
+            self.d.registry.vms[req.vm_id] = lv
         self.d.registry.write_state(lv)
+
+    def _result(self, s: _Spawning) -> SpawnResult:
+        assert s.qemu is not None and s.src is not None and s.lv is not None
+        req, lv = s.req, s.lv
         boot_ms = (time.perf_counter() - s.t0) * 1000
         # Where the time went, step by step (docs/lifecycle.md, "The restore path").
         log.info(

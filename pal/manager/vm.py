@@ -120,6 +120,7 @@ class LiveVm:
     resumed_at: float = 0.0  # host monotonic time of the latest live resume
     parked_snapshot: str | None = None  # parked (parked.py) after this snapshot
     slot: str = ""  # what its host resources are named by (slots.py)
+    pooled: bool = False  # in the warm pool, no tenant's yet (pool.py)
 
     def paused_ms(self) -> int:
         """Live-paused time of this incarnation, the current pause included."""
@@ -211,4 +212,7 @@ class VmRegistry:
             "livePause": None if lv.live is None else lv.live.to_json(),
             "livePausedMs": lv.live_paused_ms_total,
             "parked": lv.parked_snapshot,
+            # A pooled VM is never adopted (a restart kills it); a claim commits by this
+            # file no longer saying so (pool.py).
+            "pooled": lv.pooled,
         }
