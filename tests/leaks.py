@@ -19,9 +19,11 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pal.config import Settings
 from pal.localcluster.processes import qemu_pids_under
+from pal.manager.slots import slot_prefix
 from pal.network import netns
 from pal.scheduler.states import has_live_qemu, holds_slot, is_live_paused
 from pal.snapshots.layout import FORK_MEM_DIRNAME, STAGING_DIRNAME
@@ -37,14 +39,24 @@ def open_store(data_dir: Path) -> Store:
     return Store(f"sqlite:///{Settings.from_env(data_dir).db_path}", run_migrations=False)
 
 
-def vm_slots(data_dir: Path) -> dict[str, str]:
-    """vm id -> the slot (``vms/`` dir) its state.json says it holds."""
-    out: dict[str, str] = {}
+def vm_states(data_dir: Path) -> dict[str, dict[str, Any]]:
+    """slot (``vms/`` dir) -> its state.json (the VM that holds it), for those that have one."""
+    out: dict[str, dict[str, Any]] = {}
     vms_dir = Settings.from_env(data_dir).vms_dir
     for d in sorted(vms_dir.iterdir()) if vms_dir.is_dir() else []:
         with contextlib.suppress(OSError, ValueError):
-            out[str(json.loads((d / "state.json").read_text())["vmId"])] = d.name
+            out[d.name] = json.loads((d / "state.json").read_text())
     return out
+
+
+def vm_slots(data_dir: Path) -> dict[str, str]:
+    """vm id -> the slot (``vms/`` dir) its state.json says it holds."""
+    return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if "vmId" in st}
+
+
+def pooled_vms(data_dir: Path) -> dict[str, str]:
+    """The warm pool's VMs (pal/manager/pool.py): pool id -> slot."""
+    return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if st.get("pooled")}
 
 
 def vm_dir_of(data_dir: Path, vm_id: str) -> Path:
@@ -132,7 +144,8 @@ def problems(data_dir: Path) -> list[str]:
     v = view(data_dir)
     live = {vm_id for vm_id, vm in v.rows.items() if is_live(vm)}
     parked = {vm_id for vm_id, vm in v.rows.items() if is_parked(settings, vm)}
-    held = live | parked  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
+    pool = pooled_vms(data_dir)  # no row: the node's own, each with all of the above
+    held = live | parked | set(pool)  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
     out: list[str] = []
 
     for vm in v.rows.values():
@@ -168,11 +181,12 @@ def problems(data_dir: Path) -> list[str]:
     out += [f"gateway still holds {vm_id}" for vm_id in sorted(registered - live)]
     out += [f"gateway lost live VM {vm_id}" for vm_id in sorted(live - registered)]
 
+    ours = slot_prefix(settings.vms_dir)  # cgroups are host-wide: only this node's slots
     for parent in cgroup_parents():
         out += [
             f"cgroup {d} left"
             for d in sorted(parent.iterdir() if parent.is_dir() else [])
-            if d.is_dir() and d.name not in held_slots
+            if d.is_dir() and d.name.startswith(ours) and d.name not in held_slots
         ]
 
     root = settings.snapshots_root

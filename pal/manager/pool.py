@@ -37,10 +37,13 @@ from typing import Any
 
 from pal import failpoints, sizes
 from pal.config import Settings
+from pal.errors import Unavailable
+from pal.guest import protocol as p
 from pal.images.paths import load_image
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.restore import brokered_of, identity_of
+from pal.manager.templates import PRIME_COMMANDS, PRIME_TIMEOUT_S, TemplateCache, TemplateHost
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
@@ -72,6 +75,23 @@ class PoolDeps:
     net: VmNetworking
     spawn_pooled: Callable[[SpawnRequest], Awaitable[LiveVm]]  # spawn.Spawner.spawn_pooled
     free_vm_files: Callable[[str, str], Awaitable[Any]]  # stop.VmFiles.free_vm_files
+    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    template_host: TemplateHost  # builds a missing template
+
+
+async def template_ready(d: PoolDeps, size: str) -> bool:
+    """The template pooled VMs of ``size`` restore from, built first when missing; False
+    when there is none to be had (PAL_TEMPLATES=0, a size without templates, a failed
+    build): pooled VMs are only ever restored from a template."""
+    templates = d.templates()
+    if templates is None:
+        return False
+    image = load_image(d.settings, POOL_IMAGE)
+    mem, vcpus, disk = sizes.parse_size_name(size)
+    if templates.lookup(image, mem, vcpus, disk) is not None:
+        return True
+    task = templates.ensure_in_background(d.template_host, image, mem, vcpus, disk)
+    return task is not None and await task is not None
 
 
 def pool_key(image: str, memory_mib: int, vcpus: int, disk_mib: int) -> str | None:
@@ -90,6 +110,23 @@ def budgeted_targets(wanted: tuple[tuple[str, int], ...], budget_mib: int) -> di
         out[size] = n
         left -= n * mem
     return out
+
+
+async def prime(lv: LiveVm) -> None:
+    """Run the image's own no-op commands once (templates.PRIME_COMMANDS), as a template
+    does before its capture: this QEMU then has the first exec's guest code translated
+    (TCG keeps it across the pause), so a claim's first exec runs warm. Nothing of a
+    tenant's runs: the commands are the image's, the identity the pool's."""
+    for argv in PRIME_COMMANDS:
+        msg: p.Message = {"k": p.K_EXEC, "tok": lv.token, "argv": list(argv), "env": {}}
+        msg |= {"cwd": None, "timeout": PRIME_TIMEOUT_S, "user": None}
+        with contextlib.suppress(Exception):  # an image without them: no priming
+            replies = await lv.channel.start_stream(msg)
+            try:
+                async for _ in replies:
+                    pass
+            finally:
+                await replies.aclose()
 
 
 class WarmPool:
@@ -148,7 +185,10 @@ class WarmPool:
         self.filling[size] = self.filling.get(size, 0) + 1
         lv: LiveVm | None = None
         try:
+            if not await template_ready(self.d, size):
+                raise Unavailable(f"no template of {size} to restore pooled VMs from")
             lv = await self.d.spawn_pooled(req)
+            await prime(lv)
             # No network until a claim: the gateway forgets it, its namespace and tap stay.
             await self.d.net.unregister(pool_id)
             await lv.qemu.pause()

@@ -87,9 +87,17 @@ class NodeRuntime:
             SpawnDeps(settings, accel.name, reg, self.net, self.jail, self.forks, self.parking, restores)
         )
         self.pool = WarmPool(
-            PoolDeps(settings, reg, self.net, self.spawner.spawn_pooled, self.files.free_vm_files)
+            PoolDeps(
+                settings,
+                reg,
+                self.net,
+                self.spawner.spawn_pooled,
+                self.files.free_vm_files,
+                lambda: self.templates,
+                self,
+            )
         )
-        self.spawner.claim = self.pool.claim
+        self.spawner.claim, self.spawner.evict_pool = self.pool.claim, self.pool.evict
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )

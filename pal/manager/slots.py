@@ -14,27 +14,34 @@ VM: adoption frees everything named by it.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+from pathlib import Path
 
 from pal.ids import validate_id
 
-SLOT_PREFIX = "s-"
+
+def slot_prefix(vms_dir: Path) -> str:
+    """``s<6 hex>-``: the slots of one data dir, told apart from other nodes' on this host
+    (cgroups are host-wide: a check for leftovers needs to know which are its own)."""
+    return "s" + hashlib.sha256(str(Path(vms_dir).resolve()).encode()).hexdigest()[:6] + "-"
 
 
-def new_slot() -> str:
+def new_slot(prefix: str) -> str:
     """A fresh slot name: short (netns and cgroup names carry it), never a vm id's."""
-    return SLOT_PREFIX + secrets.token_hex(6)
+    return prefix + secrets.token_hex(5)
 
 
 class SlotMap:
     """vm id -> slot of the VMs this node holds (live, parked, pooled, being spawned)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "s-") -> None:
+        self.prefix = prefix
         self._slots: dict[str, str] = {}
 
     def assign(self, vm_id: str, slot: str | None = None) -> str:
         """``vm_id`` holds ``slot`` (a new one when None) from now on."""
-        slot = validate_id(slot or new_slot(), "slot")
+        slot = validate_id(slot or new_slot(self.prefix), "slot")
         self._slots[vm_id] = slot
         return slot
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pal import failpoints
 from pal.config import Settings
-from pal.errors import Conflict, NotFound, PalError
+from pal.errors import Conflict, InsufficientStorage, NotFound, PalError
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
 from pal.manager import admission
@@ -88,6 +88,7 @@ class Spawner:
     def __init__(self, deps: SpawnDeps) -> None:
         self.d = deps
         self.claim: Claim | None = None  # the warm pool's (set by the runtime)
+        self.evict_pool: Callable[[int], Awaitable[int]] | None = None  # frees pooled VMs' MiB
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         reg = self.d.registry
@@ -95,7 +96,7 @@ class Spawner:
             raise Conflict(f"VM {req.vm_id} is already live on this node")
         what = f"VM {req.vm_id} ({req.memory_mib} MiB RAM)"
         # Before any work: its RAM file and disk must fit (a full disk SIGBUSes a guest).
-        await self.d.parking.admit_memory(req.memory_mib, what)
+        await self._admit_memory(req.memory_mib, what)
         unparked = await self._continue_parked(req)
         if unparked is not None:
             return unparked
@@ -111,6 +112,15 @@ class Spawner:
                 return claimed
         await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
         return self._result(await self._build(req, pooled=False))
+
+    async def _admit_memory(self, need_mib: int, what: str) -> None:
+        """507 unless the host has the memory; parked QEMUs, then pooled VMs, go first."""
+        try:
+            await self.d.parking.admit_memory(need_mib, what)
+        except InsufficientStorage:
+            if self.evict_pool is None or not await self.evict_pool(need_mib):
+                raise
+            await self.d.parking.admit_memory(need_mib, what)
 
     async def spawn_pooled(self, req: SpawnRequest) -> LiveVm:
         """A VM for the warm pool (pool.py): spawned like any other, from the template of its

@@ -21,7 +21,7 @@ from pal.errors import Conflict
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
 from pal.manager.channel import HarnessChannel
-from pal.manager.slots import SlotMap
+from pal.manager.slots import SlotMap, slot_prefix
 from pal.manager.vm_states import require_running
 from pal.manager.vmnet import Brokered
 from pal.snapshots.layout import SnapshotRef
@@ -143,7 +143,7 @@ class VmRegistry:
         self.vms_dir = vms_dir
         self.vms: dict[str, LiveVm] = {}
         self.spawning: set[str] = set()
-        self.slots = SlotMap()  # vm id -> slot, of every VM holding host resources here
+        self.slots = SlotMap(slot_prefix(vms_dir))  # vm id -> slot of each VM holding host resources
         self._seal = seal
 
     def slot_dir(self, slot: str) -> Path:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pal.errors import InvalidRequest
-from pal.manager.slots import SLOT_PREFIX, SlotMap, new_slot
+from pal.manager.slots import SlotMap, new_slot, slot_prefix
 
 
-def test_each_vm_gets_its_own_slot_never_named_by_its_id() -> None:
-    slots = SlotMap()
+def test_each_vm_gets_its_own_slot_never_named_by_its_id(tmp_path: Path) -> None:
+    prefix = slot_prefix(tmp_path / "vms")
+    assert prefix != slot_prefix(tmp_path / "other" / "vms")  # two nodes' slots never collide
+    slots = SlotMap(prefix)
     a, b = slots.assign("vm-a"), slots.assign("vm-b")
-    assert a != b and a.startswith(SLOT_PREFIX) and "vm-a" not in a
+    assert a != b and a.startswith(prefix) and "vm-a" not in a
     assert slots.get("vm-a") == a and slots.slots() == {a, b}
 
 
@@ -36,4 +40,4 @@ def test_an_adopted_slot_is_kept_and_a_bad_one_refused() -> None:
     assert slots.assign("vm-a", "vm-a") == "vm-a"  # a dir of an older Pal: its own id
     with pytest.raises(InvalidRequest):
         slots.assign("vm-b", "../etc")
-    assert len({new_slot() for _ in range(100)}) == 100
+    assert len({new_slot("s-") for _ in range(100)}) == 100
