@@ -468,9 +468,7 @@ def bench_s3(
 
 @bench_app.command("density")
 def bench_density(
-    cap: Annotated[
-        int, typer.Option(help="sandboxes at most (a shared machine: start modest)")
-    ] = 30,
+    cap: Annotated[int, typer.Option(help="sandboxes at most (a shared machine: start modest)")] = 30,
     data_dir: Annotated[
         Path | None,
         typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
