@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 POOL_IMAGE = "default"  # the image pooled VMs are of
 POOL_ID_PREFIX = "pool-"
 PREFETCH_WAIT_S = 2.0  # a claim waits this long at most for the working set
-REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then
+REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then,
+REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed template
+# build is a cold boot: a pool must not keep a loaded host booting)
 
 
 @dataclass
@@ -157,6 +159,7 @@ class WarmPool:
         return out
 
     async def _run(self) -> None:
+        failures = 0  # failed fills in a row
         while True:
             self._wake.clear()
             failed = False
@@ -164,10 +167,10 @@ class WarmPool:
                 if not await self.fill_one(size):
                     failed = True
                     break
+            failures = failures + 1 if failed else 0
+            retry = min(REFILL_RETRY_S * 2 ** max(0, failures - 1), REFILL_RETRY_MAX_S)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._wake.wait(), REFILL_RETRY_S if failed or self.missing() else None
-                )
+                await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
 
     async def fill_one(self, size: str) -> bool:
         """Make one pooled VM of ``size``; False when it could not be made now."""
