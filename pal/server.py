@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -202,20 +202,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     node.warm_default_template()
     node.runtime.start_pool()
 
-    async def health() -> dict[str, Any]:
-        from pal.errors import Unavailable
-        from pal.images.paths import load_image
-        from pal.vmm import cgroups
-        from pal.vmm.versions import qemu_supports_sandbox
-
-        load_image(settings, "default")
-        if settings.cgroups:
-            cgroups.host()  # fail closed: no VM can start without its limits
-        if settings.seccomp and not qemu_supports_sandbox():
-            raise Unavailable("QEMU has no -sandbox (seccomp): no VM can start; see `pal doctor`")
-        hb = await client.heartbeat()
-        return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
-
+    health = _node_health(settings, client, scheduler)
     from pal.dashboard.session import load_secret
 
     names = hosts(settings, host, local)
@@ -256,6 +243,26 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.gather(api_task, ports_task, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
+
+
+def _node_health(settings: Settings, client: Any, scheduler: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """/healthz of `pal up`: the default image, cgroups and seccomp usable, the node answering."""
+
+    async def health() -> dict[str, Any]:
+        from pal.errors import Unavailable
+        from pal.images.paths import load_image
+        from pal.vmm import cgroups
+        from pal.vmm.versions import qemu_supports_sandbox
+
+        load_image(settings, "default")
+        if settings.cgroups:
+            cgroups.host()  # fail closed: no VM can start without its limits
+        if settings.seccomp and not qemu_supports_sandbox():
+            raise Unavailable("QEMU has no -sandbox (seccomp): no VM can start; see `pal doctor`")
+        hb = await client.heartbeat()
+        return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
+
+    return health
 
 
 def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], asyncio.Event]:
@@ -366,10 +373,13 @@ def control_plane_app(
     share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
     what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
+    from pal.api.auth import key_refusal
     from pal.dashboard.app import install_dashboard
+    from pal.mcp.http import install_mcp
 
     app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
     install_dashboard(app, scheduler, store, settings, secret)
+    install_mcp(app, lambda key: key_refusal(store, key))  # /mcp: the MCP server (docs/agents.md)
     return app
 
 

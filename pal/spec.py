@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import SkipJsonSchema
 
 from pal import sizes
 from pal.guest import protocol as P
@@ -536,6 +537,9 @@ class ExecRequest(_Model):
         "long, else `{processId, running: true}` with the output so far and the offset to read "
         "on from (`/processes/{processId}/output`); the command keeps running (docs/processes.md)",
     )
+    # Set by the API for an SSE exec, never in the public schema: a client that drops the
+    # stream leaves the command running, to be read on through /processes/{id}/output.
+    detach_on_close: SkipJsonSchema[bool] = False
 
     @field_validator("env")
     @classmethod
@@ -611,6 +615,7 @@ class ProcessStartRequest(ExecRequest):
     """Body of POST .../processes: an exec request, plus what a process that outlives its
     request needs (docs/processes.md)."""
 
+    detach_on_close: SkipJsonSchema[Literal[False]] = False  # exec's: a process never dies with a stream
     stdin: bool = Field(False, description="keep a stdin pipe open for POST .../stdin")
     pty: Terminal | None = Field(None, description="run on a terminal of this size (stdin included)")
     tag: str = Field("", max_length=P.MAX_TAG_CHARS, description="free text to find the process by")

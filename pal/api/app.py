@@ -8,30 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
 from fastapi_offline import FastAPIOffline
 
 import pal
 from pal.config import Settings
 
+from .audit import audit_router
 from .callers import Callers
 from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
 from .forward import forward_to_leader, forwarding_key
+from .health import HealthCheck, announce_ready, health_router
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
-from .models import HealthOut, ReadyOut
 from .nodes import nodes_router
-from .operator import is_operator
 from .port_host import create_ports_app
 from .port_links import Links
 from .port_origins import PortsHostDispatch, PortsOrigins
@@ -43,9 +40,6 @@ from .routes import images_router, runtime_router
 
 log = logging.getLogger("pal.api")
 DOCS_ASSETS = "/docs-assets"
-READY_POLL_S = 0.5  # how often a starting server checks whether it is ready yet
-
-HealthCheck = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 
 
 def create_app(
@@ -70,20 +64,7 @@ def create_app(
     ``PAL_HOSTS``). ``settings.admin_token`` is the operator token in effect (pal/operator.py).
     """
     if ready is None and getattr(scheduler, "nodes", None) is not None:
-
-        async def ready() -> dict[str, Any]:
-            from pal.scheduler.readiness import readiness
-
-            return await readiness(scheduler, templates=settings.templates)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_announce_ready(health, ready), name="announce-ready")
-        try:
-            yield
-        finally:
-            task.cancel()
-
+        ready = _nodes_ready(scheduler, settings)
     # /docs (Swagger UI) and /redoc with their assets served from the fastapi-offline
     # package: no CDN, so they work on machines without Internet access.
     app = FastAPIOffline(
@@ -91,7 +72,7 @@ def create_app(
         version=getattr(pal, "__version__", "0.1.0"),
         description="Self-hostable microVM sandboxes for AI agents.",
         static_url=DOCS_ASSETS,
-        lifespan=lifespan,
+        lifespan=_lifespan,
     )
     app.state.scheduler = scheduler
     app.state.store = store
@@ -102,10 +83,11 @@ def create_app(
     app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
     app.include_router(runtime_router)  # its handlers find the above on app.state
     app.include_router(processes_router)
+    app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)
-    app.state.links = links = Links(shared, store)  # the dashboard's port form too
+    app.state.links = Links(shared, store)  # the dashboard's port form too
     origins = PortsOrigins.from_settings(settings)
     app.state.port_origins = origins
     app.include_router(ports_router)  # its handlers find links and origins on app.state
@@ -122,6 +104,19 @@ def create_app(
         known_caller=app.state.callers.known,
     )
 
+    _add_middleware(app, settings, hosts, shared, scheduler, store)
+    app.state.health, app.state.ready = health, ready  # for /healthz, /readyz and the lifespan
+    app.include_router(health_router)
+    document_errors(app)
+    document_port_proxy(app)
+    return app
+
+
+def _add_middleware(
+    app: FastAPI, settings: Settings, hosts: AllowedHosts | None, shared: bytes, scheduler: Any, store: Any
+) -> None:
+    """The middleware stack, innermost first (Starlette runs the last added outermost)."""
+    links, origins = app.state.links, app.state.port_origins
     # Outermost last: every request gets its id first, then the body limit applies.
     app.add_middleware(BodyLimitMiddleware)
     if settings.cors_origins:
@@ -154,79 +149,23 @@ def create_app(
     )
     app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
-    @app.get(
-        "/healthz",
-        tags=["health"],
-        summary="200 when this server can schedule VMs, else 503; details for the operator only",
-        responses={200: {"model": HealthOut}, 503: {"model": HealthOut, "description": "not healthy"}},
-    )
-    async def healthz(request: Request) -> JSONResponse:
-        """``{"ok": bool}`` for anyone. The details (accelerator, VM count, what failed) only
-        with ``Authorization: Bearer <operator token or PAL_METRICS_TOKEN>``: without a
-        key the server shows no internals (they are in its log under the request id)."""
-        if health is None:
-            return JSONResponse({"ok": True})
-        try:
-            result = health()
-            report = await result if inspect.isawaitable(result) else result
-            report = dict(report)
-        except Exception as exc:  # a failing probe is an unhealthy server, not a 500
-            log.warning("health check failed: %s", exc)
-            report = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        ok = bool(report.get("ok"))
-        report["ok"] = ok
-        shown = report if is_operator(request, settings) else {"ok": ok}
-        return JSONResponse(shown, status_code=200 if ok else 503, headers={"Cache-Control": "no-store"})
 
-    @app.get(
-        "/readyz",
-        tags=["health"],
-        summary="200 when this server schedules at full speed (default template warm), else 503",
-        responses={200: {"model": ReadyOut}, 503: {"model": ReadyOut, "description": "not ready yet"}},
-    )
-    async def readyz(request: Request) -> JSONResponse:
-        """``{"ready": bool}`` for anyone; with the operator's token also ``waitingFor``
-        (what readiness still waits for). Healthy first: an unhealthy server is not ready."""
-        report = await _readiness(health, ready)
-        is_ready = bool(report.get("ready"))
-        report["ready"] = is_ready
-        shown = report if is_operator(request, settings) else {"ready": is_ready}
-        return JSONResponse(
-            shown, status_code=200 if is_ready else 503, headers={"Cache-Control": "no-store"}
-        )
+def _nodes_ready(scheduler: Any, settings: Settings) -> HealthCheck:
+    """The default readiness: pal/scheduler/readiness.py on ``scheduler``'s nodes."""
 
-    document_errors(app)
-    document_port_proxy(app)
-    return app
+    async def ready() -> dict[str, Any]:
+        from pal.scheduler.readiness import readiness
+
+        return await readiness(scheduler, templates=settings.templates)
+
+    return ready
 
 
-async def _readiness(health: HealthCheck | None, ready: HealthCheck | None) -> dict[str, Any]:
-    """``{"ready": bool, "waitingFor"?: str}``: healthy first, then ``ready()``."""
-    report: dict[str, Any] = {"ready": True}
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Served with a lifespan (uvicorn), the app logs once when it becomes ready."""
+    task = asyncio.create_task(announce_ready(app.state.health, app.state.ready), name="announce-ready")
     try:
-        for probe in (health, ready):
-            if probe is None:
-                continue
-            result = probe()
-            got = dict(await result if inspect.isawaitable(result) else result)
-            if probe is health and not got.get("ok"):
-                return {"ready": False, "waitingFor": got.get("error") or "a healthy server (see /healthz)"}
-            if probe is ready:
-                report = got
-    except Exception as exc:  # a failing probe is a server not ready, not a 500
-        log.warning("readiness check failed: %s", exc)
-        return {"ready": False, "waitingFor": f"{type(exc).__name__}: {exc}"}
-    report["ready"] = bool(report.get("ready"))
-    return report
-
-
-async def _announce_ready(health: HealthCheck | None, ready: HealthCheck | None) -> None:
-    """Log once when the server schedules at full speed (what /readyz reports), so whoever
-    runs `pal up` sees when to start sending work. Polls until then, not after."""
-    started = time.monotonic()
-    while not (await _readiness(health, ready))["ready"]:
-        await asyncio.sleep(READY_POLL_S)
-    log.info(
-        "Pal is ready: the default template is warm, schedules run at full speed (%.1f s after start)",
-        time.monotonic() - started,
-    )
+        yield
+    finally:
+        task.cancel()

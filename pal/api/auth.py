@@ -52,11 +52,20 @@ async def require_tenant(
     store = request.app.state.store
     tenant = await tenant_for_key(store, creds.credentials)
     if tenant is None:
-        why = getattr(store, "why_key_refused", None)
-        # expired, rotated out, tenant being deleted, or unknown: said plainly (never
-        # which tenant an unknown key might have belonged to)
-        raise Unauthorized(
-            await run_in_threadpool(why, creds.credentials) if why is not None else "invalid API key"
-        )
+        raise Unauthorized(await why_refused(store, creds.credentials))
     request.state.tenant = tenant
     return str(tenant.id)
+
+
+async def why_refused(store: Any, api_key: str) -> str:
+    """Why ``api_key`` is no tenant's: expired, rotated out, tenant being deleted, or
+    unknown, said plainly (never which tenant an unknown key might have belonged to)."""
+    why = getattr(store, "why_key_refused", None)
+    return await run_in_threadpool(why, api_key) if why is not None else "invalid API key"
+
+
+async def key_refusal(store: Any, api_key: str) -> str | None:
+    """None when ``api_key`` is a tenant's, else why not (the MCP endpoint's check)."""
+    if await tenant_for_key(store, api_key) is not None:
+        return None
+    return await why_refused(store, api_key)

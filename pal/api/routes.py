@@ -164,7 +164,9 @@ async def exec_(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ExecReque
     if req.yield_after_ms is not None:  # a process waited for a while (processes.py)
         return await yield_exec(scheduler, tenant, vm_id, req)
     if "text/event-stream" in request.headers.get("accept", ""):
-        return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, req))
+        # A dropped SSE exec runs on; its first event names the process to read on from.
+        detached = req.model_copy(update={"detach_on_close": True})
+        return await sse_exec(lambda: scheduler.exec_stream(tenant, vm_id, detached))
     # the tenants' buffered exec output on this server (exec_budget.py), and the timeout of
     # a buffered exec that names none (PAL_EXEC_DEFAULT_TIMEOUT; None: no default)
     state = request.app.state

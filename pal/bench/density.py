@@ -25,18 +25,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import (
+from pal.bench.common import (
     Api,
     data_dir_info,
     data_dir_lines,
-    local_server,
     machine,
     pct,
     pss_kib,
     qemu_pid_of,
-    server_accel,
     timed,
 )
+from pal.bench.server import local_server, server_accel
 
 MEMORY_MIB = 256
 IDLE_LIVE_S = 5  # idle seconds before the live tier (the shortest that lets the workload end)

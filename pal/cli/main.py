@@ -196,6 +196,26 @@ def doctor(
         raise typer.Exit(1)
 
 
+@app.command(
+    epilog=cli_help.examples(
+        "PAL_URL=http://127.0.0.1:8080 PAL_API_KEY=... pal mcp   # what a desktop client runs",
+    )
+)
+def mcp(
+    url: Annotated[
+        str | None, typer.Option(help="Pal server (default PAL_URL or http://127.0.0.1:8080)")
+    ] = None,
+) -> None:
+    """Serve Pal's sandbox tools to an MCP client over stdio (docs/agents.md).
+
+    Started by the client (Claude Desktop, an agent framework) as a subprocess; every tool
+    call goes to the Pal server at PAL_URL with PAL_API_KEY. The server also serves the same
+    tools at /mcp (Streamable HTTP, the key as a bearer token)."""
+    from pal.mcp.stdio import run_stdio
+
+    run_stdio(url)
+
+
 def _store_settings(data_dir: Path | None, database: str | None) -> Any:
     settings = server_settings(data_dir)
     if database:
@@ -385,7 +405,7 @@ def tenants_ls(
 
 
 bench_app = typer.Typer(
-    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait` and `peer` (gVisor)."
+    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait`, `processes`, `peer`."
 )
 app.add_typer(bench_app, name="bench")
 
@@ -531,6 +551,26 @@ def bench_wait(
 
     bench_wait.main(
         iterations=iterations, waits=waits, scenario_runs=scenario_runs, data_dir=data_dir, out_dir=out_dir
+    )
+
+
+@bench_app.command("processes")
+def bench_processes(
+    iterations: Annotated[int, typer.Option(min=3, help="iterations per latency (echo: 5x this)")] = 20,
+    size_mib: Annotated[int, typer.Option(min=1, max=60, help="output of the throughput runs")] = 32,
+    idle_processes: Annotated[int, typer.Option(min=1, max=200, help="idle processes for memory")] = 50,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where processes.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Processes: keystroke echo, output throughput over SSE, reattach after a resume, memory."""
+    from pal.bench import processes as bench_processes
+
+    bench_processes.main(
+        iterations=iterations,
+        size_mib=size_mib,
+        idle_processes=idle_processes,
+        data_dir=data_dir,
+        out_dir=out_dir,
     )
 
 

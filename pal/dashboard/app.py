@@ -10,8 +10,8 @@ from fastapi.staticfiles import StaticFiles
 
 from pal.config import Settings
 
-from .routes import Refused, SignInRequired, dashboard_router, refused, sign_in_required
-from .session import Sessions, load_secret
+from . import routes, vm_routes
+from .context import Dashboard, Refused, SignInRequired, refused, sign_in_required
 
 STATIC = Path(__file__).parent / "static"
 
@@ -24,11 +24,12 @@ def install_dashboard(
     request but its static files goes to the leader (pal/api/forward.py, installed by
     create_app), so its actions run where the VM state is mutated."""
     app.mount("/runtime/static", StaticFiles(directory=STATIC), name="dashboard-static")
-    app.include_router(dashboard_router(scheduler, store, settings, secret))
+    app.state.dashboard = dash = Dashboard(scheduler, store, settings, secret)
+    app.include_router(routes.router)  # first: its fixed paths before /runtime/{vm_id}
+    app.include_router(vm_routes.router)
     callers = getattr(app.state, "callers", None)
     if callers is not None:  # a follower holds a large form body of a signed-in user only
-        sessions = Sessions(secret if secret is not None else load_secret(settings))
-        callers.add(lambda conn: sessions.read(conn) is not None)  # type: ignore[arg-type]
+        callers.add(lambda conn: dash.sessions.read(conn) is not None)  # type: ignore[arg-type]
     app.add_exception_handler(SignInRequired, sign_in_required)
     app.add_exception_handler(Refused, refused)
 

@@ -320,19 +320,23 @@ class HarnessChannel:
         finally:
             await replies.aclose()
 
-    async def start_stream(self, msg: p.Message) -> AsyncGenerator[p.Message, None]:
+    async def start_stream(
+        self, msg: p.Message, abandon: str = p.K_CANCEL
+    ) -> AsyncGenerator[p.Message, None]:
         """:meth:`stream` in two steps: send the request now, and return the iterator of
         its replies (which the caller must iterate or ``aclose``). The caller knows the
-        request is in the guest's channel when this returns (live pause orders by it)."""
+        request is in the guest's channel when this returns (live pause orders by it).
+        ``abandon``: what an early close sends the guest (``cancel`` kills an exec's
+        command, ``detach`` only ends the stream)."""
         rid, inbox = self._open_inbox()
         try:
             await self._send({**msg, "id": rid})
         except BaseException:
             self._close_inbox(rid)
             raise
-        return self._replies(rid, inbox)
+        return self._replies(rid, inbox, abandon)
 
-    async def _replies(self, rid: int, inbox: _Inbox) -> AsyncGenerator[p.Message, None]:
+    async def _replies(self, rid: int, inbox: _Inbox, abandon: str) -> AsyncGenerator[p.Message, None]:
         finished = False
         try:
             while True:
@@ -350,7 +354,7 @@ class HarnessChannel:
             self._close_inbox(rid)
             if not finished and not self.closed.is_set():
                 with contextlib.suppress(Exception):
-                    await self._send({"id": next(self._ids), "k": p.K_CANCEL, "target": rid})
+                    await self._send({"id": next(self._ids), "k": abandon, "target": rid})
 
     async def wait_heartbeat(self, incarnation: int, timeout: float) -> dict[str, Any]:
         """Wait until the harness heartbeats as ``incarnation`` (its identity is in place)."""

@@ -58,7 +58,9 @@ class GuestCalls:
             lv.active_execs += 1
             lv.touch()
             try:
-                replies = await lv.channel.start_stream(msg)
+                # A stream closed early kills its command, unless asked to leave it running.
+                abandon = p.K_DETACH if req.detach_on_close else p.K_CANCEL
+                replies = await lv.channel.start_stream(msg, abandon=abandon)
             except BaseException:
                 lv.active_execs -= 1
                 raise

@@ -14,6 +14,7 @@ public call; the work, the checks and the docs of each operation are in its modu
 | egress policy and brokered secrets            | egress_secrets.py |
 | node drain, server shutdown                   | drain.py          |
 | reads (VMs, events, metrics, images, nodes)   | reads.py          |
+| clients' audit events (MCP tool calls)        | audit.py          |
 | reconciliation, node loss, node heartbeats    | reconcile.py      |
 | the idle sweeper                              | idle.py           |
 | leadership and the leader's periodic chores   | background.py     |
@@ -50,6 +51,7 @@ from pal.manager.models import (
 )
 from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
+from pal.scheduler.audit import ToolAudit
 from pal.scheduler.background import Background, LeaderChores, LeaderState
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.delete import Deleting
@@ -127,6 +129,7 @@ class Scheduler:
         self.egress_secrets = EgressAndSecrets(d, self.brokering)
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)
+        self.audit = ToolAudit(d)
         self.egress_events = EgressEvents(store, self.nodes)
         self.reconciler = Reconciler(
             d,
@@ -246,6 +249,9 @@ class Scheduler:
 
     async def events(self, tenant_id: str, vm_id: str) -> builtins.list[EventRecord]:
         return await self.reads.events(tenant_id, vm_id)
+
+    async def record_tool_call(self, tenant_id: str, vm_id: str, details: dict[str, object]) -> None:
+        await self.audit.record_tool_call(tenant_id, vm_id, details)
 
     async def network(self, vm: VmRecord) -> dict[str, int]:
         return await self.reads.network(vm)

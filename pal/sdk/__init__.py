@@ -16,9 +16,11 @@ from .errors import (
     ServerError,
 )
 from .models import ExecEvent, ExecResult, FileBytes, FileText, OutputEvent
+from .terminal import AsyncTerminal, Terminal
 
 __all__ = [
     "AsyncClient",
+    "AsyncTerminal",
     "AuthenticationError",
     "BadRequestError",
     "Client",
@@ -35,4 +37,5 @@ __all__ = [
     "PermissionDeniedError",
     "QuotaExceededError",
     "ServerError",
+    "Terminal",
 ]

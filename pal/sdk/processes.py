@@ -22,6 +22,7 @@ from . import _procwire as pw
 from . import _wire
 from .errors import PalApiError
 from .models import OutputEvent
+from .terminal import AsyncTerminal, Terminal
 
 STREAM_HEADERS = {"Accept": "text/event-stream"}
 
@@ -45,6 +46,20 @@ class Processes:
         """Start ``command``; ``opts``: env, cwd, timeout_secs, user, stdin (bool), pty
         ((cols, rows) or {cols, rows}), tag, keep_awake, journal_bytes. The process."""
         return dict(self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts)))
+
+    def terminal(
+        self,
+        vm_id: str,
+        command: str = "/bin/sh",
+        argv: builtins.list[str] | None = None,
+        *,
+        cols: int = 80,
+        rows: int = 24,
+        **opts: Any,
+    ) -> Terminal:
+        """Start ``command`` on a terminal of ``cols`` x ``rows``: a :class:`Terminal` to
+        write to, resize and read."""
+        return Terminal(self, vm_id, self.start(vm_id, command, argv, pty=(cols, rows), **opts))
 
     def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
         return list(self._json("GET", f"/vms/{vm_id}/processes")["processes"])
@@ -167,6 +182,19 @@ class AsyncProcesses:
         return dict(
             await self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts))
         )
+
+    async def terminal(
+        self,
+        vm_id: str,
+        command: str = "/bin/sh",
+        argv: builtins.list[str] | None = None,
+        *,
+        cols: int = 80,
+        rows: int = 24,
+        **opts: Any,
+    ) -> AsyncTerminal:
+        proc = await self.start(vm_id, command, argv, pty=(cols, rows), **opts)
+        return AsyncTerminal(self, vm_id, proc)
 
     async def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
         return list((await self._json("GET", f"/vms/{vm_id}/processes"))["processes"])

@@ -1,7 +1,8 @@
 """Durable state: tenants, VMs and their events, behind one repository interface."""
 
 from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
-from pal.store.store import LIFECYCLE_COLUMNS, Store, WriteTx, database_url, hash_api_key, redacted, utcnow
+from pal.store.store import Store, database_url, hash_api_key, redacted
+from pal.store.write_tx import LIFECYCLE_COLUMNS, WriteTx, utcnow
 
 __all__ = [
     "LIFECYCLE_COLUMNS",

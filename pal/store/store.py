@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
-from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from dataclasses import asdict
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
@@ -50,35 +50,18 @@ from pal.errors import Conflict, InvalidRequest, NotFound, NotLeader
 from pal.store import migrate
 from pal.store.records import EventRecord, LeaseInfo, NodeRecord, PortLinkCheck, Tenant, VmRecord
 from pal.store.tables import events, leader_lease, nodes, port_link_revocations, tenant_cas, tenants, vms
+from pal.store.write_tx import (
+    WriteTx,
+    event_from_row,
+    record_of,
+    tenant_from_row,
+    utcnow,
+    vm_from_row,
+)
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 _WRITE = "pal_write_tx"
-_VM_COLUMNS = [c.name for c in vms.columns]
-R = TypeVar("R")
-# A VM's lifecycle: written only by the scheduler's transition function
-# (pal/scheduler/transition.py, through write_lifecycle/insert_vm/set_holds_slot);
-# update_vm refuses them.
-LIFECYCLE_COLUMNS = frozenset(
-    {
-        "state",
-        "marker",
-        "reason",
-        "holds_slot",
-        "paused_by",
-        "incarnation",
-        "token",
-        "snapshot_id",
-        "mem_snapshot_id",
-        "paused_at",
-    }
-)
-
-
 _KEEP: Any = object()  # "leave this limit as it is" in set_tenant_limits
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def hash_api_key(key: str) -> str:
@@ -116,25 +99,6 @@ def _sqlite_setup(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def _record(cls: type[R], row: Any) -> R:
-    """A row as a record: the record's fields are columns of its table, read by name
-    (tests/unit/test_store.py checks that records and tables agree)."""
-    m = row._mapping
-    return cls(**{f.name: m[f.name] for f in fields(cls)})  # type: ignore[arg-type]
-
-
-def _vm_from_row(row: Any) -> VmRecord:
-    return _record(VmRecord, row)
-
-
-def _tenant_from_row(row: Any) -> Tenant:
-    return _record(Tenant, row)
-
-
-def _event_from_row(row: Any) -> EventRecord:
-    return _record(EventRecord, row)
-
-
 def database_url(url: str) -> str:
     """A SQLAlchemy URL: ``postgresql://`` and ``postgres://`` mean psycopg 3."""
     for prefix in ("postgresql://", "postgres://"):
@@ -156,115 +120,6 @@ def _db_now_ms(dialect: str) -> ColumnElement[Any]:
     if dialect == "postgresql":
         return literal_column("(extract(epoch from clock_timestamp()) * 1000)::bigint")
     return literal_column("CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)")
-
-
-class WriteTx:
-    """One write transaction. Only the store and quotas.py/transition.py use it."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-
-    def tenant(self, tenant_id: str) -> Tenant | None:
-        """Read the tenant, locking its row where the database can (PostgreSQL: FOR UPDATE;
-        SQLite omits it, BEGIN IMMEDIATE already serialises writers), so quota checks of
-        one tenant never interleave."""
-        q = select(tenants).where(tenants.c.id == tenant_id).with_for_update()
-        row = self._conn.execute(q).first()
-        return _tenant_from_row(row) if row else None
-
-    def count_slots(self, tenant_id: str) -> int:
-        q = select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.holds_slot.is_(True))
-        return int(self._conn.execute(q).scalar_one())
-
-    def count_paused(
-        self, tenant_id: str, *, pausing_markers: Collection[str], besides: str | None = None
-    ) -> int:
-        """The tenant's VMs that are paused or being paused (draining with one of
-        ``pausing_markers``: the scheduler's states.py names them, the store does not)."""
-        q = select(func.count()).where(
-            vms.c.tenant_id == tenant_id,
-            (vms.c.state == "paused")
-            | ((vms.c.state == "draining") & vms.c.marker.in_(sorted(pausing_markers))),
-        )
-        if besides is not None:
-            q = q.where(vms.c.vm_id != besides)
-        return int(self._conn.execute(q).scalar_one())
-
-    def snapshot_bytes(self, tenant_id: str) -> int:
-        """Bytes the tenant's snapshots take (what its VMs' rows say)."""
-        q = select(func.coalesce(func.sum(vms.c.snapshot_bytes), 0)).where(vms.c.tenant_id == tenant_id)
-        return int(self._conn.execute(q).scalar_one())
-
-    def get_vm(self, vm_id: str) -> VmRecord | None:
-        """Read the VM row, locking it where the database can (PostgreSQL: FOR UPDATE), so
-        a decision taken on its state holds until this transaction ends."""
-        row = self._conn.execute(select(vms).where(vms.c.vm_id == vm_id).with_for_update()).first()
-        return _vm_from_row(row) if row else None
-
-    def insert_vm(self, vm: VmRecord) -> None:
-        """A new VM row (the transition function's create, through quotas.reserve_in)."""
-        self._conn.execute(insert(vms).values(**asdict(vm)))
-
-    def update_vm(self, vm_id: str, **fields: Any) -> bool:
-        """Update columns that are not lifecycle state (activity stamps...)."""
-        lifecycle = set(fields) & LIFECYCLE_COLUMNS
-        if lifecycle:
-            raise ValueError(
-                f"{sorted(lifecycle)} are lifecycle columns: only the transition function "
-                "(pal/scheduler/transition.py) writes them"
-            )
-        return self._update(vm_id, None, fields)
-
-    def write_lifecycle(self, vm_id: str, *, expect_state: str, **fields: Any) -> bool:
-        """The transition function's write: any columns, only if the row is still in
-        ``expect_state``."""
-        return self._update(vm_id, expect_state, fields)
-
-    def _update(self, vm_id: str, expect_state: str | None, fields: dict[str, Any]) -> bool:
-        unknown = set(fields) - set(_VM_COLUMNS)
-        if unknown:
-            raise ValueError(f"unknown vm columns: {sorted(unknown)}")
-        q = update(vms).where(vms.c.vm_id == vm_id)
-        if expect_state is not None:
-            q = q.where(vms.c.state == expect_state)
-        res = self._conn.execute(q.values(updated_at=utcnow(), **fields))
-        return res.rowcount == 1
-
-    def set_holds_slot(self, vm_id: str, value: bool) -> bool:
-        """Flip the flag only if it differs: True when this call changed it."""
-        q = (
-            update(vms)
-            .where(vms.c.vm_id == vm_id, vms.c.holds_slot.is_(not value))
-            .values(holds_slot=value, updated_at=utcnow())
-        )
-        return self._conn.execute(q).rowcount == 1
-
-    def add_event(
-        self,
-        vm_id: str,
-        tenant_id: str,
-        kind: str,
-        *,
-        from_state: str | None = None,
-        to_state: str | None = None,
-        marker: str = "",
-        reason: str | None = None,
-        details: dict[str, Any] | None = None,
-        at: datetime | None = None,
-    ) -> None:
-        self._conn.execute(
-            insert(events).values(
-                vm_id=vm_id,
-                tenant_id=tenant_id,
-                at=at or utcnow(),
-                kind=kind,
-                from_state=from_state,
-                to_state=to_state,
-                marker=marker,
-                reason=reason,
-                details=details,
-            )
-        )
 
 
 class Store:
@@ -361,7 +216,7 @@ class Store:
                 row = tx._conn.execute(select(tenants).where(tenants.c.id == values["id"])).one()
         except IntegrityError as exc:
             raise Conflict(f"a tenant named {name!r} already exists") from exc
-        return _tenant_from_row(row), key
+        return tenant_from_row(row), key
 
     def tenant_by_api_key(self, key: str) -> Tenant | None:
         """The tenant this key authenticates now: its current key (unless expired) or its
@@ -382,7 +237,7 @@ class Store:
             ok = row.api_key_expires_at is None or now < row.api_key_expires_at
         else:
             ok = row.prev_api_key_expires_at is not None and now < row.prev_api_key_expires_at
-        return _tenant_from_row(row) if ok else None
+        return tenant_from_row(row) if ok else None
 
     def why_key_refused(self, key: str) -> str:
         """Why ``tenant_by_api_key`` refused ``key`` (for the 401's message)."""
@@ -402,17 +257,17 @@ class Store:
     def get_tenant(self, tenant_id: str) -> Tenant | None:
         with self._read() as conn:
             row = conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
-        return _tenant_from_row(row) if row else None
+        return tenant_from_row(row) if row else None
 
     def tenant_by_name(self, name: str) -> Tenant | None:
         with self._read() as conn:
             row = conn.execute(select(tenants).where(tenants.c.name == name)).first()
-        return _tenant_from_row(row) if row else None
+        return tenant_from_row(row) if row else None
 
     def list_tenants(self) -> list[Tenant]:
         with self._read() as conn:
             rows = conn.execute(select(tenants).order_by(tenants.c.created_at, tenants.c.name)).all()
-        return [_tenant_from_row(r) for r in rows]
+        return [tenant_from_row(r) for r in rows]
 
     def set_tenant_limits(
         self,
@@ -442,7 +297,7 @@ class Store:
             row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
         if row is None:
             raise NotFound(f"tenant {tenant_id} not found")
-        return _tenant_from_row(row)
+        return tenant_from_row(row)
 
     def rotate_api_key(
         self, tenant_id: str, *, grace: timedelta = timedelta(0), key_ttl: timedelta | None = None
@@ -478,7 +333,7 @@ class Store:
             row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id)).first()
         if row is None:
             raise NotFound(f"tenant {tenant_id} not found")
-        return _tenant_from_row(row)
+        return tenant_from_row(row)
 
     def delete_tenant(self, tenant_id: str) -> bool:
         """Remove a tenant marked for deletion and its VM rows and events; refuses (False)
@@ -573,7 +428,7 @@ class Store:
     def get_vm(self, vm_id: str) -> VmRecord | None:
         with self._read() as conn:
             row = conn.execute(select(vms).where(vms.c.vm_id == vm_id)).first()
-        return _vm_from_row(row) if row else None
+        return vm_from_row(row) if row else None
 
     def list_vms(
         self,
@@ -597,7 +452,7 @@ class Store:
             q = q.where(vms.c.mem_snapshot_id == mem_snapshot_id)
         with self._read() as conn:
             rows = conn.execute(q.order_by(vms.c.created_at, vms.c.vm_id)).all()
-        return [_vm_from_row(r) for r in rows]
+        return [vm_from_row(r) for r in rows]
 
     def update_vm(self, vm_id: str, **fields: Any) -> bool:
         """Columns that are not lifecycle state (activity stamps...); see WriteTx.update_vm."""
@@ -630,7 +485,7 @@ class Store:
     def list_events(self, vm_id: str) -> list[EventRecord]:
         with self._read() as conn:
             rows = conn.execute(select(events).where(events.c.vm_id == vm_id).order_by(events.c.id)).all()
-        return [_event_from_row(r) for r in rows]
+        return [event_from_row(r) for r in rows]
 
     # -- nodes ------------------------------------------------------------------------------
 
@@ -646,23 +501,23 @@ class Store:
             if row is None:
                 tx._conn.execute(insert(nodes).values(**values))
             else:
-                old = _record(NodeRecord, row)
+                old = record_of(NodeRecord, row)
                 values["registered_at"] = old.registered_at
                 if old.state == "draining":
                     values["state"] = "draining"
                 tx._conn.execute(update(nodes).where(nodes.c.node_id == rec.node_id).values(**values))
             got = tx._conn.execute(select(nodes).where(nodes.c.node_id == rec.node_id)).first()
-        return _record(NodeRecord, got)
+        return record_of(NodeRecord, got)
 
     def list_nodes(self) -> list[NodeRecord]:
         with self._read() as conn:
             rows = conn.execute(select(nodes).order_by(nodes.c.node_id)).all()
-        return [_record(NodeRecord, r) for r in rows]
+        return [record_of(NodeRecord, r) for r in rows]
 
     def get_node(self, node_id: str) -> NodeRecord | None:
         with self._read() as conn:
             row = conn.execute(select(nodes).where(nodes.c.node_id == node_id)).first()
-        return _record(NodeRecord, row) if row else None
+        return record_of(NodeRecord, row) if row else None
 
     def set_node_state(self, node_id: str, state: str, *, expect: str | None = None) -> bool:
         """Set a node's state (only if it is ``expect``, when given); True if it changed."""

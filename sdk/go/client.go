@@ -94,7 +94,7 @@ func NewClient(opts ...Option) *Client {
 	if c.retries < 0 {
 		c.retries = 0
 	}
-	c.Runtime = &RuntimeService{c: c}
+	c.Runtime = &RuntimeService{c: c, Processes: &ProcessesService{c: c}}
 	c.Images = &ImagesService{c: c}
 	return c
 }

@@ -42,6 +42,7 @@ var contractScenarios = map[string]func(*testing.T, context.Context, *contract){
 	"fork":              scenarioFork,
 	"errors":            scenarioErrors,
 	"delete":            scenarioDelete,
+	"processes":         scenarioProcesses,
 }
 
 func TestContract(t *testing.T) {

@@ -1,6 +1,6 @@
 // Package pal is the Go SDK of Pal, the self-hostable microVM sandbox runtime for AI
-// agents: schedule sandboxes, run commands in them (buffered or streamed), read and write
-// their files, pause, resume and fork them, over Pal's REST API.
+// agents: schedule sandboxes, run commands in them (buffered or streamed) or as background
+// processes, read and write their files, pause, resume and fork them, over Pal's REST API.
 //
 // It uses the standard library only. Import it as
 //
@@ -23,8 +23,9 @@
 //   - Client.Images (in runtime.go) lists images.
 //   - errors.go: *APIError and the sentinels for errors.Is (ErrNotFound, ErrConflict...).
 //   - types.go: the request and answer shapes (the server's /openapi.json is their truth).
-//   - Client.Processes (background processes, stdin, signals, terminals) is to come with
-//     the server's processes API, in processes.go.
+//   - processes.go: Client.Runtime.Processes, processes that outlive the request (Start,
+//     List, Get, Read, SendStdin, CloseStdin, Signal, Resize, Kill, Wait, Terminal);
+//     process_stream.go: OutputStream, their output, which reattaches by itself.
 //
 // # Errors
 //

@@ -36,6 +36,17 @@ var (
 	routeSnapshots    = route{"GET", "/v1/runtime/vms/{vm_id}/snapshots"}
 	routePortURL      = route{"POST", "/v1/runtime/vms/{vm_id}/ports/{port}/url"}
 	routeRevokeLink   = route{"DELETE", "/v1/runtime/vms/{vm_id}/port-links/{link_id}"}
+	// processes.go, process_stream.go
+	routeStartProcess  = route{"POST", "/v1/runtime/vms/{vm_id}/processes"}
+	routeListProcesses = route{"GET", "/v1/runtime/vms/{vm_id}/processes"}
+	routeGetProcess    = route{"GET", "/v1/runtime/vms/{vm_id}/processes/{pid}"}
+	routeKillProcess   = route{"DELETE", "/v1/runtime/vms/{vm_id}/processes/{pid}"}
+	routeProcessOutput = route{"GET", "/v1/runtime/vms/{vm_id}/processes/{pid}/output"}
+	routeWriteStdin    = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/stdin"}
+	routeCloseStdin    = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/stdin/close"}
+	routeSignalProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/signal"}
+	routeResizeProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/resize"}
+	routeWaitProcess   = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/wait"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

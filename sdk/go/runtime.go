@@ -9,6 +9,10 @@ import (
 // RuntimeService holds the /v1/runtime calls (Client.Runtime). Every call takes a context:
 // cancelling it abandons the call.
 type RuntimeService struct {
+	// Processes holds the calls on a VM's processes: background commands, their output
+	// (reattaching), stdin, signals, terminals (processes.go).
+	Processes *ProcessesService
+
 	c *Client
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 )
@@ -59,6 +60,7 @@ type ExecStream struct {
 	err     error
 	done    bool
 	once    sync.Once
+	pid     int64 // the command's process (ProcessID)
 }
 
 // ExecStream starts a command and returns its event stream. Errors before the command
@@ -78,7 +80,9 @@ func (r *RuntimeService) ExecStream(ctx context.Context, vmID string, req ExecRe
 		return nil, &APIError{Status: resp.StatusCode, Code: "BAD_RESPONSE",
 			Message: "expected an event stream, got " + resp.Header.Get("Content-Type"), RequestID: resp.Header.Get(requestIDHdr)}
 	}
-	return newExecStream(ctx, cancel, resp, r.c.baseURL), nil
+	s := newExecStream(ctx, cancel, resp, r.c.baseURL)
+	s.pid, _ = strconv.ParseInt(resp.Header.Get(processIDHdr), 10, 64)
+	return s, nil
 }
 
 func newExecStream(ctx context.Context, cancel context.CancelFunc, resp *http.Response, base string) *ExecStream {
@@ -99,6 +103,11 @@ func (s *ExecStream) Next() bool {
 		if line == "" {
 			if data == nil {
 				name = "message"
+				continue
+			}
+			if name == "process" { // the command's process id, before its output
+				s.setProcessID(strings.Join(data, "\n"))
+				name, data = "message", nil
 				continue
 			}
 			ev, ok := toEvent(name, strings.Join(data, "\n"))
@@ -139,6 +148,19 @@ func (s *ExecStream) Next() bool {
 
 // Event returns the event Next moved to.
 func (s *ExecStream) Event() ExecEvent { return s.ev }
+
+// ProcessID is the command's process id (0 until the server named it, which it does before
+// the first output): after a dropped stream, Runtime.Processes.Output reads on from it.
+func (s *ExecStream) ProcessID() int64 { return s.pid }
+
+func (s *ExecStream) setProcessID(data string) {
+	var p struct {
+		ProcessID int64 `json:"processId"`
+	}
+	if json.Unmarshal([]byte(data), &p) == nil && p.ProcessID > 0 {
+		s.pid = p.ProcessID
+	}
+}
 
 // Err returns what ended the stream early: the context's error after a cancel,
 // ErrStreamEnded when the server closed it before the command ended, a *ConnectionError

@@ -218,6 +218,9 @@ type ExecRequest struct {
 	Cwd         string            `json:"cwd,omitempty"`
 	TimeoutSecs float64           `json:"timeoutSecs,omitempty"` // 0: the server's default
 	User        string            `json:"user,omitempty"`
+	// YieldAfterMs (Exec only): a command still running after this long is answered with
+	// Running, its ProcessID, the output so far and Next, and runs on (0: wait to the end).
+	YieldAfterMs int `json:"yieldAfterMs,omitempty"`
 }
 
 // ExecResult is a finished command's buffered output.
@@ -227,6 +230,13 @@ type ExecResult struct {
 	Stderr    string `json:"stderr"`
 	TimedOut  bool   `json:"timedOut,omitempty"`
 	Truncated bool   `json:"truncated,omitempty"` // output past the server's buffer was cut
+	// ProcessID is the command's process: its status and output stay readable through
+	// Runtime.Processes.
+	ProcessID int64 `json:"processId,omitempty"`
+	// Running (YieldAfterMs only): the command still runs; ExitCode is not set yet. Read on
+	// with Processes.Output from Next.
+	Running bool  `json:"running,omitempty"`
+	Next    int64 `json:"next,omitempty"`
 }
 
 // FileList lists a directory under /workspace.

@@ -5,7 +5,8 @@ order against a real server; the Go and TypeScript runners implement the same id
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from pal.sdk import (
     PayloadTooLargeError,
     QuotaExceededError,
 )
+from pal.sdk.models import OutputEvent
+from pal.sdk.processes import Processes
 
 SCENARIOS_FILE = Path(__file__).resolve().parents[2] / "sdk" / "contract" / "scenarios.json"
 
@@ -162,6 +165,112 @@ def delete(st: State) -> None:
     st.vm = ""
 
 
+P_SCRIPT = 'echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3'
+Q_SCRIPT = 'trap "echo caught; exit 42" INT; echo armed; while :; do sleep 1; done'
+R_SCRIPT = "i=0; while :; do i=$((i+1)); echo tick $i; [ -e /tmp/stop ] && exit 0; sleep 0.2; done"
+
+
+def ticks_in_order(text: str) -> bool:
+    """'tick 1\\n' ... 'tick N\\n' for some N >= 3: no line lost or repeated."""
+    lines = text.splitlines()
+    return len(lines) >= 3 and lines == [f"tick {i}" for i in range(1, len(lines) + 1)]
+
+
+def follow(events: Iterable[OutputEvent]) -> tuple[bytes, list[OutputEvent]]:
+    """stdout joined, and every event; checks each stdout event's offset and one last exit."""
+    out, seen = b"", list(events)
+    for ev in seen:
+        if ev.type == "stdout":
+            out += ev.data
+    assert [e.type for e in seen].count("exit") == 1 and seen[-1].type == "exit", seen
+    return out, seen
+
+
+def processes(st: State) -> None:
+    rt = st.client.runtime
+    pvm = rt.schedule()["vmId"]
+    try:
+        _processes(rt.processes, pvm)
+        _across_a_pause(st.client, pvm)
+        _kill(rt.processes, pvm)
+    finally:
+        assert rt.delete(pvm)["state"] == "terminated"
+
+
+def _processes(pr: Processes, vm: str) -> None:
+    p = pr.start(vm, *_shell(P_SCRIPT), stdin=True, tag="contract")
+    pid = p["processId"]
+    assert isinstance(pid, int) and p["running"] is True, p
+    assert any(x["processId"] == pid and x["tag"] == "contract" for x in pr.list(vm))
+    pr.send_stdin(vm, pid, b"hello\n")
+    pr.close_stdin(vm, pid)
+    base = 0
+    for ev in (events := list(pr.output(vm, pid, 0))):
+        if ev.type == "stdout":
+            base += len(ev.data)
+            assert ev.offset == base, events
+    out, seen = follow(events)
+    assert out == b"ready\ngot:hello\neof\n" and seen[-1].exit_code == 3, seen
+    done = pr.wait(vm, pid)
+    assert (done["running"], done["exitCode"]) == (False, 3), done
+    out, seen = follow(pr.output(vm, pid, 6))
+    assert out == b"got:hello\neof\n" and seen[-1].exit_code == 3, seen
+
+    q = pr.start(vm, *_shell(Q_SCRIPT))["processId"]
+    text, signalled = b"", False
+    for ev in pr.output(vm, q):
+        text += ev.data
+        if b"armed" in text and not signalled:
+            pr.signal(vm, q, "INT")
+            signalled = True
+        last = ev
+    assert b"caught" in text and (last.type, last.exit_code) == ("exit", 42), (text, last)
+
+    t = pr.terminal(vm, *_shell("stty size; read x; stty size"), cols=80, rows=24)
+    text, resized = b"", False
+    for ev in t.output():
+        text += ev.data
+        if b"24 80" in text and not resized:
+            t.resize(100, 30)
+            t.write("\n")
+            resized = True
+        last = ev
+    assert text.index(b"24 80") < text.index(b"30 100") and last.exit_code == 0, (text, last)
+
+
+def _across_a_pause(client: Client, vm: str) -> None:
+    rt = client.runtime
+    r = rt.processes.start(vm, *_shell(R_SCRIPT))["processId"]
+    text, resumer, failed = b"", None, []
+
+    def resume() -> None:
+        try:
+            rt.resume(vm)
+            rt.exec(vm, "touch", ["/tmp/stop"])
+        except PalApiError as exc:  # the reader then fails too: say why
+            failed.append(exc)
+
+    for ev in rt.processes.output(vm, r):
+        text += ev.data
+        if b"tick 3\n" in text and resumer is None:
+            assert rt.pause(vm, "live")["state"] == "paused"
+            resumer = threading.Thread(target=resume)
+            resumer.start()
+        last = ev
+    assert resumer is not None
+    resumer.join()
+    assert not failed, failed
+    assert ticks_in_order(text.decode()) and (last.type, last.exit_code) == ("exit", 0), (text, last)
+
+
+def _kill(pr: Processes, vm: str) -> None:
+    s = pr.start(vm, "sleep", ["600"])["processId"]
+    assert pr.kill(vm, s)["deleted"] is True
+    with pytest.raises(NotFoundError) as nf:
+        pr.get(vm, s)
+    expect_error(nf, 404, "PROCESS_NOT_FOUND")
+
+
 SCENARIOS: dict[str, Callable[[State], None]] = {
     "schedule": schedule,
     "exec-buffered": exec_buffered,
@@ -172,4 +281,5 @@ SCENARIOS: dict[str, Callable[[State], None]] = {
     "fork": fork,
     "errors": errors,
     "delete": delete,
+    "processes": processes,
 }

@@ -9,6 +9,7 @@ whose `.venv` is the clone's, so `export PATH=$PWD/.venv/bin:$PATH` works as wri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -65,6 +66,12 @@ def test_the_readme_runs_top_to_bottom(pal_server: PalServer, tenant_key: str, t
     assert "hi" in lines and "0" in lines and "hi from job.py" in lines  # exec, --user root, python3
     assert ["1", "2", "3"] == [x for x in lines if x in ("1", "2", "3")][:3]  # the streamed loop
     assert "event: exit" in out and '"deleted":true' in out  # curl SSE and DELETE
+    # the detached process read after the pause, from its first byte to its exit
+    ticks = [
+        json.loads(x.removeprefix("data: "))["data"] for x in lines if x.startswith('data: {"data":"tick')
+    ]
+    assert ticks == [f"tick {i}\n" for i in range(1, 5)], out
+    assert "['tick 1', 'tick 2', 'tick 3', '']" in lines  # the SDK's, reattached across its pause
     # the tour's scratch files went to a temporary dir (cmp checked them) and were removed:
     # nothing is left where the user ran it (the clone)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".venv"], list(tmp_path.iterdir())

@@ -388,3 +388,42 @@ def test_drain_pauses_a_nodes_vms_and_they_wake_elsewhere(
         assert json.loads(pal_cli("node", "activate", there, env=env).stdout)["state"] == "active"
         c.delete(f"/v1/runtime/vms/{vm}")
     slots_exact(store, "tc")
+
+
+def test_a_process_paused_on_one_node_is_reattached_on_another(
+    cluster: LocalCluster, store: Store, keys: dict[str, str], s3_server: S3Server
+) -> None:
+    """Issue 22: a process and its journal travel with the VM's snapshot. Started and read
+    in part on one node; the VM paused, its node drained; resumed on the other node of its
+    region, where the reader reattaches from its offset and the output is complete."""
+    from tests.integration.test_processes import follow, procs, start
+
+    script = "seq 1 3000; read x; echo got $x; seq 3001 6000"
+    want = (
+        "".join(f"{i}\n" for i in range(1, 3001)) + "got go\n" + "".join(f"{i}\n" for i in range(3001, 6001))
+    )
+    leader = cluster.wait_leader(30)
+    with api(leader, keys["ta"]) as c:
+        vm = c.post("/v1/runtime/schedule", json={"placement": {"region": "eu"}}).json()["vmId"]
+        home = str(store.get_vm(vm).node_id)  # type: ignore[union-attr]
+        pid = start(c, vm, script, stdin=True)
+        first, offset, how, _ = follow(c, vm, pid, 0, stop_after=5000)
+        assert how == "dropped"
+        snap = c.post(f"/v1/runtime/vms/{vm}/pause").json()["snapshotId"]
+    poll("the pause snapshot reached S3", lambda: _s3_has(cluster, s3_server.endpoint, vm, snap), 120)
+    env = {"PAL_URL": cluster.follower().url, "PAL_ADMIN_TOKEN": cluster.admin_token}
+    pal_cli("node", "drain", home, env=env)
+    try:
+        with api(cluster.follower(), keys["ta"]) as c:
+            r = c.post(f"/v1/runtime/vms/{vm}/resume")
+            assert r.status_code == 200, r.text
+            assert store.get_vm(vm).node_id not in (home, None)  # type: ignore[union-attr]
+            assert c.get(f"{procs(vm)}/{pid}").json()["running"] is True
+            assert c.post(f"{procs(vm)}/{pid}/stdin", content=b"go\n").status_code == 200
+            rest, end, how, body = follow(c, vm, pid, offset)
+            assert how == "exit" and body["exitCode"] == 0, (how, body)
+            assert (first + rest).decode() == want and end == len(want)
+            c.delete(f"/v1/runtime/vms/{vm}")
+    finally:
+        pal_cli("node", "activate", home, env=env)
+    slots_exact(store, "ta")

@@ -34,18 +34,15 @@ NOT_SDK_CALLS = {
     "port_proxy_": "the reverse proxy to the guest's own server: reached by URL (PortURL's "
     "signed link, or the key), any method; not a call of the SDK",
     "GET /readyz": "the load balancer's readiness probe, for operators",
+    "POST /v1/runtime/vms/{vm_id}/audit": "the MCP server's audit record of a tool call (pal/mcp "
+    "writes it); not a call for an SDK's users",
 }
 
 Route = tuple[str, str]  # (METHOD, path with every {param} as {})
 
 # Routes an SDK does not call yet, each with its reason and the SDKs it excuses (the Python
 # SDK has them all). A path prefix (after /v1/runtime/vms/{}) covers every route under it.
-PENDING = {
-    "/processes": (
-        "issue 22: the TypeScript and Go SDKs' process calls come in a later session",
-        ("TypeScript (sdk/typescript/src)", "Go (sdk/go/routes.go)"),
-    ),
-}
+PENDING: dict[str, tuple[str, tuple[str, ...]]] = {}
 
 
 def _pending(sdk: str) -> set[Route]:

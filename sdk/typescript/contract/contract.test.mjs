@@ -142,7 +142,98 @@ const scenarios = {
     assert.equal((await rt.delete(st.vm)).state, "terminated");
     st.vm = "";
   },
+
+  async processes() {
+    const pvm = (await rt.schedule({})).vmId;
+    try {
+      await processScenario(rt.processes, pvm);
+    } finally {
+      assert.equal((await rt.delete(pvm)).state, "terminated");
+    }
+  },
 };
+
+const P_SCRIPT = 'echo ready; while IFS= read -r l; do echo "got:$l"; done; echo eof; exit 3';
+const Q_SCRIPT = 'trap "echo caught; exit 42" INT; echo armed; while :; do sleep 1; done';
+const R_SCRIPT = "i=0; while :; do i=$((i+1)); echo tick $i; [ -e /tmp/stop ] && exit 0; sleep 0.2; done";
+const text = (bytes) => new TextDecoder().decode(bytes);
+
+// Every event of an output iterator (`onEvent` may act as they come): stdout joined as text,
+// the events, and the checks that each stdout offset follows its bytes and one exit is last.
+async function follow(iter, onEvent = () => {}) {
+  let out = "";
+  const seen = [];
+  for await (const ev of iter) {
+    seen.push(ev);
+    if (ev.type === "stdout") out += text(ev.data);
+    await onEvent(out);
+  }
+  assert.equal(seen.filter((e) => e.type === "exit").length, 1);
+  assert.equal(seen.at(-1).type, "exit");
+  return { out, seen, exit: seen.at(-1) };
+}
+
+async function processScenario(pr, vm) {
+  const p = await pr.start(vm, { ...shell(P_SCRIPT), stdin: true, tag: "contract" });
+  assert.ok(Number.isInteger(p.processId) && p.running, JSON.stringify(p));
+  assert.ok((await pr.list(vm)).some((x) => x.processId === p.processId && x.tag === "contract"));
+  await pr.sendStdin(vm, p.processId, "hello\n");
+  await pr.closeStdin(vm, p.processId);
+  const first = await follow(pr.output(vm, p.processId, 0));
+  assert.equal(first.out, "ready\ngot:hello\neof\n");
+  assert.equal(first.exit.exitCode, 3);
+  let base = 0;
+  for (const ev of first.seen.filter((e) => e.type === "stdout")) {
+    base += ev.data.length;
+    assert.equal(ev.offset, base);
+  }
+  const done = await pr.wait(vm, p.processId);
+  assert.deepEqual([done.running, done.exitCode], [false, 3]);
+  const again = await follow(pr.output(vm, p.processId, 6));
+  assert.deepEqual([again.out, again.exit.exitCode], ["got:hello\neof\n", 3]);
+
+  const q = (await pr.start(vm, shell(Q_SCRIPT))).processId;
+  let signalled = false;
+  const sig = await follow(pr.output(vm, q), async (out) => {
+    if (out.includes("armed") && !signalled) {
+      signalled = true;
+      await pr.signal(vm, q, "INT");
+    }
+  });
+  assert.ok(sig.out.includes("caught"), sig.out);
+  assert.equal(sig.exit.exitCode, 42);
+
+  const t = await pr.terminal(vm, { ...shell("stty size; read x; stty size"), cols: 80, rows: 24 });
+  let resized = false;
+  const term = await follow(t.output(), async (out) => {
+    if (out.includes("24 80") && !resized) {
+      resized = true;
+      await t.resize(100, 30);
+      await t.write("\n");
+    }
+  });
+  assert.ok(term.out.indexOf("24 80") >= 0 && term.out.indexOf("24 80") < term.out.indexOf("30 100"), term.out);
+  assert.equal(term.exit.exitCode, 0);
+
+  const r = (await pr.start(vm, shell(R_SCRIPT))).processId;
+  let resumer;
+  const paused = await follow(pr.output(vm, r), async (out) => {
+    if (out.includes("tick 3\n") && !resumer) {
+      assert.equal((await rt.pause(vm, { mode: "live" })).state, "paused");
+      // resumed while the iterator waits: it reattaches by itself
+      resumer = rt.resume(vm).then(() => rt.exec(vm, shell("touch /tmp/stop")));
+    }
+  });
+  await resumer;
+  const lines = paused.out.split("\n").slice(0, -1);
+  assert.ok(lines.length >= 3, paused.out);
+  assert.deepEqual(lines, lines.map((_, i) => `tick ${i + 1}`));
+  assert.equal(paused.exit.exitCode, 0);
+
+  const s = (await pr.start(vm, { command: "sleep", argv: ["600"] })).processId;
+  assert.equal((await pr.kill(vm, s)).deleted, true);
+  await expectError(pr.get(vm, s), NotFoundError, 404, "PROCESS_NOT_FOUND");
+}
 
 const listed = new Set(file.scenarios.map((s) => s.id));
 for (const id of Object.keys(scenarios)) {

@@ -4,6 +4,7 @@
  */
 
 import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
+import { Processes } from "./processes.js";
 import { SseParser } from "./sse.js";
 import type {
   AgentSpec,
@@ -49,6 +50,9 @@ export interface PalOptions {
 export interface RequestOptions {
   /** Abort the call (for execStream: stops the command in the guest). */
   signal?: AbortSignal;
+  /** execStream: called with the command's process id before its first output, so a
+   * dropped stream can be read on with `runtime.processes.output(vmId, processId)`. */
+  onProcess?: (processId: number) => void;
 }
 
 function env(name: string): string | undefined {
@@ -159,7 +163,13 @@ export class Pal {
 
 /** The /v1/runtime calls, as the spec's examples use them. */
 export class Runtime {
-  constructor(private readonly client: Pal) {}
+  /** Processes that outlive their request: start, output (reattaching), stdin, signals,
+   * terminals, wait (processes.ts). */
+  readonly processes: Processes;
+
+  constructor(private readonly client: Pal) {
+    this.processes = new Processes(client);
+  }
 
   /** Schedule a sandbox microVM (402 QuotaExceededError when the tenant is full). */
   schedule(spec: AgentSpec = {}): Promise<Vm> {
@@ -206,7 +216,9 @@ export class Runtime {
     return this.client.json("post", "/v1/runtime/vms/{vm_id}/fork", { params: { vm_id: vmId }, json: options });
   }
 
-  /** Run a command and wait for it: `{exitCode, stdout, stderr, timedOut?, truncated?}`. */
+  /** Run a command and wait for it: `{exitCode, stdout, stderr, processId, timedOut?, truncated?}`.
+   * With `yieldAfterMs`, a command still running then answers `{processId, running: true,
+   * stdout, stderr, next}` and runs on: read on with `processes.output(vmId, processId, next)`. */
   exec(vmId: string, request: ExecRequest, options: RequestOptions = {}): Promise<ExecResult> {
     return this.client.json("post", "/v1/runtime/vms/{vm_id}/exec", {
       params: { vm_id: vmId },
@@ -253,6 +265,10 @@ export class Runtime {
         const { value, done } = await reader.read();
         const messages = done ? parser.feed(decoder.decode()).concat(parser.end()) : parser.feed(decoder.decode(value, { stream: true }));
         for (const m of messages) {
+          if (m.event === "process") {
+            options.onProcess?.(Number((JSON.parse(m.data) as { processId: number }).processId));
+            continue;
+          }
           const ev = toEvent(m.event, m.data);
           if (ev === null) continue;
           yield ev;

@@ -12,6 +12,19 @@ export {
   QuotaExceededError,
   ServerError,
 } from "./errors.js";
+export { Processes, REATTACH_TIMEOUT_MS, Terminal } from "./processes.js";
+export type {
+  OutputEvent,
+  OutputOptions,
+  Process,
+  ProcessDeleted,
+  ProcessRead,
+  ProcessStart,
+  Resized,
+  SignalName,
+  Signaled,
+  StdinWritten,
+} from "./processes.js";
 export { SseParser } from "./sse.js";
 export type { SseMessage } from "./sse.js";
 export type {

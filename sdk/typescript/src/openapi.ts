@@ -383,6 +383,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runtime/vms/{vm_id}/audit": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Record a client's audit event on the VM (the MCP server's `mcp_tool`: one per tool call) */
+        post: operations["audit_v1_runtime_vms__vm_id__audit_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/ports/{port}/url": {
         parameters: {
             query?: never;
@@ -648,6 +665,13 @@ export interface components {
              */
             boot?: string;
             placement?: components["schemas"]["Placement"];
+        };
+        /** AuditedOut */
+        AuditedOut: {
+            /** Vmid */
+            vmId: string;
+            /** Kind */
+            kind: string;
         };
         /**
          * BrokeredSecret
@@ -1654,6 +1678,38 @@ export interface components {
             cols: number;
             /** Rows */
             rows: number;
+        };
+        /**
+         * ToolCallAudit
+         * @description Body of POST .../audit: one MCP tool call.
+         */
+        ToolCallAudit: {
+            /**
+             * Tool
+             * @description the tool's name
+             */
+            tool: string;
+            /**
+             * Transport
+             * @description how the MCP client reached Pal
+             * @enum {string}
+             */
+            transport: "stdio" | "http";
+            /**
+             * Ok
+             * @description false: the call ended in a tool error
+             */
+            ok: boolean;
+            /**
+             * Status
+             * @description the HTTP status of a failed call
+             */
+            status?: number | null;
+            /**
+             * Code
+             * @description the error code of a failed call
+             */
+            code?: string | null;
         };
         /**
          * VmActivity
@@ -4194,6 +4250,68 @@ export interface operations {
             };
             /** @description backend cannot do it */
             503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    audit_v1_runtime_vms__vm_id__audit_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ToolCallAudit"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AuditedOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
                 headers: {
                     [name: string]: unknown;
                 };

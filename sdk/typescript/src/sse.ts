@@ -6,12 +6,15 @@
 export interface SseMessage {
   event: string;
   data: string;
+  /** The event's `id:` field, when it has one (a process output's journal offset). */
+  id?: string;
 }
 
 export class SseParser {
   private buffer = "";
   private event = "message";
   private data: string[] = [];
+  private id: string | undefined;
 
   /** Parse a chunk; returns the events completed by it. */
   feed(chunk: string): SseMessage[] {
@@ -43,11 +46,14 @@ export class SseParser {
     if (line === "") {
       if (this.data.length === 0) {
         this.event = "message";
+        this.id = undefined;
         return null;
       }
-      const msg = { event: this.event, data: this.data.join("\n") };
+      const msg: SseMessage = { event: this.event, data: this.data.join("\n") };
+      if (this.id !== undefined) msg.id = this.id;
       this.event = "message";
       this.data = [];
+      this.id = undefined;
       return msg;
     }
     if (line.startsWith(":")) return null; // a comment (keepalive)
@@ -57,6 +63,7 @@ export class SseParser {
     if (value.startsWith(" ")) value = value.slice(1);
     if (field === "event") this.event = value;
     else if (field === "data") this.data.push(value);
+    else if (field === "id") this.id = value;
     return null;
   }
 }

@@ -1,0 +1,169 @@
+"""The write transaction (:class:`WriteTx`): the checks and writes that must be atomic
+with each other (quota reservation, a state change guarded by the current state), and the
+row-to-record decoding every read shares. store.py opens it (``Store.write``)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import asdict, fields
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, func, insert, select, update
+
+from pal.store.records import EventRecord, Tenant, VmRecord
+from pal.store.tables import events, tenants, vms
+
+R = TypeVar("R")
+_VM_COLUMNS = [c.name for c in vms.columns]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# A VM's lifecycle: written only by the scheduler's transition function
+# (pal/scheduler/transition.py, through write_lifecycle/insert_vm/set_holds_slot);
+# update_vm refuses them.
+LIFECYCLE_COLUMNS = frozenset(
+    {
+        "state",
+        "marker",
+        "reason",
+        "holds_slot",
+        "paused_by",
+        "incarnation",
+        "token",
+        "snapshot_id",
+        "mem_snapshot_id",
+        "paused_at",
+    }
+)
+
+
+def record_of(cls: type[R], row: Any) -> R:
+    """A row as a record: the record's fields are columns of its table, read by name
+    (tests/unit/test_store.py checks that records and tables agree)."""
+    m = row._mapping
+    return cls(**{f.name: m[f.name] for f in fields(cls)})  # type: ignore[arg-type]
+
+
+def vm_from_row(row: Any) -> VmRecord:
+    return record_of(VmRecord, row)
+
+
+def tenant_from_row(row: Any) -> Tenant:
+    return record_of(Tenant, row)
+
+
+def event_from_row(row: Any) -> EventRecord:
+    return record_of(EventRecord, row)
+
+
+class WriteTx:
+    """One write transaction. Only the store and quotas.py/transition.py use it."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def tenant(self, tenant_id: str) -> Tenant | None:
+        """Read the tenant, locking its row where the database can (PostgreSQL: FOR UPDATE;
+        SQLite omits it, BEGIN IMMEDIATE already serialises writers), so quota checks of
+        one tenant never interleave."""
+        q = select(tenants).where(tenants.c.id == tenant_id).with_for_update()
+        row = self._conn.execute(q).first()
+        return tenant_from_row(row) if row else None
+
+    def count_slots(self, tenant_id: str) -> int:
+        q = select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.holds_slot.is_(True))
+        return int(self._conn.execute(q).scalar_one())
+
+    def count_paused(
+        self, tenant_id: str, *, pausing_markers: Collection[str], besides: str | None = None
+    ) -> int:
+        """The tenant's VMs that are paused or being paused (draining with one of
+        ``pausing_markers``: the scheduler's states.py names them, the store does not)."""
+        q = select(func.count()).where(
+            vms.c.tenant_id == tenant_id,
+            (vms.c.state == "paused")
+            | ((vms.c.state == "draining") & vms.c.marker.in_(sorted(pausing_markers))),
+        )
+        if besides is not None:
+            q = q.where(vms.c.vm_id != besides)
+        return int(self._conn.execute(q).scalar_one())
+
+    def snapshot_bytes(self, tenant_id: str) -> int:
+        """Bytes the tenant's snapshots take (what its VMs' rows say)."""
+        q = select(func.coalesce(func.sum(vms.c.snapshot_bytes), 0)).where(vms.c.tenant_id == tenant_id)
+        return int(self._conn.execute(q).scalar_one())
+
+    def get_vm(self, vm_id: str) -> VmRecord | None:
+        """Read the VM row, locking it where the database can (PostgreSQL: FOR UPDATE), so
+        a decision taken on its state holds until this transaction ends."""
+        row = self._conn.execute(select(vms).where(vms.c.vm_id == vm_id).with_for_update()).first()
+        return vm_from_row(row) if row else None
+
+    def insert_vm(self, vm: VmRecord) -> None:
+        """A new VM row (the transition function's create, through quotas.reserve_in)."""
+        self._conn.execute(insert(vms).values(**asdict(vm)))
+
+    def update_vm(self, vm_id: str, **fields: Any) -> bool:
+        """Update columns that are not lifecycle state (activity stamps...)."""
+        lifecycle = set(fields) & LIFECYCLE_COLUMNS
+        if lifecycle:
+            raise ValueError(
+                f"{sorted(lifecycle)} are lifecycle columns: only the transition function "
+                "(pal/scheduler/transition.py) writes them"
+            )
+        return self._update(vm_id, None, fields)
+
+    def write_lifecycle(self, vm_id: str, *, expect_state: str, **fields: Any) -> bool:
+        """The transition function's write: any columns, only if the row is still in
+        ``expect_state``."""
+        return self._update(vm_id, expect_state, fields)
+
+    def _update(self, vm_id: str, expect_state: str | None, fields: dict[str, Any]) -> bool:
+        unknown = set(fields) - set(_VM_COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown vm columns: {sorted(unknown)}")
+        q = update(vms).where(vms.c.vm_id == vm_id)
+        if expect_state is not None:
+            q = q.where(vms.c.state == expect_state)
+        res = self._conn.execute(q.values(updated_at=utcnow(), **fields))
+        return res.rowcount == 1
+
+    def set_holds_slot(self, vm_id: str, value: bool) -> bool:
+        """Flip the flag only if it differs: True when this call changed it."""
+        q = (
+            update(vms)
+            .where(vms.c.vm_id == vm_id, vms.c.holds_slot.is_(not value))
+            .values(holds_slot=value, updated_at=utcnow())
+        )
+        return self._conn.execute(q).rowcount == 1
+
+    def add_event(
+        self,
+        vm_id: str,
+        tenant_id: str,
+        kind: str,
+        *,
+        from_state: str | None = None,
+        to_state: str | None = None,
+        marker: str = "",
+        reason: str | None = None,
+        details: dict[str, Any] | None = None,
+        at: datetime | None = None,
+    ) -> None:
+        self._conn.execute(
+            insert(events).values(
+                vm_id=vm_id,
+                tenant_id=tenant_id,
+                at=at or utcnow(),
+                kind=kind,
+                from_state=from_state,
+                to_state=to_state,
+                marker=marker,
+                reason=reason,
+                details=details,
+            )
+        )

@@ -1,0 +1,193 @@
+"""The MCP server's pure parts (schemas, result shaping, argument checks) and its HTTP
+endpoint on the real API, scheduler and store with the fake runtime manager, driven by the
+official ``mcp`` client (tests/integration/test_mcp.py drives both transports on real VMs)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import jsonschema
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from pal.api.auth import key_refusal
+from pal.mcp.catalog import SCHEMAS, TOOLS
+from pal.mcp.dispatch import call_tool, check_arguments
+from pal.mcp.http import install_mcp
+from pal.mcp.resources import URI_TEMPLATE
+from pal.mcp.shaping import api_error, cut_items, render_output, utf8_prefix
+from pal.mcp.tools import HANDLERS
+from pal.sdk import AsyncClient, NotFoundError
+from tests.apienv import ApiEnv, make_api, serve
+
+
+def test_every_tool_has_a_handler_and_a_valid_schema_for_a_model() -> None:
+    assert set(HANDLERS) == set(SCHEMAS)
+    for tool in TOOLS:
+        jsonschema.Draft202012Validator.check_schema(tool.input_schema)
+        assert tool.input_schema["type"] == "object"
+        assert tool.input_schema["additionalProperties"] is False
+        assert tool.description and len(tool.description) > 40
+        for name, prop in tool.input_schema["properties"].items():
+            assert prop.get("description"), f"{tool.name}.{name} has no description"
+
+
+def test_arguments_are_checked_with_a_message_a_model_can_act_on() -> None:
+    assert check_arguments("run_command", {"vmId": "vm-1", "command": "ls"}) is None
+    why = check_arguments("run_command", {"vmId": "vm-1"})
+    assert why is not None and "'command' is a required property" in why
+    why = check_arguments("read_process_output", {"vmId": "vm-1", "processId": 1, "waitMs": 10**6})
+    assert why is not None and "waitMs" in why
+    why = check_arguments("create_sandbox", {"egress": "sometimes"})
+    assert why is not None and "egress" in why
+
+
+def test_a_cut_never_splits_a_character() -> None:
+    data = "aé✓😀".encode()  # 1, 2, 3 and 4 bytes
+    for limit in range(len(data) + 1):
+        part = utf8_prefix(data, limit)
+        assert len(part) <= limit
+        part.decode("utf-8")  # whole characters only
+        assert data.startswith(part)
+    items = [{"stream": "stdout", "data": b"abc"}, {"stream": "stderr", "data": "éé".encode()}]
+    kept, taken = cut_items(items, 6)
+    assert taken == 5 and render_output(kept) == "abc\n[stderr]\né"
+
+
+def test_an_api_error_says_what_happened_and_what_to_do() -> None:
+    result = api_error(NotFoundError(404, "NOT_FOUND", "VM vm-x not found"))
+    text = result.content[0].text  # type: ignore[union-attr]
+    assert result.is_error
+    assert "404 NOT_FOUND: VM vm-x not found" in text and "list_sandboxes" in text
+
+
+async def test_an_unreachable_server_is_a_tool_error_that_names_pal_url() -> None:
+    async with AsyncClient("http://127.0.0.1:9", "pal_key") as client:  # port 9: nothing listens
+        result = await call_tool(client, "list_sandboxes", {}, "stdio")
+        unknown = await call_tool(client, "no_such_tool", {}, "stdio")
+    assert result.is_error and "PAL_URL" in result.content[0].text  # type: ignore[union-attr]
+    assert unknown.is_error and "run_command" in unknown.content[0].text  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> ApiEnv:
+    env = make_api(tmp_path)
+    install_mcp(env.app, lambda key: key_refusal(env.sched.store, key))
+    return env
+
+
+def _connect(url: str, key: str) -> Any:
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return http, Client(streamable_http_client(f"{url}/mcp", http_client=http))
+
+
+async def test_the_http_endpoint_runs_tools_with_the_callers_key(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            assert {t.name for t in (await c.list_tools()).tools} == set(SCHEMAS)
+            made = await c.call_tool("create_sandbox", {"memoryMib": 256})
+            assert not made.is_error, made.content
+            vm = made.structured_content["vmId"]
+            got = await c.call_tool("get_sandbox", {"vmId": vm})
+            assert got.structured_content["state"] == "running"
+            bad = await c.call_tool("get_sandbox", {"vmId": "vm-nope"})
+            assert bad.is_error and "404" in bad.content[0].text
+        http, client = _connect(url, env.key_b)
+        async with http, client as other:
+            theirs = await other.call_tool("get_sandbox", {"vmId": vm})
+            assert theirs.is_error and "404" in theirs.content[0].text
+            assert (await other.call_tool("list_sandboxes", {})).structured_content == {"sandboxes": []}
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+            events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    audited = [e["details"] for e in events if e["kind"] == "mcp_tool"]
+    # Bob's refused call is on no log of Alice's VM; Alice's two calls are.
+    assert audited == [
+        {"tool": "create_sandbox", "transport": "http", "ok": True},
+        {"tool": "get_sandbox", "transport": "http", "ok": True},
+    ]
+
+
+async def test_files_as_tools_and_as_resources(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            vm = (await c.call_tool("create_sandbox", {})).structured_content["vmId"]
+            text = "ligne é ✓\n" * 50
+            wrote = await c.call_tool("write_file", {"vmId": vm, "path": "a.txt", "content": text})
+            assert not wrote.is_error, wrote.content
+            blob = base64.b64encode(b"\xff\x00\xfe").decode()
+            args = {"vmId": vm, "path": "b.bin", "content": blob, "encoding": "base64"}
+            assert not (await c.call_tool("write_file", args)).is_error
+            part = await c.call_tool("read_file", {"vmId": vm, "path": "a.txt", "maxBytes": 100})
+            s = part.structured_content
+            assert s["next"] <= 100 and s["size"] == len(text.encode()) and text.startswith(s["content"])
+            assert f"offset={s['next']}" in part.content[0].text
+            templates = (await c.list_resource_templates()).resource_templates
+            assert [t.uri_template for t in templates] == [URI_TEMPLATE]
+            read = await c.read_resource(f"pal://sandboxes/{vm}/workspace/a.txt")
+            assert read.contents[0].text == text
+            read = await c.read_resource(f"pal://sandboxes/{vm}/workspace/b.bin")
+            assert base64.b64decode(read.contents[0].blob) == b"\xff\x00\xfe"
+            with pytest.raises(MCPError, match="not a Pal resource"):
+                await c.read_resource("file:///etc/passwd")
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+            events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    tools = [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
+    assert tools == [
+        "create_sandbox",
+        "write_file",
+        "write_file",
+        "read_file",
+        "read_resource",
+        "read_resource",
+    ]
+
+
+async def test_a_fork_is_audited_on_the_parent_and_each_child(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            vm = (await c.call_tool("create_sandbox", {})).structured_content["vmId"]
+            forked = await c.call_tool("fork_sandbox", {"vmId": vm, "count": 1})
+            assert not forked.is_error, forked.content
+            kids = [f["vmId"] for f in forked.structured_content["forks"]]
+            assert len(kids) == 1 and kids[0] in forked.content[0].text
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+            for one in (vm, kids[0]):
+                events = (await api.get(f"/v1/runtime/vms/{one}/events")).json()["events"]
+                assert "fork_sandbox" in [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
+
+
+async def test_the_http_endpoint_refuses_a_wrong_key(env: ApiEnv) -> None:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"Accept": "application/json, text/event-stream"}
+    with serve(env.app) as url:
+        async with httpx.AsyncClient(base_url=url) as anon:
+            for auth in ({}, {"Authorization": "Bearer pal_wrong"}, {"Authorization": f"Basic {env.key_a}"}):
+                r = await anon.post("/mcp", json=body, headers={**headers, **auth})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED"
+                assert r.headers["www-authenticate"] == "Bearer"
+
+
+async def test_the_audit_route_is_the_tenants_own_and_bounded(env: ApiEnv) -> None:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=env.app),
+        base_url="http://localhost",
+        headers={"Authorization": f"Bearer {env.key_a}"},
+    ) as api:
+        vm = (await api.post("/v1/runtime/schedule", json={})).json()["vmId"]
+        ok = {"tool": "run_command", "transport": "stdio", "ok": False, "status": 409, "code": "VM_PAUSED"}
+        assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)).status_code == 200
+        for bad in ({**ok, "tool": "Run Command"}, {**ok, "args": "ls"}, {**ok, "transport": "ws"}):
+            assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=bad)).status_code == 400
+        bob = {"Authorization": f"Bearer {env.key_b}"}
+        assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok, headers=bob)).status_code == 404
+        events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    assert [e["details"] for e in events if e["kind"] == "mcp_tool"] == [ok]
