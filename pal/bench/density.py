@@ -105,9 +105,12 @@ def _tiers(vms: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per tier: sandboxes, and QEMU PSS per sandbox (MiB: mean, max)."""
     out: dict[str, dict[str, Any]] = {}
     for vm in vms:
-        row = out.setdefault(_tier(vm), {"count": 0, "pssMiB": []})
-        row["count"] += 1
         pid = qemu_pid_of(vm["vmId"])
+        tier = _tier(vm)
+        if tier == "parked" and pid is None:
+            tier = "snapshot"  # snapshot-paused, its QEMU not kept (PAL_PARKED_MAX, its age)
+        row = out.setdefault(tier, {"count": 0, "pssMiB": []})
+        row["count"] += 1
         if pid is not None:
             with contextlib.suppress(OSError):
                 row["pssMiB"].append(pss_kib(pid) / 1024)
@@ -185,7 +188,7 @@ def run(api: Api, cap: int, server_pid: int | None, log: Any) -> dict[str, Any]:
     for vm in parked:
         with contextlib.suppress(RuntimeError):
             api.call("POST", f"/v1/runtime/vms/{vm}/pause")
-    parked_tier = _tiers(_vms(api, parked)).get("parked")
+    parked_tier = _tiers(_vms(api, parked))
     for vm in vm_ids:
         with contextlib.suppress(RuntimeError):
             api.call("DELETE", f"/v1/runtime/vms/{vm}")
@@ -231,11 +234,10 @@ def render(report: dict[str, Any]) -> str:
             f"{g['p50']} / {g['p99']} | {li['p50']} / {li['p99']} | "
             f"{s.get('fds', '?')} / {s.get('threads', '?')} | {c['memAvailableMiB']} | {c['load']} |"
         )
-    pt = report.get("parkedTier")
-    if pt:
+    for name, t in sorted((report.get("parkedTier") or {}).items()):
         lines += [
             "",
-            f"Snapshot-paused with a parked QEMU: {pt['count']} sampled, PSS {pt['pssMeanMiB']} MiB mean.",
+            f"Snapshot-paused at the end, tier `{name}`: {t['count']}, PSS {t['pssMeanMiB']} MiB mean.",
         ]
     return "\n".join(lines) + "\n"
 
