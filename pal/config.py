@@ -40,6 +40,9 @@ from pal.config_env import (
     parse_labels as parse_labels,
 )
 from pal.config_env import (
+    parse_pool as parse_pool,
+)
+from pal.config_env import (
     parse_template_sizes as parse_template_sizes,
 )
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
@@ -147,6 +150,21 @@ class Settings(BaseSettings):
     )
     templates_keep: int = setting(
         8, "PAL_TEMPLATES_KEEP", "templates a node keeps; past it the least recently used are removed", lo=1
+    )
+    pool: tuple[tuple[str, int], ...] = setting(
+        sizes.DEFAULT_POOL,
+        "PAL_POOL",
+        "the claimable warm pool: sizes and how many VMs of each a node keeps restored from"
+        " their template, live-paused and offloaded, for a schedule of that size to claim"
+        " (`256m-1c-2048d:2,512m-1c-2048d:1`); `0` turns it off",
+        read=lambda _n, raw: parse_pool(raw),
+        shown="`256m-1c-2048d:2`",
+    )
+    pool_memory_mib: int = setting(
+        1024,
+        "PAL_POOL_MEMORY_MIB",
+        "the guest RAM (MiB) the pool's VMs may add up to; sizes past it get fewer VMs",
+        lo=0,
     )
     parked_max: int = setting(
         8,

@@ -114,6 +114,7 @@ async def serve_node(
             rpc_task.result()
         await asyncio.sleep(0.01)
     node.warm_default_template()
+    node.runtime.start_pool()
     beats = Heartbeats(node, servers, settings.node_token, settings.node_heartbeat_interval_s)
     beat_task = asyncio.create_task(beats.run(), name="node-heartbeat")
     stop = asyncio.Event()

@@ -200,6 +200,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     scheduler = Scheduler(settings, store, client, leader=leadership(settings, store, host, port, local))
     await scheduler.start()
     node.warm_default_template()
+    node.runtime.start_pool()
 
     health = _node_health(settings, client, scheduler)
     from pal.dashboard.session import load_secret

@@ -16,6 +16,9 @@ DISK_MIB_RANGE = (512, 65536)
 # a few common ones. Any other size boots cold, so tenants cannot make a node build (and
 # keep) a template per size they invent.
 DEFAULT_TEMPLATE_SIZES = ("256m-1c-2048d", "512m-1c-2048d", "1024m-1c-4096d", "2048m-2c-8192d")
+# The claimable warm pool (PAL_POOL, pal/manager/pool.py): two VMs of the default size.
+DEFAULT_POOL = (("256m-1c-2048d", 2),)
+POOL_COUNT_MAX = 64
 
 
 def size_name(memory_mib: int, vcpus: int = DEFAULT_VCPUS, disk_mib: int = DEFAULT_DISK_MIB) -> str:

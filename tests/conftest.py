@@ -203,6 +203,9 @@ def start_server(
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
         # The default size and the one tests/integration/test_templates.py grows a disk with.
         "PAL_TEMPLATE_SIZES": "256m-1c-2048d,192m-1c-3072d",
+        # No warm pool unless a test asks for one (tests/integration/test_pool.py): its
+        # background fills would add VMs (and CPU load) to every other test's node.
+        "PAL_POOL": "0",
         # The ports listener (VM ports on origins of their own): never the default 8081,
         # which servers of other tests (or people) on this machine may hold.
         "PAL_PORTS_PORT": str(ports_port),

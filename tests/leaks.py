@@ -1,8 +1,9 @@
 """What a node leaves behind, held against what its store says: the orphan checks of the
 kill -9 matrix and the churn soak (issue 9, item 7).
 
-A VM that is live (running, or live-paused) has exactly one QEMU, its ``vms/<id>`` dir,
-its network namespace, its gateway registration and its cgroup. A snapshot-paused VM whose
+A VM that is live (running, or live-paused) has exactly one QEMU, its ``vms/<slot>`` dir
+(whose state.json names the VM: pal/manager/slots.py), its network namespace, its gateway
+registration and its cgroup, all named by its slot. A snapshot-paused VM whose
 QEMU the node parked (pal/manager/parked.py: its state.json names the VM's snapshot) has
 all of them but the gateway registration. Any other VM has none of them. No row is left
 in an in-between state, each tenant's slot count is the number of its slot-holding VMs,
@@ -18,9 +19,11 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pal.config import Settings
 from pal.localcluster.processes import qemu_pids_under
+from pal.manager.slots import slot_prefix
 from pal.network import netns
 from pal.scheduler.states import has_live_qemu, holds_slot, is_live_paused
 from pal.snapshots.layout import FORK_MEM_DIRNAME, STAGING_DIRNAME
@@ -28,7 +31,7 @@ from pal.snapshots.local import LocalTier
 from pal.store import Store, VmRecord
 
 IN_BETWEEN = frozenset({"pending", "spawning", "draining"})
-_VM_DIR = re.compile(rb"/vms/(vm-[0-9a-f]+)")
+_VM_DIR = re.compile(rb"/vms/([A-Za-z0-9][A-Za-z0-9._-]*)/")
 
 
 def open_store(data_dir: Path) -> Store:
@@ -36,13 +39,42 @@ def open_store(data_dir: Path) -> Store:
     return Store(f"sqlite:///{Settings.from_env(data_dir).db_path}", run_migrations=False)
 
 
+def vm_states(data_dir: Path) -> dict[str, dict[str, Any]]:
+    """slot (``vms/`` dir) -> its state.json (the VM that holds it), for those that have one."""
+    out: dict[str, dict[str, Any]] = {}
+    vms_dir = Settings.from_env(data_dir).vms_dir
+    for d in sorted(vms_dir.iterdir()) if vms_dir.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            out[d.name] = json.loads((d / "state.json").read_text())
+    return out
+
+
+def vm_slots(data_dir: Path) -> dict[str, str]:
+    """vm id -> the slot (``vms/`` dir) its state.json says it holds."""
+    return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if "vmId" in st}
+
+
+def pooled_vms(data_dir: Path) -> dict[str, str]:
+    """The warm pool's VMs (pal/manager/pool.py): pool id -> slot."""
+    return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if st.get("pooled")}
+
+
+def vm_dir_of(data_dir: Path, vm_id: str) -> Path:
+    """The ``vms/<slot>`` dir of ``vm_id`` (a path that does not exist if it has none)."""
+    slot = vm_slots(data_dir).get(vm_id, f"no-slot-of-{vm_id}")
+    return Settings.from_env(data_dir).vms_dir / slot
+
+
 def qemus_by_vm(data_dir: Path) -> dict[str, list[int]]:
-    """QEMU pids under ``data_dir`` by the VM dir their command line names ("?": none)."""
+    """QEMU pids under ``data_dir`` by the VM whose dir their command line names (the
+    slot itself when no state file names a VM, "?": no dir)."""
+    by_slot = {slot: vm_id for vm_id, slot in vm_slots(data_dir).items()}
     out: dict[str, list[int]] = {}
     for pid in qemu_pids_under(data_dir):
         with contextlib.suppress(OSError):
             m = _VM_DIR.search(Path(f"/proc/{pid}/cmdline").read_bytes())
-            out.setdefault(m.group(1).decode() if m else "?", []).append(pid)
+            slot = m.group(1).decode() if m else "?"
+            out.setdefault(by_slot.get(slot, slot), []).append(pid)
     return out
 
 
@@ -83,7 +115,7 @@ def is_parked(settings: Settings, vm: VmRecord) -> bool:
     if vm.state != "paused" or is_live_paused(vm.state, vm.marker) or not vm.snapshot_id:
         return False
     try:
-        st = json.loads((settings.vms_dir / vm.vm_id / "state.json").read_text())
+        st = json.loads((vm_dir_of(settings.data_dir, vm.vm_id) / "state.json").read_text())
     except (OSError, ValueError):
         return False
     return bool(st.get("parked")) and st.get("parked") == vm.snapshot_id
@@ -112,7 +144,8 @@ def problems(data_dir: Path) -> list[str]:
     v = view(data_dir)
     live = {vm_id for vm_id, vm in v.rows.items() if is_live(vm)}
     parked = {vm_id for vm_id, vm in v.rows.items() if is_parked(settings, vm)}
-    held = live | parked  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
+    pool = pooled_vms(data_dir)  # no row: the node's own, each with all of the above
+    held = live | parked | set(pool)  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
     out: list[str] = []
 
     for vm in v.rows.values():
@@ -132,12 +165,14 @@ def problems(data_dir: Path) -> list[str]:
             out.append(f"QEMU {pids} of {vm_id} ({state})")
     out += [f"live or parked VM {vm_id} has no QEMU" for vm_id in sorted(held - set(qemus))]
 
+    slots = vm_slots(data_dir)
+    held_slots = {slots[vm_id] for vm_id in held if vm_id in slots}
     dirs = {d.name for d in settings.vms_dir.iterdir()} if settings.vms_dir.is_dir() else set()
-    out += [f"vms/{name} of a VM that is not live" for name in sorted(dirs - held)]
-    out += [f"live VM {vm_id} has no vms/ dir" for vm_id in sorted(live - dirs)]
+    out += [f"vms/{name} of a VM that is not live" for name in sorted(dirs - held_slots)]
+    out += [f"live VM {vm_id} has no vms/ dir" for vm_id in sorted(live - set(slots))]
 
     tag = netns.node_tag(data_dir)
-    want_ns = {netns.ns_name(tag, vm_id) for vm_id in held}
+    want_ns = {netns.ns_name(tag, slot) for slot in held_slots}
     got_ns = set(netns.list_names(tag))
     out += [f"network namespace {n} left" for n in sorted(got_ns - want_ns)]
     out += [f"network namespace {n} missing" for n in sorted(want_ns - got_ns)]
@@ -146,11 +181,12 @@ def problems(data_dir: Path) -> list[str]:
     out += [f"gateway still holds {vm_id}" for vm_id in sorted(registered - live)]
     out += [f"gateway lost live VM {vm_id}" for vm_id in sorted(live - registered)]
 
+    ours = slot_prefix(settings.vms_dir)  # cgroups are host-wide: only this node's slots
     for parent in cgroup_parents():
         out += [
-            f"cgroup {parent / vm_id} left"
-            for vm_id in sorted(set(v.rows) - held)
-            if (parent / vm_id).exists()
+            f"cgroup {d} left"
+            for d in sorted(parent.iterdir() if parent.is_dir() else [])
+            if d.is_dir() and d.name.startswith(ours) and d.name not in held_slots
         ]
 
     root = settings.snapshots_root

@@ -16,6 +16,10 @@ Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemet
   them (cached up to 30 s). Nodes sharing a bucket report the same S3 figure: take the max.
 - ``pal_s3_queue_depth{node}``, ``pal_seal_queue_depth{node}``: each node's pending S3 jobs
   (incl. retries) and pending seals.
+- ``pal_pool_ready{node}``, ``pal_pool_target{node}``, ``pal_pool_rss_bytes{node}``,
+  ``pal_pool_claims{node}``, ``pal_pool_misses{node}``: the warm pool (docs/lifecycle.md,
+  "The warm pool"): VMs ready to claim, how many it keeps, what their QEMUs hold resident,
+  and the schedules that claimed one or found none of their size.
 """
 
 from __future__ import annotations
@@ -67,6 +71,16 @@ class _StatsCollector(Collector):
         seals = GaugeMetricFamily(
             "pal_seal_queue_depth", "Snapshots waiting for their background checksum", labels=["node"]
         )
+        pool = {
+            f: GaugeMetricFamily(f"pal_pool_{f}", what, labels=["node"])
+            for f, what in (
+                ("ready", "Warm pool VMs ready to claim"),
+                ("target", "Warm pool VMs the node keeps (PAL_POOL within PAL_POOL_MEMORY_MIB)"),
+                ("rss_bytes", "Resident host memory of the warm pool's QEMUs"),
+                ("claims", "Schedules that claimed a pooled VM since the node started"),
+                ("misses", "Schedules of a pooled size that found none ready"),
+            )
+        }
         for report in st.nodes:
             node = report.stats
             up.add_metric([report.node_id], 1 if node else 0)
@@ -79,7 +93,9 @@ class _StatsCollector(Collector):
                 snap.add_metric([report.node_id, "s3"], node.snapshot_bytes_s3)
             s3q.add_metric([report.node_id], node.s3_queue_depth)
             seals.add_metric([report.node_id], node.seal_queue_depth)
-        yield from (up, info, live, snap, s3q, seals)
+            for f, fam in pool.items():
+                fam.add_metric([report.node_id], getattr(node, f"pool_{f}"))
+        yield from (up, info, live, snap, s3q, seals, *pool.values())
 
 
 def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:

@@ -4,8 +4,10 @@ memory of a VM's QEMU, the machine and the data dir it ran on."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -54,12 +56,14 @@ def pss_kib(pid: int) -> int:
 
 
 def qemu_pid_of(vm_id: str) -> int | None:
+    """The QEMU whose VM dir (a slot, pal/manager/slots.py) names ``vm_id`` in its state.json."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, KeyError):
             cmd = (d / "cmdline").read_bytes()
-            if b"qemu-system" in cmd and f"/vms/{vm_id}/".encode() in cmd:
+            m = re.search(rb"(/[^\0,]*/vms/[^/\0,]+)/", cmd) if b"qemu-system" in cmd else None
+            if m and json.loads((Path(m.group(1).decode()) / "state.json").read_text())["vmId"] == vm_id:
                 return int(d.name)
     return None
 

@@ -487,6 +487,21 @@ def bench_s3(
     bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
 
+@bench_app.command("density")
+def bench_density(
+    cap: Annotated[int, typer.Option(help="sandboxes at most (a shared machine: start modest)")] = 30,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where density.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Sandboxes of 256 MiB per node until it refuses one: per tier, memory, wakes, GET/list."""
+    from pal.bench import density
+
+    density.main(cap=cap, data_dir=data_dir, out_dir=out_dir)
+
+
 @bench_app.command("network")
 def bench_network(
     iterations: Annotated[int, typer.Option(help="connections timed (p50/p90)")] = 100,

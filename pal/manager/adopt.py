@@ -50,7 +50,9 @@ class Adopter:
         self.d = deps
 
     async def adopt_all(self) -> tuple[list[str], list[str]]:
-        """At start: the adopted VMs and the leftover QEMUs killed (their dirs removed)."""
+        """At start: the adopted VMs and the leftover QEMUs killed (their dirs removed).
+        Each VM dir is a slot (slots.py): an adopted VM holds its slot again; everything
+        named by any other slot (its QEMU, cgroup, uid, dir; its namespace at settle) goes."""
         adopted: list[str] = []
         killed: list[str] = []
         root = self.d.settings.vms_dir
@@ -63,6 +65,7 @@ class Adopter:
                 lv = None
             if lv is not None:
                 self.d.registry.vms[lv.vm_id] = lv
+                self.d.registry.slots.assign(lv.vm_id, lv.slot)
                 adopted.append(lv.vm_id)
                 continue
             if _kill_leftover(vm_dir):
@@ -84,6 +87,7 @@ class Adopter:
             groups = self.d.jail.adopt(vm_dir.name, run_as[0], None if mem_share else mem_path)
         return VmSpec(
             vm_id=st["vmId"],
+            slot=vm_dir.name,
             vm_dir=vm_dir,
             image=image,
             vcpus=int(st["vcpus"]),
@@ -99,18 +103,21 @@ class Adopter:
 
     async def _adopt(self, vm_dir: Path) -> LiveVm | None:
         st = json.loads((vm_dir / "state.json").read_text())
-        if st.get("parked"):
-            return None  # a parked process is a cache: its snapshot is on disk
+        if st.get("parked") or st.get("pooled"):
+            return None  # a cache: a parked QEMU's snapshot is on disk, a pool refills
         pid = int(st["pid"])
         run_as = tuple(st["runAs"]) if st.get("runAs") else None
-        if st["vmId"] != vm_dir.name or not _is_qemu_of(pid, vm_dir, run_as[0] if run_as else None):
+        # The dir is the slot (a dir of an older Pal is named by its vm id, its slot then).
+        if st.get("slot", st["vmId"]) != vm_dir.name or not is_safe_id(st["vmId"]):
+            return None
+        if not _is_qemu_of(pid, vm_dir, run_as[0] if run_as else None):
             return None
         image = image_for_restore(self.d.settings, st["image"], st.get("boot"))
         spec = self._spec(st, vm_dir, image, run_as)  # type: ignore[arg-type]
         egress = egress_from_json(st.get("egress", "none"))
         net_limits = dict(st.get("netLimits") or {})
         brokered = self.d.net.open_brokered(st["vmId"], st.get("brokered"), st.get("tenantCa"))
-        ns = self.d.net.ns_name(spec.vm_id)
+        ns = self.d.net.ns_name(spec.host_id)
         from pal.network import netns
 
         if not netns.exists(ns):
@@ -118,7 +125,9 @@ class Adopter:
         wait = WaitPause.model_validate(st["wait"]) if st.get("wait") else None
         live = LivePause.from_json(st["livePause"]) if st.get("livePause") else None
         if spec.vm_id not in await self.d.net.registered():
-            await self.d.net.reregister(spec.vm_id, egress, net_limits, brokered, wait_rule(wait))
+            await self.d.net.reregister(
+                spec.vm_id, spec.host_id, egress, net_limits, brokered, wait_rule(wait)
+            )
         if live is not None:  # it holds already, unless the crash came mid-resume
             await self.d.net.hold(spec.vm_id)
         qemu = await QemuVm.adopt(
@@ -155,6 +164,7 @@ class Adopter:
             live=live,
             wait=wait,
             live_paused_ms_total=int(st.get("livePausedMs") or 0),
+            slot=spec.host_id,
         )
 
 

@@ -60,7 +60,7 @@ class Egress:
         """After adoption: the gateway and the namespaces hold exactly the live (and
         parked) VMs; the adopted live pauses and waits are watched again (what came
         meanwhile is posted)."""
-        await self.net.sync(set(self.registry.vms) | set(parked))
+        await self.net.sync(set(self.registry.vms) | set(parked), self.registry.slots.slots())
         await live.rearm_all()
         await waits.start()
 
@@ -69,7 +69,9 @@ class Egress:
         connections it held are gone, so a wait-paused guest is woken to see that."""
         for lv in list(self.registry.vms.values()):
             try:
-                await self.net.reregister(lv.vm_id, lv.egress, lv.net_limits, lv.brokered, wait_rule(lv.wait))
+                await self.net.reregister(
+                    lv.vm_id, lv.slot, lv.egress, lv.net_limits, lv.brokered, wait_rule(lv.wait)
+                )
             except Exception as exc:
                 log.error("VM %s lost its network with the gateway: %s", lv.vm_id, exc)
             if lv.live is not None:

@@ -26,14 +26,14 @@ class ForkMemory:
     def count(self, snapshot_id: str) -> None:
         self.users[snapshot_id] = self.users.get(snapshot_id, 0) + 1
 
-    async def map(self, ref: SnapshotRef, vm_id: str) -> tuple[Path, tuple[int, ...]]:
+    async def map(self, ref: SnapshotRef, slot: str) -> tuple[Path, tuple[int, ...]]:
         """One more child of ``ref``: its fork memory file (made on first use) and the
         groups that may read it. Counted first, so a failure here is undone by
         :meth:`unmap` like any other."""
         self.count(ref.snapshot_id)
         path = await asyncio.to_thread(self.store.fork_mem, ref)
         # Mapped copy-on-write by this VM and its siblings: their group's alone.
-        return path, self.jail.share(path, vm_id)
+        return path, self.jail.share(path, slot)
 
     async def unmap(self, snapshot_id: str) -> None:
         """One fork child less maps the snapshot's fork memory file; drop it at zero."""

@@ -23,8 +23,8 @@ class GuestPorts:
         127.0.0.1). Prerequisites: the VM is live here (else 409). Failure: 400 for a port
         outside 1-65535, 502 when nothing listens there or the guest does not answer, 409
         LIVE_PAUSED while its vCPUs are stopped (the scheduler wakes it and asks again)."""
-        self.registry.running(vm_id)
-        conn = await self.routes.open(vm_id, self.net.ns_name(vm_id), port)
+        lv = self.registry.running(vm_id)
+        conn = await self.routes.open(vm_id, self.net.ns_name(lv.slot), port)
         self.port_traffic(vm_id)
         return conn
 

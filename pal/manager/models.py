@@ -85,7 +85,7 @@ class SpawnResult(_Model):
     pid: int
     incarnation: int
     boot_ms: float
-    method: Literal["cold", "template", "restore"]
+    method: Literal["cold", "template", "restore", "pool"]  # pool: claimed from the warm pool
     agent_version_id: str
     mem_snapshot_id: str | None = None  # snapshot whose mem this VM maps privately
     warm: bool = False  # a resume that continued the VM's parked QEMU (manager/parked.py)
@@ -350,6 +350,12 @@ class NodeStats(_Model):
     s3_queue_depth: int  # S3 jobs waiting (uploads, deletes, retention), incl. retries
     seal_queue_depth: int
     stats_age_secs: float  # how old the snapshot byte counts are (they are cached)
+    # The warm pool (pool.py): VMs ready to claim, the target, their QEMUs' RSS, claims.
+    pool_ready: int = 0
+    pool_target: int = 0
+    pool_rss_bytes: int = 0
+    pool_claims: int = 0
+    pool_misses: int = 0
 
 
 class SnapshotInfo(_Model):

@@ -82,7 +82,7 @@ class ParkingHost(Protocol):
     @property
     def net(self) -> _Network: ...
 
-    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None: ...
+    async def free_vm_files(self, vm_id: str, slot: str | None = None) -> dict[str, Any] | None: ...
 
 
 class Parking:
@@ -188,4 +188,4 @@ class Parking:
             await lv.channel.close()
         with contextlib.suppress(Exception):
             await lv.qemu.kill()
-        await self.host.free_vm_files(lv.vm_id)
+        await self.host.free_vm_files(lv.vm_id, lv.slot)

@@ -118,7 +118,14 @@ class Restores:
                 asyncio.to_thread(offload.prefetch, lv.qemu.mem_path, pv.working_set)
             )
         await self.d.net.reregister(
-            req.vm_id, req.egress, limits, brokered, wait_rule(req.wait_pause), names=names, new_guest=True
+            req.vm_id,
+            lv.slot,
+            req.egress,
+            limits,
+            brokered,
+            wait_rule(req.wait_pause),
+            names=names,
+            new_guest=True,
         )
         t_net = time.perf_counter()
         if prefetch is not None:

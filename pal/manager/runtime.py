@@ -13,6 +13,7 @@ interface its constructor names (docs/internals.md, "The node's request paths"):
 | exec_files.py, guest_ports.py | exec and files through the guest channel; ports |
 | live.py, waits.py | live pause, offload and resume; wait management |
 | parked.py, templates.py | parked QEMUs; warm templates |
+| pool.py, slots.py | the claimable warm pool; host slots (what host resources are named by) |
 | adopt.py | adoption after a crash or restart |
 | egress.py, heartbeat.py, sampling.py | the VM's network; the node's reports; metrics |
 
@@ -40,6 +41,7 @@ from pal.manager.live import LiveControl, PauseDeps
 from pal.manager.metrics import MetricsBook
 from pal.manager.notices import NoticeBoard
 from pal.manager.parked import Parking
+from pal.manager.pool import PoolDeps, WarmPool
 from pal.manager.ports import GuestConnection, PortRoutes
 from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
@@ -84,6 +86,18 @@ class NodeRuntime:
         self.spawner = Spawner(
             SpawnDeps(settings, accel.name, reg, self.net, self.jail, self.forks, self.parking, restores)
         )
+        self.pool = WarmPool(
+            PoolDeps(
+                settings,
+                reg,
+                self.net,
+                self.spawner.spawn_pooled,
+                self.files.free_vm_files,
+                lambda: self.templates,
+                self,
+            )
+        )
+        self.spawner.claim, self.spawner.evict_pool = self.pool.claim, self.pool.evict
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
@@ -124,7 +138,20 @@ class NodeRuntime:
         return await self.reports.heartbeat()
 
     async def stats(self) -> m.NodeStats:
-        return await self.reports.stats()
+        pool = self.pool.status()
+        return (await self.reports.stats()).model_copy(
+            update={
+                "pool_ready": sum(r["ready"] for r in pool["sizes"].values()),
+                "pool_target": sum(r["target"] for r in pool["sizes"].values()),
+                "pool_rss_bytes": pool["rssBytes"],
+                "pool_claims": pool["claims"],
+                "pool_misses": pool["misses"],
+            }
+        )
+
+    def start_pool(self) -> None:
+        """Fill the warm pool in the background (after adoption: PAL_POOL)."""
+        self.pool.start()
 
     async def images(self) -> list[m.ImageInfo]:
         return await self.reports.images()
@@ -155,6 +182,7 @@ class NodeRuntime:
         return await self.files.free_vm_files(vm_id)
 
     async def stop_all(self) -> None:
+        await self.pool.close()
         await self.stopper.stop_all()
 
     async def snapshot(self, vm_id: str, req: m.SnapshotRequest) -> m.SnapshotResult:

@@ -14,13 +14,14 @@ import contextlib
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pal import failpoints
 from pal.config import Settings
-from pal.errors import Conflict, NotFound, PalError
+from pal.errors import Conflict, InsufficientStorage, NotFound, PalError
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
 from pal.manager import admission
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 COLD_BOOT_TIMEOUT_S = 120.0  # TCG boots take seconds; a loaded CI machine more
 
+# A claim from the warm pool (pool.py): the spawn's result, or None to spawn as usual.
+Claim = Callable[[SpawnRequest], Awaitable[SpawnResult | None]]
+
 
 @dataclass
 class SpawnDeps:
@@ -62,6 +66,7 @@ class _Spawning:
     """One spawn under way: what its steps acquired so far (``_rollback`` frees it)."""
 
     req: SpawnRequest
+    slot: str  # what its host resources are named by (slots.py)
     vm_dir: Path
     t0: float = field(default_factory=time.perf_counter)
     src: BootSource | None = None
@@ -75,11 +80,15 @@ class _Spawning:
     channel: HarnessChannel | None = None
     mac: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
+    pooled: bool = False  # made for the warm pool: kept out of the registry (pool.py)
+    lv: LiveVm | None = None
 
 
 class Spawner:
     def __init__(self, deps: SpawnDeps) -> None:
         self.d = deps
+        self.claim: Claim | None = None  # the warm pool's (set by the runtime)
+        self.evict_pool: Callable[[int], Awaitable[int]] | None = None  # frees pooled VMs' MiB
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         reg = self.d.registry
@@ -87,15 +96,51 @@ class Spawner:
             raise Conflict(f"VM {req.vm_id} is already live on this node")
         what = f"VM {req.vm_id} ({req.memory_mib} MiB RAM)"
         # Before any work: its RAM file and disk must fit (a full disk SIGBUSes a guest).
-        await self.d.parking.admit_memory(req.memory_mib, what)
+        await self._admit_memory(req.memory_mib, what)
         unparked = await self._continue_parked(req)
         if unparked is not None:
             return unparked
         # A parked process of another snapshot of this VM (or too old) is in the way.
         await self.d.parking.discard(req.vm_id)
+        if self.claim is not None:
+            reg.spawning.add(req.vm_id)
+            try:
+                claimed = await self.claim(req)
+            finally:
+                reg.spawning.discard(req.vm_id)
+            if claimed is not None:
+                return claimed
         await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
+        return self._result(await self._build(req, pooled=False))
+
+    async def _admit_memory(self, need_mib: int, what: str) -> None:
+        """507 unless the host has the memory; parked QEMUs, then pooled VMs, go first."""
+        try:
+            await self.d.parking.admit_memory(need_mib, what)
+        except InsufficientStorage:
+            if self.evict_pool is None or not await self.evict_pool(need_mib):
+                raise
+            await self.d.parking.admit_memory(need_mib, what)
+
+    async def spawn_pooled(self, req: SpawnRequest) -> LiveVm:
+        """A VM for the warm pool (pool.py): spawned like any other, from the template of its
+        size, but kept out of the registry (no heartbeat reports it, no call reaches it) and
+        marked pooled in its state file (a restart kills it)."""
+        reg = self.d.registry
+        if req.vm_id in reg.vms or req.vm_id in reg.spawning:
+            raise Conflict(f"VM {req.vm_id} is already live on this node")
+        what = f"pooled VM {req.vm_id} ({req.memory_mib} MiB RAM)"
+        await asyncio.to_thread(admission.check_memory, req.memory_mib, what)
+        await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
+        s = await self._build(req, pooled=True)
+        assert s.lv is not None
+        return s.lv
+
+    async def _build(self, req: SpawnRequest, *, pooled: bool) -> _Spawning:
+        reg = self.d.registry
         reg.spawning.add(req.vm_id)
-        s = _Spawning(req, reg.vm_dir(req.vm_id))
+        slot = reg.slots.assign(req.vm_id)
+        s = _Spawning(req, slot, reg.slot_dir(slot), pooled=pooled)
         pinned = contextlib.ExitStack()  # the template restored from, kept until done
         try:
             s.src = await self.d.restores.source(req, pinned)
@@ -105,7 +150,8 @@ class Spawner:
             await self._map_fork_memory(s)
             await self._start_qemu(s)
             await self._identify(s)
-            return self._enlist(s)
+            self._enlist(s)
+            return s
         except BaseException as exc:
             await self._rollback(s, exc)
             raise
@@ -148,7 +194,7 @@ class Spawner:
         assert s.src is not None
         got_disk, got_net = await asyncio.gather(
             _disk_from(s.src.disk_src, s.src.image, s.vm_dir, s.req.disk_mib),
-            self.d.net.create(s.req.vm_id),
+            self.d.net.create(s.slot),
             return_exceptions=True,
         )
         if not isinstance(got_net, BaseException):
@@ -184,17 +230,18 @@ class Spawner:
         assert s.src.snap_dir is not None and s.src.ref is not None
         if (s.src.snap_dir / "mem").exists():
             s.mem_ref = s.src.ref
-            s.fork_mem, s.groups = await self.d.forks.map(s.src.ref, s.req.vm_id)
+            s.fork_mem, s.groups = await self.d.forks.map(s.src.ref, s.slot)
 
     def _vm_spec(self, s: _Spawning) -> VmSpec:
         assert s.src is not None and s.disk is not None and s.vnet is not None
         req = s.req
         return VmSpec(
-            run_as=self.d.jail.identity(req.vm_id),
+            run_as=self.d.jail.identity(s.slot),
             groups=s.groups,
             cgroup_limits=self.d.settings.cgroups,
             seccomp=self.d.settings.seccomp,
             vm_id=req.vm_id,
+            slot=s.slot,
             vm_dir=s.vm_dir,
             image=s.src.image,
             vcpus=req.vcpus,
@@ -236,8 +283,9 @@ class Spawner:
         s.timings["identify_ms"] = round((time.perf_counter() - t_vmm) * 1000, 1)
         s.timings.update({f"identify_{k}": v for k, v in steps.items()})
 
-    def _enlist(self, s: _Spawning) -> SpawnResult:
-        """The VM is up: into the registry, its state file written (adoptable from now)."""
+    def _enlist(self, s: _Spawning) -> None:
+        """The VM is up: into the registry (a pooled one: into the pool's hands), its state
+        file written (adoptable from now, unless pooled)."""
         assert s.qemu is not None and s.channel is not None and s.src is not None
         req = s.req
         lv = LiveVm(
@@ -259,9 +307,17 @@ class Spawner:
             mac=s.mac,
             brokered=brokered_of(req),
             wait=req.wait_pause,
+            slot=s.slot,
+            pooled=s.pooled,
         )
-        self.d.registry.vms[req.vm_id] = lv
+        s.lv = lv
+        if not s.pooled:
+            self.d.registry.vms[req.vm_id] = lv
         self.d.registry.write_state(lv)
+
+    def _result(self, s: _Spawning) -> SpawnResult:
+        assert s.qemu is not None and s.src is not None and s.lv is not None
+        req, lv = s.req, s.lv
         boot_ms = (time.perf_counter() - s.t0) * 1000
         # Where the time went, step by step (docs/lifecycle.md, "The restore path").
         log.info(
@@ -291,12 +347,13 @@ class Spawner:
         if s.vnet is not None:
             s.vnet.close_fds()
             if s.registered:
-                await self.d.net.release(s.req.vm_id)
+                await self.d.net.release(s.req.vm_id, s.slot)
             else:
                 await asyncio.to_thread(_quiet_delete_netns, s.vnet.name)
         with contextlib.suppress(OSError):
             shutil.rmtree(s.vm_dir)
-        self.d.jail.release(s.req.vm_id)
+        self.d.jail.release(s.slot)
+        self.d.registry.slots.release(s.req.vm_id, s.slot)
         if s.mem_ref is not None:
             await self.d.forks.unmap(s.mem_ref.snapshot_id)
 

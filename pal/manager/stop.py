@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pal.ids import validate_id
 from pal.manager.fork import ForkMemory
 from pal.manager.parked import Parking
 from pal.manager.vm import LiveVm, VmRegistry
@@ -25,12 +26,17 @@ class VmFiles:
         self.net = net
         self.jail = jail
 
-    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None:
-        """Gateway state, namespace, uid, files; returns the VM's final egress counters."""
-        counters = await self.net.release(vm_id)
-        self.jail.release(vm_id)
+    async def free_vm_files(self, vm_id: str, slot: str | None = None) -> dict[str, Any] | None:
+        """Gateway state, namespace, uid, files of ``vm_id``'s slot (``slot``: that one, as
+        the VM being stopped held it); returns the VM's final egress counters."""
+        slot = slot or self.registry.slots.get(validate_id(vm_id, "vm_id"))
+        if slot is None:  # nothing of it on this node but, maybe, gateway state
+            return await self.net.unregister(vm_id)
+        counters = await self.net.release(vm_id, slot)
+        self.jail.release(slot)
         with contextlib.suppress(OSError):
-            shutil.rmtree(self.registry.vm_dir(vm_id))
+            shutil.rmtree(self.registry.slot_dir(slot))
+        self.registry.slots.release(vm_id, slot)
         return counters
 
 
@@ -65,7 +71,8 @@ class Stopper:
             await lv.qemu.kill()
             if lv.mem_snapshot_id:
                 await self.forks.unmap(lv.mem_snapshot_id)
-        elif await self.parking.discard(vm_id):
+            return await self.files.free_vm_files(vm_id, lv.slot)
+        if await self.parking.discard(vm_id):
             return None
         return await self.files.free_vm_files(vm_id)
 

@@ -21,6 +21,7 @@ from pal.errors import Conflict
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
 from pal.manager.channel import HarnessChannel
+from pal.manager.slots import SlotMap, slot_prefix
 from pal.manager.vm_states import require_running
 from pal.manager.vmnet import Brokered
 from pal.snapshots.layout import SnapshotRef
@@ -118,6 +119,8 @@ class LiveVm:
     sampled_paused_ms: int = 0  # what the metrics sampler counted so far
     resumed_at: float = 0.0  # host monotonic time of the latest live resume
     parked_snapshot: str | None = None  # parked (parked.py) after this snapshot
+    slot: str = ""  # what its host resources are named by (slots.py)
+    pooled: bool = False  # in the warm pool, no tenant's yet (pool.py)
 
     def paused_ms(self) -> int:
         """Live-paused time of this incarnation, the current pause included."""
@@ -140,11 +143,12 @@ class VmRegistry:
         self.vms_dir = vms_dir
         self.vms: dict[str, LiveVm] = {}
         self.spawning: set[str] = set()
+        self.slots = SlotMap(slot_prefix(vms_dir))  # vm id -> slot of each VM holding host resources
         self._seal = seal
 
-    def vm_dir(self, vm_id: str) -> Path:
-        # Every path the manager makes from a caller's vm id goes through here.
-        return self.vms_dir / validate_id(vm_id, "vm_id")
+    def slot_dir(self, slot: str) -> Path:
+        # Every VM dir is named by its slot (slots.py), never by a caller's vm id.
+        return self.vms_dir / validate_id(slot, "slot")
 
     def live(self, vm_id: str) -> LiveVm:
         """Prerequisite of every call on a VM: its QEMU runs here (else 409)."""
@@ -170,7 +174,7 @@ class VmRegistry:
     def write_state(self, lv: LiveVm) -> None:
         """Everything needed to re-adopt this VM if the manager process dies (root-only:
         it holds the exec token and the VM's secrets)."""
-        path = self.vm_dir(lv.vm_id) / "state.json"
+        path = self.slot_dir(lv.slot) / "state.json"
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -179,7 +183,8 @@ class VmRegistry:
 
     def _state(self, lv: LiveVm) -> dict[str, Any]:
         return {
-            "vmId": lv.vm_id,
+            "vmId": lv.vm_id,  # the slot's durable mapping (slots.py)
+            "slot": lv.slot,
             "tenantId": lv.tenant_id,
             "pid": lv.qemu.pid,
             "incarnation": lv.incarnation,
@@ -207,4 +212,7 @@ class VmRegistry:
             "livePause": None if lv.live is None else lv.live.to_json(),
             "livePausedMs": lv.live_paused_ms_total,
             "parked": lv.parked_snapshot,
+            # A pooled VM is never adopted (a restart kills it); a claim commits by this
+            # file no longer saying so (pool.py).
+            "pooled": lv.pooled,
         }

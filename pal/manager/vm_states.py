@@ -12,10 +12,15 @@ allow.
 | live-paused | resume (live.py) | - | offload (live.py) | - | stop, crash |
 | offloaded | resume (live.py) | - | - | - | stop, crash |
 | parked | resume from its snapshot (restore.py) | - | - | - | discard (parked.py) |
+| pooled | claim (pool.py) | - | - | - | discard, crash (pool.py) |
 | gone | - | - | - | - | - |
 
 A VM being spawned has no state here yet: it enters as *running* (spawn.py, adopt.py; an
-adopted VM may enter as live-paused or offloaded, as its state file says).
+adopted VM may enter as live-paused or offloaded, as its state file says), or as *pooled*
+(pool.py: made for the warm pool, stopped and offloaded, never run by a tenant). A claim
+is the one way out of *pooled* into a tenant's hands; its marker is the VM's state file,
+which says ``pooled`` until the claim commits (a restart kills a pooled VM: never adopted,
+never handed out twice).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class VmPhase(enum.StrEnum):
     LIVE_PAUSED = "live-paused"  # vCPUs stopped, RAM resident (live.py)
     OFFLOADED = "offloaded"  # live-paused, RAM handed back to the host (live.py)
     PARKED = "parked"  # snapshot-paused, QEMU kept stopped for a fast resume (parked.py)
+    POOLED = "pooled"  # in the warm pool: stopped, offloaded, no tenant's yet (pool.py)
     GONE = "gone"  # its QEMU exited
 
 
@@ -40,6 +46,7 @@ MOVES: dict[VmPhase, frozenset[VmPhase]] = {
     P.LIVE_PAUSED: frozenset({P.RUNNING, P.OFFLOADED, P.GONE}),
     P.OFFLOADED: frozenset({P.RUNNING, P.GONE}),
     P.PARKED: frozenset({P.RUNNING, P.GONE}),
+    P.POOLED: frozenset({P.RUNNING, P.GONE}),
     P.GONE: frozenset(),
 }
 
@@ -62,6 +69,7 @@ class _Vm(Protocol):
     qemu: Any  # .exited: asyncio.Event
     live: Any  # _Pause | None
     parked_snapshot: str | None
+    pooled: bool
 
 
 def phase_of(vm: _Vm) -> VmPhase:
@@ -69,6 +77,8 @@ def phase_of(vm: _Vm) -> VmPhase:
         return P.GONE
     if vm.parked_snapshot is not None:
         return P.PARKED
+    if vm.pooled:
+        return P.POOLED
     if vm.live is None:
         return P.RUNNING
     return P.OFFLOADED if vm.live.offloaded else P.LIVE_PAUSED

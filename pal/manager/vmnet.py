@@ -105,8 +105,9 @@ class VmNetworking:
             budgets=settings.net_budgets.gateway_json(),
         )
 
-    def ns_name(self, vm_id: str) -> str:
-        return netns.ns_name(self.tag, vm_id)
+    def ns_name(self, slot: str) -> str:
+        """A VM's namespace is named by its slot (slots.py), the gateway's state by its id."""
+        return netns.ns_name(self.tag, slot)
 
     # -- a VM's brokered secrets at rest (its state.json, for adoption after a restart) ---------
 
@@ -136,9 +137,9 @@ class VmNetworking:
     def new_mac() -> str:
         return netns.guest_mac(secrets.token_bytes(16))
 
-    async def create(self, vm_id: str) -> netns.VmNetns:
-        name = self.ns_name(vm_id)
-        if netns.exists(name):  # left by a VM of this id that died with a previous node
+    async def create(self, slot: str) -> netns.VmNetns:
+        name = self.ns_name(slot)
+        if netns.exists(name):  # left by a VM of this slot that died with a previous node
             await asyncio.to_thread(netns.delete, name)
         return await asyncio.to_thread(netns.create, name)
 
@@ -168,6 +169,7 @@ class VmNetworking:
     async def reregister(
         self,
         vm_id: str,
+        slot: str,
         egress: Egress,
         limits: dict[str, Any],
         brokered: Brokered | None = None,
@@ -180,7 +182,7 @@ class VmNetworking:
         (its DNS table is lost with it), or for a parked QEMU that continues as a new
         incarnation (``names``: its snapshot's table; ``new_guest``: its NIC takes a new
         MAC, so the namespace forgets the old one's neighbour entry)."""
-        name = self.ns_name(vm_id)
+        name = self.ns_name(slot)
         if new_guest:
             await asyncio.to_thread(netns.forget_neighbours, name)
         listener, dns = await asyncio.to_thread(netns.gateway_sockets, name)
@@ -223,7 +225,7 @@ class VmNetworking:
             return dict((await self.gateway.call(msg)).get("state") or {})
         return dict((await self.gateway.call(msg)).get("states") or {})
 
-    async def release(self, vm_id: str) -> dict[str, Any] | None:
+    async def release(self, vm_id: str, slot: str) -> dict[str, Any] | None:
         """Unregister from the gateway and remove the namespace; the final counters."""
         counters = None
         try:
@@ -232,7 +234,7 @@ class VmNetworking:
         except Exception as exc:
             log.warning("gateway unregister of %s failed: %s", vm_id, exc)
         with contextlib.suppress(OSError):
-            await asyncio.to_thread(netns.delete, self.ns_name(vm_id))
+            await asyncio.to_thread(netns.delete, self.ns_name(slot))
         return counters
 
     async def set_brokered(self, vm_id: str, rules: list[dict[str, Any]]) -> None:
@@ -284,11 +286,12 @@ class VmNetworking:
         reply = await self.gateway.call({"op": "ping"})
         return set(reply.get("vms") or [])
 
-    async def sync(self, vm_ids: set[str]) -> None:
-        """Drop gateway state of VMs this node no longer has; remove their namespaces, and
-        those of data dirs that were deleted (their nodes will never sweep them)."""
+    async def sync(self, vm_ids: set[str], slots: set[str]) -> None:
+        """Drop gateway state of VMs this node no longer has; remove the namespaces of
+        slots no VM holds, and those of data dirs that were deleted (their nodes will
+        never sweep them)."""
         await self.gateway.call({"op": "sync", "vmIds": sorted(vm_ids)})
-        keep = {self.ns_name(v) for v in vm_ids}
+        keep = {self.ns_name(s) for s in slots}
         gone = await asyncio.to_thread(netns.sweep, self.tag, keep)
         if gone:
             log.warning("removed %d network namespace(s) of VMs that are gone: %s", len(gone), gone)

@@ -155,9 +155,50 @@ def server_checks(url: str, token: str | None = None) -> list[Check]:
     return [server, Check("manager", False, f"not healthy: {why}")]
 
 
+def _pool_figures(text: str) -> dict[str, float]:
+    """``pal_pool_<figure>{node=...} value`` lines of a /metrics text, summed over nodes."""
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        name, value = line.partition("{")[0], line.rsplit(" ", 1)[-1]
+        if name.startswith("pal_pool_"):
+            with contextlib.suppress(ValueError):
+                key = name.removeprefix("pal_pool_")
+                got[key] = got.get(key, 0.0) + float(value)
+    return got
+
+
+def pool_check(settings: Settings, url: str, token: str | None) -> Check:
+    """The warm pool (PAL_POOL) as the server's /metrics reports it: VMs ready of the
+    target, their QEMUs' resident memory, claims and misses (docs/lifecycle.md)."""
+    wanted = ",".join(f"{size}:{n}" for size, n in settings.pool) or "off"
+    if not settings.pool:
+        return Check("pool", None, "off (PAL_POOL=0)")
+    if not token:
+        return Check("pool", None, f"PAL_POOL={wanted}; its state needs the operator token: {NO_TOKEN}")
+    try:
+        resp = httpx.get(
+            f"{url.rstrip('/')}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        )
+    except httpx.HTTPError:
+        return Check("pool", None, f"PAL_POOL={wanted}; unknown (the server is down)")
+    got = _pool_figures(resp.text) if resp.status_code == 200 else {}
+    if not got:
+        return Check("pool", None, f"PAL_POOL={wanted}; /metrics answered {resp.status_code}")
+    ready, target = int(got.get("ready", 0)), int(got.get("target", 0))
+    return Check(
+        "pool",
+        None,
+        f"{ready}/{target} VMs ready (PAL_POOL={wanted}, PAL_POOL_MEMORY_MIB={settings.pool_memory_mib}),"
+        f" {got.get('rss_bytes', 0) / (1 << 20):.0f} MiB resident, {int(got.get('claims', 0))} claims,"
+        f" {int(got.get('misses', 0))} misses",
+    )
+
+
 def run(settings: Settings, url: str) -> list[Check]:
+    token = client_token(settings) or settings.metrics_token
     return [
         *host_checks(settings),
         _run("store", lambda: store_check(settings)),
-        *server_checks(url, client_token(settings) or settings.metrics_token),
+        *server_checks(url, token),
+        _run("pool", lambda: pool_check(settings, url, token)),
     ]

@@ -78,6 +78,13 @@ class VmSpec:
     # NIC itself is always there: a snapshot only loads into an identical machine.
     net_fd: int | None = None
     nic: bool = True  # False only to restore a snapshot taken before VMs had a NIC
+    # What its host resources are named by (QEMU's -name, its cgroup): the manager's slot
+    # of the VM (pal/manager/slots.py), or the vm id when none is given.
+    slot: str = ""
+
+    @property
+    def host_id(self) -> str:
+        return self.slot or self.vm_id
 
     @property
     def qmp_socket(self) -> Path:
@@ -158,7 +165,7 @@ def build_argv(
         *("-nodefaults", "-no-user-config", "-nographic", "-no-reboot"),
         *("-serial", "none", "-monitor", "none", "-parallel", "none"),
         "-name",
-        f"pal-{spec.vm_id},process=pal-{spec.vm_id}",
+        f"pal-{spec.host_id},process=pal-{spec.host_id}",
         "-object",
         f"memory-backend-file,id=mem,size={mem},mem-path={h.file(mem_path)},share={share}",
         "-M",

@@ -77,7 +77,8 @@ class Jail:
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = os.geteuid() == 0 if enabled is None else enabled
-        self._uids: dict[str, int] = {}  # vm id -> uid (gid == uid)
+        # Keyed by the VM's host slot (pal/manager/slots.py), not by its public id.
+        self._uids: dict[str, int] = {}  # slot -> uid (gid == uid)
         self._shared: dict[Path, _Shared] = {}  # RAM file mapped by several QEMUs -> its group
 
     def identity(self, vm_id: str) -> tuple[int, int] | None:

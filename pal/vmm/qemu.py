@@ -371,8 +371,8 @@ class QemuVm:
         loop.add_reader(pidfd, gone)  # a pidfd turns readable when the process exits
         try:
             if spec.cgroup_limits:  # limits hold for adopted QEMUs too (fail closed)
-                vm.cgroup = cgroups.existing_for(spec.vm_id) or cgroups.create_for(
-                    spec.vm_id, spec.vcpus, spec.memory_mib
+                vm.cgroup = cgroups.existing_for(spec.host_id) or cgroups.create_for(
+                    spec.host_id, spec.vcpus, spec.memory_mib
                 )
                 vm.cgroup.add(pid)
             await vm._connect_qmp()
@@ -417,7 +417,7 @@ class QemuVm:
         seccomp_args(spec)  # fail closed (503) before anything is made for a QEMU without it
         # Fail closed: the limits exist before QEMU does (503 when they cannot).
         self.cgroup = (
-            await asyncio.to_thread(cgroups.create_for, spec.vm_id, spec.vcpus, spec.memory_mib)
+            await asyncio.to_thread(cgroups.create_for, spec.host_id, spec.vcpus, spec.memory_mib)
             if spec.cgroup_limits
             else None
         )

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer
+from tests.leaks import vm_dir_of
 from tests.netservers import Upstream
 
 pytestmark = pytest.mark.vm
@@ -104,7 +105,7 @@ def test_brokered_secret_reaches_only_its_host_and_never_the_guest(
         env = sh(api, vm, "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | sort -u")["stdout"]
         assert placeholder in env and real not in env
         # Nor in the running VM's files on the host: its config drive, disk and RAM.
-        vm_files = [p for p in (pal_server.data_dir / "vms" / vm).rglob("*") if p.is_file()]
+        vm_files = [p for p in (vm_dir_of(pal_server.data_dir, vm)).rglob("*") if p.is_file()]
         assert any(p.name == "config.img" for p in vm_files), vm_files
         assert files_containing(vm_files, [placeholder]), "the search finds what is there"
         assert files_containing(vm_files, [real]) == []

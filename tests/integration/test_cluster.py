@@ -29,6 +29,7 @@ from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, Proc, kill_qemus_under, qemu_pids_under
 from pal.store import Store
 from tests.conftest import TEST_DATA_DIR, PalServer, pal_cli
+from tests.leaks import vm_dir_of
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.vm, pytest.mark.s3]
@@ -347,11 +348,12 @@ def test_kill_9_of_a_node_fails_its_running_vms_and_its_paused_vm_resumes_elsewh
     vm = store.get_vm(running)
     assert vm is not None and vm.reason == "node lost" and not vm.holds_slot
     slots_exact(store, "tb")
-    stray = qemu_pids_under(n1.data_dir / "vms" / running)  # type: ignore[operator]
+    stray_dir = vm_dir_of(n1.data_dir, running)  # type: ignore[arg-type]
+    stray = qemu_pids_under(stray_dir)
     assert stray, "kill -9 of the node leaves its QEMUs running"
     cluster.restart(n1)
     poll("the node is back", lambda: cluster.node_views()[n1.name]["state"] == "active", 120)
-    poll("the lost VM's QEMU is stopped", lambda: not qemu_pids_under(n1.data_dir / "vms" / running), 60)  # type: ignore[operator]
+    poll("the lost VM's QEMU is stopped", lambda: not qemu_pids_under(stray_dir), 60)
     assert store.get_vm(running).state == "failed"  # type: ignore[union-attr]
     with api(leader, keys["tb"]) as c:
         delete_all(c)

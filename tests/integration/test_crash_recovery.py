@@ -26,6 +26,7 @@ from tests.conftest import (
     start_server,
     stop_server,
 )
+from tests.leaks import vm_dir_of
 from tests.netservers import HELLO, Upstream
 
 pytestmark = pytest.mark.vm
@@ -63,7 +64,7 @@ def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:
         key = server.tenant("qemu-kill", max_vms=MAX_VMS)
         with server.client(key, timeout=60) as c:
             vm = c.post("/v1/runtime/schedule", json={}).json()["vmId"]
-            (pid,) = qemu_pids_under(run_dir / "vms" / vm)
+            (pid,) = qemu_pids_under(vm_dir_of(run_dir, vm))
             os.kill(pid, signal.SIGKILL)
             deadline = time.time() + 300  # a hang guard, not a speed bound
             while time.time() < deadline and c.get(f"/v1/runtime/vms/{vm}").json()["state"] != "failed":
@@ -87,7 +88,7 @@ def test_qemu_killed_is_reported_failed_and_frees_its_slot(run_dir) -> None:
             r = c.post(f"/v1/runtime/vms/{vm2}/resume")
             assert r.status_code >= 500, r.text
             assert c.get(f"/v1/runtime/vms/{vm2}").json()["state"] == "paused"
-            assert qemu_pids_under(run_dir / "vms" / vm2) == []
+            assert qemu_pids_under(run_dir / "vms") == [], "no QEMU left by the failed restore"
             victim.write_bytes(good)
             assert c.post(f"/v1/runtime/vms/{vm2}/resume").status_code == 200
             assert c.get(f"/v1/runtime/vms/{vm2}/files/content", params={"path": "x"}).text == "x"

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, assert_guest_clock_is_the_hosts, qemu_pids_under
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -61,15 +62,16 @@ def test_fork_10_children_share_state_but_not_writes(pal_server: PalServer, api:
         snap = body["snapshotId"]
         fork_mem = pal_server.data_dir / "snapshots" / ".fork-mem" / f"{snap}.mem"
         assert fork_mem.exists()
-        for k in kids:
-            (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / k)
+        kid_dirs = [vm_dir_of(pal_server.data_dir, k) for k in kids]
+        for kid_dir in kid_dirs:
+            (pid,) = qemu_pids_under(kid_dir)
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert str(fork_mem) in maps and f"/{snap}/mem" not in maps
     finally:
         for k in [*kids, src]:
             api.delete(f"/v1/runtime/vms/{k}")
-    for k in kids:
-        assert qemu_pids_under(pal_server.data_dir / "vms" / k) == []
+    for kid_dir in kid_dirs:
+        assert qemu_pids_under(kid_dir) == []
     assert not fork_mem.exists(), "the copy goes with the last child that maps it"
 
 

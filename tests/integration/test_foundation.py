@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, qemu_pids_under
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -206,7 +207,7 @@ def test_auth_tenancy_and_quota(pal_server: PalServer) -> None:
 
 def test_delete_leaves_no_qemu(pal_server: PalServer, api: httpx.Client) -> None:
     vm_id = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
-    vm_dir = pal_server.data_dir / "vms" / vm_id
+    vm_dir = vm_dir_of(pal_server.data_dir, vm_id)
     assert qemu_pids_under(vm_dir), "a running VM has a QEMU process"
     r = api.delete(f"/v1/runtime/vms/{vm_id}")
     assert r.status_code == 200 and r.json()["state"] == "terminated"
@@ -239,13 +240,13 @@ def test_each_qemu_runs_as_its_own_unprivileged_uid(pal_server: PalServer, api: 
     try:
         uids = []
         for vm_id in vms:
-            (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vm_id)
+            (pid,) = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm_id))
             uids.append(qemu_uid(pid))
         assert all(u >= 1000 for u in uids) and uids[0] != uids[1], uids
         # and the jail does not get in the way of the lifecycle
         assert api.post(f"/v1/runtime/vms/{vms[0]}/pause").status_code == 200
         assert api.post(f"/v1/runtime/vms/{vms[0]}/resume").status_code == 200
-        (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vms[0])
+        (pid,) = qemu_pids_under(vm_dir_of(pal_server.data_dir, vms[0]))
         assert qemu_uid(pid) >= 1000
     finally:
         for vm_id in vms:
@@ -256,7 +257,7 @@ def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: ht
     vm_id = api.post("/v1/runtime/schedule", json={"limits": {"vcpus": 1}}).json()["vmId"]
     root = Path("/sys/fs/cgroup")
     try:
-        (pid,) = qemu_pids_under(pal_server.data_dir / "vms" / vm_id)
+        (pid,) = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm_id))
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
         groups = {ctrls: path for _, ctrls, path in (line.split(":", 2) for line in lines)}
         if (root / "cgroup.controllers").exists():  # cgroup v2

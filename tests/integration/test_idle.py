@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, assert_runs_no_guest
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -39,7 +40,7 @@ def test_idle_vm_suspends_shows_paused_and_wakes_on_exec(pal_server: PalServer, 
         assert got["reason"] == REASON and got["snapshotId"]
         listed = {v["vmId"]: v for v in api.get("/v1/runtime/vms").json()["vms"]}
         assert listed[vm]["state"] == "paused" and listed[vm]["reason"] == REASON
-        assert_runs_no_guest(pal_server.data_dir / "vms" / vm)
+        assert_runs_no_guest(vm_dir_of(pal_server.data_dir, vm))
         # the next request wakes it transparently, same vmId, files intact
         r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "cat", "argv": ["keep.txt"]})
         assert r.status_code == 200, r.text

@@ -32,6 +32,7 @@ from tests.conftest import (
     stop_server,
     wait_template,
 )
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -143,7 +144,7 @@ def test_each_qemu_is_jailed(private_server: PalServer, pc: httpx.Client) -> Non
     try:
         uids = set()
         for vm_id in ids:
-            (pid,) = qemu_pids_under(private_server.data_dir / "vms" / vm_id)
+            (pid,) = qemu_pids_under(vm_dir_of(private_server.data_dir, vm_id))
             st = _status(pid)
             uid = {int(x) for x in st["Uid"].split()}
             gid = {int(x) for x in st["Gid"].split()}
@@ -163,10 +164,10 @@ def test_each_qemu_is_jailed(private_server: PalServer, pc: httpx.Client) -> Non
         # fork children share one RAM copy: a group of their own, no one else's
         groups = [
             set(_status(p)["Groups"].split())
-            for p in (qemu_pids_under(private_server.data_dir / "vms" / f["vmId"])[0] for f in forks)
+            for p in (qemu_pids_under(vm_dir_of(private_server.data_dir, f["vmId"]))[0] for f in forks)
         ]
         assert groups[0] and groups[0] == groups[1], groups
-        (src_pid,) = qemu_pids_under(private_server.data_dir / "vms" / vm)
+        (src_pid,) = qemu_pids_under(vm_dir_of(private_server.data_dir, vm))
         assert not set(_status(src_pid)["Groups"].split()) & groups[0]
     finally:
         for vm_id in ids:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import CLOCK_TOLERANCE_S, PalServer, qemu_pids_under, start_server, stop_server
 from tests.integration.test_crash_recovery import run_dir  # noqa: F401  (fixture)
+from tests.leaks import vm_dir_of
 from tests.netservers import Upstream, model_body
 
 pytestmark = pytest.mark.vm
@@ -105,7 +106,7 @@ def test_operator_live_pause_offload_and_resume_continue_the_same_guest(
     made = sh(api, vm, "head -c 48000000 /dev/urandom > /dev/shm/blob && sha256sum /dev/shm/blob")
     sha = made["stdout"].split()[0]
     inc = sh(api, vm, "echo $PAL_INCARNATION")["stdout"]
-    pids = qemu_pids_under(pal_server.data_dir / "vms" / vm)
+    pids = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm))
     t_pause = time.time()
     r = api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live"})
     assert r.status_code == 200, r.text
@@ -126,7 +127,7 @@ def test_operator_live_pause_offload_and_resume_continue_the_same_guest(
     assert got["pause"]["offloaded"] is True
     assert got["pause"]["residentMiB"] <= 0.3 * before, (before, got["pause"])
     assert "live_offload" in kinds(api, vm)
-    assert qemu_pids_under(pal_server.data_dir / "vms" / vm) == pids, "the same QEMU"
+    assert qemu_pids_under(vm_dir_of(pal_server.data_dir, vm)) == pids, "the same QEMU"
     r = api.post(f"/v1/runtime/vms/{vm}/resume")
     assert r.status_code == 200 and r.json()["state"] == "running", r.text
     paused_s = time.time() - t_pause
@@ -166,7 +167,7 @@ def test_wait_scenario_pauses_offloads_and_wakes_on_the_answer(
     live-paused, offloaded (QEMU's RSS drops by most of the guest RAM resident before), and
     woken by the answer, which arrives byte-exact, with the guest's clock right."""
     vm = new_vm(waitPause=WAIT)
-    (qemu,) = qemu_pids_under(pal_server.data_dir / "vms" / vm)
+    (qemu,) = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm))
     key = uuid.uuid4().hex[:12]
     start_client(api, vm, upstream, key)
     poll("the request at the upstream", lambda: key in upstream.asked)
@@ -404,8 +405,8 @@ def test_server_killed_while_live_paused_each_vm_is_adopted_as_it_was(
             assert r.status_code == 200 and r.json()["pause"]["kind"] == "live", r.text
             start_client(c, vm, upstream, req)
             poll("wait_pause", lambda: "wait_pause" in kinds(c, vm))
-        qemu = qemu_pids_under(run_dir / "vms" / vm)
-        op_qemu = qemu_pids_under(run_dir / "vms" / op)
+        qemu = qemu_pids_under(vm_dir_of(run_dir, vm))
+        op_qemu = qemu_pids_under(vm_dir_of(run_dir, op))
         assert op_qemu
         server.proc.kill()  # SIGKILL: no shutdown, QEMU and the gateway live on
         server.proc.wait(60)
@@ -413,7 +414,7 @@ def test_server_killed_while_live_paused_each_vm_is_adopted_as_it_was(
         poll("the answer buffered", lambda: req in upstream.answered)
         server = start_server(run_dir)
         with server.client(key, timeout=120) as c:
-            assert qemu_pids_under(run_dir / "vms" / vm) == qemu, "adopted, not restarted"
+            assert qemu_pids_under(vm_dir_of(run_dir, vm)) == qemu, "adopted, not restarted"
             # the operator's pause is as it was: live, by the operator, offloaded; no wake
             got = c.get(f"/v1/runtime/vms/{op}").json()
             assert got["state"] == "paused", got
@@ -440,7 +441,7 @@ def test_server_killed_while_live_paused_each_vm_is_adopted_as_it_was(
             assert c.get(f"/v1/runtime/vms/{op}").json()["state"] == "paused", "data woke no operator's pause"
             r = c.post(f"/v1/runtime/vms/{op}/resume")
             assert r.status_code == 200 and r.json()["state"] == "running", r.text
-            assert qemu_pids_under(run_dir / "vms" / op) == op_qemu, "the same QEMU continued"
+            assert qemu_pids_under(vm_dir_of(run_dir, op)) == op_qemu, "the same QEMU continued"
             after = sh(c, op, "sha256sum /dev/shm/blob")
             assert after["stdout"].split()[0] == sha, "guest memory intact"
             c.delete(f"/v1/runtime/vms/{vm}")

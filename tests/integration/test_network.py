@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, netns_of, qemu_pids_under
+from tests.leaks import vm_dir_of
 from tests.netservers import HELLO, Upstream
 
 pytestmark = pytest.mark.vm
@@ -323,7 +324,7 @@ def test_network_survives_pause_resume_fork_and_idle_wake(
     addr = first.removeprefix("waiting")
     assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
     # Its network goes with its QEMU: freed, or kept by the parked QEMU (pal/manager/parked.py).
-    parked = qemu_pids_under(pal_server.data_dir / "vms" / vm)
+    parked = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm))
     assert netns_of(pal_server.data_dir).count(f"pal-{netns_tag(pal_server)}-{vm}") == len(parked)
     assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
     # The open connection is reset, not hung; the cached synthetic address still works.

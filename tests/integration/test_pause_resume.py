@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, assert_guest_clock_is_the_hosts, assert_runs_no_guest, qemu_pids_under
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -128,7 +129,7 @@ def test_a_paused_vm_parks_its_qemu_and_its_resume_continues_it(
     memory is the snapshot's, its identity new. Without its parked QEMU the VM restores
     from the snapshot into a new one, as before."""
     vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
-    vm_dir = pal_server.data_dir / "vms" / vm
+    vm_dir = vm_dir_of(pal_server.data_dir, vm)
     try:
         (pid,) = qemu_pids_under(vm_dir)
         sh(api, vm, "echo in-memory > /dev/shm/state")

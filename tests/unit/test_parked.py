@@ -38,7 +38,8 @@ class FakeRuntime:
 
         self.net = SimpleNamespace(unregister=unregister)
 
-    async def free_vm_files(self, vm_id: str) -> None:
+    async def free_vm_files(self, vm_id: str, slot: str | None = None) -> None:
+        assert slot == f"slot-of-{vm_id}"  # the slot the parked VM held, not a lookup
         self.freed.append(vm_id)
 
 
@@ -46,7 +47,9 @@ def lv(vm_id: str) -> Any:
     async def close() -> None:
         return None
 
-    return SimpleNamespace(vm_id=vm_id, qemu=FakeQemu(), channel=SimpleNamespace(close=close))
+    return SimpleNamespace(
+        vm_id=vm_id, slot=f"slot-of-{vm_id}", qemu=FakeQemu(), channel=SimpleNamespace(close=close)
+    )
 
 
 @pytest.fixture

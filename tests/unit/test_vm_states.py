@@ -14,11 +14,13 @@ from pal.manager.vm_states import MOVES, InvalidMove, VmPhase, check_move, phase
 P = VmPhase
 
 
-def vm(*, live: object = None, parked: str | None = None, exited: bool = False) -> SimpleNamespace:
+def vm(
+    *, live: object = None, parked: str | None = None, exited: bool = False, pooled: bool = False
+) -> SimpleNamespace:
     qemu = SimpleNamespace(exited=asyncio.Event())
     if exited:
         qemu.exited.set()
-    return SimpleNamespace(vm_id="vm-1", qemu=qemu, live=live, parked_snapshot=parked)
+    return SimpleNamespace(vm_id="vm-1", qemu=qemu, live=live, parked_snapshot=parked, pooled=pooled)
 
 
 def paused(offloaded: bool = False) -> SimpleNamespace:
@@ -30,6 +32,8 @@ def test_the_state_is_read_from_the_vm() -> None:
     assert phase_of(vm(live=paused())) is P.LIVE_PAUSED
     assert phase_of(vm(live=paused(offloaded=True))) is P.OFFLOADED
     assert phase_of(vm(parked="snap-1")) is P.PARKED
+    assert phase_of(vm(pooled=True)) is P.POOLED
+    assert phase_of(vm(pooled=True, exited=True)) is P.GONE
     assert phase_of(vm(live=paused(), exited=True)) is P.GONE
 
 
@@ -41,6 +45,7 @@ def test_only_the_moves_of_the_table_pass_the_guard(start: VmPhase, to: VmPhase)
         P.LIVE_PAUSED: vm(live=paused()),
         P.OFFLOADED: vm(live=paused(offloaded=True)),
         P.PARKED: vm(parked="snap-1"),
+        P.POOLED: vm(pooled=True),
         P.GONE: vm(exited=True),
     }[start]
     if to in MOVES[start]:

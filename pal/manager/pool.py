@@ -1,0 +1,359 @@
+"""The claimable warm pool: VMs restored from their size's template ahead of time, then
+live-paused and offloaded, for a schedule of that size to claim (docs/lifecycle.md,
+"The warm pool").
+
+- **Fill** (in the background, one VM at a time): a VM of a pooled size is spawned under a
+  pool id of its own (``pool-…``) from the template, exactly as a tenant's would be, but
+  kept out of the registry: no heartbeat reports it, no API call reaches it, the gateway
+  forgets it. Its vCPUs are stopped and its RAM handed back (offload.py): it costs its
+  QEMU's own memory and a few MiB of guest RAM. It has never run a tenant's code.
+- **Claim** (spawn.py asks first, for a schedule of a pooled size and image): one pooled
+  VM is taken (in memory, without an await: never two claims of one VM), its slot is
+  re-keyed to the tenant's vm id (slots.py), the gateway gets the tenant's policy, limits,
+  secrets and wait rule on fresh sockets, its working set is read back, its vCPUs run, and
+  it takes the tenant's identity like any restored guest (identify.py: incarnation,
+  token, env, a new MAC and hostname, an RNG reseed, the host's clock, the tenant CA).
+  Then it enters the registry and its state file is rewritten as the tenant's: that
+  write is the claim's commit.
+- **Crash safety**: until that commit its state file says ``pooled``, and a restarted
+  manager never adopts a pooled VM (adopt.py kills it and frees its slot), so a crash
+  mid-claim leaves the tenant's spawn failed (the scheduler settles it) and the VM gone,
+  never handed to anyone twice nor leaked. After the commit it is the tenant's VM.
+- **Cost**: each pooled VM holds its QEMU (RSS, mostly TCG and device state) and what of
+  its guest RAM stayed resident after the offload; ``status`` measures both.
+  ``PAL_POOL_MEMORY_MIB`` bounds the guest RAM the pool may add up to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pal import failpoints, sizes
+from pal.config import Settings
+from pal.errors import Unavailable
+from pal.guest import protocol as p
+from pal.images.paths import load_image
+from pal.manager.identify import identify
+from pal.manager.models import SpawnRequest, SpawnResult
+from pal.manager.restore import brokered_of, identity_of
+from pal.manager.templates import PRIME_COMMANDS, PRIME_TIMEOUT_S, TemplateCache, TemplateHost
+from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.vm_states import VmPhase, check_move
+from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
+from pal.vmm import offload
+from pal.vmm.usage import process_memory
+
+log = logging.getLogger(__name__)
+
+POOL_IMAGE = "default"  # the image pooled VMs are of
+POOL_ID_PREFIX = "pool-"
+PREFETCH_WAIT_S = 2.0  # a claim waits this long at most for the working set
+REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then,
+REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed template
+# build is a cold boot: a pool must not keep a loaded host booting)
+
+
+@dataclass
+class PooledVm:
+    lv: LiveVm
+    size: str  # sizes.size_name
+    working_set: list[tuple[int, int]] = field(default_factory=list)
+    made_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class PoolDeps:
+    """Exactly what the pool needs of the node."""
+
+    settings: Settings
+    registry: VmRegistry
+    net: VmNetworking
+    spawn_pooled: Callable[[SpawnRequest], Awaitable[LiveVm]]  # spawn.Spawner.spawn_pooled
+    free_vm_files: Callable[[str, str], Awaitable[Any]]  # stop.VmFiles.free_vm_files
+    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    template_host: TemplateHost  # builds a missing template
+
+
+async def template_ready(d: PoolDeps, size: str) -> bool:
+    """The template pooled VMs of ``size`` restore from, built first when missing; False
+    when there is none to be had (PAL_TEMPLATES=0, a size without templates, a failed
+    build): pooled VMs are only ever restored from a template."""
+    templates = d.templates()
+    if templates is None:
+        return False
+    image = load_image(d.settings, POOL_IMAGE)
+    mem, vcpus, disk = sizes.parse_size_name(size)
+    if templates.lookup(image, mem, vcpus, disk) is not None:
+        return True
+    task = templates.ensure_in_background(d.template_host, image, mem, vcpus, disk)
+    return task is not None and await task is not None
+
+
+def pool_key(image: str, memory_mib: int, vcpus: int, disk_mib: int) -> str | None:
+    """The pooled size a spawn of this image and size can claim (None: not pooled)."""
+    return sizes.size_name(memory_mib, vcpus, disk_mib) if image == POOL_IMAGE else None
+
+
+def budgeted_targets(wanted: tuple[tuple[str, int], ...], budget_mib: int) -> dict[str, int]:
+    """How many VMs of each size the pool keeps: PAL_POOL's counts, in its order, while the
+    guest RAM they add up to stays within ``budget_mib``."""
+    out: dict[str, int] = {}
+    left = budget_mib
+    for size, count in wanted:
+        mem = sizes.parse_size_name(size)[0]
+        n = min(count, left // mem) if mem else 0
+        out[size] = n
+        left -= n * mem
+    return out
+
+
+async def prime(lv: LiveVm) -> None:
+    """Run the image's own no-op commands once (templates.PRIME_COMMANDS), as a template
+    does before its capture: this QEMU then has the first exec's guest code translated
+    (TCG keeps it across the pause), so a claim's first exec runs warm. Nothing of a
+    tenant's runs: the commands are the image's, the identity the pool's."""
+    for argv in PRIME_COMMANDS:
+        msg: p.Message = {"k": p.K_EXEC, "tok": lv.token, "argv": list(argv), "env": {}}
+        msg |= {"cwd": None, "timeout": PRIME_TIMEOUT_S, "user": None}
+        with contextlib.suppress(Exception):  # an image without them: no priming
+            replies = await lv.channel.start_stream(msg)
+            try:
+                async for _ in replies:
+                    pass
+            finally:
+                await replies.aclose()
+
+
+class WarmPool:
+    def __init__(self, deps: PoolDeps) -> None:
+        self.d = deps
+        self.targets = budgeted_targets(deps.settings.pool, deps.settings.pool_memory_mib)
+        self.vms: dict[str, PooledVm] = {}  # pool id -> pooled VM
+        self.filling: dict[str, int] = {}  # size -> fills under way
+        self.claims = 0
+        self.misses = 0
+        self.last_error: str | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ fill
+
+    def start(self) -> None:
+        """Fill the pool in the background (and refill it after every claim)."""
+        if self.targets and any(self.targets.values()) and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="warm-pool")
+
+    def missing(self) -> list[str]:
+        """Sizes short of their target, one entry per VM to make."""
+        out: list[str] = []
+        for size, want in self.targets.items():
+            have = sum(1 for pv in self.vms.values() if pv.size == size) + self.filling.get(size, 0)
+            out += [size] * max(0, want - have)
+        return out
+
+    async def _run(self) -> None:
+        failures = 0  # failed fills in a row
+        while True:
+            self._wake.clear()
+            failed = False
+            for size in self.missing():
+                if not await self.fill_one(size):
+                    failed = True
+                    break
+            failures = failures + 1 if failed else 0
+            retry = min(REFILL_RETRY_S * 2 ** max(0, failures - 1), REFILL_RETRY_MAX_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
+
+    async def fill_one(self, size: str) -> bool:
+        """Make one pooled VM of ``size``; False when it could not be made now."""
+        mem, vcpus, disk = sizes.parse_size_name(size)
+        pool_id = POOL_ID_PREFIX + secrets.token_hex(6)
+        req = SpawnRequest(
+            vm_id=pool_id,
+            tenant_id="",
+            image=POOL_IMAGE,
+            vcpus=vcpus,
+            memory_mib=mem,
+            disk_mib=disk,
+            token=secrets.token_urlsafe(24),
+        )
+        self.filling[size] = self.filling.get(size, 0) + 1
+        lv: LiveVm | None = None
+        try:
+            if not await template_ready(self.d, size):
+                raise Unavailable(f"no template of {size} to restore pooled VMs from")
+            lv = await self.d.spawn_pooled(req)
+            await prime(lv)
+            # No network until a claim: the gateway forgets it, its namespace and tap stay.
+            await self.d.net.unregister(pool_id)
+            await lv.qemu.pause()
+            res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
+            self.vms[pool_id] = PooledVm(lv, size, res.working_set)
+            self.last_error = None
+            log.info(
+                "pool: VM %s of %s ready (%d MiB of guest RAM resident after the offload)",
+                pool_id,
+                size,
+                res.resident_after >> 20,
+            )
+            return True
+        except Exception as exc:
+            self.last_error = f"{size}: {exc}"
+            log.warning("pool: a VM of %s could not be made: %s", size, exc)
+            if lv is not None:
+                await self._kill(lv)
+            return False
+        finally:
+            self.filling[size] -= 1
+
+    # ------------------------------------------------------------------ claim
+
+    def take(self, size: str) -> PooledVm | None:
+        """One pooled VM of ``size`` out of the pool (the oldest), or None. No await
+        between the look and the pop: a VM is taken by one claim only."""
+        for pool_id, pv in sorted(self.vms.items(), key=lambda kv: kv[1].made_at):
+            if pv.size == size and not pv.lv.qemu.exited.is_set():
+                return self.vms.pop(pool_id)
+        return None
+
+    async def claim(self, req: SpawnRequest) -> SpawnResult | None:
+        """The spawn of ``req`` by claiming a pooled VM; None when none fits (the caller
+        spawns as usual). A claim that fails kills that VM (it never goes back)."""
+        if req.restore is not None or req.boot == "cold":
+            return None
+        size = pool_key(req.image, req.memory_mib, req.vcpus, req.disk_mib)
+        if size is None or size not in self.targets:
+            return None
+        pv = self.take(size)
+        if pv is None:
+            self.misses += 1
+            return None
+        self._wake.set()  # refill
+        if pv.lv.image.agent_version_id != load_image(self.d.settings, req.image).agent_version_id:
+            await self._kill(pv.lv)  # made from an image build that was replaced since
+            return None
+        try:
+            res = await self._claim(pv, req)
+        except Exception as exc:
+            log.warning("pool: the claim of %s for VM %s failed: %s", pv.lv.slot, req.vm_id, exc)
+            self.d.registry.vms.pop(req.vm_id, None)
+            await self._kill(pv.lv)
+            return None
+        self.claims += 1
+        return res
+
+    async def _claim(self, pv: PooledVm, req: SpawnRequest) -> SpawnResult:
+        lv = pv.lv
+        check_move(lv, VmPhase.RUNNING)
+        t0 = time.perf_counter()
+        failpoints.hit("manager:pool-taken")  # taken; its state file still says pooled
+        self.d.registry.slots.rekey(lv.vm_id, req.vm_id)
+        lv.vm_id = lv.channel.vm_id = lv.qemu.spec.vm_id = req.vm_id
+        prefetch = asyncio.create_task(asyncio.to_thread(offload.prefetch, lv.qemu.mem_path, pv.working_set))
+        limits, brokered = limits_json(req.egress_mbps, req.max_connections), brokered_of(req)
+        await self.d.net.reregister(
+            req.vm_id, lv.slot, req.egress, limits, brokered, wait_rule(req.wait_pause), new_guest=True
+        )
+        t_net = time.perf_counter()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(prefetch), PREFETCH_WAIT_S)
+        t_prefetch = time.perf_counter()
+        await lv.qemu.cont()
+        t_cont = time.perf_counter()
+        who = identity_of(req, self.d.net.new_mac())
+        settings = self.d.settings
+        timeout = settings.harness_ready_timeout_ms / 1000
+        steps = await identify(lv.channel, lv.qemu, who, timeout, settings.heartbeat_interval_s)
+        failpoints.hit("manager:pool-identified")  # the tenant's identity, not committed
+        lv.tenant_id, lv.incarnation, lv.token, lv.env = (
+            req.tenant_id,
+            req.incarnation,
+            req.token,
+            dict(req.env),
+        )
+        lv.egress, lv.net_limits, lv.mac, lv.brokered = req.egress, limits, who.mac, brokered
+        lv.wait, lv.pooled = req.wait_pause, False
+        lv.touch()
+        self.d.registry.vms[req.vm_id] = lv
+        self.d.registry.write_state(lv)  # the commit: from now on the tenant's VM
+        failpoints.hit("manager:pool-claimed")
+        t_end = time.perf_counter()
+        timings = {
+            "pooled_s": round(time.time() - pv.made_at, 1),
+            "prepare_ms": round((t_net - t0) * 1000, 1),
+            "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
+            "qemu_cont_ms": round((t_cont - t_prefetch) * 1000, 1),
+            "identify_ms": round((t_end - t_cont) * 1000, 1),
+            **{f"identify_{k}": v for k, v in steps.items()},
+        }
+        boot_ms = (t_end - t0) * 1000
+        log.info("VM %s up from the pool (%s) in %.0f ms: %s", req.vm_id, lv.slot, boot_ms, timings)
+        return SpawnResult(
+            vm_id=req.vm_id,
+            pid=lv.qemu.pid or 0,
+            incarnation=req.incarnation,
+            boot_ms=boot_ms,
+            method="pool",
+            agent_version_id=lv.image.agent_version_id,
+            timings=timings,
+        )
+
+    # ------------------------------------------------------------------ discard
+
+    async def _kill(self, lv: LiveVm) -> None:
+        with contextlib.suppress(Exception):
+            await lv.channel.close()
+        with contextlib.suppress(Exception):
+            await lv.qemu.kill()
+        await self.d.free_vm_files(lv.vm_id, lv.slot)
+
+    async def evict(self, need_mib: int) -> int:
+        """Discard pooled VMs (the newest first) until ``need_mib`` of guest RAM is freed;
+        the MiB freed. A tenant's spawn that needs the memory comes first."""
+        freed = 0
+        for pool_id, pv in sorted(self.vms.items(), key=lambda kv: -kv[1].made_at):
+            if freed >= need_mib:
+                break
+            self.vms.pop(pool_id, None)
+            await self._kill(pv.lv)
+            freed += pv.lv.memory_mib
+        return freed
+
+    async def close(self) -> None:
+        """Stop filling and discard every pooled VM (the node stops)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        vms, self.vms = list(self.vms.values()), {}
+        await asyncio.gather(*(self._kill(pv.lv) for pv in vms), return_exceptions=True)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Per size: target, ready, filling; what the pooled VMs cost the host now (QEMU
+        RSS, which includes the guest RAM still resident), claims and misses so far."""
+        per: dict[str, dict[str, Any]] = {
+            size: {"target": n, "ready": 0, "filling": self.filling.get(size, 0), "rssBytes": 0}
+            for size, n in self.targets.items()
+        }
+        for pv in self.vms.values():
+            row = per.setdefault(pv.size, {"target": 0, "ready": 0, "filling": 0, "rssBytes": 0})
+            row["ready"] += 1
+            mem = process_memory(pv.lv.qemu.pid) if pv.lv.qemu.pid else None
+            row["rssBytes"] += mem.rss_bytes if mem else 0
+        return {
+            "sizes": per,
+            "claims": self.claims,
+            "misses": self.misses,
+            "rssBytes": sum(r["rssBytes"] for r in per.values()),
+            "lastError": self.last_error,
+        }

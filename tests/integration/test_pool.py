@@ -1,0 +1,131 @@
+"""The claimable warm pool (pal/manager/pool.py) with real VMs: a schedule of a pooled size
+claims a pooled VM (restored from the template, live-paused, offloaded), which takes the
+tenant's identity and spec afresh; two claims never share anything; the pool refills; a
+pooled VM holds little guest RAM; and nothing is left behind."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pal.vmm.offload import resident_bytes
+from tests.conftest import (
+    PalServer,
+    assert_guest_clock_is_the_hosts,
+    qemu_pids_under,
+    scratch_run_dir,
+    start_server,
+    stop_server,
+)
+from tests.leaks import pooled_vms, problems, vm_slots, vm_states
+
+pytestmark = pytest.mark.vm
+
+POOL_ENV = {"PAL_POOL": "256m-1c-2048d:2"}
+DEADLINE_S = 600  # a hang guard, not a speed bound (a TCG restore on a busy host)
+MIB = 1 << 20
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    with scratch_run_dir("pool") as d:
+        yield d
+
+
+def pool_metric(server: PalServer, name: str) -> float:
+    r = httpx.get(
+        server.url + "/metrics", headers={"Authorization": f"Bearer {server.operator_token}"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    m = re.search(rf"^pal_pool_{name}\{{[^}}]*\}} ([0-9.e+]+)$", r.text, re.M)
+    assert m is not None, f"pal_pool_{name} is not in /metrics"
+    return float(m.group(1))
+
+
+def wait_pool_ready(
+    server: PalServer, n: int, not_among: frozenset[str] | set[str] = frozenset()
+) -> dict[str, str]:
+    """Block until the pool holds ``n`` ready VMs (none of ``not_among``); pool id -> slot."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        pooled = pooled_vms(server.data_dir)
+        if pool_metric(server, "ready") >= n and len(pooled) == n and not set(pooled) & not_among:
+            return pooled
+        assert server.proc.poll() is None, server.log_tail()
+        time.sleep(0.5)
+    raise AssertionError(f"the pool did not get {n} VMs ready:\n{server.log_tail()}")
+
+
+def sh(c: httpx.Client, vm: str, line: str) -> str:
+    r = c.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", line]})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
+    return str(r.json()["stdout"])
+
+
+def test_a_schedule_claims_a_pooled_vm_with_a_fresh_identity_and_the_pool_refills(run_dir: Path) -> None:
+    server = start_server(run_dir, POOL_ENV)
+    try:
+        key = server.tenant("pool-claims", max_vms=4)
+        pooled = wait_pool_ready(server, 2)
+        tokens = {slot: vm_states(run_dir)[slot]["token"] for slot in pooled.values()}
+        for slot in pooled.values():  # stopped and offloaded: little of its guest RAM is resident
+            (pid,) = qemu_pids_under(run_dir / "vms" / slot)
+            assert resident_bytes(pid, run_dir / "vms" / slot / "mem") < 64 * MIB
+        assert pool_metric(server, "rss_bytes") > 0
+        with server.client(key) as c:
+            vms = []
+            for n in range(2):
+                r = c.post("/v1/runtime/schedule", json={"secrets": {"WHO": f"tenant-{n}"}})
+                assert r.status_code == 200, r.text
+                assert r.json()["bootMethod"] == "pool", r.json()
+                vms.append(r.json()["vmId"])
+            slots = vm_slots(run_dir)
+            # Each claimed one pooled VM, a different one, and it left the pool.
+            assert {slots[v] for v in vms} == set(pooled.values())
+            seen = {}
+            for n, vm in enumerate(vms):
+                out = sh(
+                    c,
+                    vm,
+                    "hostname; cat /sys/class/net/eth0/address; head -c 32 /dev/urandom | od -An -tx1;"
+                    " echo $WHO",
+                )
+                host, mac, *rng, who = out.split("\n")[:-1]
+                assert host == vm[:63] and who == f"tenant-{n}"
+                seen[vm] = (mac, "".join(rng))
+                # A token of its own, not the pooled VM's.
+                assert vm_states(run_dir)[slots[vm]]["token"] != tokens[slots[vm]]
+                assert_guest_clock_is_the_hosts(lambda vm=vm: float(sh(c, vm, "date +%s.%N")))
+            (mac_a, rng_a), (mac_b, rng_b) = seen.values()
+            assert mac_a != mac_b and rng_a != rng_b
+            assert pool_metric(server, "claims") == 2
+            # The pool refills with new VMs (never the claimed ones: they are the tenant's).
+            refilled = wait_pool_ready(server, 2, not_among=set(pooled))
+            assert not set(refilled.values()) & {slots[v] for v in vms}
+            assert problems(run_dir) == []
+            for vm in vms:
+                assert c.delete(f"/v1/runtime/vms/{vm}").status_code == 200
+            assert problems(run_dir) == []
+    finally:
+        stop_server(server)
+    assert qemu_pids_under(run_dir / "vms") == [], "a stopped server leaves no pooled QEMU"
+
+
+def test_a_size_without_a_pool_boots_as_before_and_counts_no_claim(run_dir: Path) -> None:
+    server = start_server(run_dir, {"PAL_POOL": "256m-1c-2048d:1"})
+    try:
+        key = server.tenant("pool-miss", max_vms=2)
+        wait_pool_ready(server, 1)
+        with server.client(key) as c:
+            r = c.post("/v1/runtime/schedule", json={"limits": {"memoryMib": 192, "diskMib": 3072}})
+            assert r.status_code == 200, r.text
+            assert r.json()["bootMethod"] != "pool"
+            assert pool_metric(server, "claims") == 0 and pool_metric(server, "ready") == 1
+            c.delete(f"/v1/runtime/vms/{r.json()['vmId']}")
+    finally:
+        stop_server(server)
