@@ -4,6 +4,7 @@ memory of a VM's QEMU, the machine and the data dir it ran on."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import platform
@@ -118,3 +119,29 @@ def data_dir_lines(report: dict[str, Any]) -> list[str]:
     if not d:
         return []
     return [f"- Data dir: `{d['path']}` (mode {d.get('mode', '?')}, its parent {d.get('parentMode', '?')})"]
+
+
+def report_of(
+    body: dict[str, Any], *, accel: str, load_start: float, data_dir: Path | None
+) -> dict[str, Any]:
+    """A benchmark's report: when, on what (machine, accelerator, load before and after,
+    data dir), and ``body``, what it measured."""
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "accel": accel,
+        "machine": machine(),
+        "load_start": round(load_start, 1),
+        "load_end": round(os.getloadavg()[0], 1),
+        "data_dir": data_dir_info(data_dir),
+        **body,
+    }
+
+
+def write_report(
+    out_dir: Path, name: str, report: dict[str, Any], markdown: str, log: Callable[[str], None]
+) -> None:
+    """``name``.json and ``name``.md in ``out_dir`` (docs/benchmarks/)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"{name}.md").write_text(markdown)
+    log(f"wrote {out_dir / (name + '.md')}")

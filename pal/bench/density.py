@@ -17,8 +17,6 @@ JSON and docs/benchmarks/density.md.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
 import os
 import random
 import time
@@ -27,13 +25,13 @@ from typing import Any
 
 from pal.bench.common import (
     Api,
-    data_dir_info,
     data_dir_lines,
-    machine,
     pct,
     pss_kib,
     qemu_pid_of,
+    report_of,
     timed,
+    write_report,
 )
 from pal.bench.server import local_server, server_accel
 
@@ -257,17 +255,6 @@ def main(
         api = Api(url, key)
         accel = server_accel(url)
         body = run(api, cap, _server_pid(int(url.rsplit(":", 1)[1])), log)
-    report = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "accel": accel,
-        "machine": machine(),
-        "load_start": round(load_start, 1),
-        "load_end": round(os.getloadavg()[0], 1),
-        "data_dir": data_dir_info(data_dir),
-        **body,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "density.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "density.md").write_text(render(report))
-    log(f"wrote {out_dir / 'density.md'}")
+    report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
+    write_report(out_dir, "density", report, render(report), log)
     return report

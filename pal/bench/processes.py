@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import datetime as dt
 import json
 import os
 import queue
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import Api, data_dir_info, data_dir_lines, machine, pct, timed
+from pal.bench.common import Api, data_dir_lines, pct, report_of, timed, write_report
 from pal.bench.server import local_server, server_accel
 
 MB = 1_000_000
@@ -356,18 +355,7 @@ def main(
         api = Api(url, key)
         accel = server_accel(url, token)
         body = run(api, iterations, size_mib, idle_processes, log)
-    report = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "accel": accel,
-        "machine": machine(),
-        "load_start": round(load_start, 1),
-        "load_end": round(os.getloadavg()[0], 1),
-        "data_dir": data_dir_info(data_dir),
-        **body,
-    }
+    report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "processes.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "processes.md").write_text(render(report))
-    log(f"wrote {out_dir / 'processes.md'}")
+    write_report(out_dir, "processes", report, render(report), log)
     return report

@@ -20,7 +20,6 @@ Writes JSON and docs/benchmarks/wait.md.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import hashlib
 import http.server
 import json
@@ -33,7 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, data_dir_info, data_dir_lines, machine, pct, pss_kib, qemu_pid_of, timed
+from pal.bench.common import (
+    Api,
+    data_dir_lines,
+    pct,
+    pss_kib,
+    qemu_pid_of,
+    report_of,
+    timed,
+    write_report,
+)
 from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
@@ -544,20 +552,9 @@ def main(
         api = Api(url, key)
         accel = server_accel(url, token)
         body = run(api, model, iterations, waits, scenario_runs, log)
-    report = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "accel": accel,
-        "machine": machine(),
-        "load_start": round(load_start, 1),
-        "load_end": round(os.getloadavg()[0], 1),
-        "data_dir": data_dir_info(data_dir),
-        **body,
-    }
+    report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "wait.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "wait.md").write_text(render(report))
-    log(f"wrote {out_dir / 'wait.md'}")
+    write_report(out_dir, "wait", report, render(report), log)
     with contextlib.suppress(Exception):
         model.server.shutdown()
     return report
