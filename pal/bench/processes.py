@@ -114,6 +114,15 @@ def sse_throughput(api: Api, vm: str, size: int) -> tuple[float, int]:
     """Seconds from the start call to the exit event for ``size`` bytes read over SSE."""
     t0 = time.perf_counter()
     pid = _start(api, vm, f"exec head -c {size} /dev/zero", journalBytes=64 * 1024 * 1024)
+    got = _read_to_end(api, vm, pid)
+    secs = time.perf_counter() - t0
+    api.call("DELETE", f"{_procs(vm)}/{pid}")
+    return secs, got
+
+
+
+def _read_to_end(api: Api, vm: str, pid: int) -> int:
+    """Bytes of stdout read over SSE from offset 0 until the stream ends."""
     got = 0
     with api.http.stream("GET", f"{_procs(vm)}/{pid}/output?encoding=base64", headers=SSE) as resp:
         for event, _, data in _sse(resp):
@@ -121,10 +130,7 @@ def sse_throughput(api: Api, vm: str, size: int) -> tuple[float, int]:
                 got += len(base64.b64decode(data["data"]))
             elif event in ("exit", "detached", "gap"):
                 break
-    secs = time.perf_counter() - t0
-    api.call("DELETE", f"{_procs(vm)}/{pid}")
-    return secs, got
-
+    return got
 
 def journal_fill_and_replay(api: Api, vm: str, size: int) -> tuple[float, float]:
     """The two halves of the SSE path, apart: seconds the guest took to put ``size`` bytes
@@ -135,13 +141,8 @@ def journal_fill_and_replay(api: Api, vm: str, size: int) -> tuple[float, float]
     while info["running"]:
         info = api.call("POST", f"{_procs(vm)}/{pid}/wait", params={"timeoutSecs": 60})
     fill = (info["endedMs"] - info["startedMs"]) / 1000
-    t0, got = time.perf_counter(), 0
-    with api.http.stream("GET", f"{_procs(vm)}/{pid}/output?encoding=base64", headers=SSE) as resp:
-        for event, _, data in _sse(resp):
-            if event == "stdout":
-                got += len(base64.b64decode(data["data"]))
-            elif event in ("exit", "detached", "gap"):
-                break
+    t0 = time.perf_counter()
+    got = _read_to_end(api, vm, pid)
     replay = time.perf_counter() - t0
     api.call("DELETE", f"{_procs(vm)}/{pid}")
     if got != size:
