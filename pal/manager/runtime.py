@@ -43,6 +43,7 @@ from pal.manager.parked import Parking
 from pal.manager.ports import GuestConnection, PortRoutes
 from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
+from pal.manager.restore_gate import RestoreGate
 from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
 from pal.manager.spawn import SpawnDeps, Spawner
@@ -80,9 +81,13 @@ class NodeRuntime:
         self.waits = WaitWatcher(pausing, self.live.start_prefetch)
         watchers = (self.live.forget, self.metrics.stopped, self.ports.forget, self.waits.forget)
         self.stopper = Stopper(reg, self.files, self.parking, self.forks, watchers)
-        restores = Restores(RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self))
+        gate = self.restore_gate = RestoreGate(settings.fork_concurrency)
+        restores = Restores(
+            RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self, gate.sampler)
+        )
+        net, jail = self.net, self.jail
         self.spawner = Spawner(
-            SpawnDeps(settings, accel.name, reg, self.net, self.jail, self.forks, self.parking, restores)
+            SpawnDeps(settings, accel.name, reg, net, jail, self.forks, self.parking, restores, gate)
         )
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)

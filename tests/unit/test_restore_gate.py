@@ -1,0 +1,156 @@
+"""Restores admitted by the CPU that is free (restore_gate.py), the load read from /proc and
+the cgroup (host_cpu.py, v1 and v2), and timeouts stretched by the load."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pal.manager.restore_gate import RestoreGate
+from pal.vmm import host_cpu
+from pal.vmm.host_cpu import LoadSampler, Stretch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0  # every sample is a fresh one
+        return self.t
+
+
+def sampler(cpus: float, runnable: list[int]) -> LoadSampler:
+    """A host whose runnable count is ``runnable[i]`` at the i-th read (the last one after)."""
+    seq = iter(runnable)
+    last = [runnable[-1]]
+
+    def read() -> int:
+        last[0] = next(seq, last[0])
+        return last[0]
+
+    return LoadSampler(cpus, read, Clock())
+
+
+def test_cgroup_v1_quota(tmp_path: Path) -> None:
+    (tmp_path / "cpu" / "box").mkdir(parents=True)
+    (tmp_path / "cpu" / "box" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "box" / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "self-cgroup"
+    proc.write_text("4:memory:/x\n1:cpu:/box\n0::/\n")
+    assert host_cpu.quota_cpus(tmp_path, proc) == 1.5
+    (tmp_path / "cpu" / "box" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert host_cpu.quota_cpus(tmp_path, proc) is None
+
+
+def test_cgroup_v2_quota(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
+    (tmp_path / "svc").mkdir()
+    (tmp_path / "svc" / "cpu.max").write_text("50000 100000\n")
+    proc = tmp_path / "self-cgroup"
+    proc.write_text("0::/svc\n")
+    assert host_cpu.quota_cpus(tmp_path, proc) == 0.5
+    assert host_cpu.capacity(tmp_path, proc) == 0.5
+    (tmp_path / "svc" / "cpu.max").write_text("max 100000\n")
+    assert host_cpu.quota_cpus(tmp_path, proc) is None
+
+
+def test_runnable_now_reads_loadavg_without_the_reader(tmp_path: Path) -> None:
+    f = tmp_path / "loadavg"
+    f.write_text("3.87 1.00 0.33 8/135 31952\n")
+    assert host_cpu.runnable_now(f) == 7
+    f.write_text("garbage")
+    assert host_cpu.runnable_now(f) is None
+    assert host_cpu.runnable_now(Path("/proc/loadavg")) is not None
+
+
+def test_the_real_host_has_a_capacity() -> None:
+    assert host_cpu.capacity() > 0
+
+
+def test_stretch_gives_a_loaded_host_longer() -> None:
+    idle = Stretch(5.0, sampler(2, [0]))
+    idle.spend(5.0)
+    assert idle.expired
+    busy = Stretch(5.0, sampler(2, [8]))  # 4 tasks share each CPU
+    busy.spend(5.0)
+    assert not busy.expired
+    busy.spend(14.0)
+    assert not busy.expired
+    busy.spend(1.5)
+    assert busy.expired and "CPU time" in busy.describe()
+
+
+def test_slots_follow_the_free_cpu() -> None:
+    assert RestoreGate(16, sampler(2, [0])).slots() == 4
+    assert RestoreGate(16, sampler(2, [1])).slots() == 2
+    assert RestoreGate(16, sampler(2, [9])).slots() == 1, "never fewer than one at a time"
+    assert RestoreGate(3, sampler(64, [0])).slots() == 3, "never more than the ceiling"
+
+
+def host_with(gate_ref: list[RestoreGate], others: int) -> LoadSampler:
+    """A 2-CPU host running ``others`` tasks besides the gate's own restores (each one
+    runnable, as a restoring QEMU is)."""
+    return LoadSampler(2, lambda: others + (gate_ref[0].in_flight if gate_ref else 0), Clock())
+
+
+async def test_the_gate_admits_by_free_cpu_first_come_first_served() -> None:
+    ref: list[RestoreGate] = []
+    gate = RestoreGate(16, host_with(ref, 1))  # 1 CPU free: 2 at once
+    ref.append(gate)
+    order: list[int] = []
+    release = asyncio.Event()
+
+    async def restore(i: int) -> None:
+        async with gate.admit():
+            order.append(i)
+            await release.wait()
+
+    tasks = [asyncio.create_task(restore(i)) for i in range(6)]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert order == [0, 1] and gate.in_flight == 2 and gate.waiting == 4
+    release.set()
+    await asyncio.gather(*tasks)
+    assert order == list(range(6)) and gate.in_flight == 0 and gate.max_in_flight == 2
+
+
+async def test_a_busy_host_admits_one_at_a_time_and_more_when_load_drops() -> None:
+    load = [9] * 8 + [0] * 1000
+    gate = RestoreGate(16, sampler(2, load))
+    running = 0
+    peak: list[int] = []
+
+    async def restore() -> None:
+        nonlocal running
+        async with gate.admit():
+            running += 1
+            peak.append(running)
+            await asyncio.sleep(0.01)
+            running -= 1
+
+    await asyncio.gather(*(restore() for _ in range(8)))
+    assert peak[0] == 1 and max(peak) > 1 and gate.admitted_total == 8
+
+
+async def test_a_cancelled_waiter_leaves_no_slot_taken() -> None:
+    gate = RestoreGate(1, sampler(2, [0]))
+    hold = asyncio.Event()
+
+    async def first() -> None:
+        async with gate.admit():
+            await hold.wait()
+
+    t1 = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    t2 = asyncio.create_task(first())
+    await asyncio.sleep(0)
+    assert gate.waiting == 1
+    t2.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t2
+    hold.set()
+    await t1
+    assert gate.in_flight == 0 and gate.waiting == 0
