@@ -97,7 +97,9 @@ class NodeRuntime:
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
         self.adopter = Adopter(AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks))
-        self.reports = NodeReports(ReportDeps(self.me, settings, store, reg, lambda: self.templates, self))
+        self.reports = NodeReports(
+            ReportDeps(self.me, settings, store, reg, lambda: self.templates, self, gate.sampler)
+        )
         self.sampler = Sampler(
             reg, self.metrics, settings.heartbeat_interval_s, self.net.cached_bytes, self.net.refresh_counters
         )

@@ -2,17 +2,21 @@
 v2, or its affinity mask) and how many tasks are ready to run on them. Restores are
 admitted by it (pal/manager/restore_gate.py), and a guest's first answer is timed by it.
 
-The one rule for timeouts under load (``Stretch``): wall time counts divided by how many
-runnable tasks share each CPU (at least 1). A guest that gets a quarter of a CPU has four
-times as long; load alone, or a long queue of restores (each one runnable), never trips
-a timeout, while a guest that is stuck on an idle host still does.
+The one rule for timeouts under load (``LoadSampler.cpu_now``, a clock of an uncontended
+CPU): wall time counts divided by how many runnable tasks share each CPU (at least 1). A
+guest that gets a quarter of a CPU has four times as long; load alone, or a long queue of
+restores (each one runnable), never trips a timeout, while a guest that is stuck on an
+idle host still does. The identify timeout (``Stretch``) and a silent harness (the node's
+heartbeat reports its silence in this clock) both use it.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,7 @@ from pal.vmm.cgroups import PROC_SELF_CGROUP, ROOT, own_paths
 LOADAVG = Path("/proc/loadavg")
 SMOOTHING = 0.3  # weight of a new runnable sample: a burst of one sample moves it a third
 SAMPLE_EVERY_S = 0.05  # at most one /proc read per this (many restores ask at once)
+CLOCK_POINTS = 4096  # the CPU clock's history kept (one point per second at most: > 1 hour)
 
 
 @dataclass(frozen=True)
@@ -103,36 +108,61 @@ class LoadSampler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.capacity = cpus if cpus is not None else capacity()
-        self._read, self._clock = read, clock
+        self._read, self.clock = read, clock
         self.own: Callable[[], int] = lambda: 0
         self._others: float | None = None
         self._at = -math.inf
+        self._cpu = 0.0  # the CPU clock at ``_at``
+        self._points: deque[tuple[float, float]] = deque(maxlen=CLOCK_POINTS)  # (wall, cpu)
 
     def sample(self) -> CpuLoad:
-        now, own = self._clock(), self.own()
+        now, own = self.clock(), self.own()
         if now - self._at >= SAMPLE_EVERY_S:
+            if self._at > -math.inf:  # the interval since the last sample, at the load seen then
+                self._cpu += (now - self._at) / self._load(own).sharing
             self._at = now
+            if not self._points or now - self._points[-1][0] >= 1.0:
+                self._points.append((now, self._cpu))
             got = self._read()
             if got is not None:
                 seen, prev = max(0, got - own), self._others
                 self._others = seen if prev is None else prev + SMOOTHING * (seen - prev)
+        return self._load(own)
+
+    def _load(self, own: int) -> CpuLoad:
         return CpuLoad(self.capacity, self._others or 0.0, own)
+
+    def cpu_now(self) -> float:
+        """Seconds of an uncontended CPU since this sampler started (the module's rule)."""
+        self.sample()
+        return self._cpu
+
+    def cpu_since(self, then: float) -> float:
+        """Seconds of an uncontended CPU since ``then`` (a time of this sampler's clock,
+        ``time.monotonic`` by default); before the sampler's first point counts as wall time."""
+        now_cpu = self.cpu_now()
+        pts = self._points
+        if not pts or then <= pts[0][0]:
+            first = pts[0] if pts else (self._at, now_cpu)
+            return max(0.0, first[0] - then) + (now_cpu - first[1])
+        i = bisect.bisect_right(pts, then, key=lambda p: p[0]) - 1
+        t0, c0 = pts[i]
+        t1, c1 = pts[i + 1] if i + 1 < len(pts) else (self._at, self._cpu)
+        at_then = c0 if t1 <= t0 else c0 + (c1 - c0) * (then - t0) / (t1 - t0)
+        return max(0.0, now_cpu - at_then)
 
 
 class Stretch:
     """A timeout of ``base_s`` seconds of an uncontended CPU (the module's rule)."""
 
     def __init__(self, base_s: float, sampler: LoadSampler) -> None:
-        self.base_s, self.left, self.sampler = base_s, base_s, sampler
-        self.wall_s = 0.0
-
-    def spend(self, wall_s: float) -> None:
-        self.wall_s += wall_s
-        self.left -= wall_s / self.sampler.sample().sharing
+        self.base_s, self.sampler = base_s, sampler
+        self.started_cpu, self.started_wall = sampler.cpu_now(), sampler.clock()
 
     @property
     def expired(self) -> bool:
-        return self.left <= 0
+        return self.sampler.cpu_now() - self.started_cpu >= self.base_s
 
     def describe(self) -> str:
-        return f"{self.base_s:g}s of CPU time ({self.wall_s:.1f}s wall on a loaded host)"
+        wall = self.sampler.clock() - self.started_wall
+        return f"{self.base_s:g}s of CPU time ({wall:.1f}s wall on a loaded host)"

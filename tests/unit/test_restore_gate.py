@@ -70,17 +70,49 @@ def test_the_real_host_has_a_capacity() -> None:
     assert host_cpu.capacity() > 0
 
 
+class Wall:
+    """A wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_stretch_gives_a_loaded_host_longer() -> None:
-    idle = Stretch(5.0, sampler(2, [0]))
-    idle.spend(5.0)
-    assert idle.expired
-    busy = Stretch(5.0, sampler(2, [8]))  # 4 tasks share each CPU
-    busy.spend(5.0)
-    assert not busy.expired
-    busy.spend(14.0)
-    assert not busy.expired
-    busy.spend(1.5)
-    assert busy.expired and "CPU time" in busy.describe()
+    wall = Wall()
+    idle = LoadSampler(2, lambda: 0, wall)
+    t = Stretch(5.0, idle)
+    wall.t += 4.9
+    assert not t.expired
+    wall.t += 0.2
+    assert t.expired, "an idle host: 5 s of wall time"
+    others = [8]  # 4 tasks share each CPU
+    busy = LoadSampler(2, lambda: others[0], wall)
+    t = Stretch(5.0, busy)
+    for _ in range(19):
+        wall.t += 1.0
+        assert not t.expired
+    wall.t += 1.1
+    assert t.expired and "CPU time" in t.describe(), "a busy host: 4x as long"
+
+
+def test_the_cpu_clock_counts_silence_in_cpu_time() -> None:
+    wall = Wall()
+    others = [0]
+    s = LoadSampler(2, lambda: others[0], wall)
+    heard = wall.t
+    for _ in range(10):  # 10 s idle
+        wall.t += 1.0
+        s.sample()
+    others[0] = 6  # then 3 tasks share each CPU: 30 s wall are 10 s of CPU
+    for _ in range(30):
+        wall.t += 1.0
+        s.sample()
+    assert 19.0 < s.cpu_since(heard) < 23.0  # the smoothed load takes a few samples to rise
+    assert 6.0 < s.cpu_since(heard + 20.0) < 7.5  # the last 20 s of wall, at 1/3
+    assert s.cpu_since(heard - 5.0) > s.cpu_since(heard), "before the first point: wall time"
 
 
 def test_slots_follow_the_free_cpu() -> None:
