@@ -5,7 +5,9 @@ Started all at once, N restores each get 1/N of the CPUs and every one of them i
 admitted as CPU frees up, each runs at near full speed and the whole batch ends no later.
 So a restore starts while fewer are in flight than the CPUs the rest of the host leaves
 free (host_cpu.py: capacity less the other runnable tasks, times ``OVERCOMMIT``), never
-fewer than one at a time and never more than PAL_FORK_CONCURRENCY. Waiters are admitted
+more than PAL_FORK_CONCURRENCY, and never fewer than one per CPU: on a host busy with
+others' work the kernel shares each CPU fairly between runnable tasks, and one restore
+per CPU keeps a fan-out moving at that fair share (one in all would leave it a fraction). Waiters are admitted
 first come, first served. Timeouts after admission stretch with the load
 (host_cpu.Stretch), so a long queue slows children down but never fails them.
 """
@@ -40,7 +42,8 @@ class RestoreGate:
         """How many restores may run at once now."""
         load = self.sampler.sample()
         free = max(0.0, load.capacity - load.others)
-        return max(1, min(self.ceiling, math.floor(free * OVERCOMMIT)))
+        floor = max(1, math.floor(load.capacity))
+        return min(self.ceiling, max(floor, math.floor(free * OVERCOMMIT)))
 
     @property
     def waiting(self) -> int:
