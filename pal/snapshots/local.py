@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -95,8 +96,10 @@ class LocalTier:
         fsync_path(self.staging_root)
         return target
 
-    def remove(self, ref: SnapshotRef) -> bool:
-        """Atomically make the snapshot disappear, then delete its files."""
+    def remove(self, ref: SnapshotRef, *, later: bool = False) -> bool:
+        """Atomically make the snapshot disappear, then delete its files (``later``: in a
+        background thread, off the caller's path; a crash before it ends leaves them in
+        the staging root, which ``cleanup_staging`` empties at start)."""
         target = self.path(ref)
         graveyard = self.staging_root / f"{ref.snapshot_id}.deleting.{uuid.uuid4().hex[:8]}"
         try:
@@ -104,7 +107,12 @@ class LocalTier:
         except FileNotFoundError:
             return False
         fsync_path(target.parent)
-        shutil.rmtree(graveyard, ignore_errors=True)
+        if later:
+            threading.Thread(
+                target=shutil.rmtree, args=(graveyard,), kwargs={"ignore_errors": True}, daemon=True
+            ).start()
+        else:
+            shutil.rmtree(graveyard, ignore_errors=True)
         return True
 
     def list_vm(self, agent_version_id: str, vm_id: str) -> list[dict[str, Any]]:
