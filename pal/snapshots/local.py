@@ -19,6 +19,8 @@ from typing import Any
 
 from pal.snapshots.layout import META_FILE, STAGING_DIRNAME, SnapshotRef, vm_dir
 
+DELETER_THREAD = "pal-snapshot-delete"  # removes the files of a snapshot already gone
+
 
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory fsync makes renames in it durable)."""
@@ -109,7 +111,11 @@ class LocalTier:
         fsync_path(target.parent)
         if later:
             threading.Thread(
-                target=shutil.rmtree, args=(graveyard,), kwargs={"ignore_errors": True}, daemon=True
+                target=shutil.rmtree,
+                args=(graveyard,),
+                kwargs={"ignore_errors": True},
+                name=DELETER_THREAD,
+                daemon=True,
             ).start()
         else:
             shutil.rmtree(graveyard, ignore_errors=True)
