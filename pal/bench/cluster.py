@@ -29,7 +29,7 @@ from typing import Any
 
 import boto3
 
-from pal.bench.latency import Api, machine, pct
+from pal.bench.common import Api, machine, pct
 from pal.config import Settings
 from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, kill_qemus_under

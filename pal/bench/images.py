@@ -21,19 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import (
-    BASELINES,
-    ROWS,
-    Api,
-    cold_boot_rows,
-    custom_image_rows,
-    local_server,
-    machine,
-    pct,
-    server_accel,
-    timed,
-    wait_template,
-)
+from pal.bench.common import Api, machine, pct, timed
+from pal.bench.latency import cold_boot_rows, custom_image_rows
+from pal.bench.latency_rows import BASELINES, ROWS
+from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 KEYS = (

@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import Api, local_server, machine, pct, server_accel, wait_template
+from pal.bench.common import Api, machine, pct
+from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 HOST = "127.0.0.2"

@@ -32,7 +32,8 @@ from typing import Any
 
 import boto3
 
-from pal.bench.latency import Api, local_server, machine, pct, server_accel, timed
+from pal.bench.common import Api, machine, pct, timed
+from pal.bench.server import local_server, server_accel
 from pal.config import Settings
 from pal.localcluster.s3 import TEST_ENV, S3Server
 

@@ -33,19 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import (
-    Api,
-    data_dir_info,
-    data_dir_lines,
-    local_server,
-    machine,
-    pct,
-    pss_kib,
-    qemu_pid_of,
-    server_accel,
-    timed,
-    wait_template,
-)
+from pal.bench.common import Api, data_dir_info, data_dir_lines, machine, pct, pss_kib, qemu_pid_of, timed
+from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 HOST = "127.0.0.2"
@@ -169,11 +158,23 @@ def _warm_exec(api: Api, vm: str, n: int) -> list[float]:
 
 def run(api: Api, model: Model, iterations: int, waits: int, scenario_runs: int, log: Any) -> dict[str, Any]:
     r: dict[str, Any] = {"samples_ms": {}, "scenario": [], "baseline": [], "forks": {}}
-    s = r["samples_ms"]
-
     log("warm template")
     wait_template(api, DEFAULT_MEMORY_MIB)
+    _live_and_offload_rows(api, iterations, r, log)
+    _idle_tier_rows(api, iterations, r["samples_ms"], log)
+    url = f"http://{NAME}:{model.port}/v1/complete"
+    for wait_on in ([True] * scenario_runs) + ([False] * scenario_runs):
+        log(f"wait scenario ({'with' if wait_on else 'without'} wait management)")
+        (r["scenario"] if wait_on else r["baseline"]).append(_wait_scenario(api, model, url, wait_on))
+    if waits:
+        r["repetition"] = _repeated_waits(api, model, url, waits, log)
+    _fork_rows(api, r, log)
+    return r
 
+
+def _live_and_offload_rows(api: Api, iterations: int, r: dict[str, Any], log: Any) -> None:
+    """Live pause/resume of one VM, then the offload of its mostly resident RAM."""
+    s = r["samples_ms"]
     log(f"warm exec, live pause/resume ×{iterations}")
     vm = api.call("POST", "/v1/runtime/schedule", json={})["vmId"]
     s["warm_exec"] = _warm_exec(api, vm, iterations)
@@ -206,6 +207,9 @@ def run(api: Api, model: Model, iterations: int, waits: int, scenario_runs: int,
         s["first_exec_after_offload"].append(timed(api.exec_ok, vm)[0])
     api.call("DELETE", f"/v1/runtime/vms/{vm}")
 
+
+def _idle_tier_rows(api: Api, iterations: int, s: dict[str, Any], log: Any) -> None:
+    """A VM that drops to the live idle tier by itself: wake -> first exec."""
     log(f"idle live tier: wake -> first exec ×{iterations}")
     vm = api.call("POST", "/v1/runtime/schedule", json={"idleLivePauseSecs": 1})["vmId"]
     s["warm_exec_tier_vm"] = _warm_exec(api, vm, 5)
@@ -215,93 +219,37 @@ def run(api: Api, model: Model, iterations: int, waits: int, scenario_runs: int,
         s["idle_tier_wake_to_first_exec"].append(timed(api.exec_ok, vm)[0])
     api.call("DELETE", f"/v1/runtime/vms/{vm}")
 
-    url = f"http://{NAME}:{model.port}/v1/complete"
-    for wait_on in ([True] * scenario_runs) + ([False] * scenario_runs):
-        log(f"wait scenario ({'with' if wait_on else 'without'} wait management)")
-        spec = {"waitPause": {"afterMs": 500, "offloadAfterMs": 5000} if wait_on else False}
-        vm = api.call("POST", "/v1/runtime/schedule", json=spec)["vmId"]
-        api.call("PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": "client.py"}, content=CLIENT)
-        pid = qemu_pid_of(vm)
-        res: dict[str, Any] = {}
 
-        def client(vm: str = vm, res: dict[str, Any] = res) -> None:
-            try:
-                out = api.call(
-                    "POST",
-                    f"/v1/runtime/vms/{vm}/exec",
-                    json={"command": "python3", "argv": ["client.py", url]},
-                )
-                res.update(json.loads(out["stdout"]))
-            except Exception as exc:  # said by the main thread, not lost in this one's traceback
-                res["error"] = f"{exc}; exec answered {locals().get('out')}"
+def _repeated_waits(api: Api, model: Model, url: str, waits: int, log: Any) -> dict[str, Any]:
+    """Many waits in a row on one VM: each one paused, offloaded and woken."""
+    log(f"{waits} waits in a row on one VM")
+    model.delay = 1.5
+    vm = api.call(
+        "POST", "/v1/runtime/schedule", json={"waitPause": {"afterMs": 300, "offloadAfterMs": 300}}
+    )["vmId"]
+    api.call("PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": "loop.py"}, content=LOOP_CLIENT)
+    t = time.time()
+    out = api.call(
+        "POST",
+        f"/v1/runtime/vms/{vm}/exec",
+        json={"command": "python3", "argv": ["loop.py", url + "?i=", str(waits), model.sha]},
+    )
+    got = json.loads(out["stdout"])
+    stats = api.call("GET", f"/v1/runtime/vms/{vm}")["liveStats"]
+    state = api.call("GET", f"/v1/runtime/vms/{vm}")["state"]
+    repetition = {
+        **got,
+        "seconds": round(time.time() - t, 1),
+        "liveStats": stats,
+        "stateAfter": state,
+    }
+    api.call("DELETE", f"/v1/runtime/vms/{vm}")
+    model.delay = 10.0
+    return repetition
 
-        n_before = len(model.times)
-        th = threading.Thread(target=client)
-        th.start()
-        one: dict[str, Any] = {}
-        if wait_on and pid:
-            p = _poll("the wait pause", lambda: _pause(api, vm).get("by") == "wait" and _pause(api, vm))  # noqa: B023
-            one["residentBeforeMiB"] = p.get("residentMiB")
-            one["rssPausedMiB"] = _rss_mib(pid)
-            cpu0, t0 = _cpu_ticks(pid), time.time()
-            _poll("the offload", lambda: _pause(api, vm).get("offloaded") or not th.is_alive())  # noqa: B023
-            one["rssOffloadedMiB"] = _rss_mib(pid)
-            one["residentAfterMiB"] = _pause(api, vm).get("residentMiB")
-            _poll("the wake", lambda: api.call("GET", f"/v1/runtime/vms/{vm}")["state"] == "running")  # noqa: B023
-            secs = time.time() - t0
-            one["qemuCpuPctPaused"] = round(
-                100 * (_cpu_ticks(pid) - cpu0) / os.sysconf("SC_CLK_TCK") / secs, 2
-            )
-        th.join()
-        if "error" in res:
-            raise RuntimeError(f"the wait scenario's client in {vm} failed: {res['error']}")
-        up = model.times[n_before]
-        one.update(
-            upstreamS=round(up[2] - up[0], 3),
-            clientS=round(res["total"], 3),
-            # The client's time split (guest and host wall clocks; the guest's is set from the
-            # host's at every live resume): before its request reached the model; from the
-            # model's first byte to urlopen's return (the wake, with wait management); reading
-            # the 2 MiB body in the guest.
-            requestS=round(up[0] - res["t0"], 3),
-            headersS=round(res["th"] - up[1], 3),
-            readS=round(res["t1"] - res["th"], 3),
-            shaOk=res["sha"] == model.sha and res["n"] == model.size,
-        )
-        evs = {e["kind"]: e for e in _events(api, vm)}
-        for k in ("wait_pause", "wait_offload", "wait_resume"):
-            if k in evs:
-                one[k] = evs[k]["details"]
-        (r["scenario"] if wait_on else r["baseline"]).append(one)
-        api.call("DELETE", f"/v1/runtime/vms/{vm}")
 
-    if waits:
-        log(f"{waits} waits in a row on one VM")
-        model.delay = 1.5
-        vm = api.call(
-            "POST", "/v1/runtime/schedule", json={"waitPause": {"afterMs": 300, "offloadAfterMs": 300}}
-        )["vmId"]
-        api.call(
-            "PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": "loop.py"}, content=LOOP_CLIENT
-        )
-        t = time.time()
-        out = api.call(
-            "POST",
-            f"/v1/runtime/vms/{vm}/exec",
-            json={"command": "python3", "argv": ["loop.py", url + "?i=", str(waits), model.sha]},
-        )
-        got = json.loads(out["stdout"])
-        stats = api.call("GET", f"/v1/runtime/vms/{vm}")["liveStats"]
-        state = api.call("GET", f"/v1/runtime/vms/{vm}")["state"]
-        r["repetition"] = {
-            **got,
-            "seconds": round(time.time() - t, 1),
-            "liveStats": stats,
-            "stateAfter": state,
-        }
-        api.call("DELETE", f"/v1/runtime/vms/{vm}")
-        model.delay = 10.0
-
+def _fork_rows(api: Api, r: dict[str, Any], log: Any) -> None:
+    """Fork children: copy-on-write RAM (private) against a reflinked file (shared)."""
     log("fork children: copy-on-write RAM against a reflinked file of their own")
     fork_specs: list[tuple[str, dict[str, Any]]] = [("private", {}), ("shared", {"waitPause": {}})]
     for mode, fork_spec in fork_specs:
@@ -319,7 +267,64 @@ def run(api: Api, model: Model, iterations: int, waits: int, scenario_runs: int,
                 api.call("DELETE", f"/v1/runtime/vms/{k}")
         r["forks"][mode] = {"fork3Ms": lat, "pssMiB": pss}
         api.call("DELETE", f"/v1/runtime/vms/{src}")
-    return r
+
+
+def _wait_scenario(api: Api, model: Model, url: str, wait_on: bool) -> dict[str, Any]:
+    """One client request to the slow model from a VM, with or without wait management."""
+    spec = {"waitPause": {"afterMs": 500, "offloadAfterMs": 5000} if wait_on else False}
+    vm = api.call("POST", "/v1/runtime/schedule", json=spec)["vmId"]
+    api.call("PUT", f"/v1/runtime/vms/{vm}/files/content", params={"path": "client.py"}, content=CLIENT)
+    pid = qemu_pid_of(vm)
+    res: dict[str, Any] = {}
+
+    def client(vm: str = vm, res: dict[str, Any] = res) -> None:
+        try:
+            out = api.call(
+                "POST",
+                f"/v1/runtime/vms/{vm}/exec",
+                json={"command": "python3", "argv": ["client.py", url]},
+            )
+            res.update(json.loads(out["stdout"]))
+        except Exception as exc:  # said by the main thread, not lost in this one's traceback
+            res["error"] = f"{exc}; exec answered {locals().get('out')}"
+
+    n_before = len(model.times)
+    th = threading.Thread(target=client)
+    th.start()
+    one: dict[str, Any] = {}
+    if wait_on and pid:
+        p = _poll("the wait pause", lambda: _pause(api, vm).get("by") == "wait" and _pause(api, vm))
+        one["residentBeforeMiB"] = p.get("residentMiB")
+        one["rssPausedMiB"] = _rss_mib(pid)
+        cpu0, t0 = _cpu_ticks(pid), time.time()
+        _poll("the offload", lambda: _pause(api, vm).get("offloaded") or not th.is_alive())
+        one["rssOffloadedMiB"] = _rss_mib(pid)
+        one["residentAfterMiB"] = _pause(api, vm).get("residentMiB")
+        _poll("the wake", lambda: api.call("GET", f"/v1/runtime/vms/{vm}")["state"] == "running")
+        secs = time.time() - t0
+        one["qemuCpuPctPaused"] = round(100 * (_cpu_ticks(pid) - cpu0) / os.sysconf("SC_CLK_TCK") / secs, 2)
+    th.join()
+    if "error" in res:
+        raise RuntimeError(f"the wait scenario's client in {vm} failed: {res['error']}")
+    up = model.times[n_before]
+    one.update(
+        upstreamS=round(up[2] - up[0], 3),
+        clientS=round(res["total"], 3),
+        # The client's time split (guest and host wall clocks; the guest's is set from the
+        # host's at every live resume): before its request reached the model; from the
+        # model's first byte to urlopen's return (the wake, with wait management); reading
+        # the 2 MiB body in the guest.
+        requestS=round(up[0] - res["t0"], 3),
+        headersS=round(res["th"] - up[1], 3),
+        readS=round(res["t1"] - res["th"], 3),
+        shaOk=res["sha"] == model.sha and res["n"] == model.size,
+    )
+    evs = {e["kind"]: e for e in _events(api, vm)}
+    for k in ("wait_pause", "wait_offload", "wait_resume"):
+        if k in evs:
+            one[k] = evs[k]["details"]
+    api.call("DELETE", f"/v1/runtime/vms/{vm}")
+    return one
 
 
 def targets(report: dict[str, Any]) -> list[str]:
@@ -452,6 +457,13 @@ def render(report: dict[str, Any]) -> str:
             f"Offload: {before:.0f} MiB of guest RAM resident before, {freed:.0f} MiB freed on average.",
         ]
     lines += ["", "## The issue's targets", "", *targets(report)]
+    lines += _scenario_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _scenario_lines(report: dict[str, Any]) -> list[str]:
+    """The wait scenario, the repetition and the fork children."""
+    lines: list[str] = []
     lines += ["", "## The wait scenario", ""]
     lines += [
         "A server on 127.0.0.2 answers after 10 s with a 2 MiB chunked body; a Python urllib client in "
@@ -470,18 +482,8 @@ def render(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|---|---|---:|",
     ]
 
-    def scen(name: str, x: dict[str, Any]) -> str:
-        up, cl = x["upstreamS"], x["clientS"]
-        split = " | ".join(f"{x[k]:.2f}" if k in x else "–" for k in ("requestS", "headersS", "readS"))
-        head = f"| {name} | {up:.2f} | {cl:.2f} | {cl - up:.2f} | {split} | {x['shaOk']} | "
-        if "rssPausedMiB" not in x:
-            return head + "– | – | – |"
-        guest = f"{x.get('residentBeforeMiB')} → {x.get('residentAfterMiB')}"
-        rss = f"{x['rssPausedMiB']:.0f} → {x.get('rssOffloadedMiB', 0):.0f}"
-        return head + f"{guest} | {rss} | {x.get('qemuCpuPctPaused')} % |"
-
-    lines += [scen(f"wait {i + 1}", x) for i, x in enumerate(report["scenario"])]
-    lines += [scen(f"no wait management {i + 1}", x) for i, x in enumerate(report["baseline"])]
+    lines += [_scenario_row(f"wait {i + 1}", x) for i, x in enumerate(report["scenario"])]
+    lines += [_scenario_row(f"no wait management {i + 1}", x) for i, x in enumerate(report["baseline"])]
     rep = report.get("repetition")
     if rep:
         st = rep["liveStats"]
@@ -500,7 +502,18 @@ def render(report: dict[str, Any]) -> str:
                 f"- `{mode}`: fork of 3 p50 {pct(d['fork3Ms'], 0.5):.0f} ms; PSS per child mean "
                 f"{mean:.1f} MiB (max {top:.1f}), {len(d['pssMiB'])} children."
             )
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _scenario_row(name: str, x: dict[str, Any]) -> str:
+    up, cl = x["upstreamS"], x["clientS"]
+    split = " | ".join(f"{x[k]:.2f}" if k in x else "–" for k in ("requestS", "headersS", "readS"))
+    head = f"| {name} | {up:.2f} | {cl:.2f} | {cl - up:.2f} | {split} | {x['shaOk']} | "
+    if "rssPausedMiB" not in x:
+        return head + "– | – | – |"
+    guest = f"{x.get('residentBeforeMiB')} → {x.get('residentAfterMiB')}"
+    rss = f"{x['rssPausedMiB']:.0f} → {x.get('rssOffloadedMiB', 0):.0f}"
+    return head + f"{guest} | {rss} | {x.get('qemuCpuPctPaused')} % |"
 
 
 def main(

@@ -172,10 +172,10 @@ def build(base_root: Path, dest: Path) -> None:
     # ``pal`` in the guest is an empty package holding only ``guest``: nothing of the
     # host's code (nor its imports) comes along.
     (dest / "harness" / "pal" / "__init__.py").write_text("")
-    for path in [dest / "harness" / "pal" / "__init__.py", *guest_files()]:
-        target = package / path.name if path.parent == GUEST_DIR else path
-        if target != path:
-            shutil.copyfile(path, target)
+    for src in [dest / "harness" / "pal" / "__init__.py", *guest_files()]:
+        target = package / src.name if src.parent == GUEST_DIR else src
+        if target != src:
+            shutil.copyfile(src, target)
         target.chmod(0o644)
         # Compiled now, so the first boot does not pay for it.
         rel = target.relative_to(dest / "harness")

@@ -12,10 +12,12 @@ a ``USER`` the image does not define, a ``/workspace`` that is not a directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pal.config import Settings
@@ -56,15 +58,10 @@ def import_image(
     report = progress or assemble.quiet
     validate_name(name)
     staging = assemble.new_staging(settings, name)
-    try:
+    with _staged(staging, "image import"):
         report(f"reading {source}", 0.1)
         image = oci.copy_to_layout(source, staging / SOURCE)
         return _assemble(settings, name, staging, image, source_label or source, kind, report, tenants)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, PalError | KeyboardInterrupt):
-            raise
-        raise BackendError(f"image import failed: {exc}") from exc
 
 
 def from_layout(
@@ -77,16 +74,23 @@ def from_layout(
     tenants: list[str] | None = None,
 ) -> ImagePaths:
     """Assemble an image from an OCI layout already at ``staging/source`` (buildah's output)."""
-    try:
+    with _staged(staging, "image assembly"):
         image = oci.read_layout(staging / SOURCE)
         oci.check_platform(image.config, source_label)
         report = progress or assemble.quiet
         return _assemble(settings, name, staging, image, source_label, kind, report, tenants)
+
+
+@contextlib.contextmanager
+def _staged(staging: Path, what: str) -> Iterator[None]:
+    """On any failure the staging dir goes; an unexpected error becomes a BackendError."""
+    try:
+        yield
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, PalError | KeyboardInterrupt):
             raise
-        raise BackendError(f"image assembly failed: {exc}") from exc
+        raise BackendError(f"{what} failed: {exc}") from exc
 
 
 def _assemble(

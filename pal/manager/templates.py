@@ -228,7 +228,12 @@ class TemplateCache:
         ran = []
         for argv in PRIME_COMMANDS:
             req = ExecRequest(
-                command=argv[0], argv=list(argv[1:]), cwd=None, timeout_secs=PRIME_TIMEOUT_S, user=None
+                command=argv[0],
+                argv=list(argv[1:]),
+                cwd=None,
+                timeout_secs=PRIME_TIMEOUT_S,
+                user=None,
+                yield_after_ms=None,
             )
             try:
                 async for ev in runtime.exec_stream(vm_id, req):

@@ -35,6 +35,7 @@ from pal.scheduler.wake import WAKE_RETRIES, Waker
 from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
 R = TypeVar("R")
+E = TypeVar("E")
 
 
 NODE_UNREACHABLE = "NODE_UNREACHABLE"  # pal/manager/client.py's code for a node gone away
@@ -54,25 +55,35 @@ class ExecAndFiles:
 
     async def exec_stream(self, tenant_id: str, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Errors (404/409/402) are raised on the first ``__anext__``, before any event."""
-        d = self.d
         t0 = time.perf_counter()
         async with self.waker.request(tenant_id, vm_id):
-            for attempt in range(WAKE_RETRIES + 1):
-                events = d.node(d.reload(vm_id)).exec_stream(vm_id, req)
-                try:
-                    first = await events.__anext__()
-                except StopAsyncIteration:
-                    return
-                except PalError as exc:
-                    if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
-                        await self.waker.ensure_running(tenant_id, vm_id)  # paused meanwhile: wake it
-                        continue
-                    raise
-                d.telemetry.first_exec_done(vm_id, time.perf_counter() - t0)
-                yield first
-                async for ev in events:
-                    yield ev
+            opened = await self._woken_stream(tenant_id, vm_id, lambda n: n.exec_stream(vm_id, req))
+            if opened is None:
                 return
+            first, events = opened
+            self.d.telemetry.first_exec_done(vm_id, time.perf_counter() - t0)
+            yield first
+            async for ev in events:
+                yield ev
+
+    async def _woken_stream(
+        self, tenant_id: str, vm_id: str, open_events: Callable[[RuntimeManager], AsyncIterator[E]]
+    ) -> tuple[E, AsyncIterator[E]] | None:
+        """A node stream and its first event (None: it ended before one), opened again after
+        waking the VM when it was live-paused meanwhile. Called inside ``waker.request``."""
+        d = self.d
+        for attempt in range(WAKE_RETRIES + 1):
+            events = open_events(d.node(d.reload(vm_id)))
+            try:
+                return await events.__anext__(), events
+            except StopAsyncIteration:
+                return None
+            except PalError as exc:
+                if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
+                    await self.waker.ensure_running(tenant_id, vm_id)  # paused meanwhile: wake it
+                    continue
+                raise
+        raise AssertionError("the loop returns or raises on its last attempt")
 
     # -- ports ---------------------------------------------------------------------------------
 
@@ -164,25 +175,16 @@ class ExecAndFiles:
         raised on the first ``__anext__``, before any event, like an exec's. The stream ends
         with ``exit``, or with ``detached`` (never a made-up exit) when the VM stopped
         running or its node went away; the reader reattaches from the last offset."""
-        d = self.d
         async with self.waker.request(tenant_id, vm_id):
-            for attempt in range(WAKE_RETRIES + 1):
-                events = d.node(d.reload(vm_id)).attach_process(vm_id, pid, start)
-                try:
-                    first = await events.__anext__()
-                except StopAsyncIteration:
-                    return
-                except PalError as exc:
-                    if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
-                        await self.waker.ensure_running(tenant_id, vm_id)
-                        continue
-                    raise
-                yield first
-                try:
-                    async for ev in events:
-                        yield ev
-                except Unavailable as exc:
-                    if exc.code != NODE_UNREACHABLE:
-                        raise
-                    yield ProcessEvent(type="detached", reason="node-unreachable")
+            opened = await self._woken_stream(tenant_id, vm_id, lambda n: n.attach_process(vm_id, pid, start))
+            if opened is None:
                 return
+            first, events = opened
+            yield first
+            try:
+                async for ev in events:
+                    yield ev
+            except Unavailable as exc:
+                if exc.code != NODE_UNREACHABLE:
+                    raise
+                yield ProcessEvent(type="detached", reason="node-unreachable")

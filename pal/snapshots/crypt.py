@@ -73,6 +73,18 @@ _NONCE = struct.Struct(">QI")
 _AAD_TAIL = struct.Struct(">QB")
 
 
+def read_full(read: Callable[[int], bytes], n: int) -> bytes:
+    """``n`` bytes from ``read``, or fewer only at its end (a read may return less)."""
+    parts, left = [], n
+    while left:
+        got = read(left)
+        if not got:
+            break
+        parts.append(got)
+        left -= len(got)
+    return b"".join(parts)
+
+
 class SnapshotUnreadable(BackendError):
     """An encrypted S3 object or key.json that does not open: tampered with, truncated,
     moved from another snapshot, or sealed under another encryption key."""
@@ -237,14 +249,7 @@ class EncryptingReader(io.RawIOBase):
         self.bytes_out = 0
 
     def _fill(self, n: int) -> bytes:
-        parts, left = [], n
-        while left:
-            got = self._source(left)
-            if not got:
-                break
-            parts.append(got)
-            left -= len(got)
-        return b"".join(parts)
+        return read_full(self._source, n)
 
     def _generate(self) -> Iterator[bytes]:
         yield self._header
@@ -311,14 +316,7 @@ class DecryptingReader:
         self._ended = False
 
     def _fill(self, n: int) -> bytes:
-        parts, left = [], n
-        while left:
-            got = self._source(left)
-            if not got:
-                break
-            parts.append(got)
-            left -= len(got)
-        return b"".join(parts)
+        return read_full(self._source, n)
 
     def _next_chunk(self) -> None:
         sealed = self._pending

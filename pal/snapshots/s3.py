@@ -405,17 +405,9 @@ class S3Mirror:
     def read_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
         """meta.json of the S3 copy, or None if there is no complete copy."""
         self.ensure_bucket()
-        try:
-            obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(META_FILE))
-        except ClientError as exc:
-            if _is_missing(exc):
-                return None
-            raise
-        body = obj["Body"]
-        try:
-            raw = body.read(MAX_META_BYTES + 1)
-        finally:
-            body.close()
+        raw = self._read_small(ref.s3_key(META_FILE), MAX_META_BYTES + 1)
+        if raw is None:
+            return None
         if len(raw) > MAX_META_BYTES:
             raise self._refused(ref, f"its meta.json is larger than {MAX_META_BYTES} bytes")
         try:
@@ -523,15 +515,20 @@ class S3Mirror:
     def read_key_object(self, ref: SnapshotRef) -> bytes | None:
         """The snapshot's key.json (at most crypt.MAX_KEY_OBJECT_BYTES + 1 bytes read), or
         None when it has none."""
+        return self._read_small(ref.s3_key(KEY_FILE), crypt.MAX_KEY_OBJECT_BYTES + 1)
+
+    def _read_small(self, key: str, at_most: int) -> bytes | None:
+        """Up to ``at_most`` bytes of a small object (the caller refuses one that fills
+        them), or None when there is no such object."""
         try:
-            obj = self._client.get_object(Bucket=self.bucket, Key=ref.s3_key(KEY_FILE))
+            obj = self._client.get_object(Bucket=self.bucket, Key=key)
         except ClientError as exc:
             if _is_missing(exc):
                 return None
             raise
         body = obj["Body"]
         try:
-            return bytes(body.read(crypt.MAX_KEY_OBJECT_BYTES + 1))
+            return bytes(body.read(at_most))
         finally:
             body.close()
 

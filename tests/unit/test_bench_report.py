@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pal.bench import latency as bench
+from pal.bench import latency_report as bench_report
 
 
 def report(samples: dict[str, list[float]]) -> dict[str, Any]:
@@ -32,7 +33,7 @@ def test_ratios_use_the_same_runs_warm_exec_and_the_targets_follow_them() -> Non
         "fork_n10_after_cycles": [1000.0],  # 20× the steady warm exec: not met
         **{f"cycle_{c}": [100.0 + c] for c in range(1, 31)},  # cycle 30 is +29 %: not met
     }
-    md = bench.render_markdown(report(samples))
+    md = bench_report.render_markdown(report(samples))
     assert "Some CPU model" in md
     assert "- Data dir: `/tmp/tmp.x/d` (mode 0o700, its parent 0o700)" in md
     assert "| Resume → first exec answered | 300 | 300 | 3 | 3.0× |" in md
@@ -48,7 +49,7 @@ def test_a_cycle_far_faster_than_the_first_fails_the_drift_target_too() -> None:
         "warm_exec_steady": [50.0],
         **{f"cycle_{c}": [100.0 - (20 if c == 7 else 0)] for c in range(1, 31)},
     }
-    md = bench.render_markdown(report(samples))
+    md = bench_report.render_markdown(report(samples))
     assert "(alone): the farthest p50 is cycle 7 at -20%: not met" in md
 
 
@@ -59,7 +60,7 @@ def test_busy_rows_divide_by_the_warm_exec_measured_beside_the_busy_vms() -> Non
         "cycle_1": [200.0],
         "busy_cycle_1": [400.0],
     }
-    md = bench.render_markdown(report(samples))
+    md = bench_report.render_markdown(report(samples))
     assert "| Repeated cycles of one VM: cycle 1, resume → first exec | 200 | 200 | 1 | 4.0× |" in md
     assert "busy VMs and background sealing: cycle 1 | 400 | 400 | 1 | 4.0× |" in md
 
@@ -76,7 +77,7 @@ def test_the_restore_breakdown_and_what_is_tcgs() -> None:
         "step_guest_decode_ms": [20.0],
         "step_first_exec_cold_ms": [100.0],
     }
-    md = bench.render_markdown(report(samples))
+    md = bench_report.render_markdown(report(samples))
     assert "## The restore path, step by step" in md
     assert "| Guest: wakes and reads the identify request (cold under TCG) | 200.0 | 200.0 | 4.0× |" in md
     assert "takes 500 ms from a snapshot (a new QEMU) and 80 ms from a live pause" in md

@@ -19,10 +19,11 @@ from pal.manager.models import TenantCa
 from pal.manager.vmnet import Brokered, VmNetworking
 from pal.network import broker
 from pal.network.ca import Issuer, new_ca
-from pal.network.gateway import Gateway, VmGateway
+from pal.network.gateway import Gateway
 from pal.network.names import NameTable
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide
+from pal.network.vm_gateway import VmGateway
 from pal.scheduler.brokering import SecretBroker
 from pal.secretbox import SecretUnreadable
 from pal.spec import AgentSpec

@@ -16,10 +16,11 @@ import pytest
 
 from pal.network import broker
 from pal.network.ca import Issuer, constrained, new_ca
-from pal.network.gateway import Gateway, VmGateway
+from pal.network.gateway import Gateway
 from pal.network.names import NameTable
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide
+from pal.network.vm_gateway import VmGateway
 
 LOCAL = ipaddress.ip_address("127.0.0.1")
 REAL = "sk-real-7f3a9c0e5b2d4411"

@@ -16,7 +16,7 @@ OTHER_READERS = {
     "cli/nodes.py",  # client side: PAL_URL of the server it talks to
     "guest/harness.py",  # runs inside the VM
     "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
-    "bench/latency.py",  # sets variables for the servers it starts
+    "bench/server.py",  # sets variables for the servers it starts
     "bench/network.py",
     "bench/cluster.py",
     "bench/s3.py",

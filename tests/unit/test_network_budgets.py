@@ -15,11 +15,12 @@ import dns.message
 import dns.rcode
 import pytest
 
-from pal.network import budgets, gateway, lookups, sniff
-from pal.network.gateway import NODE_CONNECTIONS_RULE, Gateway, VmGateway
+from pal.network import budgets, lookups, sniff, vm_gateway
+from pal.network.gateway import Gateway
 from pal.network.names import NameTable
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide
+from pal.network.vm_gateway import NODE_CONNECTIONS_RULE, VmGateway
 from pal.spec import EgressAllow
 from tests.dnsserver import LoopbackDns, loopback_dns
 
@@ -282,7 +283,7 @@ async def test_an_undecided_connection_waits_for_bytes_without_polling(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     feeds = await _feeds(1024)
-    monkeypatch.setattr(gateway, "PEEK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(vm_gateway, "PEEK_TIMEOUT_S", 0.5)
     calls: list[bytes] = []
     real = sniff.name_in
 
@@ -314,7 +315,7 @@ async def test_one_tenants_refusals_do_not_push_out_anothers_events() -> None:
     # Many VMs of another tenant, each refused a burst: far more events than a ring holds.
     for i in range(400):
         vm = _vm(gw, f"noisy-{i}", "none")
-        for j in range(gateway.EVENT_BURST):
+        for j in range(vm_gateway.EVENT_BURST):
             vm.denied(name=f"n{j}.test", address=None, port=80, rule="egress none")
     kept = gw.events.since(0)
     assert any(e["vmId"] == "victim" and e["name"] == "evil.test" for e in kept)

@@ -10,10 +10,11 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 
-from pal.network.gateway import Gateway, VmGateway
+from pal.network.gateway import Gateway
 from pal.network.lookups import Found
 from pal.network.names import NameTable
 from pal.network.policy import Policy
+from pal.network.vm_gateway import VmGateway
 from pal.spec import EgressAllow
 
 

@@ -15,10 +15,11 @@ import pytest
 
 from pal.manager.vmnet import control_plane_addresses
 from pal.network import sniff
-from pal.network.gateway import Gateway, VmGateway
+from pal.network.gateway import Gateway
 from pal.network.names import MAX_NAMES, SYNTHETIC_NET, NameTable, is_synthetic
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide, TokenBucket, UpstreamSide
+from pal.network.vm_gateway import VmGateway
 from pal.spec import EgressAllow
 from tests.dnsserver import loopback_dns
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from pal.network.gateway import Gateway, VmGateway
+from pal.network.gateway import Gateway
 from pal.network.names import NameTable
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide
+from pal.network.vm_gateway import VmGateway
 from pal.spec import EgressAllow
 
 HANG_GUARD_S = 30  # a hang guard, not a speed bound

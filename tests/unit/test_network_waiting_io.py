@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from pal.network import gateway as gw_mod
-from pal.network.gateway import Gateway, VmGateway
+from pal.network import vm_gateway as gw_mod
+from pal.network.gateway import Gateway
 from pal.network.names import NameTable
 from pal.network.policy import Policy
 from pal.network.relay import Connection, GuestSide, UpstreamSide
+from pal.network.vm_gateway import VmGateway
 
 
 class _Sink:

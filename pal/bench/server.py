@@ -1,0 +1,116 @@
+"""The `pal up` a benchmark starts for itself (unless given a URL), and waiting for its
+templates."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from pal.bench.common import Api
+from pal.sizes import size_name
+
+# The operator token of the servers this process starts: /healthz names the accelerator
+# only to the operator (a remote server's comes from PAL_ADMIN_TOKEN).
+OPERATOR_TOKEN = secrets.token_urlsafe(24)
+
+
+def server_accel(url: str, token: str | None = None) -> str:
+    """The accelerator the server at ``url`` runs its VMs on ("unknown" without the token)."""
+    token = token or os.environ.get("PAL_ADMIN_TOKEN") or OPERATOR_TOKEN
+    r = httpx.get(url + "/healthz", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    return str(r.json().get("accel", "unknown"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+    port, ports_port = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "PAL_LOG_LEVEL": "WARNING",
+        "PAL_ADMIN_TOKEN": OPERATOR_TOKEN,
+        "PAL_PORTS_PORT": str(ports_port),  # beside whatever else runs here
+        **(extra_env or {}),
+    }
+    pal = [sys.executable, "-m", "pal.cli.main"]
+    proc = subprocess.Popen([*pal, "up", "--port", str(port), "--data-dir", str(data_dir)], env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError("pal up exited")
+            time.sleep(0.5)
+        name = f"bench-{os.getpid()}-{int(time.time())}"
+        out = subprocess.run(
+            [*pal, "tenants", "create", name, "--max-vms", "200", "--data-dir", str(data_dir)],
+            check=True, capture_output=True, text=True, env=env,
+        )  # fmt: skip
+        # Measure at full speed: the default template is warm (what `pal up` logs as ready).
+        while httpx.get(url + "/readyz", timeout=10).status_code != 200:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("pal up did not become ready (/readyz)")
+            time.sleep(0.05)
+        yield url, json.loads(out.stdout)["apiKey"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def drop_default_template(data_dir: Path, memory_mib: int) -> None:
+    """Remove the default image's template of the bench's size (the next `pal up` rebuilds it)."""
+    import shutil
+
+    from pal.config import Settings
+    from pal.images.paths import load_image
+    from pal.manager.templates import TemplateCache
+
+    settings = Settings.from_env(data_dir)
+    cache = TemplateCache.from_settings(settings)
+    key = cache.key(load_image(settings, "default"), memory_mib, 1, 2048)
+    shutil.rmtree(cache.root / key, ignore_errors=True)
+
+
+def wait_image_template(api: Api, image: str, memory_mib: int, timeout: float = 600) -> None:
+    """Poll GET /v1/images until ``image`` has a warm template of the bench's size."""
+    deadline = time.time() + timeout
+    want = size_name(memory_mib)  # the bench's VMs: default vCPUs and disk
+    while time.time() < deadline:
+        images = {i["name"]: i for i in api.call("GET", "/v1/images")["images"]}
+        if want in images.get(image, {}).get("warmSizes", []):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"no warm template for image {image} after {timeout:.0f} s")
+
+
+def wait_template(api: Api, memory_mib: int, timeout: float = 600) -> None:
+    """Schedule until a VM comes up from the warm template (built in the background)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        vm = api.call("POST", "/v1/runtime/schedule", json={"limits": {"memoryMib": memory_mib}})
+        api.call("DELETE", f"/v1/runtime/vms/{vm['vmId']}")
+        if vm.get("bootMethod") == "template":
+            return
+        time.sleep(2)

@@ -1,0 +1,35 @@
+"""The house's size rules (issue 24): no file over 700 lines and no function over 80 lines in
+pal/, so that each module and each function can be read whole. Generated code would be
+listed in GENERATED with the reason; today there is none."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PAL = Path(__file__).resolve().parents[2] / "pal"
+MAX_FILE_LINES = 700
+MAX_FUNCTION_LINES = 80
+GENERATED: dict[str, str] = {}  # path under pal/ -> why it is exempt
+
+
+def _sources() -> list[Path]:
+    return [p for p in sorted(PAL.rglob("*.py")) if str(p.relative_to(PAL)) not in GENERATED]
+
+
+def test_no_file_over_700_lines() -> None:
+    long = {
+        str(p.relative_to(PAL)): n for p in _sources() if (n := p.read_text().count("\n")) > MAX_FILE_LINES
+    }
+    assert long == {}, f"split these files (lines): {long}"
+
+
+def test_no_function_over_80_lines() -> None:
+    long: dict[str, int] = {}
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{p.relative_to(PAL)}:{node.lineno} {node.name}"] = n
+    assert long == {}, f"split these functions (lines): {long}"
