@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pal.bench.latency import Api, load_average, local_server, machine, pct, qemu_pid_of, timed
+from pal.bench.common import Api, load_average, machine, pct, qemu_pid_of, timed
+from pal.bench.server import local_server
 
 LIVE_MIB = 64
 LIVE = f"dd if=/dev/urandom of=/dev/shm/pal-live bs=1M count={LIVE_MIB} status=none"
