@@ -23,11 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from pal.bench.common import Api, load_average, machine, pct, qemu_pid_of, timed
 from pal.bench.server import local_server
 
 LIVE_MIB = 64
-LIVE = f"dd if=/dev/urandom of=/dev/shm/pal-live bs=1M count={LIVE_MIB} status=none"
+# Fresh pages each time (a new file): what the pause must capture and the host write back.
+LIVE = f"rm -f /dev/shm/pal-live; dd if=/dev/zero of=/dev/shm/pal-live bs=1M count={LIVE_MIB} status=none"
+EXEC_TIMEOUT_S = 600  # a loaded TCG host writes 64 MiB slowly: never cut short by the default
 CYCLES = 21
 FORK_NS = (1, 10, 50)
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -41,7 +45,9 @@ def cpu_seconds(pid: int) -> float:
 
 def sh(api: Api, vm: str, line: str) -> dict[str, Any]:
     out: dict[str, Any] = api.call(
-        "POST", f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", line]}
+        "POST",
+        f"/v1/runtime/vms/{vm}/exec",
+        json={"command": "/bin/sh", "argv": ["-c", line], "timeoutSecs": EXEC_TIMEOUT_S},
     )
     if out["exitCode"] != 0:
         raise RuntimeError(f"{line!r} in {vm} failed: {out}")
@@ -166,7 +172,9 @@ def main(
     }
     # The node's own breakdown of each step (snapshot durations, restore timings) in the log.
     with local_server(data_dir, {"PAL_LOG_LEVEL": "INFO", **(env or {})}) as (url, key):
-        report = run(Api(url, key), args, log)
+        api = Api(url, key)
+        api.http.timeout = httpx.Timeout(3600.0)  # a fork of 50 on a loaded host takes minutes
+        report = run(api, args, log)
     report.update({"machine": machine(), "settings": env or {}, "args": {**args, "fork_ns": list(fork_ns)}})
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(report, indent=1))
