@@ -509,9 +509,11 @@ def bench_fanout(
     data_dir: DataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where fanout.md goes")] = Path("docs/benchmarks"),
 ) -> None:
-    """Fork fan-out N=1/10/50 (every child up, per-child restore, identify, first exec and
-    CPU share), the snapshot pause with 64 MiB of live state, and the pause/resume cycles of
-    one VM, as ratios to the same run's warm exec (docs/benchmarks/fanout.md)."""
+    """Fork fan-out, the snapshot pause with live state, and the steady cycles.
+
+    Fork N=1/10/50 (every child up, per-child wait for CPU, restore, identify, first exec
+    and CPU share), the snapshot pause with 64 MiB of live state, and the pause/resume
+    cycles of one VM, as ratios to the same run's warm exec (docs/benchmarks/fanout.md)."""
     from pal.bench import fanout as bench_fanout
     from pal.config import Settings
 
