@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from pal.snapshots.layout import META_FILE, STAGING_DIRNAME, SnapshotRef, vm_dir
-
-DELETER_THREAD = "pal-snapshot-delete"  # removes the files of a snapshot already gone
 
 
 def fsync_path(path: Path) -> None:
@@ -98,10 +95,8 @@ class LocalTier:
         fsync_path(self.staging_root)
         return target
 
-    def remove(self, ref: SnapshotRef, *, later: bool = False) -> bool:
-        """Atomically make the snapshot disappear, then delete its files (``later``: in a
-        background thread, off the caller's path; a crash before it ends leaves them in
-        the staging root, which ``cleanup_staging`` empties at start)."""
+    def remove(self, ref: SnapshotRef) -> bool:
+        """Atomically make the snapshot disappear, then delete its files."""
         target = self.path(ref)
         graveyard = self.staging_root / f"{ref.snapshot_id}.deleting.{uuid.uuid4().hex[:8]}"
         try:
@@ -109,16 +104,7 @@ class LocalTier:
         except FileNotFoundError:
             return False
         fsync_path(target.parent)
-        if later:
-            threading.Thread(
-                target=shutil.rmtree,
-                args=(graveyard,),
-                kwargs={"ignore_errors": True},
-                name=DELETER_THREAD,
-                daemon=True,
-            ).start()
-        else:
-            shutil.rmtree(graveyard, ignore_errors=True)
+        shutil.rmtree(graveyard, ignore_errors=True)
         return True
 
     def list_vm(self, agent_version_id: str, vm_id: str) -> list[dict[str, Any]]:

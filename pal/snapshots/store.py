@@ -833,8 +833,8 @@ class SnapshotStore:
             metas = self._local.list_vm(agent_version_id, vm_id)
             now = self._clock()
             doomed = retention.to_delete(retention.ages_from_metas(metas, now), protected, now)
-            for snapshot_id in doomed:  # the files go in the background: off a pause's path
-                self._local.remove(SnapshotRef(agent_version_id, vm_id, snapshot_id), later=True)
+            for snapshot_id in doomed:
+                self._local.remove(SnapshotRef(agent_version_id, vm_id, snapshot_id))
         if doomed:
             self.log.info(
                 "retention for %s/%s deleted %s (protected %s)",

@@ -16,7 +16,7 @@ from pal.errors import BackendError, Conflict, InvalidRequest, NotFound
 from pal.snapshots import store as store_module
 from pal.snapshots.jobqueue import JobQueue
 from pal.snapshots.layout import META_FILE, SnapshotRef
-from pal.snapshots.local import DELETER_THREAD, LocalTier, read_meta_file
+from pal.snapshots.local import LocalTier, read_meta_file
 from pal.snapshots.store import SnapshotStore
 
 AV = "default-0123456789ab"
@@ -606,27 +606,3 @@ def test_the_store_of_a_node_knows_since_when_it_signs(tmp_path: Path) -> None:
         assert s._signed_since_ns == os.stat(settings.snapshot_key_path).st_mtime_ns
     finally:
         s.close()
-
-
-def test_retention_deletes_files_off_the_callers_path_and_a_crash_leaves_nothing_for_long(
-    store: SnapshotStore, clock: FakeClock
-) -> None:
-    """A snapshot retention drops is gone from every listing when apply_retention returns
-    (renamed into the staging root at once); its files go in the background. A kill -9
-    before they went leaves them in the staging root, which the next start empties."""
-    for i in range(5):
-        clock.now += 1
-        take(store, SnapshotRef(AV, "vm-1", f"s{i}", "t"))
-    staging_root = store.staging_dir("x").parent
-    assert store.apply_retention(AV, "vm-1", {"s0"}) == ["s1"]
-    assert [m["snapshotId"] for m in store.list_vm(AV, "vm-1")] == ["s0", "s2", "s3", "s4"]
-    for t in threading.enumerate():
-        if t.name == DELETER_THREAD:
-            t.join()
-    assert not [p for p in staging_root.iterdir() if p.name.startswith("s1.deleting.")]
-    # What a crash mid-deletion leaves: a graveyard dir; the next start removes it.
-    leftover = staging_root / "s9.deleting.dead"
-    (leftover / "mem").parent.mkdir(parents=True)
-    (leftover / "mem").write_bytes(b"x" * 4096)
-    removed = store.cleanup_staging()
-    assert "s9.deleting.dead" in " ".join(removed) and not leftover.exists()
