@@ -116,7 +116,12 @@ class Settings(BaseSettings):
     max_fork_count: int = setting(
         100, "PAL_MAX_FORK_COUNT", "per-call fork cap", read=read_max_fork_count, hi=FORK_COUNT_CEILING
     )
-    fork_concurrency: int = setting(16, "PAL_FORK_CONCURRENCY", "fork children restored at once", lo=1)
+    fork_concurrency: int = setting(
+        16,
+        "PAL_FORK_CONCURRENCY",
+        "most restores at once (a node admits fewer while its CPU is busy: restore_gate.py)",
+        lo=1,
+    )
     exec_default_timeout_s: float | None = setting(
         EXEC_DEFAULT_TIMEOUT_S,
         "PAL_EXEC_DEFAULT_TIMEOUT",

@@ -85,6 +85,7 @@ class FakeVm:
     guest_active: bool = False  # the guest's claims (untrusted; idle.py bounds them)
     guest_last_activity_unix_ms: int = 0
     last_heartbeat_unix_ms: int = 0  # 0: never reported (not judged stale)
+    silent_cpu_ms: int | None = None  # that silence in CPU time, as a node counts it
     files: dict[str, bytes] = field(default_factory=dict)
     egress: Any = "none"
     counters: dict[str, int] = field(default_factory=dict)
@@ -489,6 +490,7 @@ class FakeManager:
                     guest_active=v.guest_active,
                     guest_last_activity_unix_ms=v.guest_last_activity_unix_ms,
                     last_heartbeat_unix_ms=v.last_heartbeat_unix_ms,
+                    silent_cpu_ms=v.silent_cpu_ms,
                     live=v.live,
                 )
                 for v in self.alive.values()

@@ -120,7 +120,6 @@ def sse_throughput(api: Api, vm: str, size: int) -> tuple[float, int]:
     return secs, got
 
 
-
 def _read_to_end(api: Api, vm: str, pid: int) -> int:
     """Bytes of stdout read over SSE from offset 0 until the stream ends."""
     got = 0
@@ -131,6 +130,7 @@ def _read_to_end(api: Api, vm: str, pid: int) -> int:
             elif event in ("exit", "detached", "gap"):
                 break
     return got
+
 
 def journal_fill_and_replay(api: Api, vm: str, size: int) -> tuple[float, float]:
     """The two halves of the SSE path, apart: seconds the guest took to put ``size`` bytes

@@ -536,6 +536,36 @@ def bench_images(
     bench_images.main(iterations=iterations, memory_mib=memory_mib, data_dir=data_dir, out_dir=out_dir)
 
 
+@bench_app.command("fanout")
+def bench_fanout(
+    iterations: Annotated[int, typer.Option(help="warm execs and snapshot pauses timed (p50)")] = 5,
+    memory_mib: Annotated[int, typer.Option(help="guest RAM of the measured VMs")] = DEFAULT_MEMORY_MIB,
+    n100: Annotated[bool, typer.Option(help="fork N=100 too (the default fork cap)")] = False,
+    only: Annotated[str | None, typer.Option(help="one section: fork, pause or cycles")] = None,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where fanout.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Fork fan-out, the snapshot pause with live state, and the steady cycles.
+
+    Fork N=1/10/50 (every child up, per-child wait for CPU, restore, identify, first exec
+    and CPU share), the snapshot pause with 64 MiB of live state, and the pause/resume
+    cycles of one VM, as ratios to the same run's warm exec (docs/benchmarks/fanout.md)."""
+    from pal.bench import fanout as bench_fanout
+    from pal.config import Settings
+
+    ns = (*bench_fanout.FORK_NS, 100) if n100 else bench_fanout.FORK_NS
+    sections = (only,) if only else ("fork", "pause", "cycles")
+    report = bench_fanout.main(
+        data_dir=data_dir or Settings.from_env().data_dir,
+        out_json=out_dir / "fanout.json",
+        iterations=iterations,
+        memory_mib=memory_mib,
+        fork_ns=ns,
+        sections=sections,
+    )
+    (out_dir / "fanout.md").write_text(bench_fanout.render_markdown(report))
+
+
 @bench_app.command("wait")
 def bench_wait(
     iterations: Annotated[int, typer.Option(help="iterations per latency (p50/p90)")] = 20,

@@ -281,7 +281,7 @@ class HarnessChannel:
         await self._send({**msg, "id": next(self._ids)})
 
     async def request(
-        self, msg: p.Message, data: bytes | None = None, timeout: float = 30.0
+        self, msg: p.Message, data: bytes | None = None, timeout: float | None = 30.0
     ) -> tuple[p.Message, bytes]:
         """Send one request and wait for its single ``ok`` (or raise on ``err``).
         Returns the reply and its payload (ChannelClosed when the payload is not valid)."""

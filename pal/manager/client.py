@@ -53,6 +53,7 @@ TUNNEL_OPEN_TIMEOUT_S = 30.0  # the node's connect to the guest has its own 10 s
 
 # Spawns include a cold boot under TCG; snapshots include checksumming.
 LONG_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
+SPAWN_TIMEOUT = httpx.Timeout(None, connect=5.0)
 # A heartbeat is a read of the node's books: a node that takes longer is as good as silent
 # (reconciliation must not hang on it).
 HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
@@ -106,7 +107,10 @@ class ManagerClient(ProcessCalls):
         return model.model_dump(by_alias=True, mode="json")  # type: ignore[no-any-return]
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
-        resp = await self._call("POST", "/vms", json=self._body(req))
+        # No read timeout: a spawn waits its turn for free CPU on the node, as long as the
+        # restores ahead of it take (restore_gate.py), and then ends by the node's own
+        # deadlines (identify in CPU time, QMP, migration); a node that dies closes it.
+        resp = await self._call("POST", "/vms", json=self._body(req), timeout=SPAWN_TIMEOUT)
         return SpawnResult.model_validate(resp.json())
 
     async def stop(self, vm_id: str, incarnation: int | None = None) -> None:

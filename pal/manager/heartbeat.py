@@ -34,6 +34,7 @@ from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import VmRegistry
 from pal.sizes import size_name
 from pal.snapshots.store import SnapshotStore
+from pal.vmm.host_cpu import LoadSampler
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class ReportDeps:
     registry: VmRegistry
     templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
     template_host: TemplateHost  # a warm build spawns through it
+    load: LoadSampler  # a guest's silence in CPU time (host_cpu.py)
 
 
 class NodeReports:
@@ -93,6 +95,7 @@ class NodeReports:
                     guest_active=bool(hb.get("active")),
                     guest_last_activity_unix_ms=int(hb.get("last_activity_ms") or 0),
                     last_heartbeat_unix_ms=int((now_wall - (now_mono - heard)) * 1000) if heard else 0,
+                    silent_cpu_ms=int(self.d.load.cpu_since(heard) * 1000) if heard else None,
                     live=LiveControl.state(lv),
                 )
             )

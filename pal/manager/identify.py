@@ -9,12 +9,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pal.errors import BackendError
+from pal.errors import BackendError, GuestTimeout
 from pal.guest import protocol as p
 from pal.manager import guest_clock
 from pal.manager import guest_input as gi
 from pal.manager.channel import HarnessChannel
+from pal.vmm.host_cpu import LoadSampler, Stretch
 from pal.vmm.qemu import QemuVm
+
+STRETCH_SLICE_S = 0.25  # how often a stretched timeout looks at the load
 
 
 @dataclass(frozen=True)
@@ -42,20 +45,33 @@ class Identity:
 
 
 async def identify(
-    channel: HarnessChannel, qemu: QemuVm, who: Identity, timeout: float, hb_interval: float
+    channel: HarnessChannel,
+    qemu: QemuVm,
+    who: Identity,
+    timeout: float,
+    hb_interval: float,
+    load: LoadSampler | None = None,
 ) -> dict[str, Any]:
     """Give the guest its identity and wait for it to say so. Returns the timing of the
     steps: the guest's own (µs) and, from the host, ``first_line_ms`` (the guest's first
     word since the request) and ``reply_ms`` (its answer).
 
     The answer names the VM and incarnation it took, so no heartbeat is awaited on top
-    (it follows the answer; waiting for it cost a cold heartbeat path per restore)."""
+    (it follows the answer; waiting for it cost a cold heartbeat path per restore).
+
+    With ``load``, ``timeout`` is seconds of an uncontended CPU (host_cpu.Stretch): a busy
+    host, or a long queue of restores, gives the guest longer."""
     t0 = time.monotonic()
     channel.first_line_at = 0.0  # a parked guest's channel heard it long ago
-    waiter = asyncio.create_task(channel.request(who.message(hb_interval), timeout=timeout))
+    budget = Stretch(timeout, load) if load is not None else None
+    plain = None if budget is not None else timeout
+    waiter = asyncio.create_task(channel.request(who.message(hb_interval), timeout=plain))
     died = asyncio.create_task(qemu.exited.wait())
     try:
-        done, _ = await asyncio.wait({waiter, died}, return_when=asyncio.FIRST_COMPLETED)
+        done = await _first_of(waiter, died, budget)
+        if not done:
+            assert budget is not None
+            raise GuestTimeout(f"VM {who.vm_id}: guest did not answer identify in {budget.describe()}")
         if died in done and waiter not in done:
             raise BackendError(f"VM {who.vm_id}: QEMU exited while booting")
         reply, _ = waiter.result()
@@ -83,3 +99,17 @@ async def identify(
         for t in (waiter, died):
             t.cancel()
         await asyncio.gather(waiter, died, return_exceptions=True)
+
+
+async def _first_of(
+    waiter: asyncio.Task[Any], died: asyncio.Task[Any], budget: Stretch | None
+) -> set[asyncio.Task[Any]]:
+    """The tasks done first; empty when the stretched budget ran out."""
+    while True:
+        slice_s = None if budget is None else STRETCH_SLICE_S
+        done, _ = await asyncio.wait({waiter, died}, timeout=slice_s, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            return done
+        assert budget is not None
+        if budget.expired:
+            return set()

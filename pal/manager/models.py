@@ -235,6 +235,9 @@ class VmActivity(_Model):
     guest_last_activity_unix_ms: int = 0
     # when the guest was last heard from (a heartbeat, or output held back by backpressure)
     last_heartbeat_unix_ms: int = 0
+    # that silence in CPU time (pal/vmm/host_cpu.py): what staleness is judged by; None
+    # from a node that does not report it (wall time then)
+    silent_cpu_ms: int | None = None
     live: LiveState | None = None  # set while live-paused
 
 

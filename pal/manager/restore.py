@@ -25,6 +25,7 @@ from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, w
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.vmm import offload
+from pal.vmm.host_cpu import LoadSampler
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RestoreDeps:
     registry: VmRegistry
     templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
     template_host: TemplateHost  # builds a missing template in the background
+    load: LoadSampler  # stretches the identify timeout on a busy host (host_cpu.py)
 
 
 def snapshot_ref(req: SpawnRequest) -> SnapshotRef:
@@ -137,7 +139,8 @@ class Restores:
         t_vmm = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())
         timeout = self.d.settings.harness_ready_timeout_ms / 1000
-        guest_steps = await identify(lv.channel, lv.qemu, who, timeout, self.d.settings.heartbeat_interval_s)
+        hb = self.d.settings.heartbeat_interval_s
+        guest_steps = await identify(lv.channel, lv.qemu, who, timeout, hb, self.d.load)
         lv.tenant_id, lv.incarnation, lv.token, lv.env = (
             req.tenant_id,
             req.incarnation,

@@ -45,6 +45,7 @@ from pal.manager.pool import PoolDeps, WarmPool
 from pal.manager.ports import GuestConnection, PortRoutes
 from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
+from pal.manager.restore_gate import RestoreGate
 from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
 from pal.manager.spawn import SpawnDeps, Spawner
@@ -82,9 +83,13 @@ class NodeRuntime:
         self.waits = WaitWatcher(pausing, self.live.start_prefetch)
         watchers = (self.live.forget, self.metrics.stopped, self.ports.forget, self.waits.forget)
         self.stopper = Stopper(reg, self.files, self.parking, self.forks, watchers)
-        restores = Restores(RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self))
+        gate = self.restore_gate = RestoreGate(settings.fork_concurrency)
+        restores = Restores(
+            RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self, gate.sampler)
+        )
+        net, jail = self.net, self.jail
         self.spawner = Spawner(
-            SpawnDeps(settings, accel.name, reg, self.net, self.jail, self.forks, self.parking, restores)
+            SpawnDeps(settings, accel.name, reg, net, jail, self.forks, self.parking, restores, gate)
         )
         self.pool = WarmPool(
             PoolDeps(
@@ -106,7 +111,9 @@ class NodeRuntime:
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
         self.adopter = Adopter(AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks))
-        self.reports = NodeReports(ReportDeps(self.me, settings, store, reg, lambda: self.templates, self))
+        self.reports = NodeReports(
+            ReportDeps(self.me, settings, store, reg, lambda: self.templates, self, gate.sampler)
+        )
         self.sampler = Sampler(
             reg, self.metrics, settings.heartbeat_interval_s, self.net.cached_bytes, self.net.refresh_counters
         )

@@ -31,6 +31,7 @@ from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.parked import Parking
 from pal.manager.restore import BootSource, Restores, brokered_of, identity_of
+from pal.manager.restore_gate import RestoreGate
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vmnet import VmNetworking, limits_json, read_names, wait_rule
 from pal.network.netns import VmNetns
@@ -59,6 +60,7 @@ class SpawnDeps:
     forks: ForkMemory
     parking: Parking
     restores: Restores
+    gate: RestoreGate
 
 
 @dataclass
@@ -82,6 +84,7 @@ class _Spawning:
     timings: dict[str, Any] = field(default_factory=dict)
     pooled: bool = False  # made for the warm pool: kept out of the registry (pool.py)
     lv: LiveVm | None = None
+    admission: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
 
 class Spawner:
@@ -143,6 +146,7 @@ class Spawner:
         s = _Spawning(req, slot, reg.slot_dir(slot), pooled=pooled)
         pinned = contextlib.ExitStack()  # the template restored from, kept until done
         try:
+            await self._admitted(s)
             s.src = await self.d.restores.source(req, pinned)
             self._make_vm_dir(s)
             await self._disk_and_network(s)
@@ -157,7 +161,15 @@ class Spawner:
             raise
         finally:
             pinned.close()
+            await s.admission.aclose()
             reg.spawning.discard(req.vm_id)
+
+    async def _admitted(self, s: _Spawning) -> None:
+        """Wait for free CPU (restore_gate.py); the slot is held until the spawn ends."""
+        t = time.perf_counter()
+        await s.admission.enter_async_context(self.d.gate.admit())
+        s.timings["admit_wait_ms"] = round((time.perf_counter() - t) * 1000, 1)
+        s.t0 = time.perf_counter()  # the restore's own steps start now
 
     async def _continue_parked(self, req: SpawnRequest) -> SpawnResult | None:
         """A resume of the snapshot a parked QEMU of this VM holds: continue that one."""
@@ -279,7 +291,8 @@ class Spawner:
         timeout = COLD_BOOT_TIMEOUT_S if cold else settings.harness_ready_timeout_ms / 1000
         who = identity_of(s.req, self.d.net.new_mac())
         s.mac = who.mac
-        steps = await identify(s.channel, s.qemu, who, timeout, settings.heartbeat_interval_s)
+        load = self.d.gate.sampler
+        steps = await identify(s.channel, s.qemu, who, timeout, settings.heartbeat_interval_s, load)
         s.timings["identify_ms"] = round((time.perf_counter() - t_vmm) * 1000, 1)
         s.timings.update({f"identify_{k}": v for k, v in steps.items()})
 

@@ -152,7 +152,8 @@ class Forking:
             return f"fork snapshot failed: {public_message(err.message)}"
 
     async def _spawn_children(self, src: VmRecord, children: list[VmRecord], snap_id: str) -> list[ForkChild]:
-        """Restore every child (at most PAL_FORK_CONCURRENCY at once), then move the ones
+        """Restore every child (at most PAL_FORK_CONCURRENCY requests at once, which the node
+        admits by its free CPU: pal/manager/restore_gate.py), then move the ones
         that came up to RUNNING in ONE transaction: a control plane that dies before it
         leaves every child SPAWNING, and reconciliation fails them all (a fork is all or
         nothing across a failover). Holds each child's operation lock throughout."""

@@ -57,6 +57,15 @@ NODE_LOST_REASON = "node lost"
 LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
 
 
+def _silent_ms(a: VmActivity | None, now_ms: int) -> int:
+    """How long the harness has been silent: in CPU time as its node counts it (a guest
+    starved of CPU by a busy host is slow, not gone: pal/vmm/host_cpu.py), else in wall time."""
+    if a is None or not a.last_heartbeat_unix_ms:
+        return 0
+    wall = now_ms - a.last_heartbeat_unix_ms
+    return min(wall, a.silent_cpu_ms) if a.silent_cpu_ms is not None else wall
+
+
 def _alive(alive: dict[str, VmActivity], vm: VmRecord) -> bool:
     a = alive.get(vm.vm_id)
     return a is not None and (a.incarnation is None or a.incarnation == vm.incarnation)
@@ -368,11 +377,11 @@ class Reconciler:
                     fixes.append(f"{vm.vm_id}: {fix}")
                     log.warning("reconcile: %s %s", vm.vm_id, fix)
                 continue
-            silent_ms = now - a.last_heartbeat_unix_ms if a is not None and a.last_heartbeat_unix_ms else 0
+            silent_ms = _silent_ms(a, now)
             stale = vm.state == S.RUNNING and silent_ms > stale_ms
             if _alive(alive, vm) and not stale:
                 continue
-            reason = f"harness silent for {silent_ms // 1000} s" if stale else "QEMU exited"
+            reason = f"harness silent for {silent_ms // 1000} s of CPU time" if stale else "QEMU exited"
             async with self.d.op_lock(vm.vm_id):
                 fresh = self.d.store.get_vm(vm.vm_id)
                 if (

@@ -101,7 +101,7 @@ def _unavailable(why: str) -> Unavailable:
     return Unavailable(f"host limits (cgroups) cannot be applied: {why}; see `pal doctor`, or set {OPT_OUT}")
 
 
-def _own_paths(text: str) -> dict[str, str]:
+def own_paths(text: str) -> dict[str, str]:
     """``/proc/self/cgroup`` as controller -> path ("" is the v2 unified hierarchy)."""
     out: dict[str, str] = {}
     for line in text.splitlines():
@@ -176,7 +176,7 @@ class CgroupHost:
         """Find (v2: prepare) the parent directories; Unavailable with the reason if none."""
         fs = fs or CgroupFs()
         try:
-            own = _own_paths(fs.read(proc_self))
+            own = own_paths(fs.read(proc_self))
         except OSError as exc:
             raise _unavailable(f"cannot read {proc_self}: {exc}") from exc
         if fs.exists(root / "cgroup.controllers"):

@@ -586,26 +586,22 @@ class QemuVm:
             # x-ignore-shared skips share=on file-backed RAM; for private RAM it must be
             # off anyway so restore knows to expect RAM in the stream.
             await self._set_ignore_shared(kind == MEMORY_FILE)
-            fd = os.open(paths["snapshot"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            # The guest is stopped: its RAM file and disk no longer change, so their
+            # reflinks run while QEMU writes the device state (the migration reads neither
+            # a shared RAM file, skipped by x-ignore-shared, nor the disk).
+            files = asyncio.ensure_future(self._capture_files(kind, paths, dur, methods))
             try:
-                await self._pass_fd("pal-migrate", fd)
-                await self._qmp_call("migrate", {"uri": "fd:pal-migrate"})
-                await self._wait_migration()
+                fd = os.open(paths["snapshot"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    await self._pass_fd("pal-migrate", fd)
+                    await self._qmp_call("migrate", {"uri": "fd:pal-migrate"})
+                    await self._wait_migration()
+                finally:
+                    os.close(fd)
+                dur["device_state"] = _ms(t0)
             finally:
-                os.close(fd)
-            dur["device_state"] = _ms(t0)
-            if kind == MEMORY_FILE:
-                t0 = time.perf_counter()
-                methods["mem"] = await asyncio.to_thread(
-                    disks.clone, self.mem_path, paths["mem"], qcow2_ok=False
-                )
-                os.chmod(paths["mem"], 0o600)  # the clone of the VM's own file: root's again
-                dur["mem_clone"] = _ms(t0)
-            t0 = time.perf_counter()
-            methods["rootfs"] = await asyncio.to_thread(
-                disks.capture_raw, self.spec.disk_path, self.spec.disk_format, paths["rootfs"]
-            )
-            dur["disk_clone"] = _ms(t0)
+                await asyncio.wait([files])  # never leave a clone running past a failure
+            files.result()
             meta = {
                 "memoryKind": kind,
                 "memoryMib": self.spec.memory_mib,
@@ -625,6 +621,31 @@ class QemuVm:
             raise
         sizes = {name: p.stat().st_size for name, p in paths.items()}
         return SnapshotArtifacts(dest, paths, sizes, kind, methods, dur, meta)
+
+    async def _capture_files(
+        self, kind: str, paths: dict[str, Path], dur: dict[str, float], methods: dict[str, str]
+    ) -> None:
+        """Reflink the RAM file (a shared-memory VM) and capture the disk, side by side."""
+
+        async def mem() -> None:
+            if kind != MEMORY_FILE:
+                return
+            t0 = time.perf_counter()
+            methods["mem"] = await asyncio.to_thread(disks.clone, self.mem_path, paths["mem"], qcow2_ok=False)
+            os.chmod(paths["mem"], 0o600)  # the clone of the VM's own file: root's again
+            dur["mem_clone"] = _ms(t0)
+
+        async def disk() -> None:
+            t0 = time.perf_counter()
+            methods["rootfs"] = await asyncio.to_thread(
+                disks.capture_raw, self.spec.disk_path, self.spec.disk_format, paths["rootfs"]
+            )
+            dur["disk_clone"] = _ms(t0)
+
+        got = await asyncio.gather(mem(), disk(), return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
 
     async def _recover_after_failed_capture(self) -> None:
         """Rollback in one place: the guest runs again, or the QEMU is killed."""

@@ -273,6 +273,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
     from pal.config import Settings
     from pal.manager.heartbeat import NodeIdentity, NodeReports, ReportDeps
     from pal.manager.vm import LiveVm, VmRegistry
+    from pal.vmm.host_cpu import LoadSampler
 
     registry = VmRegistry(tmp_path / "vms", lambda *_: None)
     reports = NodeReports(
@@ -283,6 +284,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
             registry=registry,
             templates=lambda: None,
             template_host=None,  # type: ignore[arg-type]
+            load=LoadSampler(2),
         )
     )
     for vm_id, hb in (

@@ -297,3 +297,18 @@ async def test_start_without_a_manager_heartbeat_is_503(env: SchedEnv) -> None:
     with pytest.raises(Unavailable):
         await env.sched.start()
     await env.sched.close()
+
+
+async def test_a_harness_starved_of_cpu_is_slow_not_gone(env: SchedEnv) -> None:
+    """A guest silent for 40 s of wall time on a host so busy that it was 12 s of CPU time
+    (the node's count: pal/vmm/host_cpu.py) stays running; 31 s of CPU time fails it."""
+    starved = await _running(env)
+    stuck = await _running(env)
+    now = env.sched.now_ms()
+    for vm_id, cpu_ms in ((starved, 12_000), (stuck, 31_000)):
+        env.manager.alive[vm_id].last_heartbeat_unix_ms = now - 40_000
+        env.manager.alive[vm_id].silent_cpu_ms = cpu_ms
+    fixes = await env.sched.reconciler.reconcile_light()
+    assert len(fixes) == 1 and "CPU time" in fixes[0]
+    assert _vm(env, starved).state == S.RUNNING
+    assert _vm(env, stuck).state == S.FAILED
