@@ -55,7 +55,8 @@ class CodeRequests:
         timeout = msg.get("timeout")
         if timeout is None:
             timeout = DEFAULT_TIMEOUT_S
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout <= MAX_TIMEOUT_S:
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not number or not 0 < timeout <= MAX_TIMEOUT_S:
             raise ExecError(P.ERR_INVAL, "timeout must be a positive number of seconds")
         ctx_id = msg.get("ctx")
         if ctx_id is None:

@@ -294,13 +294,18 @@ class CellBound:
                     self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
                 return
             self.stream_chars += min(len(text), room)
-            self.emit({"t": "stream", "name": ev["name"], "text": text[:room]})
+            for i in range(0, min(len(text), room), P.STREAM_EVENT_CHARS):
+                piece = text[i : min(i + P.STREAM_EVENT_CHARS, room)]
+                self.emit({"t": "stream", "name": ev["name"], "text": piece})
             if len(text) > room:
                 self.cut_stream = True
                 self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
         elif t == "result" and isinstance(ev.get("data"), dict):
             data = {k: v for k, v in ev["data"].items() if k in P.CODE_MIMES and isinstance(v, str)}
-            size = sum(len(v) for v in data.values())
+            size = len(json.dumps(data))
+            if size > P.MAX_RESULT_BYTES:
+                self.note(f"a display result of {size} bytes was dropped (at most {P.MAX_RESULT_BYTES})")
+                return
             if self.results >= P.MAX_CELL_RESULTS or self.result_bytes + size > P.MAX_CELL_RESULT_BYTES:
                 if not self.cut_results:
                     self.cut_results = True
@@ -312,14 +317,16 @@ class CellBound:
         elif t == "error":
             tb = ev.get("traceback")
             tb = [str(x)[:10_000] for x in tb[:200]] if isinstance(tb, list) else []
-            self.emit({"t": "error", "name": str(ev.get("name"))[:200], "value": str(ev.get("value"))[:10_000], "traceback": tb})
+            name, value = str(ev.get("name"))[:200], str(ev.get("value"))[:10_000]
+            self.emit({"t": "error", "name": name, "value": value, "traceback": tb})
 
 
 def _own_interpreter() -> list[str]:
     """How the harness itself runs (in the guest: Pal's loader and python3; tests: this one)."""
     loader = "/.pal/lib/ld-linux-x86-64.so.2"
     if sys.executable.startswith("/.pal/") and os.path.exists(loader):
-        return [loader, "--library-path", "/.pal/lib", "--inhibit-cache", sys.executable, "-I", "-S", "-X", "utf8"]
+        lib = ["--library-path", "/.pal/lib", "--inhibit-cache"]
+        return [loader, *lib, sys.executable, "-I", "-S", "-X", "utf8"]
     return [sys.executable]
 
 

@@ -122,7 +122,9 @@ MAX_CODE_CONTEXTS = 8
 MAX_CODE_CHARS = 1024 * 1024  # one cell's source
 MAX_CELL_STREAM_CHARS = 1024 * 1024  # stdout + stderr text of one cell
 MAX_CELL_RESULTS = 64  # display results of one cell
-MAX_CELL_RESULT_BYTES = 6 * 1024 * 1024  # their encoded size (a PNG is base64): under MAX_LINE_BYTES
+MAX_RESULT_BYTES = 1024 * 1024  # one result's JSON (a PNG is base64): one host line holds it
+MAX_CELL_RESULT_BYTES = 8 * 1024 * 1024  # all of one cell's results
+STREAM_EVENT_CHARS = 128 * 1024  # stdout/stderr text per ``cev`` (JSON may escape a char to 6 bytes)
 CODE_MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
 
 # The guest's network, the same in every VM (each VM has its own namespace on the host):

@@ -10,9 +10,7 @@ from typing import Any
 
 from pal.guest import protocol as p
 from pal.guest.kernels import Kernels
-from tests.harnesshost import TOKEN, Host, host, workspace  # noqa: F401
-
-Host_ = Host
+from tests.harnesshost import TOKEN, Host
 
 
 def run(h: Host, code: str, **fields: Any) -> tuple[list[p.Message], p.Message]:
@@ -32,7 +30,7 @@ def test_bash_state_persists_and_errors_report(host: Host) -> None:
     assert end["result"]["execution_count"] == 2
     evs, end = run(host, "echo oops >&2; false", language="bash")
     assert "oops" in text(evs, "stderr")
-    assert [e for e in evs if e["t"] == "error"][0]["value"] == "1"
+    assert next(e for e in evs if e["t"] == "error")["value"] == "1"
 
 
 def test_bash_timeout_interrupts_and_context_stays(host: Host) -> None:
