@@ -78,7 +78,7 @@ def test_cells_keep_state_and_return_rich_results(api: httpx.Client, code_vm: st
     assert out["executionCount"] == first["executionCount"] + 1
     assert out["results"] == [{"text/plain": "42", "isMainResult": True}]
 
-    plot = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3, 2])\nplt.show()"
+    plot = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
     fig = run(api, vm, plot)
     (png,) = [r for r in fig["results"] if "image/png" in r]
     assert png_size(base64.b64decode(png["image/png"])) == (200, 150)
