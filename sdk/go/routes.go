@@ -36,6 +36,11 @@ var (
 	routeSnapshots    = route{"GET", "/v1/runtime/vms/{vm_id}/snapshots"}
 	routePortURL      = route{"POST", "/v1/runtime/vms/{vm_id}/ports/{port}/url"}
 	routeRevokeLink   = route{"DELETE", "/v1/runtime/vms/{vm_id}/port-links/{link_id}"}
+	routeRunCode      = route{"POST", "/v1/runtime/vms/{vm_id}/code"}
+	routeNewContext   = route{"POST", "/v1/runtime/vms/{vm_id}/code/contexts"}
+	routeListContexts = route{"GET", "/v1/runtime/vms/{vm_id}/code/contexts"}
+	routeDelContext   = route{"DELETE", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}"}
+	routeInterrupt    = route{"POST", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}/interrupt"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

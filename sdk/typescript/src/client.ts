@@ -3,6 +3,7 @@
  * of a Pal server over `fetch`. Works in Node >= 18 and in browsers; no runtime dependencies.
  */
 
+import { Code, type CodeResult, type RunCodeOptions } from "./code.js";
 import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
 import { SseParser } from "./sse.js";
 import type {
@@ -159,7 +160,17 @@ export class Pal {
 
 /** The /v1/runtime calls, as the spec's examples use them. */
 export class Runtime {
-  constructor(private readonly client: Pal) {}
+  /** Code contexts: run, createContext, listContexts, deleteContext, interrupt (code.ts). */
+  readonly code: Code;
+
+  constructor(private readonly client: Pal) {
+    this.code = new Code(client);
+  }
+
+  /** Run a cell in the VM's stateful kernel (Python via Jupyter, or bash): see code.ts. */
+  runCode(vmId: string, code: string, options: RunCodeOptions = {}): Promise<CodeResult> {
+    return this.code.run(vmId, code, options);
+  }
 
   /** Schedule a sandbox microVM (402 QuotaExceededError when the tenant is full). */
   schedule(spec: AgentSpec = {}): Promise<Vm> {
