@@ -13,6 +13,7 @@ import typer
 
 from pal.sizes import DEFAULT_MEMORY_MIB
 
+from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
 from .image import image_app
 from .nodes import node_app
