@@ -39,6 +39,7 @@ from pal.scheduler.states import Action, VmState
 from pal.spec import AgentSpec, ExecRequest
 from pal.store.store import hash_api_key
 
+from .code_panel import add_code_routes
 from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_secret
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -493,6 +494,7 @@ def dashboard_router(
         # The REST API's SSE path: same events, same errors, same cancel-on-disconnect.
         return await sse_exec(lambda: scheduler.exec_stream(s.tenant_id, vm_id, req))
 
+    add_code_routes(r, scheduler, mutating, render, message, _error_words)  # code_panel.py
     return r
 
 
