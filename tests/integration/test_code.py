@@ -29,6 +29,8 @@ from tests.conftest import (
 
 IMAGE = "code-interpreter"
 SPEC = {"image": IMAGE}
+# A 4x3 inch figure at 50 dpi: a 200x150 PNG.
+PLOT = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
 
 
 @pytest.fixture(scope="session")
@@ -78,8 +80,7 @@ def test_cells_keep_state_and_return_rich_results(api: httpx.Client, code_vm: st
     assert out["executionCount"] == first["executionCount"] + 1
     assert out["results"] == [{"text/plain": "42", "isMainResult": True}]
 
-    plot = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
-    fig = run(api, vm, plot)
+    fig = run(api, vm, PLOT)
     (png,) = [r for r in fig["results"] if "image/png" in r]
     assert png_size(base64.b64decode(png["image/png"])) == (200, 150)
     assert png["isMainResult"] is False
