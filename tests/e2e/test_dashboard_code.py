@@ -46,9 +46,7 @@ def test_a_cell_and_its_results_in_the_dashboard(
         cell("x + 1")
         expect(out.locator(".code-text")).to_have_text("42", timeout=SLOW_MS)
 
-        cell(
-            "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
-        )
+        cell(PLOT)
         img = out.locator("img.code-png")
         expect(img).to_be_visible(timeout=SLOW_MS)
         assert img.evaluate("el => [el.naturalWidth, el.naturalHeight]") == [200, 150]
