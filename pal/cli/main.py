@@ -485,6 +485,20 @@ def bench_network(
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
 
 
+@bench_app.command("code")
+def bench_code(
+    iterations: Annotated[int, typer.Option(help="cells and schedules timed (p50/p90)")] = 10,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where code.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """The code interpreter against the same run's warm exec: a cell, schedule → first cell, fork ×5.
+
+    Needs the code-interpreter image (`pal image build code-interpreter`)."""
+    from pal.bench import code as bench_code_mod
+
+    bench_code_mod.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
+
+
 @bench_app.command("images")
 def bench_images(
     iterations: Annotated[int, typer.Option(help="template schedules timed per image (p50/p90)")] = 10,
