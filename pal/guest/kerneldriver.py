@@ -56,11 +56,16 @@ class PythonKernel:
         self.dir = tempfile.mkdtemp(prefix="pal-kernel-")
         os.environ["JUPYTER_RUNTIME_DIR"] = self.dir
         self.km = KernelManager(transport="ipc", ip=os.path.join(self.dir, "k"))
-        self.km.start_kernel(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        # independent: no JPY_PARENT_PID, so the kernel runs no parent poller waking every
+        # second; no heartbeat channel either (a thread pinging every second): an idle
+        # kernel holds no timer, and the VM's idle probe can see it idle and suspend it.
+        null = subprocess.DEVNULL
+        self.km.start_kernel(stdout=null, stderr=null, stdin=null, independent=True)
         self.kc = self.km.client()
-        self.kc.start_channels()
+        self.kc.start_channels(hb=False)
         self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
-        self.pid = int(self.km.provisioner.pid) if self.km.provisioner else 0  # type: ignore[attr-defined]
+        prov = getattr(self.km, "provisioner", None)
+        self.pid = int(getattr(prov, "pid", 0) or getattr(getattr(self.km, "kernel", None), "pid", 0) or 0)
 
     def run(self, code: str) -> None:
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
