@@ -213,8 +213,10 @@ def image_build(
     tenant: Tenants = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Build an image: from a Dockerfile (-f), Pal's recipe (`code-interpreter`: Jupyter,
-    numpy, pandas, matplotlib over the default image), or Pal's Debian image."""
+    """Build an image: from a Dockerfile (-f), Pal's recipe (code-interpreter), or Debian.
+
+    `code-interpreter` is Pal's recipe: Jupyter, numpy, pandas and matplotlib over the
+    default image (docs/agents.md)."""
     from pal.images import build_image
     from pal.images.dockerfile import build_dockerfile
     from pal.images.recipes import build_recipe, recipe
