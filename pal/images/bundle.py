@@ -32,6 +32,7 @@ import subprocess
 from pathlib import Path
 
 from pal.images import initramfs
+from pal.images.modes import guest_umask
 
 BUNDLE_VERSION = 1
 PAL_DIR = ".pal"  # relative to the image root: /.pal
@@ -86,10 +87,14 @@ def guest_files_hash() -> str:
     return h.hexdigest()
 
 
+# 2: built under the guest umask (the workload user runs /.pal's python for code contexts)
+BUNDLE_VERSION = "2"
+
+
 def bundle_key(base_tarball_name: str) -> str:
     """Everything that decides the bundle's bytes: base system, guest files, busybox."""
     h = hashlib.sha256()
-    for part in (base_tarball_name, guest_files_hash(), _sha256(initramfs.BUSYBOX)):
+    for part in (BUNDLE_VERSION, base_tarball_name, guest_files_hash(), _sha256(initramfs.BUSYBOX)):
         h.update(part.encode() + b"\n")
     return h.hexdigest()
 
@@ -150,7 +155,15 @@ def _copy_stdlib(src: Path, dst: Path) -> list[str]:
 
 
 def build(base_root: Path, dest: Path) -> None:
-    """Assemble the bundle from an unpacked Debian base system into ``dest`` (a new dir)."""
+    """Assemble the bundle from an unpacked Debian base system into ``dest`` (a new dir),
+    under the guest's umask: the workload user reads /.pal (its code contexts run the
+    bundle's python and the kernel driver; pal/guest/kernels.py), so its directories are
+    0755 even when the command runs under umask 077."""
+    with guest_umask():
+        _build(base_root, dest)
+
+
+def _build(base_root: Path, dest: Path) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "bin").mkdir(parents=True)
