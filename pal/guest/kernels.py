@@ -313,7 +313,8 @@ class CellBound:
                 return
             self.results += 1
             self.result_bytes += size
-            self.emit({"t": "result", "data": data, "main": ev.get("main") is True})
+            # ``mime``, not ``data``: on the wire ``data`` is a message's binary payload.
+            self.emit({"t": "result", "mime": data, "main": ev.get("main") is True})
         elif t == "error":
             tb = ev.get("traceback")
             tb = [str(x)[:10_000] for x in tb[:200]] if isinstance(tb, list) else []

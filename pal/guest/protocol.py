@@ -88,7 +88,7 @@ Guest -> host kinds:
   started   {pid}  first message of an exec stream
   out       {fd: 1|2, o:int} + data   (``o``: journal offset after this chunk)
   gap       {n:int}  output lost to the journal's bound before the next chunk
-  cev       {t:"stream", name:"stdout"|"stderr", text} | {t:"result", data:{mime: str},
+  cev       {t:"stream", name:"stdout"|"stderr", text} | {t:"result", mime:{type: str},
             main:bool} | {t:"error", name, value, traceback:[str]}  (a ``crun`` cell's events)
   exit      {code:int, timed_out:bool}
   ok        {result:{...}} (+ data for ``read``)

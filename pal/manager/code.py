@@ -87,8 +87,8 @@ class CellBound:
             text = ev["text"][: max(0, p.MAX_CELL_STREAM_CHARS + 1024 - self.chars)]  # + its notes
             self.chars += len(text)
             return CodeEvent(type=ev["name"], text=_plain(text, len(text))) if text else None
-        if t == "result" and isinstance(ev.get("data"), dict):
-            return self._result(ev["data"], ev.get("main") is True)
+        if t == "result" and isinstance(ev.get("mime"), dict):
+            return self._result(ev["mime"], ev.get("main") is True)
         if t == "error":
             raw = ev.get("traceback")
             lines = raw[:200] if isinstance(raw, list) else []

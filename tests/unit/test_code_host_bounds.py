@@ -27,21 +27,21 @@ def test_stream_text_is_bounded_across_events() -> None:
 def test_results_are_filtered_and_bounded() -> None:
     bound = CellBound()
     ev = bound.event(
-        {"t": "result", "data": {"text/plain": "1", "text/x-evil": "x", "image/png": 5}, "main": True}
+        {"t": "result", "mime": {"text/plain": "1", "text/x-evil": "x", "image/png": 5}, "main": True}
     )
     assert ev is not None and ev.data == {"text/plain": "1"} and ev.is_main_result is True
-    js = bound.event({"t": "result", "data": {"application/json": json.dumps({"a": [1]})}})
+    js = bound.event({"t": "result", "mime": {"application/json": json.dumps({"a": [1]})}})
     assert js is not None and js.data == {"application/json": {"a": [1]}}
-    kept = sum(bound.event({"t": "result", "data": {"text/plain": "x"}}) is not None for _ in range(200))
+    kept = sum(bound.event({"t": "result", "mime": {"text/plain": "x"}}) is not None for _ in range(200))
     assert kept <= p.MAX_CELL_RESULTS
     big = CellBound()
-    huge = {"t": "result", "data": {"text/html": "x" * (p.MAX_CELL_RESULT_BYTES + 1)}}
+    huge = {"t": "result", "mime": {"text/html": "x" * (p.MAX_CELL_RESULT_BYTES + 1)}}
     assert big.event(huge) is None
 
 
 def test_garbage_events_are_dropped_and_errors_cleaned() -> None:
     bound = CellBound()
-    for junk in ({"t": "stream", "name": "stdin", "text": "x"}, {"t": "result", "data": []}, {"t": "?"}, {}):
+    for junk in ({"t": "stream", "name": "stdin", "text": "x"}, {"t": "result", "mime": []}, {"t": "?"}, {}):
         assert bound.event(junk) is None
     err = bound.event(
         {"t": "error", "name": 3, "value": "v" * 20_000, "traceback": ["\x1b[0;31mboom\x1b[0m", 7] * 500}
@@ -71,8 +71,8 @@ def test_the_buffered_answer_folds_the_events() -> None:
     bound = CellBound()
     events = [
         bound.event({"t": "stream", "name": "stdout", "text": "hi\n"}),
-        bound.event({"t": "result", "data": {"image/png": "iVBO"}}),
-        bound.event({"t": "result", "data": {"text/plain": "42"}, "main": True}),
+        bound.event({"t": "result", "mime": {"image/png": "iVBO"}}),
+        bound.event({"t": "result", "mime": {"text/plain": "42"}, "main": True}),
         _end({"context_id": "default-python", "execution_count": 3, "timed_out": False}),
     ]
     res = result_of([e for e in events if e is not None])
