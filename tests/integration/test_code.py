@@ -28,7 +28,8 @@ from tests.conftest import (
 )
 
 IMAGE = "code-interpreter"
-SPEC = {"image": IMAGE}
+# 512 MiB: an ipykernel with numpy, pandas and matplotlib loaded, beside the driver.
+SPEC = {"image": IMAGE, "limits": {"memoryMib": 512}}
 # A 4x3 inch figure at 50 dpi: a 200x150 PNG.
 PLOT = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
 
