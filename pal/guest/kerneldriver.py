@@ -32,7 +32,7 @@ from typing import Any
 
 MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
 CHUNK = 64 * 1024  # a bash cell's output goes out in lines of at most this
-READY_TIMEOUT_S = 120.0  # a kernel that is not ready by then (TCG, a cold cache) failed
+READY_TIMEOUT_S = 170.0  # a kernel not ready by then failed (TCG, a loaded host; kernels.py waits 180 s)
 
 
 class Out:
