@@ -81,3 +81,8 @@ def test_the_buffered_answer_folds_the_events() -> None:
         {"image/png": "iVBO", "isMainResult": False},
         {"text/plain": "42", "isMainResult": True},
     ]
+
+
+def test_the_channel_routes_code_events_and_their_error_code() -> None:
+    assert gi.route({"id": 3, "k": p.K_CEV, "t": "stream"}) == (3, p.K_CEV)
+    assert gi.error({"k": p.K_ERR, "code": p.ERR_NOKERNEL, "msg": "no Jupyter"})[0] == p.ERR_NOKERNEL
