@@ -30,8 +30,12 @@ from tests.conftest import (
 IMAGE = "code-interpreter"
 # 512 MiB: an ipykernel with numpy, pandas and matplotlib loaded, beside the driver.
 SPEC = {"image": IMAGE, "limits": {"memoryMib": 512}}
-# A 4x3 inch figure at 50 dpi: a 200x150 PNG.
-PLOT = "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
+# A 4x3 inch figure at 50 dpi: a 200x150 PNG (uncropped: the inline backend's default
+# bbox_inches="tight" trims the margins).
+PLOT = (
+    "%config InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
+    "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
+)
 
 
 @pytest.fixture(scope="session")
