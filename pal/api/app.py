@@ -22,6 +22,7 @@ from pal.config import Settings
 
 from .audit import audit_router
 from .callers import Callers
+from .code import code_router
 from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
 from .forward import forward_to_leader, forwarding_key
@@ -85,6 +86,7 @@ def create_app(
     app.include_router(runtime_router)  # its handlers find the above on app.state
     app.include_router(processes_router)
     app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
+    app.include_router(code_router)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)

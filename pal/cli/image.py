@@ -213,9 +213,13 @@ def image_build(
     tenant: Tenants = None,
     data_dir: DataDir = None,
 ) -> None:
-    """Build an image: from a Dockerfile (-f), or Pal's Debian image (kernel, root fs)."""
+    """Build an image: from a Dockerfile (-f), Pal's recipe (code-interpreter), or Debian.
+
+    `code-interpreter` is Pal's recipe: Jupyter, numpy, pandas and matplotlib over the
+    default image (docs/agents.md)."""
     from pal.images import build_image
     from pal.images.dockerfile import build_dockerfile
+    from pal.images.recipes import build_recipe, recipe
 
     settings = server_settings(data_dir)
     prepare_data_dir(settings)  # images, VM disks and snapshots share a reflink file system
@@ -233,6 +237,11 @@ def image_build(
             lambda progress: build_dockerfile(
                 settings, name, file, context, progress, progress.log, args, tenants=tenants
             ),
+        )
+    elif recipe(name) is not None:  # Pal's own recipe (code-interpreter): FROM the default image
+        result = _with_progress(
+            name,
+            lambda progress: build_recipe(settings, name, progress=progress, force=force, tenants=tenants),
         )
     else:
         result = _with_progress(

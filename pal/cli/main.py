@@ -13,6 +13,7 @@ import typer
 
 from pal.sizes import DEFAULT_MEMORY_MIB
 
+from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
 from .image import image_app
 from .nodes import node_app
@@ -518,6 +519,20 @@ def bench_network(
     from pal.bench import network as bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
+
+
+@bench_app.command("code")
+def bench_code(
+    iterations: Annotated[int, typer.Option(help="cells and schedules timed (p50/p90)")] = 10,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where code.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """The code interpreter against the same run's warm exec: a cell, schedule → first cell, fork ×5.
+
+    Needs the code-interpreter image (`pal image build code-interpreter`)."""
+    from pal.bench import code as bench_code_mod
+
+    bench_code_mod.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
 
 @bench_app.command("images")

@@ -25,7 +25,9 @@ from pal.guest import netsetup, portrelay, system
 from pal.guest import protocol as P
 from pal.guest.channel import Channel
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
+from pal.guest.coderequests import CodeRequests
 from pal.guest.errors import ERRNO_CODES, ExecError
+from pal.guest.kernels import ContextSpec, Kernels
 from pal.guest.oslib import libc, log, now_ms
 from pal.guest.probe import boot_id, guest_usage, probe, uptime
 from pal.guest.processes import Launch, ProcessTable
@@ -47,7 +49,8 @@ PROCESS_KINDS = frozenset(
         P.K_PDELETE,
     }
 )
-TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | {P.K_EXEC, P.K_PSTART}
+CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRUN})
+TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART}
 
 
 class Harness:
@@ -113,6 +116,8 @@ class Harness:
         self.last_activity_ms = now_ms()
         self._lock = threading.Lock()
         self.processes = ProcessRequests(ProcessTable(self.children), self._reply)
+        self.kernels = Kernels(self.children)
+        self.code = CodeRequests(self.kernels, self._reply, self._context_spec)
         self._hb_wake = Ticker()
         if identity:
             self._apply_identity(identity)
@@ -149,6 +154,8 @@ class Harness:
             self._clock(rid, msg)
         elif kind == P.K_PROBE:
             self._reply(rid, P.K_OK, result=probe())
+        elif kind == P.K_CANCEL and self.kernels.cancel(msg.get("target")):
+            self._reply(rid, P.K_OK, result={"target": msg.get("target")})
         elif kind in (P.K_CANCEL, P.K_DETACH):
             self.processes.cancel(rid, msg.get("target"), kill=kind == P.K_CANCEL)
         elif kind in TOKEN_KINDS:
@@ -173,6 +180,8 @@ class Harness:
                 self._reply(rid, P.K_OK, result={"process": proc.info()})
             elif kind in PROCESS_KINDS:
                 self.processes.handle(rid, kind, msg)
+            elif kind in CODE_KINDS:
+                self.code.handle(rid, kind, msg)
             elif kind == P.K_LS:
                 self._reply(rid, P.K_OK, result=self.workspace.ls(msg.get("path")))
             elif kind == P.K_READ:
@@ -287,7 +296,7 @@ class Harness:
                 "k": P.K_HEARTBEAT,
                 "vm_id": self.vm_id,
                 "incarnation": self.incarnation,
-                "active": self.processes.busy(),
+                "active": self.processes.busy() or self.kernels.busy(),
                 "last_activity_ms": self.last_activity_ms,
                 "boot_id": self.boot_id,
                 "uptime_s": round(uptime(self.started), 3),
@@ -330,6 +339,30 @@ class Harness:
                 env[k] = str(v)
         return env
 
+    def _context_spec(self, language: str, req_cwd: Any, req_env: Any) -> ContextSpec:
+        """A code context's environment, cwd and user: an exec's, as the workload user."""
+        env = self._exec_env(req_env, False)
+        cwd = self._cwd(req_cwd)
+        python = None
+        if language == "python":
+            try:
+                python = resolve_executable("python3", env["PATH"], cwd)
+            except ExecError:
+                raise ExecError(P.ERR_NOKERNEL, "no python3 in this image for a Python kernel") from None
+        creds: dict[str, Any] = {}
+        if self.uid is not None:
+            creds = {"user": self.uid, "group": self.gid, "extra_groups": []}
+        return ContextSpec(language=language, env=env, cwd=cwd, creds=creds, python=python)
+
+    def _cwd(self, req_cwd: Any) -> str:
+        cwd = req_cwd or self.workdir or self.workspace.root
+        if not isinstance(cwd, str):
+            raise ExecError(P.ERR_INVAL, "cwd must be a string")
+        cwd = os.path.join(self.workspace.root, cwd)  # relative cwd is inside the workspace
+        if not os.path.isdir(cwd):
+            raise ExecError(P.ERR_NOENT, f"working directory not found: {cwd}")
+        return cwd
+
     def _launch(self, msg: P.Message) -> Launch:
         """A request's command, checked and resolved: argv, user, env, cwd, timeout."""
         argv = msg.get("argv")
@@ -342,12 +375,7 @@ class Harness:
             raise ExecError(P.ERR_INVAL, f"unknown user {user!r}: use '{P.WORKLOAD_USER}' or 'root'")
         as_root = user == "root"
         env = self._exec_env(msg.get("env"), as_root)
-        cwd = msg.get("cwd") or self.workdir or self.workspace.root
-        if not isinstance(cwd, str):
-            raise ExecError(P.ERR_INVAL, "cwd must be a string")
-        cwd = os.path.join(self.workspace.root, cwd)  # relative cwd is inside the workspace
-        if not os.path.isdir(cwd):
-            raise ExecError(P.ERR_NOENT, f"working directory not found: {cwd}")
+        cwd = self._cwd(msg.get("cwd"))
         timeout = msg.get("timeout")
         if timeout is not None and (
             not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0

@@ -54,6 +54,15 @@ Host -> guest kinds (``k``):
   process   {pid, os_pid, argv, tag, user, cwd, pty:{cols,rows}|null, stdin:bool,
             keep_awake, started_ms, ended_ms, running, exit_code, timed_out,
             journal:{start, end, capacity}}
+  Code contexts (kernels.py; one kernel each, ``default-python`` / ``default-bash`` start
+  on first use):
+  cnew      {tok, language:"python"|"bash", cwd, env} -> ok {context}
+  clist     {tok}                  -> ok {contexts:[context...]}
+  cdelete   {tok, ctx}             -> ok {ctx, deleted:true}
+  cinterrupt {tok, ctx}            -> ok {ctx, interrupted:bool}
+  crun      {tok, ctx|null, language, code, timeout} -> ``cev`` events, then ``ok``
+            {context_id, execution_count, timed_out, lost?}. ``cancel`` interrupts it.
+  context   {id, language, cwd, created_ms, executions, running}
   ls        {tok, path}            -> ok {path, entries:[{name,type,size}], truncated}
   read      {tok, path, limit:int} -> ok {path, size, truncated} + data
   write     {tok, path} + data     -> ok {path, bytesWritten}
@@ -79,6 +88,8 @@ Guest -> host kinds:
   started   {pid}  first message of an exec stream
   out       {fd: 1|2, o:int} + data   (``o``: journal offset after this chunk)
   gap       {n:int}  output lost to the journal's bound before the next chunk
+  cev       {t:"stream", name:"stdout"|"stderr", text} | {t:"result", mime:{type: str},
+            main:bool} | {t:"error", name, value, traceback:[str]}  (a ``crun`` cell's events)
   exit      {code:int, timed_out:bool}
   ok        {result:{...}} (+ data for ``read``)
   err       {code: one of ERR_*, msg:str}
@@ -106,6 +117,15 @@ JOURNAL_DEFAULT_BYTES = 8 * 1024 * 1024
 JOURNAL_MIN_BYTES = 64 * 1024
 JOURNAL_MAX_BYTES = 64 * 1024 * 1024
 MAX_TAG_CHARS = 256  # a process's tag
+# Code contexts (kernels.py): per VM, and per cell (the host checks them again).
+MAX_CODE_CONTEXTS = 8
+MAX_CODE_CHARS = 1024 * 1024  # one cell's source
+MAX_CELL_STREAM_CHARS = 1024 * 1024  # stdout + stderr text of one cell
+MAX_CELL_RESULTS = 64  # display results of one cell
+MAX_RESULT_BYTES = 1024 * 1024  # one result's JSON (a PNG is base64): one host line holds it
+MAX_CELL_RESULT_BYTES = 8 * 1024 * 1024  # all of one cell's results
+STREAM_EVENT_CHARS = 128 * 1024  # stdout/stderr text per ``cev`` (JSON may escape a char to 6 bytes)
+CODE_MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
 
 # The guest's network, the same in every VM (each VM has its own namespace on the host):
 # a static address, and the host side of its NIC as gateway and DNS server.
@@ -145,6 +165,13 @@ K_PRESIZE = "presize"
 K_PWAIT = "pwait"
 K_PDELETE = "pdelete"
 K_DETACH = "detach"
+# Code contexts (kernels.py).
+K_CNEW = "cnew"
+K_CLIST = "clist"
+K_CDELETE = "cdelete"
+K_CINTERRUPT = "cinterrupt"
+K_CRUN = "crun"
+K_CEV = "cev"
 # Guest -> host, inside an exec or pattach stream.
 K_STARTED = "started"
 K_GAP = "gap"
@@ -161,7 +188,8 @@ ERR_PERM = "EPERM"  # not executable / permission denied
 ERR_TIMEOUT = "ETIMEDOUT"  # exec exceeded timeout (process killed)
 ERR_IO = "EIO"  # anything else
 ERR_STATE = "ESTATE"  # the process is not in a state for this (exited, no stdin, no terminal)
-ERR_LIMIT = "ELIMIT"  # too many processes
+ERR_LIMIT = "ELIMIT"  # too many processes (or code contexts)
+ERR_NOKERNEL = "ENOKERNEL"  # the image cannot run this language's kernel (no Jupyter)
 
 Message = dict[str, Any]
 

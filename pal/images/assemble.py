@@ -31,7 +31,9 @@ from pal.images.paths import META, ROOTFS, ImagePaths, image_dir
 from pal.images.tree import in_root, make_public_dirs, write_public
 
 # Bump when the assembly recipe changes in a way the input hashes do not capture.
-BUILDER_VERSION = 4  # 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077
+# 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077;
+# 5: /.pal readable by the workload user (code contexts run its python)
+BUILDER_VERSION = 5
 CONFIG_FILE = "config.json"  # /.pal/config.json
 HOSTNAME = "pal"
 

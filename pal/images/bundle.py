@@ -32,8 +32,10 @@ import subprocess
 from pathlib import Path
 
 from pal.images import initramfs
+from pal.images.modes import guest_umask
 
-BUNDLE_VERSION = 1
+# 2: built under the guest umask (the workload user runs /.pal's python for code contexts)
+BUNDLE_VERSION = 2
 PAL_DIR = ".pal"  # relative to the image root: /.pal
 GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"  # shipped whole as /.pal/harness/pal/guest
 HARNESS_DIR = "/.pal/harness"  # on sys.path in the guest: ``pal`` is an empty package there
@@ -84,6 +86,7 @@ def guest_files_hash() -> str:
     for path in guest_files():
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
 
 
 def bundle_key(base_tarball_name: str) -> str:
@@ -150,7 +153,15 @@ def _copy_stdlib(src: Path, dst: Path) -> list[str]:
 
 
 def build(base_root: Path, dest: Path) -> None:
-    """Assemble the bundle from an unpacked Debian base system into ``dest`` (a new dir)."""
+    """Assemble the bundle from an unpacked Debian base system into ``dest`` (a new dir),
+    under the guest's umask: the workload user reads /.pal (its code contexts run the
+    bundle's python and the kernel driver; pal/guest/kernels.py), so its directories are
+    0755 even when the command runs under umask 077."""
+    with guest_umask():
+        _build(base_root, dest)
+
+
+def _build(base_root: Path, dest: Path) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "bin").mkdir(parents=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from pal.manager.code_models import CodeContext, CodeEvent, CodeRequest, ContextCreate
 from pal.manager.models import (
     BrokeredSet,
     EgressEvents,
@@ -144,6 +145,20 @@ class RuntimeManager(Protocol):
     async def resize_process(self, vm_id: str, pid: int, size: Terminal) -> None: ...
 
     async def wait_process(self, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo: ...
+
+    # Code contexts (docs/agents.md; node side pal/manager/code.py): as processes, with
+    # 404 CONTEXT_NOT_FOUND, 409 CONTEXT_BUSY / KERNEL_UNAVAILABLE, 429 TOO_MANY_CONTEXTS.
+    def run_code(self, vm_id: str, req: CodeRequest) -> AsyncIterator[CodeEvent]:
+        """A cell's stdout/stderr/result/error events, then ``end``."""
+        ...
+
+    async def create_context(self, vm_id: str, req: ContextCreate) -> CodeContext: ...
+
+    async def list_contexts(self, vm_id: str) -> list[CodeContext]: ...
+
+    async def delete_context(self, vm_id: str, ctx: str) -> None: ...
+
+    async def interrupt_context(self, vm_id: str, ctx: str) -> bool: ...
 
     async def open_port(self, vm_id: str, port: int) -> TunnelStream:
         """A byte stream to the server listening on ``port`` inside the guest (on 0.0.0.0

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from pal.errors import PalError, Unavailable, from_wire
+from pal.manager.client_code import CodeCalls
 from pal.manager.client_processes import ProcessCalls
 from pal.manager.models import (
     BrokeredSet,
@@ -59,7 +60,7 @@ SPAWN_TIMEOUT = httpx.Timeout(None, connect=5.0)
 HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 
 
-class ManagerClient(ProcessCalls):
+class ManagerClient(ProcessCalls, CodeCalls):
     """``ManagerClient(socket)``: the embedded node's root-only unix socket.
     ``ManagerClient(url=..., token=...)``: a remote node over HTTP, every request carrying
     the node's token (``Authorization: Bearer``; pal/manager/auth.py)."""

@@ -15,6 +15,10 @@ mean something else for an exec (a missing *executable*) or a process request (a
 | ELIMIT | 429 TOO_MANY_PROCESSES | 429 TOO_MANY_PROCESSES | 429 TOO_MANY_PROCESSES |
 | EAUTH, EIO, anything else | 503 (the guest's code) | 503 (the guest's code) | 503 (the guest's code) |
 
+Code contexts (op ``code``) answer as exec, except: ENOENT 404 CONTEXT_NOT_FOUND, ELIMIT 429
+TOO_MANY_CONTEXTS, ESTATE 409 CONTEXT_BUSY (a cell is running in it), ENOKERNEL 409
+KERNEL_UNAVAILABLE (the image has no Jupyter: use the code-interpreter image).
+
 ELIMIT is 429, not 409: the VM is in the right state, it has too many processes running
 now, and the same request succeeds once some of them end (or are deleted).
 
@@ -42,7 +46,7 @@ from pal.errors import (
 )
 from pal.guest import protocol as p
 
-Op = Literal["file", "exec", "process"]
+Op = Literal["file", "exec", "process", "code"]
 
 # guest code -> (error class, API code; None keeps the guest's code)
 _FILE: dict[str, tuple[type[PalError], str | None]] = {
@@ -69,7 +73,16 @@ _PROCESS: dict[str, tuple[type[PalError], str | None]] = {
     **_EXEC,
     p.ERR_NOENT: (NotFound, "PROCESS_NOT_FOUND"),
 }
-_OPS = {"file": _FILE, "exec": _EXEC, "process": _PROCESS}
+# Code contexts (docs/agents.md): a missing *context* is 404, too many 429, an image
+# without Jupyter 409 (the message names the code-interpreter image).
+_CODE: dict[str, tuple[type[PalError], str | None]] = {
+    **_EXEC,
+    p.ERR_NOENT: (NotFound, "CONTEXT_NOT_FOUND"),
+    p.ERR_LIMIT: (TooManyRequests, "TOO_MANY_CONTEXTS"),
+    p.ERR_STATE: (Conflict, "CONTEXT_BUSY"),
+    p.ERR_NOKERNEL: (Conflict, "KERNEL_UNAVAILABLE"),
+}
+_OPS = {"file": _FILE, "exec": _EXEC, "process": _PROCESS, "code": _CODE}
 
 
 def to_pal_error(code: str | None, message: str | None, op: Op) -> PalError:

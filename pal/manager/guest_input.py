@@ -35,7 +35,7 @@ MAX_NAME_CHARS = 1024  # a guest file name (Linux allows 255 bytes)
 MAX_JSON_INT = 2**53  # anything above is not a count, size or time we believe
 MAX_EXIT_CODE = 2**31 - 1
 
-GUEST_KINDS = frozenset({p.K_HEARTBEAT, p.K_OUT, p.K_EXIT, p.K_OK, p.K_ERR, p.K_STARTED, p.K_GAP})
+GUEST_KINDS = frozenset({p.K_HEARTBEAT, p.K_OUT, p.K_EXIT, p.K_OK, p.K_ERR, p.K_STARTED, p.K_GAP, p.K_CEV})
 GUEST_ERROR_CODES = frozenset(
     {
         p.ERR_AUTH,
@@ -50,6 +50,7 @@ GUEST_ERROR_CODES = frozenset(
         p.ERR_IO,
         p.ERR_STATE,
         p.ERR_LIMIT,
+        p.ERR_NOKERNEL,
     }
 )
 FILE_TYPES = frozenset({"file", "dir", "symlink", "other"})

@@ -35,6 +35,7 @@ from pal.manager.models import (
     SpawnRequest,
     WarmRequest,
 )
+from pal.manager.rpc_code import router as code_router
 from pal.manager.rpc_processes import router as processes_router
 from pal.manager.runtime import NodeRuntime
 from pal.spec import ExecRequest
@@ -62,6 +63,7 @@ def create_rpc_app(runtime: NodeRuntime, token: str | None = None) -> FastAPI:
     # The routes themselves (not an included router): each app lists them (tests/unit/test_rpc_docs.py).
     app.router.routes.extend(router.routes)
     app.router.routes.extend(processes_router.routes)
+    app.router.routes.extend(code_router.routes)
     return app
 
 

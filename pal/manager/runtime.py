@@ -32,6 +32,7 @@ from typing import Any
 from pal.config import Settings
 from pal.manager import models as m
 from pal.manager.adopt import AdoptDeps, Adopter
+from pal.manager.code import GuestCode
 from pal.manager.egress import Egress
 from pal.manager.exec_files import GuestCalls
 from pal.manager.fork import ForkMemory
@@ -108,6 +109,7 @@ class NodeRuntime:
         )
         self.guest = GuestCalls(reg)
         self.processes = GuestProcesses(reg)  # the RPC calls it directly (rpc_processes.py)
+        self.code = GuestCode(reg)  # code contexts, the same way (rpc_code.py)
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
         self.adopter = Adopter(AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks))

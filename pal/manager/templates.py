@@ -188,6 +188,7 @@ class TemplateCache:
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
             primed = await self._prime(runtime, vm_id)
+            primed += await _warm_kernel(lv, image)
             staging.mkdir(parents=True, exist_ok=True)
             # Like a pause: the capture's RAM file must fit (a full disk fails it cleanly).
             await asyncio.to_thread(admission.check_disk, self.root, memory_mib, f"the template of {key}")
@@ -304,3 +305,27 @@ class TemplateCache:
         for d in self.root.iterdir():
             if d.name.startswith(".staging-") or not any(d.name.startswith(v + "-") for v in keep_versions):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+WARM_KERNEL_ENV = "PAL_WARM_KERNEL"  # an image's ENV naming the language whose kernel its template starts
+WARM_KERNEL_TIMEOUT_S = 240.0  # ipykernel's first start under TCG imports a lot
+
+
+async def _warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
+    """Start the image's default code context before the capture (the code-interpreter
+    image sets PAL_WARM_KERNEL=python), so a VM restored from the template answers its
+    first cell without a kernel start."""
+    language = image.config.env.get(WARM_KERNEL_ENV)
+    if language not in ("python", "bash"):
+        return []
+    msg = {"k": p.K_CRUN, "tok": lv.token, "ctx": None, "language": language, "code": "", "timeout": 60}
+    try:
+        async with asyncio.timeout(WARM_KERNEL_TIMEOUT_S):
+            async for reply in lv.channel.stream(msg):
+                if reply["k"] == p.K_OK:
+                    return [f"{language} kernel"]
+                if reply["k"] == p.K_ERR:
+                    raise RuntimeError(reply.get("msg"))
+    except Exception as exc:  # the template still serves: its first cell starts the kernel
+        log.warning("template of %s: the %s kernel did not start: %s", image.name, language, exc)
+    return []

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from pal.errors import InvalidRequest, PalError, Unavailable
 from pal.manager.api import RuntimeManager
+from pal.manager.code_models import CodeContext, CodeEvent, CodeRequest, ContextCreate
 from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
 from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
@@ -84,6 +85,42 @@ class ExecAndFiles:
                     continue
                 raise
         raise AssertionError("the loop returns or raises on its last attempt")
+
+    # -- code contexts (issue 26; docs/agents.md) ----------------------------------------------
+    # As processes: the tenant's VM (404), woken when an automatic pause stopped it, in
+    # flight while the call (or the cell) lasts.
+
+    async def run_code(self, tenant_id: str, vm_id: str, req: CodeRequest) -> AsyncIterator[CodeEvent]:
+        """A cell's events; errors (404/409/400/429) are raised on the first ``__anext__``."""
+        d = self.d
+        async with self.waker.request(tenant_id, vm_id):
+            for attempt in range(WAKE_RETRIES + 1):
+                events = d.node(d.reload(vm_id)).run_code(vm_id, req)
+                try:
+                    first = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                except PalError as exc:
+                    if is_live_paused_error(exc) and attempt < WAKE_RETRIES:
+                        await self.waker.ensure_running(tenant_id, vm_id)
+                        continue
+                    raise
+                yield first
+                async for ev in events:
+                    yield ev
+                return
+
+    async def create_context(self, tenant_id: str, vm_id: str, req: ContextCreate) -> CodeContext:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.create_context(vm_id, req))
+
+    async def list_contexts(self, tenant_id: str, vm_id: str) -> list[CodeContext]:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.list_contexts(vm_id))
+
+    async def delete_context(self, tenant_id: str, vm_id: str, ctx: str) -> None:
+        await self._files_call(tenant_id, vm_id, lambda n: n.delete_context(vm_id, ctx))
+
+    async def interrupt_context(self, tenant_id: str, vm_id: str, ctx: str) -> bool:
+        return await self._files_call(tenant_id, vm_id, lambda n: n.interrupt_context(vm_id, ctx))
 
     # -- ports ---------------------------------------------------------------------------------
 

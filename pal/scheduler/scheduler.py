@@ -41,6 +41,7 @@ from typing import Any
 from pal.config import Settings
 from pal.errors import Unavailable
 from pal.manager.api import RuntimeManager
+from pal.manager.code_models import CodeContext, CodeEvent, CodeRequest, ContextCreate
 from pal.manager.models import (
     ExecEvent,
     FileDeleted,
@@ -313,6 +314,22 @@ class Scheduler:
 
     async def delete_file(self, tenant_id: str, vm_id: str, path: str) -> FileDeleted:
         return await self.guest.delete_file(tenant_id, vm_id, path)
+
+    # -- code contexts (exec_files.py; docs/agents.md) -------------------------------------------
+    def run_code(self, tenant_id: str, vm_id: str, req: CodeRequest) -> AsyncIterator[CodeEvent]:
+        return self.guest.run_code(tenant_id, vm_id, req)
+
+    async def create_context(self, tenant_id: str, vm_id: str, req: ContextCreate) -> CodeContext:
+        return await self.guest.create_context(tenant_id, vm_id, req)
+
+    async def list_contexts(self, tenant_id: str, vm_id: str) -> builtins.list[CodeContext]:
+        return await self.guest.list_contexts(tenant_id, vm_id)
+
+    async def delete_context(self, tenant_id: str, vm_id: str, ctx: str) -> None:
+        await self.guest.delete_context(tenant_id, vm_id, ctx)
+
+    async def interrupt_context(self, tenant_id: str, vm_id: str, ctx: str) -> bool:
+        return await self.guest.interrupt_context(tenant_id, vm_id, ctx)
 
     # -- processes (exec_files.py; docs/processes.md) -------------------------------------------
     async def start_process(self, tenant_id: str, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:

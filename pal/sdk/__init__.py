@@ -3,6 +3,7 @@ so it works when installed on its own (it needs only httpx)."""
 
 from .async_client import AsyncClient
 from .client import Client
+from .code import CodeError, CodeOutput, CodeResult
 from .errors import (
     AuthenticationError,
     BadRequestError,
@@ -24,6 +25,9 @@ __all__ = [
     "AuthenticationError",
     "BadRequestError",
     "Client",
+    "CodeError",
+    "CodeOutput",
+    "CodeResult",
     "ConflictError",
     "ExecEvent",
     "ExecResult",

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from . import _pages, _wire
+from .code import AsyncCode, CodeResult
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import AsyncProcesses
 
@@ -69,6 +70,7 @@ class AsyncRuntime:
     def __init__(self, client: AsyncClient) -> None:
         self._c = client
         self.processes = AsyncProcesses(client)  # start/list/get/read/output/send_stdin/...
+        self.code = AsyncCode(client)  # run/create_context/list_contexts/delete_context/interrupt
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
         return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
@@ -125,6 +127,19 @@ class AsyncRuntime:
 
     async def resume(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("POST", f"/vms/{vm_id}/resume"))
+
+    async def run_code(
+        self,
+        vm_id: str,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        timeout_secs: float | None = None,
+    ) -> CodeResult:
+        """Run a cell in the VM's kernel (``language`` python or bash; ``context``: a context
+        id, default the language's default context). Variables persist between cells."""
+        return await self.code.run(vm_id, code, language=language, context=context, timeout_secs=timeout_secs)
 
     async def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
         return dict(await self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from . import _pages, _wire
+from .code import Code, CodeResult
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import Processes
 
@@ -66,6 +67,7 @@ class Runtime:
     def __init__(self, client: Client) -> None:
         self._c = client
         self.processes = Processes(client)  # start/list/get/read/output/send_stdin/...
+        self.code = Code(client)  # run/create_context/list_contexts/delete_context/interrupt
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
         return self._c.request(method, f"/v1/runtime{path}", **kw).json()
@@ -121,6 +123,19 @@ class Runtime:
 
     def resume(self, vm_id: str) -> dict[str, Any]:
         return dict(self._json("POST", f"/vms/{vm_id}/resume"))
+
+    def run_code(
+        self,
+        vm_id: str,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        timeout_secs: float | None = None,
+    ) -> CodeResult:
+        """Run a cell in the VM's kernel (``language`` python or bash; ``context``: a context
+        id, default the language's default context). Variables persist between cells."""
+        return self.code.run(vm_id, code, language=language, context=context, timeout_secs=timeout_secs)
 
     def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
         return dict(self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))

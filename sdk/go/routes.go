@@ -49,6 +49,13 @@ var (
 	routeResizeProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/resize"}
 	routeWaitProcess   = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/wait"}
 	routeAttachURL     = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url"}
+
+	// code.go
+	routeRunCode      = route{"POST", "/v1/runtime/vms/{vm_id}/code"}
+	routeNewContext   = route{"POST", "/v1/runtime/vms/{vm_id}/code/contexts"}
+	routeListContexts = route{"GET", "/v1/runtime/vms/{vm_id}/code/contexts"}
+	routeDelContext   = route{"DELETE", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}"}
+	routeInterrupt    = route{"POST", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}/interrupt"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

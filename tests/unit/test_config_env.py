@@ -16,6 +16,7 @@ OTHER_READERS = {
     "cli/nodes.py",  # client side: PAL_URL of the server it talks to
     "guest/harness.py",  # runs inside the VM
     "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
+    "guest/kerneldriver.py",  # runs inside the VM (Jupyter's runtime dir for its kernels)
     "bench/server.py",  # sets variables for the servers it starts
     "bench/network.py",
     "bench/cluster.py",

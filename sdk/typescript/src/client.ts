@@ -3,6 +3,7 @@
  * of a Pal server over `fetch`. Works in Node >= 18 and in browsers; no runtime dependencies.
  */
 
+import { Code, type CodeResult, type RunCodeOptions } from "./code.js";
 import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
 import { Processes } from "./processes.js";
 import { SseParser } from "./sse.js";
@@ -176,9 +177,17 @@ export class Runtime {
   /** Processes that outlive their request: start, output (reattaching), stdin, signals,
    * terminals, wait (processes.ts). */
   readonly processes: Processes;
+  /** Code contexts: run, createContext, listContexts, deleteContext, interrupt (code.ts). */
+  readonly code: Code;
 
   constructor(private readonly client: Pal) {
     this.processes = new Processes(client);
+    this.code = new Code(client);
+  }
+
+  /** Run a cell in the VM's stateful kernel (Python via Jupyter, or bash): see code.ts. */
+  runCode(vmId: string, code: string, options: RunCodeOptions = {}): Promise<CodeResult> {
+    return this.code.run(vmId, code, options);
   }
 
   /** Schedule a sandbox microVM (402 QuotaExceededError when the tenant is full). */

@@ -1,4 +1,6 @@
 export { DEFAULT_URL, Pal, Runtime } from "./client.js";
+export { Code } from "./code.js";
+export type { CodeContext, CodeOutput, CodeResult, RunCodeOptions } from "./code.js";
 export type { PalOptions, RequestOptions } from "./client.js";
 export {
   AuthenticationError,

@@ -417,6 +417,75 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runtime/vms/{vm_id}/code": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Run a cell in a stateful kernel (Python: Jupyter; bash); `Accept: text/event-stream` streams stdout/stderr/result/error/end events */
+        post: operations["run_code_v1_runtime_vms__vm_id__code_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/code/contexts": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The VM's code contexts */
+        get: operations["list_contexts_v1_runtime_vms__vm_id__code_contexts_get"];
+        put?: never;
+        /** Start a new context (its own kernel), with an optional cwd and env */
+        post: operations["create_context_v1_runtime_vms__vm_id__code_contexts_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Stop a context's kernel */
+        delete: operations["delete_context_v1_runtime_vms__vm_id__code_contexts__ctx__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}/interrupt": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Interrupt the cell running in a context (KeyboardInterrupt; the context stays) */
+        post: operations["interrupt_context_v1_runtime_vms__vm_id__code_contexts__ctx__interrupt_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url": {
         parameters: {
             query?: never;
@@ -788,6 +857,147 @@ export interface components {
              * @default {value}
              */
             format?: string;
+        };
+        /** CodeContext */
+        CodeContext: {
+            /**
+             * Contextid
+             * @description `default-python`, `default-bash`, or a created context's id
+             */
+            contextId: string;
+            /**
+             * Language
+             * @enum {string}
+             */
+            language: "python" | "bash";
+            /** Cwd */
+            cwd: string;
+            /** Createdms */
+            createdMs: number;
+            /**
+             * Executions
+             * @description cells run in it
+             */
+            executions: number;
+            /**
+             * Running
+             * @description a cell is running in it now
+             */
+            running: boolean;
+        };
+        /** CodeError */
+        CodeError: {
+            /** Name */
+            name: string;
+            /** Value */
+            value: string;
+            /** Traceback */
+            traceback: string[];
+        };
+        /** CodeRequest */
+        CodeRequest: {
+            /**
+             * Code
+             * @description the cell's source
+             */
+            code: string;
+            /**
+             * Language
+             * @description `python` (Jupyter's ipykernel) or `bash`
+             * @default python
+             * @enum {string}
+             */
+            language?: "python" | "bash";
+            /**
+             * Contextid
+             * @description the context to run in (default: the language's default context, started on first use)
+             */
+            contextId?: string | null;
+            /**
+             * Timeoutsecs
+             * @description interrupt the cell after this long (the context stays); default 300
+             */
+            timeoutSecs?: number | null;
+        };
+        /**
+         * CodeResult
+         * @description A cell's buffered answer.
+         */
+        CodeResult: {
+            /** Contextid */
+            contextId: string;
+            /**
+             * Executioncount
+             * @description the kernel's count for this cell
+             */
+            executionCount: number | null;
+            /** Stdout */
+            stdout: string;
+            /** Stderr */
+            stderr: string;
+            /**
+             * Results
+             * @description display results in order: MIME bundles (text/plain, text/html, image/png as base64, image/svg+xml, application/json) with `isMainResult` (true: the last expression's value)
+             */
+            results: {
+                [key: string]: unknown;
+            }[];
+            /**
+             * Text
+             * @description the last expression's text/plain, or null
+             */
+            text: string | null;
+            /** @description the cell's exception (name, value, traceback), or null */
+            error: components["schemas"]["CodeError"] | null;
+            /**
+             * Timedout
+             * @description the timeout interrupted the cell; the context stays usable
+             * @default false
+             */
+            timedOut?: boolean;
+        };
+        /** ContextCreate */
+        ContextCreate: {
+            /**
+             * Language
+             * @default python
+             * @enum {string}
+             */
+            language?: "python" | "bash";
+            /**
+             * Cwd
+             * @description working directory (relative: in /workspace)
+             */
+            cwd?: string | null;
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+        };
+        /** ContextDeleted */
+        ContextDeleted: {
+            /** Contextid */
+            contextId: string;
+            /**
+             * Deleted
+             * @default true
+             */
+            deleted?: boolean;
+        };
+        /** ContextInterrupted */
+        ContextInterrupted: {
+            /** Contextid */
+            contextId: string;
+            /**
+             * Interrupted
+             * @description false: no cell was running
+             */
+            interrupted: boolean;
+        };
+        /** ContextList */
+        ContextList: {
+            /** Contexts */
+            contexts: components["schemas"]["CodeContext"][];
         };
         /** EgressAllow */
         EgressAllow: {
@@ -1859,6 +2069,8 @@ export interface components {
              * @default 0
              */
             lastHeartbeatUnixMs?: number;
+            /** Silentcpums */
+            silentCpuMs?: number | null;
             live?: components["schemas"]["LiveState"] | null;
         };
         /** VmListOut */
@@ -4566,6 +4778,417 @@ export interface operations {
             };
             /** @description body not sent as `Content-Type: application/json` */
             415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    run_code_v1_runtime_vms__vm_id__code_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CodeRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CodeResult"];
+                    "text/event-stream": unknown;
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    list_contexts_v1_runtime_vms__vm_id__code_contexts_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextList"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    create_context_v1_runtime_vms__vm_id__code_contexts_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ContextCreate"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CodeContext"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    delete_context_v1_runtime_vms__vm_id__code_contexts__ctx__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description a context's id */
+                ctx: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextDeleted"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    interrupt_context_v1_runtime_vms__vm_id__code_contexts__ctx__interrupt_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description a context's id */
+                ctx: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ContextInterrupted"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
                 headers: {
                     [name: string]: unknown;
                 };

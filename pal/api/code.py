@@ -1,0 +1,187 @@
+"""The /v1/runtime/vms/{id}/code routes (issue 26; docs/agents.md "Code interpreter"): run a
+cell in a stateful kernel (buffered JSON, or SSE with ``Accept: text/event-stream``), and
+manage the VM's code contexts.
+
+Like exec (exec_stream.py): a refusal before the cell runs keeps its status (404 VM or
+context, 409 not running / no kernel in the image / a cell already running, 429 too many
+contexts, 400 bad input); a timeout is not an error status: the cell is interrupted, the
+answer carries ``timedOut: true`` with the output so far, and the context stays usable.
+"""
+
+# No `from __future__ import annotations`: FastAPI must resolve the local `Tenant` alias.
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pal.errors import PalError, Unavailable
+from pal.manager.code_models import (
+    CONTEXT_ID_PATTERN,
+    CodeContext,
+    CodeEvent,
+    CodeRequest,
+    CodeResult,
+    ContextCreate,
+    ContextDeleted,
+    ContextInterrupted,
+    ContextList,
+)
+
+from .auth import require_tenant
+from .body import require_json
+from .errors import error_response, error_responses, public_error
+from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, KEEPALIVE_S, _stop, sse_frame, start_pump
+
+ContextId = Annotated[str, Path(pattern=CONTEXT_ID_PATTERN, description="a context's id")]
+
+
+def _scheduler(request: Request) -> Any:
+    return request.app.state.scheduler
+
+
+Tenant = Annotated[str, Depends(require_tenant)]
+Scheduler = Annotated[Any, Depends(_scheduler)]
+
+code_router = APIRouter(
+    prefix="/v1/runtime/vms/{vm_id}/code",
+    tags=["code"],
+    responses=error_responses(400, 401, 404, 409, 429, 503),
+)
+
+
+def result_of(events: list[CodeEvent]) -> CodeResult:
+    """A cell's events folded into its buffered answer."""
+    out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+    results: list[dict[str, Any]] = []
+    error = None
+    end = events[-1]
+    for ev in events:
+        if ev.type in ("stdout", "stderr"):
+            out[ev.type].append(ev.text or "")
+        elif ev.type == "result":
+            results.append({**(ev.data or {}), "isMainResult": bool(ev.is_main_result)})
+        elif ev.type == "error":
+            error = ev.error
+    main = next((r for r in results if r["isMainResult"]), None)
+    text = main.get("text/plain") if main else None
+    return CodeResult(
+        context_id=end.context_id or "",
+        execution_count=end.execution_count,
+        stdout="".join(out["stdout"]),
+        stderr="".join(out["stderr"]),
+        results=results,
+        text=text if isinstance(text, str) else None,
+        error=error,
+        timed_out=bool(end.timed_out),
+    )
+
+
+async def _buffered(events: AsyncIterator[CodeEvent]) -> CodeResult:
+    got: list[CodeEvent] = []
+    async for ev in events:
+        got.append(ev)
+        if ev.type == "end":
+            return result_of(got)
+    raise Unavailable("the cell ended without its result", code="GUEST_ERROR")
+
+
+def _frame(ev: CodeEvent) -> bytes:
+    body = ev.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body.pop("type", None)
+    return sse_frame(ev.type, body)
+
+
+async def _sse(open_events: Any) -> StreamingResponse | JSONResponse:
+    """Events as SSE (``stdout``/``stderr``/``result``/``error``/``end``); a refusal within
+    FIRST_EVENT_GRACE_S keeps its status, a later one is an ``error`` event with the
+    error shape (exec_stream.sse_exec's rule)."""
+    queue, task = start_pump(open_events, "code")
+    try:
+        first: Any = await asyncio.wait_for(queue.get(), timeout=FIRST_EVENT_GRACE_S)
+    except TimeoutError:
+        first = None
+    if isinstance(first, PalError):
+        await _stop(task)
+        return error_response(first.status, first.code, first.message)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            item = first
+            while True:
+                if item is None:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
+                    except TimeoutError:
+                        yield b": keepalive\n\n"
+                        continue
+                if item is _DONE:
+                    yield sse_frame(
+                        "error", {"code": "GUEST_ERROR", "message": "the cell ended without its result"}
+                    )
+                    return
+                if isinstance(item, PalError):
+                    yield sse_frame("error", public_error(item.status, item.code, item.message))
+                    return
+                yield _frame(item)
+                if item.type == "end":
+                    return
+                item = None
+        finally:
+            await _stop(task)
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+@code_router.post(
+    "",
+    response_model=CodeResult,
+    summary="Run a cell in a stateful kernel (Python: Jupyter; bash); "
+    "`Accept: text/event-stream` streams stdout/stderr/result/error/end events",
+    dependencies=[Depends(require_json)],
+    responses={200: {"content": {"text/event-stream": {}}}, **error_responses(415)},
+)
+async def run_code(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, req: CodeRequest, request: Request
+) -> Any:
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return await _sse(lambda: scheduler.run_code(tenant, vm_id, req))
+    return await _buffered(scheduler.run_code(tenant, vm_id, req))
+
+
+@code_router.post(
+    "/contexts",
+    status_code=201,
+    response_model=CodeContext,
+    summary="Start a new context (its own kernel), with an optional cwd and env",
+    dependencies=[Depends(require_json)],
+    responses=error_responses(415),
+)
+async def create_context(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ContextCreate) -> CodeContext:
+    return await scheduler.create_context(tenant, vm_id, req)  # type: ignore[no-any-return]
+
+
+@code_router.get("/contexts", response_model=ContextList, summary="The VM's code contexts")
+async def list_contexts(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> ContextList:
+    return ContextList(contexts=await scheduler.list_contexts(tenant, vm_id))
+
+
+@code_router.delete("/contexts/{ctx}", response_model=ContextDeleted, summary="Stop a context's kernel")
+async def delete_context(tenant: Tenant, scheduler: Scheduler, vm_id: str, ctx: ContextId) -> ContextDeleted:
+    await scheduler.delete_context(tenant, vm_id, ctx)
+    return ContextDeleted(context_id=ctx)
+
+
+@code_router.post(
+    "/contexts/{ctx}/interrupt",
+    response_model=ContextInterrupted,
+    summary="Interrupt the cell running in a context (KeyboardInterrupt; the context stays)",
+)
+async def interrupt_context(
+    tenant: Tenant, scheduler: Scheduler, vm_id: str, ctx: ContextId
+) -> ContextInterrupted:
+    interrupted = await scheduler.interrupt_context(tenant, vm_id, ctx)
+    return ContextInterrupted(context_id=ctx, interrupted=interrupted)

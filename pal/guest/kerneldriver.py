@@ -1,0 +1,201 @@
+"""One code context's driver: a child of the harness, speaking JSON lines (kernels.py).
+
+Run as ``python3 kerneldriver.py python|bash`` by the harness, as the workload user, in
+the context's cwd and env. Standalone on purpose (stdlib only at import): the ``python``
+language runs under the *image's* python3, which has Jupyter (the code-interpreter
+image), while the harness runs Pal's own interpreter, which never sees the image's
+site-packages; ``bash`` runs under Pal's interpreter and needs only ``bash``.
+
+- python: Jupyter's ipykernel started and driven by jupyter_client (imported only here,
+  at start: an image without it answers ``fail``), over IPC sockets in a private
+  directory (no TCP: a restored guest resets TCP connections the snapshot froze).
+- bash: one persistent ``bash`` per context; a cell is ``source``d from a file, so its
+  variables, functions and cwd persist; SIGINT is trapped to ``return`` from the cell.
+
+Requests on stdin: ``{"op": "run", "code"}`` and ``{"op": "interrupt"}``. Events on the
+protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once, then per cell ``stream {name,
+text}``, ``result {data, main}``, ``error {name, value, traceback}``, ``done {count}``.
+The kernel's own stdout/stderr go to /dev/null: only this driver writes the protocol fd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any
+
+MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
+CHUNK = 64 * 1024  # a bash cell's output goes out in lines of at most this
+READY_TIMEOUT_S = 170.0  # a kernel not ready by then failed (TCG, a loaded host; kernels.py waits 180 s)
+
+
+class Out:
+    """The protocol stream: one JSON object per line, written whole under a lock."""
+
+    def __init__(self, fd: int) -> None:
+        self.f = os.fdopen(fd, "wb", buffering=0)
+        self.lock = threading.Lock()
+
+    def emit(self, t: str, **fields: Any) -> None:
+        line = json.dumps({"t": t, **fields}, separators=(",", ":")).encode() + b"\n"
+        with self.lock:
+            self.f.write(line)
+
+
+class PythonKernel:
+    def __init__(self, out: Out) -> None:
+        from jupyter_client.manager import KernelManager  # the image's; absent: ``fail``
+
+        self.out = out
+        self.dir = tempfile.mkdtemp(prefix="pal-kernel-")
+        os.environ["JUPYTER_RUNTIME_DIR"] = self.dir
+        self.km = KernelManager(transport="ipc", ip=os.path.join(self.dir, "k"))
+        # independent: no JPY_PARENT_PID, so the kernel runs no parent poller waking every
+        # second; no heartbeat channel either (a thread pinging every second): an idle
+        # kernel holds no timer, and the VM's idle probe can see it idle and suspend it.
+        null = subprocess.DEVNULL
+        self.km.start_kernel(stdout=null, stderr=null, stdin=null, independent=True)
+        self.kc = self.km.client()
+        self.kc.start_channels(hb=False)
+        self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
+        prov = getattr(self.km, "provisioner", None)
+        self.pid = int(getattr(prov, "pid", 0) or getattr(getattr(self.km, "kernel", None), "pid", 0) or 0)
+
+    def run(self, code: str) -> None:
+        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
+        count = None
+        while True:
+            msg = self.kc.get_iopub_msg()
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                self.out.emit("stream", name=content.get("name"), text=content.get("text", ""))
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                data = {k: v for k, v in content.get("data", {}).items() if k in MIMES}
+                if "application/json" in data:
+                    data["application/json"] = json.dumps(data["application/json"])
+                self.out.emit("result", data=data, main=kind == "execute_result")
+            elif kind == "error":
+                tb = [str(x) for x in content.get("traceback", [])]
+                self.out.emit("error", name=content.get("ename"), value=content.get("evalue"), traceback=tb)
+            elif kind == "execute_input":
+                count = content.get("execution_count")
+            elif kind == "status" and content.get("execution_state") == "idle":
+                break
+        self.out.emit("done", count=count)
+
+    def interrupt(self) -> None:
+        if self.pid:
+            os.kill(self.pid, signal.SIGINT)
+
+
+class BashKernel:
+    def __init__(self, out: Out) -> None:
+        self.out = out
+        self.dir = tempfile.mkdtemp(prefix="pal-bash-")
+        self.marker = "__PAL_CELL_END_" + secrets.token_hex(8)
+        self.count = 0
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # SIGINT to its group reaches the cell's commands
+        )
+        self.pid = self.proc.pid
+        self._send('trap "return 130 2>/dev/null" INT\n')
+
+    def _send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def _pump(self, f: Any, name: str, codes: list[int]) -> None:
+        mark = self.marker.encode()
+        carry = b""  # a cut line's tail that may be the start of the marker
+        for piece in iter(lambda: f.readline(CHUNK), b""):
+            line, carry = carry + piece, b""
+            at = line.find(mark)
+            if at >= 0:  # the cell's last line may lack its newline: the marker follows it
+                if at:
+                    self.out.emit("stream", name=name, text=line[:at].decode("utf-8", "replace"))
+                tail = line[at + len(mark) :].strip()
+                if tail.lstrip(b"-").isdigit():
+                    codes.append(int(tail))
+                return
+            if not line.endswith(b"\n"):
+                line, carry = line[: -len(mark)], line[-len(mark) :]
+            if line:
+                self.out.emit("stream", name=name, text=line.decode("utf-8", "replace"))
+
+    def run(self, code: str) -> None:
+        self.count += 1
+        path = os.path.join(self.dir, "cell.sh")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(code + "\n")
+        codes: list[int] = []
+        pumps = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout", codes)),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, "stderr", [])),
+        ]
+        for t in pumps:
+            t.start()
+        self._send(
+            f"source {path} </dev/null; __pal_rc=$?; printf '%s%d\\n' {self.marker} $__pal_rc; "
+            f"printf '%s\\n' {self.marker} >&2\n"
+        )
+        for t in pumps:
+            t.join()
+        rc = codes[0] if codes else -1
+        if rc != 0:
+            self.out.emit("error", name="ExitStatus", value=str(rc), traceback=[f"exit status {rc}"])
+        self.out.emit("done", count=self.count)
+
+    def interrupt(self) -> None:
+        os.killpg(self.pid, signal.SIGINT)
+
+
+def main() -> int:
+    lang = sys.argv[1] if len(sys.argv) > 1 else "python"
+    proto = os.dup(1)  # the protocol's fd; 1 and 2 go nowhere (a kernel writing them is noise)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    out = Out(proto)
+    try:
+        kernel: PythonKernel | BashKernel = PythonKernel(out) if lang == "python" else BashKernel(out)
+    except ImportError as exc:
+        out.emit("fail", msg=f"no Jupyter kernel support in this image ({exc.name or exc})")
+        return 3
+    except Exception as exc:
+        out.emit("fail", msg=f"the {lang} kernel did not start: {exc!r}"[:1000])
+        return 4
+    out.emit("ready", kernel_pid=kernel.pid)
+    worker: threading.Thread | None = None
+    for raw in sys.stdin.buffer:
+        try:
+            req = json.loads(raw)
+        except ValueError:
+            continue
+        if req.get("op") == "interrupt":
+            try:
+                kernel.interrupt()
+            except OSError:
+                pass
+        elif req.get("op") == "run" and isinstance(req.get("code"), str):
+            if worker is not None:
+                worker.join()  # the harness sends one cell at a time; never two at once
+            worker = threading.Thread(target=kernel.run, args=(req["code"],), daemon=True)
+            worker.start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Code contexts (issue 26; docs/agents.md "Code interpreter"): stateful kernels in the guest.
+
+A context is one driver process (kerneldriver.py, as the workload user) holding one
+kernel: ipykernel for ``python`` (under the image's python3, which must have Jupyter),
+a persistent bash for ``bash``. The harness speaks JSON lines to it and turns a cell's
+events into ``cev`` messages of the host's ``crun`` stream. Each language has a default
+context (``default-python``, ``default-bash``), started on first use.
+
+Bounds (the host checks them again): MAX_CONTEXTS per VM, MAX_CODE_CHARS per cell,
+MAX_STREAM_CHARS of stdout+stderr and MAX_RESULTS_BYTES of display results per cell, one
+cell at a time per context. A cell past its timeout is interrupted (SIGINT to the
+kernel) and the context stays; a kernel that ignores the interrupt for INTERRUPT_GRACE_S
+is killed and its context removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pal.guest import protocol as P
+from pal.guest.children import ChildTracker, kill_group
+from pal.guest.errors import ExecError
+from pal.guest.oslib import now_ms
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kerneldriver.py")
+LANGUAGES = ("python", "bash")
+START_TIMEOUT_S = 180.0  # a kernel start (ipykernel imports under TCG take seconds)
+INTERRUPT_GRACE_S = 10.0  # after the timeout's SIGINT, how long the cell may take to stop
+
+Emit = Callable[[P.Message], bool]
+
+
+@dataclass(eq=False)
+class Context:
+    id: str
+    language: str
+    cwd: str
+    popen: subprocess.Popen[bytes]
+    kernel_pid: int = 0
+    created_ms: int = field(default_factory=now_ms)
+    executions: int = 0
+    running: bool = False
+    events: queue.Queue[P.Message | None] = field(default_factory=queue.Queue)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def info(self) -> P.Message:
+        return {
+            "id": self.id,
+            "language": self.language,
+            "cwd": self.cwd,
+            "created_ms": self.created_ms,
+            "executions": self.executions,
+            "running": self.running,
+        }
+
+    def send(self, req: P.Message) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(req).encode() + b"\n")
+        self.popen.stdin.flush()
+
+
+@dataclass
+class ContextSpec:
+    """A context to start, checked and resolved by the harness (env, cwd, credentials)."""
+
+    language: str
+    env: dict[str, str]
+    cwd: str
+    creds: dict[str, Any]
+    python: str | None = None  # the image's python3 (for ``python``)
+
+
+def language_of(value: Any) -> str:
+    if value not in LANGUAGES:
+        raise ExecError(P.ERR_INVAL, f"language must be one of {', '.join(LANGUAGES)}")
+    return str(value)
+
+
+def _read_events(ctx: Context) -> None:
+    """The driver's events into the context's queue; None once it exits."""
+    assert ctx.popen.stdout is not None
+    for line in iter(ctx.popen.stdout.readline, b""):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            ctx.events.put(ev)
+    ctx.events.put(None)
+
+
+class Kernels:
+    """The VM's code contexts by id."""
+
+    def __init__(self, children: ChildTracker) -> None:
+        self.children = children
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()  # one start at a time: bounded, no double default
+        self._contexts: dict[str, Context] = {}
+        self._runs: dict[int, Context] = {}  # running cells by request id (cancel)
+
+    def list(self) -> list[P.Message]:
+        with self._lock:
+            return [c.info() for c in sorted(self._contexts.values(), key=lambda c: c.created_ms)]
+
+    def get(self, ctx_id: Any) -> Context:
+        with self._lock:
+            ctx = self._contexts.get(ctx_id) if isinstance(ctx_id, str) else None
+        if ctx is None:
+            raise ExecError(P.ERR_NOENT, f"no code context {ctx_id!r}")
+        return ctx
+
+    def busy(self) -> bool:
+        with self._lock:
+            return any(c.running for c in self._contexts.values())
+
+    # -- start and stop
+
+    def start(self, spec: ContextSpec, ctx_id: str | None = None) -> Context:
+        with self._start_lock:
+            with self._lock:
+                if ctx_id is not None and ctx_id in self._contexts:
+                    return self._contexts[ctx_id]  # a default someone else just started
+                if len(self._contexts) >= P.MAX_CODE_CONTEXTS:
+                    raise ExecError(P.ERR_LIMIT, f"{P.MAX_CODE_CONTEXTS} code contexts exist already")
+            ctx = self._spawn(spec, ctx_id or "ctx-" + secrets.token_hex(6))
+            with self._lock:
+                self._contexts[ctx.id] = ctx
+            return ctx
+
+    def _spawn(self, spec: ContextSpec, ctx_id: str) -> Context:
+        exe = spec.python if spec.language == "python" else sys.executable
+        if not exe:
+            raise ExecError(P.ERR_NOKERNEL, "this image has no python3 for a Python kernel")
+        argv = [exe, DRIVER, spec.language]
+        if spec.language == "bash":  # Pal's own interpreter: as the harness runs it
+            argv = [*_own_interpreter(), DRIVER, "bash"]
+        with self.children.spawn_lock:
+            popen = subprocess.Popen(
+                argv,
+                cwd=spec.cwd,
+                env=spec.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=_default_signals,
+                **spec.creds,
+            )
+            self.children.register(popen.pid)
+        ctx = Context(id=ctx_id, language=spec.language, cwd=spec.cwd, popen=popen)
+        threading.Thread(target=_read_events, args=(ctx,), name=f"ctx-{ctx_id}", daemon=True).start()
+        try:
+            first = ctx.events.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            first = None
+        if not first or first.get("t") != "ready":
+            self._kill(ctx)
+            why = str(first.get("msg", ""))[:500] if first else "it did not start in time"
+            code = P.ERR_NOKERNEL if first and "no Jupyter" in why else P.ERR_IO
+            raise ExecError(code, why or "the kernel did not start")
+        pid = first.get("kernel_pid")
+        ctx.kernel_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 1 else 0
+        return ctx
+
+    def _kill(self, ctx: Context) -> None:
+        if ctx.kernel_pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(ctx.kernel_pid, signal.SIGKILL)
+            kill_group(ctx.kernel_pid)
+        kill_group(ctx.popen.pid)
+        if ctx.popen.stdin is not None:
+            with contextlib.suppress(OSError):
+                ctx.popen.stdin.close()
+        self.children.wait(ctx.popen.pid, 5.0)
+        self.children.release(ctx.popen.pid)
+
+    def delete(self, ctx_id: Any) -> None:
+        ctx = self.get(ctx_id)
+        with self._lock:
+            self._contexts.pop(ctx.id, None)
+        self._kill(ctx)
+
+    def interrupt(self, ctx_id: Any) -> bool:
+        ctx = self.get(ctx_id)
+        if not ctx.running:
+            return False
+        with contextlib.suppress(OSError):
+            ctx.send({"op": "interrupt"})
+        return True
+
+    def cancel(self, rid: Any) -> bool:
+        """The host gave up on a cell's stream: interrupt the cell."""
+        with self._lock:
+            ctx = self._runs.get(rid) if isinstance(rid, int) else None
+        if ctx is None:
+            return False
+        with contextlib.suppress(OSError):
+            ctx.send({"op": "interrupt"})
+        return True
+
+    # -- cells
+
+    def run(self, rid: int, ctx: Context, code: str, timeout: float, emit: Emit) -> P.Message:
+        """Run one cell, each event through ``emit``; the end's result."""
+        if not ctx.lock.acquire(blocking=False):
+            raise ExecError(P.ERR_STATE, f"a cell is running in context {ctx.id} already")
+        try:
+            ctx.running = True
+            with self._lock:
+                self._runs[rid] = ctx
+            try:
+                ctx.send({"op": "run", "code": code})
+            except OSError:
+                self._forget(ctx)
+                raise ExecError(P.ERR_STATE, f"the kernel of context {ctx.id} has exited") from None
+            return self._follow(ctx, timeout, emit)
+        finally:
+            with self._lock:
+                self._runs.pop(rid, None)
+            ctx.running = False
+            ctx.lock.release()
+
+    def _follow(self, ctx: Context, timeout: float, emit: Emit) -> P.Message:
+        bound = CellBound(emit)
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ev = ctx.events.get(timeout=max(0.0, left))
+            except queue.Empty:
+                if timed_out:  # the interrupt did not stop it: the kernel goes
+                    self._forget(ctx)
+                    bound.note("the kernel ignored the interrupt and was stopped; its context is gone")
+                    return {"context_id": ctx.id, "execution_count": None, "timed_out": True, "lost": True}
+                timed_out = True
+                deadline = time.monotonic() + INTERRUPT_GRACE_S
+                with contextlib.suppress(OSError):
+                    ctx.send({"op": "interrupt"})
+                continue
+            if ev is None:
+                self._forget(ctx)
+                bound.note("the kernel exited; its context is gone")
+                return {"context_id": ctx.id, "execution_count": None, "timed_out": timed_out, "lost": True}
+            if ev.get("t") == "done":
+                ctx.executions += 1
+                count = ev.get("count")
+                count = count if isinstance(count, int) and not isinstance(count, bool) else None
+                return {"context_id": ctx.id, "execution_count": count, "timed_out": timed_out}
+            bound.forward(ev)
+
+    def _forget(self, ctx: Context) -> None:
+        with self._lock:
+            if self._contexts.get(ctx.id) is ctx:
+                del self._contexts[ctx.id]
+        self._kill(ctx)
+
+
+class CellBound:
+    """One cell's events, checked and bounded before they go to the host."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.emit = emit
+        self.stream_chars = 0
+        self.result_bytes = 0
+        self.results = 0
+        self.cut_stream = self.cut_results = False
+
+    def note(self, text: str) -> None:
+        self.emit({"t": "stream", "name": "stderr", "text": f"[pal: {text}]\n"})
+
+    def forward(self, ev: P.Message) -> None:
+        t = ev.get("t")
+        if t == "stream" and ev.get("name") in ("stdout", "stderr") and isinstance(ev.get("text"), str):
+            text = ev["text"]
+            room = P.MAX_CELL_STREAM_CHARS - self.stream_chars
+            if room <= 0:
+                if not self.cut_stream:
+                    self.cut_stream = True
+                    self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
+                return
+            self.stream_chars += min(len(text), room)
+            for i in range(0, min(len(text), room), P.STREAM_EVENT_CHARS):
+                piece = text[i : min(i + P.STREAM_EVENT_CHARS, room)]
+                self.emit({"t": "stream", "name": ev["name"], "text": piece})
+            if len(text) > room:
+                self.cut_stream = True
+                self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
+        elif t == "result" and isinstance(ev.get("data"), dict):
+            data = {k: v for k, v in ev["data"].items() if k in P.CODE_MIMES and isinstance(v, str)}
+            size = len(json.dumps(data))
+            if size > P.MAX_RESULT_BYTES:
+                self.note(f"a display result of {size} bytes was dropped (at most {P.MAX_RESULT_BYTES})")
+                return
+            if self.results >= P.MAX_CELL_RESULTS or self.result_bytes + size > P.MAX_CELL_RESULT_BYTES:
+                if not self.cut_results:
+                    self.cut_results = True
+                    self.note("display results dropped: the cell's results are over Pal's bound")
+                return
+            self.results += 1
+            self.result_bytes += size
+            # ``mime``, not ``data``: on the wire ``data`` is a message's binary payload.
+            self.emit({"t": "result", "mime": data, "main": ev.get("main") is True})
+        elif t == "error":
+            tb = ev.get("traceback")
+            tb = [str(x)[:10_000] for x in tb[:200]] if isinstance(tb, list) else []
+            name, value = str(ev.get("name"))[:200], str(ev.get("value"))[:10_000]
+            self.emit({"t": "error", "name": name, "value": value, "traceback": tb})
+
+
+def _own_interpreter() -> list[str]:
+    """How the harness itself runs (in the guest: Pal's loader and python3; tests: this one)."""
+    loader = "/.pal/lib/ld-linux-x86-64.so.2"
+    if sys.executable.startswith("/.pal/") and os.path.exists(loader):
+        lib = ["--library-path", "/.pal/lib", "--inhibit-cache"]
+        return [loader, *lib, sys.executable, "-I", "-S", "-X", "utf8"]
+    return [sys.executable]
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)

@@ -1,0 +1,229 @@
+"""Code contexts on the node (issue 26; docs/agents.md "Code interpreter"): the calls on
+the harness's kernels (pal/guest/kernels.py), under the rules of exec and processes
+(exec_files.py, processes.py):
+
+- the VM must be running (409, or 409 LIVE_PAUSED, which the scheduler turns into a wake),
+  the request enters the channel under the VM's ``op_lock``;
+- a running cell counts as an exec in flight (``active_execs``): the VM stays awake;
+- whatever the guest sends is hostile: each event is checked and the cell's totals are
+  bounded here again (the guest's own bounds, protocol.py), so a guest cannot make the
+  API hold more than MAX_CELL_STREAM_CHARS of text and MAX_CELL_RESULT_BYTES of results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pal.errors import PalError, Unavailable
+from pal.guest import protocol as p
+from pal.manager import guest_input as gi
+from pal.manager.channel import GuestError
+from pal.manager.code_models import (
+    CONTEXT_ID_PATTERN,
+    DEFAULT_TIMEOUT_SECS,
+    CodeContext,
+    CodeError,
+    CodeEvent,
+    CodeRequest,
+    ContextCreate,
+)
+from pal.manager.guest_errors import to_pal_error
+from pal.manager.vm import VmRegistry
+from pal.manager.vm_states import require_running
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 240.0  # a context start may import ipykernel under TCG (guest: 180 s)
+NO_KERNEL_HINT = (
+    "; run Python cells in a VM of the code-interpreter image "
+    "(`pal image build code-interpreter --warm`, then schedule with image code-interpreter)"
+)
+_ID = re.compile(CONTEXT_ID_PATTERN)
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # IPython colours its tracebacks
+
+
+def _plain(value: object, limit: int) -> str:
+    """Guest text for a JSON answer: a string, valid Unicode, at most ``limit`` characters
+    (newlines and tabs kept: it is output, not a log line)."""
+    if not isinstance(value, str):
+        return ""
+    return value[:limit].encode("utf-8", "replace").decode("utf-8")
+
+
+def _error(exc: GuestError) -> PalError:
+    msg = exc.message + (NO_KERNEL_HINT if exc.guest_code == p.ERR_NOKERNEL else "")
+    return to_pal_error(exc.guest_code, msg, "code")
+
+
+def context(raw: object) -> CodeContext:
+    if not isinstance(raw, dict):
+        raise gi.BadReply("context is not an object")
+    cid, lang = raw.get("id"), raw.get("language")
+    if not isinstance(cid, str) or not _ID.match(cid) or lang not in ("python", "bash"):
+        raise gi.BadReply("context has no valid id or language")
+    return CodeContext(
+        context_id=cid,
+        language=lang,
+        cwd=gi.text(raw.get("cwd"), 4096),
+        created_ms=gi.integer(raw.get("created_ms"), 0, gi.MAX_JSON_INT) or 0,
+        executions=gi.integer(raw.get("executions"), 0, gi.MAX_JSON_INT) or 0,
+        running=raw.get("running") is True,
+    )
+
+
+class CellBound:
+    """The host's bound on one cell's events (the guest's, checked again)."""
+
+    def __init__(self) -> None:
+        self.chars = self.result_bytes = self.results = 0
+
+    def event(self, ev: dict[str, Any]) -> CodeEvent | None:
+        t = ev.get("t")
+        if t == "stream" and ev.get("name") in ("stdout", "stderr") and isinstance(ev.get("text"), str):
+            text = ev["text"][: max(0, p.MAX_CELL_STREAM_CHARS + 1024 - self.chars)]  # + its notes
+            self.chars += len(text)
+            return CodeEvent(type=ev["name"], text=_plain(text, len(text))) if text else None
+        if t == "result" and isinstance(ev.get("mime"), dict):
+            return self._result(ev["mime"], ev.get("main") is True)
+        if t == "error":
+            raw = ev.get("traceback")
+            lines = raw[:200] if isinstance(raw, list) else []
+            tb = [_ANSI.sub("", _plain(x, 10_000)) for x in lines]
+            name, value = _plain(ev.get("name"), 200), _plain(ev.get("value"), 10_000)
+            return CodeEvent(type="error", error=CodeError(name=name, value=value, traceback=tb))
+        return None
+
+    def _result(self, raw: dict[str, Any], main: bool) -> CodeEvent | None:
+        data: dict[str, Any] = {}
+        size = 0
+        for mime in p.CODE_MIMES:
+            value = raw.get(mime)
+            if isinstance(value, str):
+                size += len(value)
+                data[mime] = value
+        self.results += 1
+        self.result_bytes += size
+        if not data or self.results > p.MAX_CELL_RESULTS or self.result_bytes > p.MAX_CELL_RESULT_BYTES:
+            return None
+        if "application/json" in data:
+            try:
+                data["application/json"] = json.loads(data["application/json"])
+            except ValueError:
+                del data["application/json"]
+        return CodeEvent(type="result", data=data, is_main_result=main)
+
+
+def _end(res: object) -> CodeEvent:
+    if not isinstance(res, dict):
+        raise gi.BadReply("crun ended without a result")
+    cid = res.get("context_id")
+    if not isinstance(cid, str) or not _ID.match(cid):
+        raise gi.BadReply("crun ended without a valid context id")
+    return CodeEvent(
+        type="end",
+        context_id=cid,
+        execution_count=gi.integer(res.get("execution_count"), 0, gi.MAX_JSON_INT),
+        timed_out=res.get("timed_out") is True,
+    )
+
+
+class GuestCode:
+    def __init__(self, registry: VmRegistry) -> None:
+        self.registry = registry
+
+    async def run(self, vm_id: str, req: CodeRequest) -> AsyncIterator[CodeEvent]:
+        """A cell's events, ending with ``end``; a guest error is raised before any event."""
+        lv = self.registry.running(vm_id)
+        msg: p.Message = {
+            "k": p.K_CRUN,
+            "tok": lv.token,
+            "ctx": req.context_id,
+            "language": req.language,
+            "code": req.code,
+            "timeout": req.timeout_secs or DEFAULT_TIMEOUT_SECS,
+        }
+        async with lv.op_lock:
+            require_running(lv)
+            lv.active_execs += 1
+            lv.touch()
+            try:
+                replies = await lv.channel.start_stream(msg)
+            except BaseException:
+                lv.active_execs -= 1
+                raise
+        bound = CellBound()
+        try:
+            async for reply in replies:
+                kind = reply["k"]
+                if kind == p.K_CEV:
+                    ev = bound.event(reply)
+                    if ev is not None:
+                        yield ev
+                elif kind == p.K_ERR:
+                    code, message = gi.error(reply)
+                    raise _error(GuestError(code, message))
+                elif kind == p.K_OK:
+                    try:
+                        yield _end(reply.get("result"))
+                    except gi.BadReply as exc:
+                        raise _bad_reply(vm_id, exc) from None
+                    return
+        finally:
+            await replies.aclose()
+            lv.active_execs -= 1
+            lv.touch()
+
+    async def _call(self, vm_id: str, msg: p.Message) -> dict[str, Any]:
+        lv = self.registry.running(vm_id)
+        async with lv.op_lock:
+            require_running(lv)
+            lv.files_in_flight += 1
+            lv.files_idle.clear()
+        lv.touch()
+        try:
+            reply, _ = await lv.channel.request({**msg, "tok": lv.token}, timeout=REQUEST_TIMEOUT_S)
+        except GuestError as exc:
+            raise _error(exc) from None
+        finally:
+            lv.touch()
+            lv.files_in_flight -= 1
+            if lv.files_in_flight == 0:
+                lv.files_idle.set()
+        res = reply.get("result")
+        if not isinstance(res, dict):
+            raise _bad_reply(vm_id, gi.BadReply(f"{msg['k']} reply has no result"))
+        return res
+
+    async def create_context(self, vm_id: str, req: ContextCreate) -> CodeContext:
+        msg = {"k": p.K_CNEW, "language": req.language, "cwd": req.cwd, "env": req.env}
+        res = await self._call(vm_id, msg)
+        try:
+            return context(res.get("context"))
+        except gi.BadReply as exc:
+            raise _bad_reply(vm_id, exc) from None
+
+    async def list_contexts(self, vm_id: str) -> list[CodeContext]:
+        res = await self._call(vm_id, {"k": p.K_CLIST})
+        raw = res.get("contexts")
+        try:
+            if not isinstance(raw, list) or len(raw) > p.MAX_CODE_CONTEXTS * 2:
+                raise gi.BadReply("clist reply has no valid list")
+            return [context(x) for x in raw]
+        except gi.BadReply as exc:
+            raise _bad_reply(vm_id, exc) from None
+
+    async def delete_context(self, vm_id: str, ctx: str) -> None:
+        await self._call(vm_id, {"k": p.K_CDELETE, "ctx": ctx})
+
+    async def interrupt_context(self, vm_id: str, ctx: str) -> bool:
+        res = await self._call(vm_id, {"k": p.K_CINTERRUPT, "ctx": ctx})
+        return res.get("interrupted") is True
+
+
+def _bad_reply(vm_id: str, exc: Exception) -> PalError:
+    log.warning("VM %s: invalid code reply from the guest: %s", vm_id, gi.text(str(exc)))
+    return Unavailable(f"VM {vm_id}: the guest sent an invalid reply to a code request", code="GUEST_ERROR")

@@ -1,0 +1,190 @@
+"""The code interpreter (docs/agents.md "Code interpreter"): ``runtime.run_code(vm, code)``
+and ``runtime.code.*`` for contexts, sync and async. A cell's answer is a
+:class:`CodeResult`; each display result a :class:`CodeOutput` with ``png`` as bytes."""
+
+from __future__ import annotations
+
+import base64
+import builtins
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _wire
+
+# A cell runs up to its timeout (the server's default: 300 s): the read has no limit of its own.
+_CELL_TIMEOUT = _wire.exec_timeout
+
+
+@dataclass(frozen=True)
+class CodeError:
+    name: str
+    value: str
+    traceback: list[str]
+
+
+@dataclass(frozen=True)
+class CodeOutput:
+    """One display result, a MIME bundle: ``text`` (text/plain), ``html``, ``png`` (bytes),
+    ``svg``, ``json``; ``is_main_result``: the cell's last expression. ``data``: as sent."""
+
+    data: dict[str, Any]
+    is_main_result: bool = False
+
+    @property
+    def text(self) -> str | None:
+        return self.data.get("text/plain")
+
+    @property
+    def html(self) -> str | None:
+        return self.data.get("text/html")
+
+    @property
+    def png(self) -> bytes | None:
+        raw = self.data.get("image/png")
+        return base64.b64decode(raw) if isinstance(raw, str) else None
+
+    @property
+    def svg(self) -> str | None:
+        return self.data.get("image/svg+xml")
+
+    @property
+    def json(self) -> Any:
+        return self.data.get("application/json")
+
+
+@dataclass(frozen=True)
+class CodeResult:
+    context_id: str
+    execution_count: int | None
+    stdout: str
+    stderr: str
+    text: str | None  # the last expression's text/plain
+    error: CodeError | None
+    timed_out: bool = False
+    results: list[CodeOutput] = field(default_factory=list)
+
+    @property
+    def pngs(self) -> list[bytes]:
+        return [r.png for r in self.results if r.png is not None]
+
+
+def code_body(code: str, language: str, context: str | None, timeout_secs: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": code, "language": language}
+    if context is not None:
+        body["contextId"] = context
+    if timeout_secs is not None:
+        body["timeoutSecs"] = timeout_secs
+    return body
+
+
+def context_body(language: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"language": language, "env": dict(env or {})}
+    if cwd is not None:
+        body["cwd"] = cwd
+    return body
+
+
+def code_result(body: dict[str, Any]) -> CodeResult:
+    err = body.get("error")
+    results = [
+        CodeOutput({k: v for k, v in r.items() if k != "isMainResult"}, bool(r.get("isMainResult")))
+        for r in body.get("results", [])
+    ]
+    return CodeResult(
+        context_id=body["contextId"],
+        execution_count=body.get("executionCount"),
+        stdout=body.get("stdout", ""),
+        stderr=body.get("stderr", ""),
+        text=body.get("text"),
+        error=CodeError(err["name"], err["value"], list(err["traceback"])) if err else None,
+        timed_out=bool(body.get("timedOut")),
+        results=results,
+    )
+
+
+class Code:
+    """``runtime.code``: cells and contexts of a VM's kernels."""
+
+    def __init__(self, client: Any) -> None:  # a Client (client.py imports this module)
+        self._c = client
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
+
+    def run(
+        self,
+        vm_id: str,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        timeout_secs: float | None = None,
+    ) -> CodeResult:
+        body = code_body(code, language, context, timeout_secs)
+        timeout = _CELL_TIMEOUT(self._c.timeout)
+        return code_result(self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
+
+    def create_context(
+        self,
+        vm_id: str,
+        language: str = "python",
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body = context_body(language, cwd, env)
+        timeout = _CELL_TIMEOUT(self._c.timeout)
+        return dict(self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
+
+    def list_contexts(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+        return list(self._json("GET", f"/vms/{vm_id}/code/contexts")["contexts"])
+
+    def delete_context(self, vm_id: str, context: str) -> dict[str, Any]:
+        return dict(self._json("DELETE", f"/vms/{vm_id}/code/contexts/{context}"))
+
+    def interrupt(self, vm_id: str, context: str) -> dict[str, Any]:
+        return dict(self._json("POST", f"/vms/{vm_id}/code/contexts/{context}/interrupt"))
+
+
+class AsyncCode:
+    """``AsyncClient.runtime.code``: :class:`Code`'s calls, awaited."""
+
+    def __init__(self, client: Any) -> None:  # an AsyncClient
+        self._c = client
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
+
+    async def run(
+        self,
+        vm_id: str,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        timeout_secs: float | None = None,
+    ) -> CodeResult:
+        body = code_body(code, language, context, timeout_secs)
+        timeout = _CELL_TIMEOUT(self._c.timeout)
+        return code_result(await self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
+
+    async def create_context(
+        self,
+        vm_id: str,
+        language: str = "python",
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        body = context_body(language, cwd, env)
+        timeout = _CELL_TIMEOUT(self._c.timeout)
+        return dict(await self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
+
+    async def list_contexts(self, vm_id: str) -> builtins.list[dict[str, Any]]:
+        return list((await self._json("GET", f"/vms/{vm_id}/code/contexts"))["contexts"])
+
+    async def delete_context(self, vm_id: str, context: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", f"/vms/{vm_id}/code/contexts/{context}"))
+
+    async def interrupt(self, vm_id: str, context: str) -> dict[str, Any]:
+        return dict(await self._json("POST", f"/vms/{vm_id}/code/contexts/{context}/interrupt"))

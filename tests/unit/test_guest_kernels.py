@@ -1,0 +1,84 @@
+"""The harness's code contexts, driven over a socketpair (tests/harnesshost.py): bash
+contexts keep state between cells, a timeout interrupts the cell and the context stays,
+contexts are isolated and bounded; the Python kernel's failure to start (no Jupyter in
+the interpreter) is ENOKERNEL. The Python kernel itself runs in VMs
+(tests/integration/test_code.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pal.guest import protocol as p
+from pal.guest.kernels import Kernels
+from tests.harnesshost import TOKEN, Host
+
+
+def run(h: Host, code: str, **fields: Any) -> tuple[list[p.Message], p.Message]:
+    msgs = list(h.replies(h.send(p.K_CRUN, tok=TOKEN, code=code, **fields)))
+    return [m for m in msgs if m["k"] == p.K_CEV], msgs[-1]
+
+
+def text(events: list[p.Message], name: str = "stdout") -> str:
+    return "".join(e["text"] for e in events if e["t"] == "stream" and e["name"] == name)
+
+
+def test_bash_state_persists_and_errors_report(host: Host) -> None:
+    _, end = run(host, "X=41; cd /tmp", language="bash")
+    assert end["k"] == p.K_OK and end["result"]["context_id"] == "default-bash"
+    evs, end = run(host, "echo $((X + 1)); pwd", language="bash")
+    assert text(evs) == "42\n/tmp\n"
+    assert end["result"]["execution_count"] == 2
+    evs, end = run(host, "echo oops >&2; false", language="bash")
+    assert "oops" in text(evs, "stderr")
+    assert next(e for e in evs if e["t"] == "error")["value"] == "1"
+
+
+def test_bash_timeout_interrupts_and_context_stays(host: Host) -> None:
+    run(host, "Y=7", language="bash")
+    evs, end = run(host, "while true; do :; done", language="bash", timeout=1)
+    assert end["k"] == p.K_OK and end["result"]["timed_out"] is True
+    evs, end = run(host, "echo $Y", language="bash")
+    assert text(evs) == "7\n" and not end["result"]["timed_out"]
+
+
+def test_contexts_are_isolated_listed_and_deleted(host: Host) -> None:
+    a = host.call(p.K_CNEW, tok=TOKEN, language="bash")["result"]["context"]["id"]
+    b = host.call(p.K_CNEW, tok=TOKEN, language="bash", env={"Z": "zz"})["result"]["context"]["id"]
+    run(host, "V=a", ctx=a)
+    evs, _ = run(host, 'echo "[$V][$Z]"', ctx=b)
+    assert text(evs) == "[][zz]\n"
+    listed = host.call(p.K_CLIST, tok=TOKEN)["result"]["contexts"]
+    assert {c["id"] for c in listed} == {a, b}
+    assert host.call(p.K_CDELETE, tok=TOKEN, ctx=a)["k"] == p.K_OK
+    _, end = run(host, "echo", ctx=a)
+    assert end["k"] == p.K_ERR and end["code"] == p.ERR_NOENT
+
+
+def test_bad_requests_and_context_bound(host: Host) -> None:
+    _, end = run(host, "1", language="cobol")
+    assert end["code"] == p.ERR_INVAL
+    _, end = run(host, "x" * (p.MAX_CODE_CHARS + 1), language="bash")
+    assert end["code"] == p.ERR_INVAL
+    for _ in range(p.MAX_CODE_CONTEXTS):
+        assert host.call(p.K_CNEW, tok=TOKEN, language="bash")["k"] == p.K_OK
+    end = host.call(p.K_CNEW, tok=TOKEN, language="bash")
+    assert end["k"] == p.K_ERR and end["code"] == p.ERR_LIMIT
+
+
+def test_output_is_bounded(host: Host) -> None:
+    evs, end = run(host, f"head -c {p.MAX_CELL_STREAM_CHARS * 2} /dev/zero | tr '\\0' a", language="bash")
+    assert end["k"] == p.K_OK
+    assert len(text(evs)) == p.MAX_CELL_STREAM_CHARS
+    assert "output cut" in text(evs, "stderr")
+
+
+def test_python_without_jupyter_is_enokernel(host: Host) -> None:
+    # The host's python3 has no jupyter_client (the default image's neither).
+    _, end = run(host, "1 + 1", language="python")
+    assert end["k"] == p.K_ERR and end["code"] == p.ERR_NOKERNEL, end
+
+
+def test_kernels_start_nothing_until_asked() -> None:
+    from pal.guest.children import ChildTracker
+
+    assert Kernels(ChildTracker(False)).list() == []
