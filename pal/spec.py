@@ -401,15 +401,12 @@ def check_metadata(v: object) -> dict[str, str]:
         raise ValueError("metadata must be an object of string values")
     if len(v) > MAX_METADATA_KEYS:
         raise ValueError(f"metadata has {len(v)} keys; at most {MAX_METADATA_KEYS}")
+    key_rule = "1-63 of A-Z a-z 0-9 _ . : / - (first: no . : / -)"
     for k, val in v.items():
         if not isinstance(k, str) or not METADATA_KEY.match(k):
-            raise ValueError(
-                f"metadata key {str(k)[:64]!r} must be 1-63 of A-Z a-z 0-9 _ . : / - (first: no . : / -)"
-            )
-        if not isinstance(val, str):
-            raise ValueError(f"metadata value of {k!r} must be a string")
-        if len(val) > MAX_METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata value of {k!r} is longer than {MAX_METADATA_VALUE_CHARS} characters")
+            raise ValueError(f"metadata key {str(k)[:64]!r}: {key_rule}")
+        if not isinstance(val, str) or len(val) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata value of {k!r}: a string of at most {MAX_METADATA_VALUE_CHARS} chars")
     size = len(json.dumps(v, ensure_ascii=False).encode())
     if size > MAX_METADATA_JSON_BYTES:
         raise ValueError(f"metadata takes {size} bytes as JSON; at most {MAX_METADATA_JSON_BYTES}")

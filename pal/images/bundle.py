@@ -88,7 +88,6 @@ def guest_files_hash() -> str:
     return h.hexdigest()
 
 
-
 def bundle_key(base_tarball_name: str) -> str:
     """Everything that decides the bundle's bytes: base system, guest files, busybox."""
     h = hashlib.sha256()

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pal.config import Settings
 from pal.errors import NotFound
@@ -19,7 +20,7 @@ from pal.manager.identify import Identity, identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.parked import ParkedVm
 from pal.manager.templates import TemplateCache, TemplateHost
-from pal.manager.vm import VmRegistry
+from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, wait_rule
 from pal.snapshots.layout import SnapshotRef
@@ -99,6 +100,29 @@ class Restores:
             )
         return BootSource(image, "cold", image.rootfs)
 
+    def _take_identity(
+        self, lv: LiveVm, req: SpawnRequest, limits: dict[str, Any], mac: str, brokered: Brokered
+    ) -> None:
+        """A continued parked QEMU is the new incarnation's VM from now on (registered, its
+        state file rewritten)."""
+        lv.tenant_id, lv.incarnation, lv.token, lv.env = (
+            req.tenant_id,
+            req.incarnation,
+            req.token,
+            dict(req.env),
+        )
+        lv.egress, lv.net_limits, lv.mac, lv.brokered, lv.wait = (
+            req.egress,
+            limits,
+            mac,
+            brokered,
+            req.wait_pause,
+        )
+        lv.parked_snapshot = None
+        lv.touch()
+        self.d.registry.vms[req.vm_id] = lv
+        self.d.registry.write_state(lv)
+
     async def unpark(self, pv: ParkedVm, req: SpawnRequest) -> SpawnResult:
         """Continue a parked QEMU as the resumed VM (parked.py): its RAM and disk are its
         snapshot's. It takes the new incarnation's identity like any restored guest, and
@@ -141,23 +165,7 @@ class Restores:
         timeout = self.d.settings.harness_ready_timeout_ms / 1000
         hb = self.d.settings.heartbeat_interval_s
         guest_steps = await identify(lv.channel, lv.qemu, who, timeout, hb, self.d.load)
-        lv.tenant_id, lv.incarnation, lv.token, lv.env = (
-            req.tenant_id,
-            req.incarnation,
-            req.token,
-            dict(req.env),
-        )
-        lv.egress, lv.net_limits, lv.mac, lv.brokered, lv.wait = (
-            req.egress,
-            limits,
-            who.mac,
-            brokered,
-            req.wait_pause,
-        )
-        lv.parked_snapshot = None
-        lv.touch()
-        self.d.registry.vms[req.vm_id] = lv
-        self.d.registry.write_state(lv)
+        self._take_identity(lv, req, limits, who.mac, brokered)
         t_end = time.perf_counter()
         timings = {
             "parked_s": round(time.monotonic() - pv.parked_at, 1),
