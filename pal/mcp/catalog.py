@@ -10,6 +10,7 @@ import mcp_types as types
 
 from pal import sizes
 
+from . import code_tool
 from .shaping import DEFAULT_OUTPUT_BYTES, MAX_OUTPUT_BYTES
 
 DEFAULT_YIELD_MS = 10_000  # how long run_command waits before it hands back a running process
@@ -311,8 +312,12 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
         ),
         types.ToolAnnotations(title="Get a port's URL", read_only_hint=False, destructive_hint=False),
     ),
-    # run_code (the code interpreter: POST /v1/runtime/vms/{id}/code, SDK runtime.run_code)
-    # is added here and in tools.py when the code interpreter lands (issue 26 item 2).
+    (
+        "run_code",
+        code_tool.DESCRIPTION,
+        _obj({"vmId": _VM, **code_tool.SCHEMA_PROPS}, ["vmId", "code"]),
+        types.ToolAnnotations(title="Run a code cell", read_only_hint=False, destructive_hint=False),
+    ),
 ]
 
 TOOLS: list[types.Tool] = [

@@ -15,6 +15,7 @@ import mcp_types as types
 
 from pal.sdk import AsyncClient
 
+from . import code_tool
 from .catalog import DEFAULT_READ_WAIT_MS, DEFAULT_YIELD_MS
 from .shaping import (
     DEFAULT_OUTPUT_BYTES,
@@ -218,6 +219,10 @@ async def get_port_url(c: AsyncClient, a: dict[str, Any]) -> Outcome:
     return Outcome(json_result(f"Port {a['port']} of {a['vmId']}: {res['url']}", res), (a["vmId"],))
 
 
+async def run_code(c: AsyncClient, a: dict[str, Any]) -> Outcome:
+    return Outcome(await code_tool.run_code(c, a), (a["vmId"],))
+
+
 HANDLERS: dict[str, Handler] = {
     "create_sandbox": create_sandbox,
     "list_sandboxes": list_sandboxes,
@@ -234,5 +239,5 @@ HANDLERS: dict[str, Handler] = {
     "resume_sandbox": resume_sandbox,
     "fork_sandbox": fork_sandbox,
     "get_port_url": get_port_url,
-    # "run_code": the code interpreter's tool, with its entry in catalog.py (issue 26 item 2).
+    "run_code": run_code,
 }

@@ -133,9 +133,13 @@ async def _session(c: Client, api: httpx.AsyncClient, other: Client) -> str:
     r = await c.call_tool("run_command", {"vmId": vm})  # no command: the schema says what is missing
     assert r.is_error and "command" in _text(r)
 
+    # A bash kernel (any image has bash): its state outlives the pause below.
+    await _call(c, "run_code", vmId=vm, language="bash", code="x=41")
     paused = (await _call(c, "pause_sandbox", vmId=vm)).structured_content
     assert paused["state"] == "paused"
     assert (await _call(c, "resume_sandbox", vmId=vm)).structured_content["state"] == "running"
+    r = await _call(c, "run_code", vmId=vm, language="bash", code="echo $((x + 1))")
+    assert "stdout:\n42" in _text(r), _text(r)
     r = await _call(c, "run_command", vmId=vm, command="wc -c < notes/a.txt")
     assert r.structured_content["exitCode"] == 0
     assert r.structured_content["output"].strip() == str(len(TEXT.encode()))
@@ -171,6 +175,7 @@ async def test_a_whole_session_over_each_transport(
         "write_file",
         "read_file",
         "read_resource",
+        "run_code",
     ):
         assert name in tools
     assert tools[-1] == "delete_sandbox" and all(d["ok"] for d in audited)

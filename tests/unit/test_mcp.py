@@ -18,12 +18,14 @@ from mcp.shared.exceptions import MCPError
 
 from pal.api.auth import key_refusal
 from pal.mcp.catalog import SCHEMAS, TOOLS
+from pal.mcp.code_tool import MAX_IMAGES, shape
 from pal.mcp.dispatch import call_tool, check_arguments
 from pal.mcp.http import install_mcp
 from pal.mcp.resources import URI_TEMPLATE
-from pal.mcp.shaping import api_error, cut_items, render_output, utf8_prefix
+from pal.mcp.shaping import DEFAULT_OUTPUT_BYTES, api_error, cut_items, render_output, utf8_prefix
 from pal.mcp.tools import HANDLERS
 from pal.sdk import AsyncClient, NotFoundError
+from pal.sdk.code import code_result
 from tests.apienv import ApiEnv, make_api, serve
 
 
@@ -191,3 +193,30 @@ async def test_the_audit_route_is_the_tenants_own_and_bounded(env: ApiEnv) -> No
         assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok, headers=bob)).status_code == 404
         events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
     assert [e["details"] for e in events if e["kind"] == "mcp_tool"] == [ok]
+
+
+def test_run_code_results_are_shaped_for_a_model() -> None:
+    """A cell's answer: text cut with a marker that says what to do, PNGs as image content
+    (at most MAX_IMAGES), an exception with its traceback in the text."""
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    res = code_result(
+        {
+            "contextId": "default-python",
+            "executionCount": 3,
+            "stdout": "y" * (DEFAULT_OUTPUT_BYTES + 10),
+            "stderr": "",
+            "text": "42",
+            "results": [{"text/plain": "42", "isMainResult": True}]
+            + [{"image/png": base64.b64encode(png).decode(), "text/plain": "<Figure>"}] * (MAX_IMAGES + 1),
+            "error": {"name": "ZeroDivisionError", "value": "division by zero", "traceback": ["line 1"]},
+        }
+    )
+    out = shape(res)
+    text = out.content[0].text
+    assert f"stdout (first {DEFAULT_OUTPUT_BYTES} of {DEFAULT_OUTPUT_BYTES + 10} bytes)" in text
+    assert "[cut: print less" in text and "result:\n42" in text
+    assert "error ZeroDivisionError: division by zero" in text and "line 1" in text
+    images = [c for c in out.content if c.type == "image"]
+    assert len(images) == MAX_IMAGES and base64.b64decode(images[0].data) == png
+    assert out.content[-1].text == "[1 more images left out]"
+    assert out.structured_content["images"] == MAX_IMAGES + 1 and not out.is_error
