@@ -393,6 +393,68 @@ class FakeManager:
         ]
         return FileList(path=path, entries=entries, truncated=False)
 
+    # -- processes and kernels: the fake guest has none (their tests use real VMs) --------
+
+    def _no_process(self, call: str, vm_id: str, pid: int) -> NotFound:
+        self._vm(call, vm_id)
+        return NotFound(f"process {pid} not found", code="PROCESS_NOT_FOUND")
+
+    def _no_kernel(self, call: str, vm_id: str) -> PalError:
+        self._vm(call, vm_id)
+        return PalError("the fake guest has no kernels", status=409, code="KERNEL_UNAVAILABLE")
+
+    async def start_process(self, vm_id: str, req: Any) -> Any:
+        self._vm("start_process", vm_id)
+        raise PalError("the fake guest runs no processes", status=409, code="FAILED_PRECONDITION")
+
+    async def list_processes(self, vm_id: str) -> list[Any]:
+        self._vm("list_processes", vm_id)
+        return []
+
+    async def get_process(self, vm_id: str, pid: int) -> Any:
+        raise self._no_process("get_process", vm_id, pid)
+
+    async def delete_process(self, vm_id: str, pid: int) -> Any:
+        raise self._no_process("delete_process", vm_id, pid)
+
+    async def read_output(self, vm_id: str, pid: int, *args: Any) -> Any:
+        raise self._no_process("read_output", vm_id, pid)
+
+    async def attach_process(self, vm_id: str, pid: int, start: int) -> AsyncIterator[Any]:
+        raise self._no_process("attach_process", vm_id, pid)
+        yield  # an async generator, as the real one
+
+    async def write_stdin(self, vm_id: str, pid: int, data: bytes, eof: bool) -> Any:
+        raise self._no_process("write_stdin", vm_id, pid)
+
+    async def signal_process(self, vm_id: str, pid: int, req: Any) -> None:
+        raise self._no_process("signal_process", vm_id, pid)
+
+    async def resize_process(self, vm_id: str, pid: int, size: Any) -> None:
+        raise self._no_process("resize_process", vm_id, pid)
+
+    async def wait_process(self, vm_id: str, pid: int, timeout_ms: int) -> Any:
+        raise self._no_process("wait_process", vm_id, pid)
+
+    async def run_code(self, vm_id: str, req: Any) -> AsyncIterator[Any]:
+        raise self._no_kernel("run_code", vm_id)
+        yield  # an async generator, as the real one
+
+    async def create_context(self, vm_id: str, req: Any) -> Any:
+        raise self._no_kernel("create_context", vm_id)
+
+    async def list_contexts(self, vm_id: str) -> list[Any]:
+        self._vm("list_contexts", vm_id)
+        return []
+
+    async def delete_context(self, vm_id: str, ctx: str) -> None:
+        self._vm("delete_context", vm_id)
+        raise NotFound(f"context {ctx} not found", code="CONTEXT_NOT_FOUND")
+
+    async def interrupt_context(self, vm_id: str, ctx: str) -> bool:
+        self._vm("interrupt_context", vm_id)
+        raise NotFound(f"context {ctx} not found", code="CONTEXT_NOT_FOUND")
+
     async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
         vm = self._vm("read_file", vm_id)
         if path not in vm.files:
