@@ -257,7 +257,8 @@ def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: ht
     vm_id = api.post("/v1/runtime/schedule", json={"limits": {"vcpus": 1}}).json()["vmId"]
     root = Path("/sys/fs/cgroup")
     try:
-        (pid,) = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm_id))
+        vm_dir = vm_dir_of(pal_server.data_dir, vm_id)
+        (pid,) = qemu_pids_under(vm_dir)
         lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
         groups = {ctrls: path for _, ctrls, path in (line.split(":", 2) for line in lines)}
         if (root / "cgroup.controllers").exists():  # cgroup v2
@@ -268,7 +269,8 @@ def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: ht
             dirs = {c: root / c / groups[c].lstrip("/") for c in ("memory", "cpu")}
             limit = int((dirs["memory"] / "memory.limit_in_bytes").read_text())
             quota = int((dirs["cpu"] / "cpu.cfs_quota_us").read_text())
-        assert all(str(d).endswith(f"/pal/{vm_id}") for d in dirs.values()), dirs
+        # Named by the VM's slot (its host resources' name: pal/manager/slots.py).
+        assert all(str(d).endswith(f"/pal/{vm_dir.name}") for d in dirs.values()), dirs
         assert limit == (256 + 384) * 1024 * 1024, "guest RAM + QEMU overhead"
         assert quota == 150_000, "1 vCPU + half a core for QEMU's own threads"
     finally:
