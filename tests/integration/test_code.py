@@ -31,9 +31,11 @@ IMAGE = "code-interpreter"
 # 512 MiB: an ipykernel with numpy, pandas and matplotlib loaded, beside the driver.
 SPEC = {"image": IMAGE, "limits": {"memoryMib": 512}}
 # A 4x3 inch figure at 50 dpi: a 200x150 PNG (uncropped: the inline backend's default
-# bbox_inches="tight" trims the margins).
+# bbox_inches="tight" trims the margins; `%config InlineBackend.print_figure_kwargs` would
+# unregister the PNG formatter in Debian's matplotlib-inline 0.1.6).
 PLOT = (
-    "%config InlineBackend.print_figure_kwargs = {'bbox_inches': None}\n"
+    "from matplotlib_inline.backend_inline import set_matplotlib_formats\n"
+    "set_matplotlib_formats('png', bbox_inches=None)\n"
     "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
 )
 
