@@ -137,11 +137,17 @@ class LocalCluster:
             time.sleep(0.05)
         raise TimeoutError(f"no leader within {timeout} s")
 
-    def follower(self) -> Proc:
-        for p in self.replicas.values():
-            if p.alive() and (self.health(p) or {}).get("role") == "follower":
-                return p
-        raise RuntimeError("no follower replica")
+    def follower(self, timeout: float = 120) -> Proc:
+        """A replica that answers as a follower: waited for, since one that just started (or
+        lost the lead) answers its health only once it is up (a hang guard, not a bound)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in self.replicas.values():
+                if p.alive() and (self.health(p) or {}).get("role") == "follower":
+                    return p
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"no follower replica within {timeout} s")
+            time.sleep(0.1)
 
     # -- nodes -------------------------------------------------------------------------------
 

@@ -324,8 +324,9 @@ def test_network_survives_pause_resume_fork_and_idle_wake(
     addr = first.removeprefix("waiting")
     assert api.post(f"/v1/runtime/vms/{vm}/pause").status_code == 200
     # Its network goes with its QEMU: freed, or kept by the parked QEMU (pal/manager/parked.py).
-    parked = qemu_pids_under(vm_dir_of(pal_server.data_dir, vm))
-    assert netns_of(pal_server.data_dir).count(f"pal-{netns_tag(pal_server)}-{vm}") == len(parked)
+    vm_dir = vm_dir_of(pal_server.data_dir, vm)  # named by its slot, as its namespace is
+    parked = qemu_pids_under(vm_dir)
+    assert netns_of(pal_server.data_dir).count(f"pal-{netns_tag(pal_server)}-{vm_dir.name}") == len(parked)
     assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
     # The open connection is reset, not hung; the cached synthetic address still works.
     out = sh(
