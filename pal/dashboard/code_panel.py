@@ -30,6 +30,7 @@ def _b64(value: Any) -> str | None:
     """A result's base64 image, if it is valid base64 (a data: URL is built from it)."""
     if not isinstance(value, str):
         return None
+    value = "".join(value.split())  # Jupyter wraps base64 at 76 characters
     try:
         base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):

@@ -14,7 +14,7 @@ from playwright.sync_api import BrowserContext, expect
 
 from tests.conftest import PalServer
 from tests.e2e.test_dashboard import SLOW_MS, browser, shots  # noqa: F401 (fixtures)
-from tests.integration.test_code import PLOT, code_image  # noqa: F401 (fixture)
+from tests.integration.test_code import PLOT, SPEC, code_image  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.vm
 
@@ -29,7 +29,7 @@ def test_a_cell_and_its_results_in_the_dashboard(
     api = pal_server.client(key)
     page = browser.pages[0] if browser.pages else browser.new_page()
     try:
-        vm = api.post("/v1/runtime/schedule", json={"image": code_image}).json()["vmId"]
+        vm = api.post("/v1/runtime/schedule", json=SPEC).json()["vmId"]  # as the docs say: 512 MiB
         page.goto(pal_server.url + "/runtime")
         page.fill("#api_key", key)
         page.click("#signin")
