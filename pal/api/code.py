@@ -10,14 +10,13 @@ answer carries ``timedOut: true`` with the output so far, and the context stays 
 
 # No `from __future__ import annotations`: FastAPI must resolve the local `Tenant` alias.
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pal.errors import PalError, Unavailable
+from pal.errors import Unavailable
 from pal.manager.code_models import (
     CONTEXT_ID_PATTERN,
     CodeContext,
@@ -32,8 +31,8 @@ from pal.manager.code_models import (
 
 from .auth import require_tenant
 from .body import require_json
-from .errors import error_response, error_responses, public_error
-from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, KEEPALIVE_S, _stop, sse_frame, start_pump
+from .errors import error_responses
+from .exec_stream import pumped_sse, sse_frame
 
 ContextId = Annotated[str, Path(pattern=CONTEXT_ID_PATTERN, description="a context's id")]
 
@@ -98,42 +97,15 @@ async def _sse(open_events: Any) -> StreamingResponse | JSONResponse:
     """Events as SSE (``stdout``/``stderr``/``result``/``error``/``end``); a refusal within
     FIRST_EVENT_GRACE_S keeps its status, a later one is an ``error`` event with the
     error shape (exec_stream.sse_exec's rule)."""
-    queue, task = start_pump(open_events, "code")
-    try:
-        first: Any = await asyncio.wait_for(queue.get(), timeout=FIRST_EVENT_GRACE_S)
-    except TimeoutError:
-        first = None
-    if isinstance(first, PalError):
-        await _stop(task)
-        return error_response(first.status, first.code, first.message)
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            item = first
-            while True:
-                if item is None:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
-                    except TimeoutError:
-                        yield b": keepalive\n\n"
-                        continue
-                if item is _DONE:
-                    yield sse_frame(
-                        "error", {"code": "GUEST_ERROR", "message": "the cell ended without its result"}
-                    )
-                    return
-                if isinstance(item, PalError):
-                    yield sse_frame("error", public_error(item.status, item.code, item.message))
-                    return
-                yield _frame(item)
-                if item.type == "end":
-                    return
-                item = None
-        finally:
-            await _stop(task)
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return await pumped_sse(
+        open_events,
+        "code",
+        frame=_frame,
+        ends=lambda ev: ev.type == "end",
+        done_frame=sse_frame(
+            "error", {"code": "GUEST_ERROR", "message": "the cell ended without its result"}
+        ),
+    )
 
 
 @code_router.post(

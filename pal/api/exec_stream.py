@@ -183,17 +183,26 @@ async def _stop(task: asyncio.Task[None]) -> None:
         await asyncio.wait({task})
 
 
-async def sse_exec(
-    open_events: Callable[[], AsyncIterator[ExecEvent]], grace_s: float = FIRST_EVENT_GRACE_S
+async def pumped_sse(
+    open_events: Callable[[], AsyncIterator[Any]],
+    what: str,
+    *,
+    frame: Callable[[Any], bytes],
+    ends: Callable[[Any], bool],
+    done_frame: bytes,
+    grace_s: float = FIRST_EVENT_GRACE_S,
+    first_headers: Callable[[Any], dict[str, str]] | None = None,
 ) -> StreamingResponse | JSONResponse:
-    """Stream exec events as SSE.
+    """A node stream as SSE, the one way exec, process output and code cells are streamed.
 
     One pump task drives the scheduler's iterator (so it lives in a single task) into a
-    small queue; the response drains the queue. When the client goes away the response
-    generator is cancelled, which cancels the pump, which closes the iterator and so
-    cancels the command in the guest.
-    """
-    queue, task = start_pump(open_events, "exec")
+    small queue; the response drains the queue, with keepalives. A refusal within
+    ``grace_s`` keeps its HTTP status; a later one is an ``error`` event. ``frame`` renders
+    an event (empty: nothing to send), ``ends`` says which event is the last, and
+    ``done_frame`` is sent when the stream ends without one (never a made-up outcome). When
+    the client goes away the response generator is cancelled, which cancels the pump, which
+    closes the iterator."""
+    queue, task = start_pump(open_events, what)
     first: Any = None
     try:
         first = await asyncio.wait_for(queue.get(), timeout=grace_s)
@@ -202,9 +211,6 @@ async def sse_exec(
     if isinstance(first, PalError):
         await _stop(task)
         return error_response(first.status, first.code, first.message)
-    # A guest-side failure (e.g. executable not found) is part of the exec's outcome and
-    # arrives as an `error` event; only control-plane refusals (404/409/402...) keep their
-    # HTTP status, since for those no exec ever started.
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -217,20 +223,47 @@ async def sse_exec(
                         yield b": keepalive\n\n"
                         continue
                 if item is _DONE:
-                    msg = "exec ended without an exit status"
-                    yield sse_frame("error", {"code": "GUEST_ERROR", "message": msg})
+                    yield done_frame
                     return
                 if isinstance(item, PalError):
                     yield sse_frame("error", public_error(item.status, item.code, item.message))
                     return
-                yield event_frame(item)
-                if item.type in ("exit", "error"):
+                data = frame(item)
+                if data:
+                    yield data
+                if ends(item):
                     return
                 item = None
         finally:
             await _stop(task)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if isinstance(first, ExecEvent) and first.type == "process":
-        headers[PROCESS_ID_HEADER] = str(first.process_id)
+    if first_headers is not None and first is not None:
+        headers.update(first_headers(first))
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+def _process_header(first: Any) -> dict[str, str]:
+    if isinstance(first, ExecEvent) and first.type == "process":
+        return {PROCESS_ID_HEADER: str(first.process_id)}
+    return {}
+
+
+async def sse_exec(
+    open_events: Callable[[], AsyncIterator[ExecEvent]], grace_s: float = FIRST_EVENT_GRACE_S
+) -> StreamingResponse | JSONResponse:
+    """Stream exec events as SSE (pumped_sse). A guest-side failure (e.g. executable not
+    found) is part of the exec's outcome and arrives as an ``error`` event; only
+    control-plane refusals (404/409/402...) keep their HTTP status, since for those no exec
+    ever started. The first event names the process (also in a header)."""
+    return await pumped_sse(
+        open_events,
+        "exec",
+        frame=event_frame,
+        ends=lambda ev: ev.type in ("exit", "error"),
+        done_frame=sse_frame(
+            "error", {"code": "GUEST_ERROR", "message": "exec ended without an exit status"}
+        ),
+        grace_s=grace_s,
+        first_headers=_process_header,
+    )

@@ -11,18 +11,16 @@ gives the bytes exactly.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pal.errors import PalError
 from pal.manager.process_models import ProcessEvent, ProcessOutput
 
-from .errors import error_response, public_error
-from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, KEEPALIVE_S, _stop, sse_frame, start_pump
+from .errors import public_error
+from .exec_stream import FIRST_EVENT_GRACE_S, pumped_sse, sse_frame
 
 Encoding = Literal["text", "base64"]
 Piece = tuple[str, str, int]  # (stream, data, offset after it)
@@ -168,40 +166,11 @@ async def sse_output(
     status, one after it is an ``error`` event. One pump task drives the scheduler's
     iterator (exec_stream.py's reasons); when the client goes away it is cancelled, which
     detaches the reader in the guest (the process runs on)."""
-    queue, task = start_pump(open_events, "output stream")
-    try:
-        first: Any = await asyncio.wait_for(queue.get(), timeout=grace_s)
-    except TimeoutError:
-        first = None
-    if isinstance(first, PalError):
-        await _stop(task)
-        return error_response(first.status, first.code, first.message)
-    frames = _Frames(encoding)
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            item = first
-            while True:
-                if item is None:
-                    try:
-                        item = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
-                    except TimeoutError:
-                        yield b": keepalive\n\n"
-                        continue
-                if item is _DONE:  # ended without an exit: never make one up
-                    yield sse_frame("detached", {"reason": "stream-ended"})
-                    return
-                if isinstance(item, PalError):
-                    yield sse_frame("error", public_error(item.status, item.code, item.message))
-                    return
-                frame = frames.frame(item)
-                if frame:
-                    yield frame
-                if item.type in ("exit", "detached", "error"):
-                    return
-                item = None
-        finally:
-            await _stop(task)
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return await pumped_sse(
+        open_events,
+        "output stream",
+        frame=_Frames(encoding).frame,
+        ends=lambda ev: ev.type in ("exit", "detached", "error"),
+        done_frame=sse_frame("detached", {"reason": "stream-ended"}),  # never a made-up exit
+        grace_s=grace_s,
+    )
