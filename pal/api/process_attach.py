@@ -88,7 +88,7 @@ attach_router = APIRouter(prefix="/v1/runtime/vms/{vm_id}/processes", tags=["pro
     response_model=AttachUrlOut,
     summary="A signed, short-lived link that opens the process's WebSocket attach without the API key",
     dependencies=[Depends(require_json)],
-    responses=error_responses(400, 401, 404, 415),
+    responses=error_responses(400, 401, 404, 409, 415, 429, 503),  # as the processes routes
 )
 async def attach_url(vm_id: str, pid: int, body: AttachUrlRequest, request: Request) -> AttachUrlOut:
     state = request.app.state

@@ -7,11 +7,13 @@ queue or other people's load makes children slower, never failed."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import PalServer, qemu_pids_under
+from tests.leaks import vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -23,6 +25,7 @@ def test_fork_50_every_child_comes_up_and_answers(pal_server: PalServer) -> None
     with pal_server.client(key, timeout=1800) as api:
         src = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
         kids: list[str] = []
+        kid_dirs: list[Path] = []
         try:
             api.put(f"/v1/runtime/vms/{src}/files/content", params={"path": "seed.txt"}, content="parent\n")
             r = api.post(f"/v1/runtime/vms/{src}/fork", json={"count": N})
@@ -50,8 +53,10 @@ def test_fork_50_every_child_comes_up_and_answers(pal_server: PalServer) -> None
             views = [api.get(f"/v1/runtime/vms/{k}").json() for k in kids]
             assert {v["state"] for v in views} == {"running"}
             assert {v["parentVmId"] for v in views} == {src}
+            kid_dirs = [vm_dir_of(pal_server.data_dir, k) for k in kids]
+            assert all(qemu_pids_under(d) for d in kid_dirs), "each child has its QEMU in its slot"
         finally:
             for k in [*kids, src]:
                 api.delete(f"/v1/runtime/vms/{k}")
-    for k in kids:
-        assert qemu_pids_under(pal_server.data_dir / "vms" / k) == []
+    for d in kid_dirs:  # the pool is off in tests: nothing takes a freed slot meanwhile
+        assert qemu_pids_under(d) == []
