@@ -29,7 +29,7 @@ from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, Proc, kill_qemus_under, qemu_pids_under
 from pal.store import Store
 from tests.conftest import TEST_DATA_DIR, PalServer, pal_cli
-from tests.leaks import qemus_by_vm, vm_dir_of
+from tests.leaks import pooled_vms, qemus_by_vm, vm_dir_of
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.vm, pytest.mark.s3]
@@ -269,9 +269,9 @@ def _fork_then_kill_the_leader(cluster: LocalCluster, store: Store, key: str, sr
     assert states in (["running", "running"], ["failed", "failed"]), states
     if states == ["failed", "failed"]:
         # A dropped child's slot may already be gone: then its QEMU would show under its bare
-        # slot name, which no VM row has.
+        # slot name, which neither a VM row nor the node's warm pool has.
         def no_kid_qemu() -> bool:
-            owners = qemus_by_vm(n2)
+            owners = set(qemus_by_vm(n2)) - set(pooled_vms(n2))
             return not any(k.vm_id in owners for k in kids) and all(store.get_vm(v) for v in owners)
 
         poll("no QEMU of a dropped child", no_kid_qemu, 60)
