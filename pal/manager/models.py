@@ -317,13 +317,14 @@ class FileDeleted(_Model):
     deleted: bool
 
 
-class MetricSample(_Model):
-    """One per-VM sample; null where the figure is not known (see pal/manager/metrics.py)."""
+class MetricFigures(BaseModel):
+    """The figures of one per-VM sample, null where one is not known (pal/manager/metrics.py
+    says where each comes from): the node's sample and the API's (``MetricSampleOut``)."""
 
-    t: int  # unix ms
-    cpu_pct: float | None = None
-    rss_bytes: int | None = None
-    pss_bytes: int | None = None
+    t: int = Field(description="sample time, unix milliseconds")
+    cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
+    rss_bytes: int | None = Field(default=None, description="host RSS of the VM's QEMU")
+    pss_bytes: int | None = Field(default=None, description="host PSS of the VM's QEMU")
     guest_mem_used_bytes: int | None = None
     guest_mem_total_bytes: int | None = None
     disk_used_bytes: int | None = None
@@ -331,6 +332,10 @@ class MetricSample(_Model):
     net_rx_bytes: int | None = None
     net_tx_bytes: int | None = None
     live_paused_ms: int | None = None
+
+
+class MetricSample(_Model, MetricFigures):
+    """One per-VM sample, as the node's RPC sends it."""
 
 
 class VmMetrics(_Model):
