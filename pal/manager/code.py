@@ -146,17 +146,8 @@ class GuestCode:
             "code": req.code,
             "timeout": req.timeout_secs or DEFAULT_TIMEOUT_SECS,
         }
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                replies = await lv.channel.start_stream(msg)
-            except BaseException:
-                lv.active_execs -= 1
-                raise
         bound = CellBound()
-        try:
+        async with lv.exec_in_flight(msg) as replies:
             async for reply in replies:
                 kind = reply["k"]
                 if kind == p.K_CEV:
@@ -172,10 +163,6 @@ class GuestCode:
                     except gi.BadReply as exc:
                         raise _bad_reply(vm_id, exc) from None
                     return
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
     async def _call(self, vm_id: str, msg: p.Message) -> dict[str, Any]:
         lv = self.registry.running(vm_id)

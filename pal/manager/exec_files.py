@@ -50,27 +50,11 @@ class GuestCalls:
             "timeout": req.timeout_secs,
             "user": req.user,
         }
-        # Sent under the VM's operation lock: a live pause comes either before (and this
-        # answers 409 LIVE_PAUSED, which the scheduler turns into a wake) or after the
-        # request is in the guest's channel (and its probe, behind it, sees the exec).
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                # A stream closed early kills its command, unless asked to leave it running.
-                abandon = p.K_DETACH if req.detach_on_close else p.K_CANCEL
-                replies = await lv.channel.start_stream(msg, abandon=abandon)
-            except BaseException:
-                lv.active_execs -= 1
-                raise
-        try:
+        # A stream closed early kills its command, unless asked to leave it running.
+        abandon = p.K_DETACH if req.detach_on_close else p.K_CANCEL
+        async with lv.exec_in_flight(msg, abandon=abandon) as replies:
             async for ev in _exec_events(lv, replies):
                 yield ev
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
     # ------------------------------------------------------------------ files
     async def _file_request(

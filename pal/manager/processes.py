@@ -148,33 +148,19 @@ class GuestProcesses:
     async def attach(self, vm_id: str, pid: int, start: int) -> AsyncIterator[ProcessEvent]:
         """The process's output from ``start`` on, as it comes (see the module's doc)."""
         lv = self.registry.running(vm_id)
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                replies = await lv.channel.start_stream(
-                    {"k": p.K_PATTACH, "tok": lv.token, "pid": pid, "from": start}
-                )
-            except BaseException:
-                lv.active_execs -= 1
-                raise
-        incarnation = lv.incarnation
+        msg: p.Message = {"k": p.K_PATTACH, "tok": lv.token, "pid": pid, "from": start}
+        async with lv.exec_in_flight(msg) as replies:
+            incarnation = lv.incarnation
 
-        def stopped() -> str | None:
-            # A snapshot pause may park the QEMU with its channel open (parked.py): the VM is
-            # no longer this node's live one (or it came back as another incarnation).
-            if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
-                return "vm-stopped"
-            return "live-paused" if lv.live is not None else None
+            def stopped() -> str | None:
+                # A snapshot pause may park the QEMU with its channel open (parked.py): the VM
+                # is no longer this node's live one (or it came back as another incarnation).
+                if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
+                    return "vm-stopped"
+                return "live-paused" if lv.live is not None else None
 
-        try:
             async for ev in _attach_events(lv, replies, start, stopped):
                 yield ev
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
 
 async def _next_or_stop(

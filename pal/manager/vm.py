@@ -9,15 +9,17 @@ a dict of its own): ``live``/``running`` are the two preconditions of a call on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pal.errors import Conflict
+from pal.guest import protocol as p
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
 from pal.manager.channel import HarnessChannel
@@ -130,6 +132,31 @@ class LiveVm:
     def touch(self) -> None:
         """Host-observed activity now (exec, file, port): what idle suspend goes by."""
         self.last_activity_ms = int(time.time() * 1000)
+
+    @contextlib.asynccontextmanager
+    async def exec_in_flight(
+        self, msg: p.Message, abandon: str = p.K_CANCEL
+    ) -> AsyncIterator[AsyncGenerator[p.Message, None]]:
+        """The guest's replies to a streaming request (an exec, a cell, a process's output),
+        counted as an exec in flight while they last (the VM stays awake). Sent under the
+        VM's operation lock: a live pause comes either before (this answers 409
+        LIVE_PAUSED, which the scheduler turns into a wake) or after the request is in the
+        guest's channel (and its probe, behind it, sees the exec)."""
+        async with self.op_lock:
+            require_running(self)
+            self.active_execs += 1
+            self.touch()
+            try:
+                replies = await self.channel.start_stream(msg, abandon=abandon)
+            except BaseException:
+                self.active_execs -= 1
+                raise
+        try:
+            yield replies
+        finally:
+            await replies.aclose()
+            self.active_execs -= 1
+            self.touch()
 
 
 # Seals a VM's brokered secrets for its state file (vmnet.VmNetworking.seal_brokered).
