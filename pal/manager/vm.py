@@ -159,6 +159,15 @@ class LiveVm:
             self.touch()
 
 
+async def kill_quietly(lv: LiveVm) -> None:
+    """Close the VM's channel and kill its QEMU, whatever state either is in (a parked or
+    pooled VM thrown away: nobody waits for an error)."""
+    with contextlib.suppress(Exception):
+        await lv.channel.close()
+    with contextlib.suppress(Exception):
+        await lv.qemu.kill()
+
+
 # Seals a VM's brokered secrets for its state file (vmnet.VmNetworking.seal_brokered).
 Sealer = Callable[[str, Brokered], Any]
 
