@@ -33,7 +33,6 @@ from pal.manager.code_models import (
 )
 from pal.manager.guest_errors import to_pal_error
 from pal.manager.vm import VmRegistry
-from pal.manager.vm_states import require_running
 
 log = logging.getLogger(__name__)
 
@@ -165,21 +164,10 @@ class GuestCode:
                     return
 
     async def _call(self, vm_id: str, msg: p.Message) -> dict[str, Any]:
-        lv = self.registry.running(vm_id)
-        async with lv.op_lock:
-            require_running(lv)
-            lv.files_in_flight += 1
-            lv.files_idle.clear()
-        lv.touch()
         try:
-            reply, _ = await lv.channel.request({**msg, "tok": lv.token}, timeout=REQUEST_TIMEOUT_S)
+            reply, _ = await self.registry.running(vm_id).request_in_flight(msg, timeout=REQUEST_TIMEOUT_S)
         except GuestError as exc:
             raise _error(exc) from None
-        finally:
-            lv.touch()
-            lv.files_in_flight -= 1
-            if lv.files_in_flight == 0:
-                lv.files_idle.set()
         res = reply.get("result")
         if not isinstance(res, dict):
             raise _bad_reply(vm_id, gi.BadReply(f"{msg['k']} reply has no result"))

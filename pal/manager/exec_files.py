@@ -28,7 +28,6 @@ from pal.manager.channel import GuestError
 from pal.manager.guest_errors import to_pal_error
 from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
 from pal.manager.vm import LiveVm, VmRegistry
-from pal.manager.vm_states import require_running
 from pal.spec import ExecRequest
 
 log = logging.getLogger(__name__)
@@ -60,20 +59,10 @@ class GuestCalls:
     async def _file_request(
         self, vm_id: str, msg: p.Message, data: bytes | None = None
     ) -> tuple[p.Message, bytes]:
-        lv = self.registry.running(vm_id)
-        async with lv.op_lock:  # ordered with live pauses, like exec
-            require_running(lv)
-            lv.files_in_flight += 1
-            lv.files_idle.clear()
-        lv.touch()
         try:
-            return await lv.channel.request({**msg, "tok": lv.token}, data)
+            return await self.registry.running(vm_id).request_in_flight(msg, data)
         except GuestError as exc:
             raise to_pal_error(exc.guest_code, exc.message, "file") from None
-        finally:
-            lv.files_in_flight -= 1
-            if lv.files_in_flight == 0:
-                lv.files_idle.set()
 
     async def list_files(self, vm_id: str, path: str) -> FileList:
         reply, _ = await self._file_request(vm_id, {"k": p.K_LS, "path": path})

@@ -40,7 +40,6 @@ from pal.manager.process_models import (
     StdinWritten,
 )
 from pal.manager.vm import LiveVm, VmRegistry
-from pal.manager.vm_states import require_running
 from pal.spec import ProcessStartRequest, SignalRequest, Terminal
 
 log = logging.getLogger(__name__)
@@ -69,24 +68,11 @@ class GuestProcesses:
         self, vm_id: str, msg: p.Message, data: bytes | None = None, *, op: Op = "process", wait_ms: int = 0
     ) -> tuple[p.Message, bytes]:
         lv = self.registry.running(vm_id)
-        counted = not wait_ms
-        async with lv.op_lock:  # ordered with live pauses, like exec and files
-            require_running(lv)
-            if counted:
-                lv.files_in_flight += 1
-                lv.files_idle.clear()
-        lv.touch()
+        timeout = REQUEST_TIMEOUT_S + wait_ms / 1000
         try:
-            timeout = REQUEST_TIMEOUT_S + wait_ms / 1000
-            return await lv.channel.request({**msg, "tok": lv.token}, data, timeout=timeout)
+            return await lv.request_in_flight(msg, data, timeout=timeout, counted=not wait_ms)
         except GuestError as exc:
             raise to_pal_error(exc.guest_code, exc.message, op) from None
-        finally:
-            lv.touch()
-            if counted:
-                lv.files_in_flight -= 1
-                if lv.files_in_flight == 0:
-                    lv.files_idle.set()
 
     async def start(self, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
         msg: p.Message = {

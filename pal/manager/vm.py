@@ -133,6 +133,28 @@ class LiveVm:
         """Host-observed activity now (exec, file, port): what idle suspend goes by."""
         self.last_activity_ms = int(time.time() * 1000)
 
+    async def request_in_flight(
+        self, msg: p.Message, data: bytes | None = None, *, timeout: float = 30.0, counted: bool = True
+    ) -> tuple[p.Message, bytes]:
+        """One request to the guest (a file, a process or a code-context call) with the VM's
+        token, sent under its operation lock (ordered with live pauses, like exec) and
+        counted as a request in flight, which a live pause waits for (live.py), unless
+        ``counted`` is False (a long poll)."""
+        async with self.op_lock:
+            require_running(self)
+            if counted:
+                self.files_in_flight += 1
+                self.files_idle.clear()
+        self.touch()
+        try:
+            return await self.channel.request({**msg, "tok": self.token}, data, timeout=timeout)
+        finally:
+            self.touch()
+            if counted:
+                self.files_in_flight -= 1
+                if self.files_in_flight == 0:
+                    self.files_idle.set()
+
     @contextlib.asynccontextmanager
     async def exec_in_flight(
         self, msg: p.Message, abandon: str = p.K_CANCEL
