@@ -12,6 +12,9 @@ stdin, signals, PTYs: issue 22) and code kernels (issue 26) belong here too, nex
 - it counts as host-observed activity (``LiveVm.touch``; idle suspend goes by it);
 - whatever the guest answers is hostile: decoded and bounded by guest_input.py, its error
   codes mapped to statuses by guest_errors.py (the one mapping).
+
+The lock, the in-flight counts and the activity are ``LiveVm.exec_in_flight`` (a stream)
+and ``LiveVm.request_in_flight`` (one request) in vm.py: a new call goes through one.
 """
 
 from __future__ import annotations
