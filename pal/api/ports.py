@@ -32,12 +32,12 @@ from typing import Any
 import httpcore
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 from starlette.background import BackgroundTask
 
 from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
+from pal.spec import WireModel as _Model
 from pal.store.store import hash_api_key
 
 from .auth import tenant_for_key
@@ -77,10 +77,6 @@ HOP_BY_HOP = {
     "upgrade",
 }
 API_KEY_PREFIX = "bearer pal_"  # pal/store: API keys are "pal_" + random
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class PortUrlRequest(_Model):

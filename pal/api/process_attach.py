@@ -31,13 +31,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
 from pal.errors import InvalidRequest, PalError, Unauthorized
 from pal.manager.process_models import ProcessEvent
 from pal.manager.tunnel import run_until_one_ends
 from pal.spec import SignalRequest, Terminal
+from pal.spec import WireModel as _Model
 
 from .body import require_json
 from .errors import error_responses, public_error
@@ -56,10 +56,6 @@ def attach_links(secret: bytes, store: Any) -> Links:
     """Signed attach links: port links' rules (expiry, key rotation, revocation by id),
     their own salt, a process id where a port link has a port."""
     return Links(secret, store, salt="pal-attach-link-v1", noun="process attach")
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class AttachUrlRequest(_Model):
