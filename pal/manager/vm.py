@@ -22,7 +22,7 @@ from pal.errors import Conflict
 from pal.guest import protocol as p
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
-from pal.manager.channel import HarnessChannel
+from pal.manager.channel import REPLY_TIMEOUT_S, HarnessChannel
 from pal.manager.slots import SlotMap, slot_prefix
 from pal.manager.vm_states import require_running
 from pal.manager.vmnet import Brokered
@@ -134,7 +134,7 @@ class LiveVm:
         self.last_activity_ms = int(time.time() * 1000)
 
     async def request_in_flight(
-        self, msg: p.Message, data: bytes | None = None, *, timeout: float = 30.0, counted: bool = True
+        self, msg: p.Message, data: bytes | None = None, *, timeout: float = REPLY_TIMEOUT_S, counted: bool = True
     ) -> tuple[p.Message, bytes]:
         """One request to the guest (a file, a process or a code-context call) with the VM's
         token, sent under its operation lock (ordered with live pauses, like exec) and
