@@ -134,7 +134,12 @@ class LiveVm:
         self.last_activity_ms = int(time.time() * 1000)
 
     async def request_in_flight(
-        self, msg: p.Message, data: bytes | None = None, *, timeout: float = REPLY_TIMEOUT_S, counted: bool = True
+        self,
+        msg: p.Message,
+        data: bytes | None = None,
+        *,
+        timeout: float = REPLY_TIMEOUT_S,
+        counted: bool = True,
     ) -> tuple[p.Message, bytes]:
         """One request to the guest (a file, a process or a code-context call) with the VM's
         token, sent under its operation lock (ordered with live pauses, like exec) and
