@@ -231,13 +231,6 @@ def parse_egress_default(raw: str | None) -> Egress:
         raise ValueError(f"PAL_EGRESS_DEFAULT is not a valid egress policy: {exc}") from exc
 
 
-class WireModel(BaseModel):
-    """A body between Pal's own parts (the node's RPC) or a small one of the API: camelCase
-    on the wire, unknown fields refused. What a tenant sends is stricter (``_Model``)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-
 class _Model(BaseModel):
     # strict: a JSON body means what it says ("256" is not 256, 0 is not false).
     model_config = ConfigDict(

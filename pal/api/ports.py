@@ -36,8 +36,8 @@ from pydantic import Field
 from starlette.background import BackgroundTask
 
 from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
+from pal.manager.models import WireModel as _Model
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
-from pal.spec import WireModel as _Model
 from pal.store.store import hash_api_key
 
 from .auth import tenant_for_key

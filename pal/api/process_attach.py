@@ -34,10 +34,10 @@ from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from pal.errors import InvalidRequest, PalError, Unauthorized
+from pal.manager.models import WireModel as _Model
 from pal.manager.process_models import ProcessEvent
 from pal.manager.tunnel import run_until_one_ends
 from pal.spec import SignalRequest, Terminal
-from pal.spec import WireModel as _Model
 
 from .body import require_json
 from .errors import error_responses, public_error

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pal.guest import protocol as p
-from pal.spec import WireModel as _Model
+from pal.manager.models import WireModel as _Model
 
 Language = Literal["python", "bash"]
 CONTEXT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

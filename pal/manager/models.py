@@ -8,11 +8,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 from pal.ids import SafeId, TenantId
 from pal.spec import Egress, WaitPause
-from pal.spec import WireModel as _Model
+
+
+class WireModel(BaseModel):
+    """A body of the node's RPC (and of the API's link routes): camelCase on the wire,
+    unknown fields refused. What a tenant sends is stricter (pal/spec.py: frozen, strict)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+_Model = WireModel  # what the models below derive from
 
 MemMode = Literal["private", "shared"]
 

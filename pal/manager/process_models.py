@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pal.spec import WireModel as _Model
+from pal.manager.models import WireModel as _Model
 
 
 class TerminalSize(_Model):
