@@ -289,7 +289,19 @@ class HeartbeatAck(_Model):
     stopping: list[str] = Field(default_factory=list)  # VMs it must not run (being stopped)
 
 
-class ExecEvent(_Model):
+class StreamError(_Model):
+    """What an ``error`` line of the node's NDJSON streams (exec, a process's output)
+    carries: the guest's error ``code`` and ``message``, or an error of the node itself
+    after the stream started, with the ``status`` it answers with. The client raises the
+    latter as that error (client.py); a guest's code comes without one and is mapped by
+    guest_errors.py."""
+
+    code: str | None = None
+    message: str | None = None
+    status: int | None = None
+
+
+class ExecEvent(StreamError):
     """One line of the exec NDJSON stream; mirrors the API's SSE events."""
 
     # ``process``: the first event, naming the exec's process (``process_id``), whose output
@@ -298,12 +310,6 @@ class ExecEvent(_Model):
     process_id: int | None = None
     data: str | None = None
     exit_code: int | None = None
-    code: str | None = None
-    message: str | None = None
-    # An error of the node (not of the guest) after the stream started: the status it
-    # answers with. The client raises it as that error (client.py); a guest's error code
-    # comes without one and is mapped by guest_errors.py.
-    status: int | None = None
 
 
 class FileList(_Model):

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from pal.manager.models import StreamError
 from pal.manager.models import WireModel as _Model
 
 
@@ -69,7 +70,7 @@ class ProcessOutput(_Model):
     process: ProcessInfo
 
 
-class ProcessEvent(_Model):
+class ProcessEvent(StreamError):
     """One line of a process's output stream (the node's NDJSON ``attach``).
 
     ``output``: ``data`` (base64) of ``stream``, ``offset`` the journal offset *after* it;
@@ -87,9 +88,6 @@ class ProcessEvent(_Model):
     exit_code: int | None = None
     timed_out: bool | None = None
     reason: str | None = None
-    code: str | None = None
-    message: str | None = None
-    status: int | None = None
 
 
 class StdinWritten(_Model):
