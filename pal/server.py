@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -207,8 +208,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
 
     names = hosts(settings, host, local)
     app = control_plane_app(scheduler, store, settings, health, load_secret(settings), names)
-    api, api_task, stop = _serve_api(app, host, port)
-    ports, ports_task = _serve_ports(app, ports_sock)
+    served = _serve(app, host, port, ports_sock)
     log.info(
         "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime; %s",
         host,
@@ -221,16 +221,15 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     )
     try:
         done, _ = await asyncio.wait(
-            {api_task, ports_task, rpc_task, asyncio.create_task(stop.wait())},
+            {*served.tasks, rpc_task, asyncio.create_task(served.stop.wait())},
             return_when=asyncio.FIRST_COMPLETED,
         )
         for t in done:
-            if t is not stop and t.exception() is not None:
+            if t.exception() is not None:
                 log.error("server task failed: %s", t.exception())
     finally:
         log.info("stopping: running VMs are suspended (they wake on their next request), the rest stopped")
-        api.should_exit = True
-        ports.should_exit = True
+        served.exit()
         with contextlib.suppress(Exception):
             await scheduler.shutdown_vms()
         await scheduler.close()
@@ -240,7 +239,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.to_thread(node.store.close)
         node.runtime.notices_board.close()
         rpc.should_exit = True
-        await asyncio.gather(api_task, ports_task, rpc_task, return_exceptions=True)
+        await asyncio.gather(*served.tasks, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
 
@@ -265,14 +264,38 @@ def _node_health(settings: Settings, client: Any, scheduler: Any) -> Callable[[]
     return health
 
 
-def _serve_api(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], asyncio.Event]:
-    """Serve the control plane's app; the event is set by SIGTERM or SIGINT."""
+@dataclass
+class _Listeners:
+    """A serving process's API and ports listener, their tasks, and ``stop``: set by
+    SIGTERM or SIGINT."""
+
+    api: _Server
+    ports: _Server
+    tasks: list[asyncio.Task[None]]
+    stop: asyncio.Event
+
+    def exit(self) -> None:
+        self.api.should_exit = True
+        self.ports.should_exit = True
+
+
+def _serve(app: Any, host: str, port: int, ports_sock: socket.socket) -> _Listeners:
+    """Serve the control plane's app and the ports listener: VM ports on their own origins,
+    nothing else (never the API or the dashboard: pal/api/port_origins.py)."""
+    from pal.api.port_origins import ports_listener_app
+
     api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    return api, asyncio.create_task(api.serve(), name="api"), stop
+    listener = ports_listener_app(app.state.ports_app, app.state.port_origins)
+    ports = _Server(uvicorn.Config(listener, log_level="warning", lifespan="off"))
+    tasks = [
+        asyncio.create_task(api.serve(), name="api"),
+        asyncio.create_task(ports.serve(sockets=[ports_sock]), name="ports"),
+    ]
+    return _Listeners(api, ports, tasks, stop)
 
 
 def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
@@ -293,16 +316,6 @@ def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
             f"the ports listener cannot listen on {host}:{settings.ports_port}: {exc.strerror or exc} "
             "(choose another with --ports-port or PAL_PORTS_PORT)"
         ) from None
-
-
-def _serve_ports(app: Any, sock: socket.socket) -> tuple[Any, asyncio.Task[None]]:
-    """Serve the ports listener: VM ports on their own origins, nothing else (never the
-    API or the dashboard: pal/api/port_origins.py)."""
-    from pal.api.port_origins import ports_listener_app
-
-    listener = ports_listener_app(app.state.ports_app, app.state.port_origins)
-    ports = _Server(uvicorn.Config(listener, log_level="warning", lifespan="off"))
-    return ports, asyncio.create_task(ports.serve(sockets=[sock]), name="ports")
 
 
 def _ports_line(app: Any, sock: socket.socket) -> str:
@@ -409,8 +422,7 @@ async def serve_control_plane(
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
     app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
-    api, api_task, stop = _serve_api(app, host, port)
-    ports, ports_task = _serve_ports(app, ports_sock)
+    served = _serve(app, host, port, ports_sock)
     log.info(
         "Pal control plane on http://%s:%d (store %s); dashboard at /runtime; %s",
         host,
@@ -420,15 +432,14 @@ async def serve_control_plane(
     )
     try:
         await asyncio.wait(
-            {api_task, ports_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+            {*served.tasks, asyncio.create_task(served.stop.wait())}, return_when=asyncio.FIRST_COMPLETED
         )
     finally:
         # VMs live on the nodes: stopping a replica stops none of them; the lease is released
         # so another replica takes over at once.
-        api.should_exit = True
-        ports.should_exit = True
+        served.exit()
         await scheduler.close()
-        await asyncio.gather(api_task, ports_task, return_exceptions=True)
+        await asyncio.gather(*served.tasks, return_exceptions=True)
         store.close()
 
 

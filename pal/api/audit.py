@@ -6,16 +6,16 @@ command line or a file's content may hold secrets).
 
 # No `from __future__ import annotations`: FastAPI must resolve the local `Tenant` alias.
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from pal.scheduler.audit import MCP_TOOL_EVENT
 
-from .auth import require_tenant
 from .body import require_json
+from .deps import Scheduler, Tenant
 from .errors import error_responses
 
 
@@ -40,10 +40,6 @@ class AuditedOut(BaseModel):
     kind: str
 
 
-def _scheduler(request: Request) -> Any:
-    return request.app.state.scheduler
-
-
 audit_router = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=error_responses(400, 401, 404))
 
 
@@ -55,8 +51,8 @@ audit_router = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=error
     responses=error_responses(415),
 )
 async def audit(
-    tenant: Annotated[str, Depends(require_tenant)],
-    scheduler: Annotated[Any, Depends(_scheduler)],
+    tenant: Tenant,
+    scheduler: Scheduler,
     vm_id: str,
     body: ToolCallAudit,
 ) -> AuditedOut:

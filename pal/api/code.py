@@ -29,20 +29,13 @@ from pal.manager.code_models import (
     ContextList,
 )
 
-from .auth import require_tenant
 from .body import require_json
+from .deps import Scheduler, Tenant
 from .errors import error_responses
 from .exec_stream import pumped_sse, sse_frame
 
 ContextId = Annotated[str, Path(pattern=CONTEXT_ID_PATTERN, description="a context's id")]
 
-
-def _scheduler(request: Request) -> Any:
-    return request.app.state.scheduler
-
-
-Tenant = Annotated[str, Depends(require_tenant)]
-Scheduler = Annotated[Any, Depends(_scheduler)]
 
 code_router = APIRouter(
     prefix="/v1/runtime/vms/{vm_id}/code",

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
+from pal.manager.models import MetricFigures
 from pal.scheduler.lifetime import lifetime_secs
 from pal.spec import Egress, Limits, WaitPause
 from pal.store import VmRecord
@@ -140,12 +141,17 @@ class SecretRotatedOut(_Out):
     applied: str = Field(description="`now` (the VM runs: its next request) or `next start`")
 
 
-class VmListOut(_Out):
-    vms: list[VmOut]
+class _Page(_Out):
+    """A page of a list (pal/api/pagination.py); the subclass names its items."""
+
     next_cursor: str | None = Field(
         default=None, description="the next page's `cursor`; absent on the last page"
     )
     _omit_null = frozenset({"next_cursor"})
+
+
+class VmListOut(_Page):
+    vms: list[VmOut]
 
 
 class SnapshotStateOut(_Out):
@@ -231,12 +237,8 @@ class EventOut(_Out):
     )
 
 
-class EventListOut(_Out):
+class EventListOut(_Page):
     events: list[EventOut]
-    next_cursor: str | None = Field(
-        default=None, description="the next page's `cursor`; absent on the last page"
-    )
-    _omit_null = frozenset({"next_cursor"})
 
 
 class ErrorBody(_Out):
@@ -251,20 +253,8 @@ class ErrorOut(_Out):
     error: ErrorBody
 
 
-class MetricSampleOut(_Out):
+class MetricSampleOut(_Out, MetricFigures):
     """One sample; a figure is null when unknown (see docs/metrics.md for each source)."""
-
-    t: int = Field(description="sample time, unix milliseconds")
-    cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
-    rss_bytes: int | None = Field(default=None, description="host RSS of the VM's QEMU")
-    pss_bytes: int | None = Field(default=None, description="host PSS of the VM's QEMU")
-    guest_mem_used_bytes: int | None = None
-    guest_mem_total_bytes: int | None = None
-    disk_used_bytes: int | None = None
-    disk_total_bytes: int | None = None
-    net_rx_bytes: int | None = None
-    net_tx_bytes: int | None = None
-    live_paused_ms: int | None = None
 
 
 class VmMetricsOut(_Out):
@@ -285,12 +275,8 @@ class SnapshotOut(_Out):
     parent_snapshot_id: str | None = None
 
 
-class SnapshotListOut(_Out):
+class SnapshotListOut(_Page):
     snapshots: list[SnapshotOut]
-    next_cursor: str | None = Field(
-        default=None, description="the next page's `cursor`; absent on the last page"
-    )
-    _omit_null = frozenset({"next_cursor"})
 
 
 class ImageOut(_Out):
@@ -326,12 +312,8 @@ class ImageOut(_Out):
         )
 
 
-class ImageListOut(_Out):
+class ImageListOut(_Page):
     images: list[ImageOut]
-    next_cursor: str | None = Field(
-        default=None, description="the next page's `cursor`; absent on the last page"
-    )
-    _omit_null = frozenset({"next_cursor"})
 
 
 class HealthOut(_Out):

@@ -32,11 +32,11 @@ from typing import Any
 import httpcore
 from fastapi import APIRouter, Depends, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 from starlette.background import BackgroundTask
 
 from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
+from pal.manager.models import WireModel as _Model
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
 from pal.store.store import hash_api_key
 
@@ -77,10 +77,6 @@ HOP_BY_HOP = {
     "upgrade",
 }
 API_KEY_PREFIX = "bearer pal_"  # pal/store: API keys are "pal_" + random
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class PortUrlRequest(_Model):
@@ -318,6 +314,15 @@ async def key_tenant(store: Any, headers: list[tuple[bytes, bytes]]) -> tuple[st
     return str(tenant.id), hash_api_key(key.strip())
 
 
+async def signing_key(request: Request) -> tuple[str, str]:
+    """(tenant id, key hash) of the API key that signs a link (a port's, a process attach's):
+    only the key itself signs one, never another link."""
+    by_key = await key_tenant(request.app.state.store, _header_items(request.scope))
+    if by_key is None:
+        raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
+    return by_key
+
+
 def check_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise InvalidRequest(f"port {port} is outside 1-65535")
@@ -355,10 +360,7 @@ async def authorise(
 )
 async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request) -> PortUrlOut:
     state = request.app.state
-    by_key = await key_tenant(state.store, _header_items(request.scope))
-    if by_key is None:
-        raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
-    tenant, key_hash = by_key
+    tenant, key_hash = await signing_key(request)
     check_port(port)
     await state.scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
     return port_link(state.links, state.port_origins, tenant, key_hash, vm_id, port, body.expires_in_secs)

@@ -31,18 +31,19 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
 from pal.errors import InvalidRequest, PalError, Unauthorized
+from pal.manager.models import WireModel as _Model
 from pal.manager.process_models import ProcessEvent
+from pal.manager.tunnel import run_until_one_ends
 from pal.spec import SignalRequest, Terminal
 
 from .body import require_json
 from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
 from .port_links import Links
-from .ports import TOKEN_PARAM, _header_items, _query_without_token, _refuse, key_tenant
+from .ports import TOKEN_PARAM, _header_items, _query_without_token, _refuse, key_tenant, signing_key
 
 MAX_INPUT_FRAME = 64 * 1024  # one stdin frame from a client (a paste; the SDK splits more)
 MAX_CONTROL_FRAME = 4096  # one JSON control message
@@ -55,10 +56,6 @@ def attach_links(secret: bytes, store: Any) -> Links:
     """Signed attach links: port links' rules (expiry, key rotation, revocation by id),
     their own salt, a process id where a port link has a port."""
     return Links(secret, store, salt="pal-attach-link-v1", noun="process attach")
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class AttachUrlRequest(_Model):
@@ -92,10 +89,7 @@ attach_router = APIRouter(prefix="/v1/runtime/vms/{vm_id}/processes", tags=["pro
 )
 async def attach_url(vm_id: str, pid: int, body: AttachUrlRequest, request: Request) -> AttachUrlOut:
     state = request.app.state
-    by_key = await key_tenant(state.store, _header_items(request.scope))
-    if by_key is None:
-        raise Unauthorized("signing a link needs the API key: send 'Authorization: Bearer <apiKey>'")
-    tenant, key_hash = by_key
+    tenant, key_hash = await signing_key(request)
     await state.scheduler.get_process(tenant, vm_id, pid)  # 404 for unknown VMs and processes
     return attach_link(state.attach_links, tenant, key_hash, vm_id, pid, body.expires_in_secs)
 
@@ -166,14 +160,7 @@ class _Session:
         self.offset = offset
 
     async def run(self, queue: asyncio.Queue[Any], first: Any) -> None:
-        out = asyncio.create_task(self._output(queue, first))
-        inp = asyncio.create_task(self._input())
-        try:
-            await asyncio.wait({out, inp}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (out, inp):
-                t.cancel()
-            await asyncio.gather(out, inp, return_exceptions=True)
+        await run_until_one_ends(self._output(queue, first), self._input())
 
     async def _notice(self, kind: str, **fields: Any) -> None:
         await self.ws.send_text(json.dumps({"type": kind, **fields}))

@@ -20,8 +20,8 @@ from pal.manager.process_models import ProcessDeleted, ProcessInfo, ProcessList,
 from pal.manager.processes import MAX_READ_BYTES, MAX_STDIN_BYTES, MAX_WAIT_MS
 from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
-from .auth import require_tenant
 from .body import read_bounded, require_json
+from .deps import Scheduler, Tenant
 from .errors import error_responses
 from .exec_stream import PROCESS_ID_HEADER, TIMEOUT_EXIT_CODE
 from .models import ExecOut
@@ -74,14 +74,6 @@ def _resume_offset(last_event_id: str | None, start: int) -> int:
         raise InvalidRequest("Last-Event-ID must be an output offset (a non-negative integer)")
     return value
 
-
-def _scheduler(request: Request) -> Any:
-    return request.app.state.scheduler
-
-
-# What the handlers need, from the app (create_app puts the scheduler on app.state).
-Tenant = Annotated[str, Depends(require_tenant)]
-Scheduler = Annotated[Any, Depends(_scheduler)]
 
 processes_router = APIRouter(
     prefix="/v1/runtime/vms/{vm_id}/processes",

@@ -21,8 +21,8 @@ from pal.spec import (
 )
 
 from . import pagination as pages
-from .auth import require_tenant
 from .body import MAX_FILE_BYTES, MAX_FILE_WORDS, content_type, read_bounded, require_json
+from .deps import Scheduler, Tenant
 from .errors import error_responses
 from .exec_stream import budgeted_exec, sse_exec
 from .models import (
@@ -50,14 +50,6 @@ from .processes import yield_exec
 
 _ERRORS = error_responses(400, 401, 402, 404, 409, 413, 503)
 
-
-def _scheduler(request: Request) -> Any:
-    return request.app.state.scheduler
-
-
-# What the handlers need, from the app (create_app puts them on app.state).
-Tenant = Annotated[str, Depends(require_tenant)]
-Scheduler = Annotated[Any, Depends(_scheduler)]
 
 runtime_router = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=_ERRORS)
 json_body = [Depends(require_json)]

@@ -4,12 +4,13 @@ guest, or the leader a follower forwards to)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import websockets
+
+from pal.manager.tunnel import run_until_one_ends
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]
@@ -47,12 +48,8 @@ async def relay(receive: Receive, send: Send, upstream: Any) -> None:
                 }
             )
 
-    tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await run_until_one_ends(client_to_upstream(), upstream_to_client())
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await upstream.close()

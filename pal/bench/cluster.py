@@ -29,7 +29,7 @@ from typing import Any
 
 import boto3
 
-from pal.bench.common import Api, machine, pct
+from pal.bench.common import Api, machine, pct, poll_until
 from pal.config import Settings
 from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, kill_qemus_under
@@ -43,17 +43,6 @@ def _s3_has(s3: Any, bucket: str, vm_id: str, snapshot_id: str) -> bool:
     except Exception:
         return False
     return any(k["Key"].endswith(f"/{vm_id}/{snapshot_id}/meta.json") for k in keys)
-
-
-def _until(what: str, fn: Any, timeout: float, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(every)
 
 
 def throughput(api: Api, n: int, spec: dict[str, Any]) -> dict[str, float]:
@@ -76,7 +65,7 @@ def failovers(c: LocalCluster, n: int, log: Any) -> list[float]:
         out.append(time.monotonic() - t0)
         log(f"failover {i + 1}/{n}: {out[-1]:.2f} s")
         back = c.restart(leader)
-        _until("restarted replica", lambda b=back: c.health(b), 60)
+        poll_until("restarted replica", lambda b=back: c.health(b), 60)
     return out
 
 
@@ -96,7 +85,7 @@ def resumes(c: LocalCluster, api: Api, s3: Any, n: int, log: Any) -> dict[str, l
             api.exec_ok(vm)
             home = store.get_vm(vm).node_id  # type: ignore[union-attr]
             snap = api.call("POST", f"/v1/runtime/vms/{vm}/pause")["snapshotId"]
-            _until("upload to S3", lambda s=snap: _s3_has(s3, c.s3_bucket, vm, s), 120, 0.1)
+            poll_until("upload to S3", lambda s=snap: _s3_has(s3, c.s3_bucket, vm, s), 120, 0.1)
             c.admin("POST", f"/v1/nodes/{home}/drain", json={}).raise_for_status()
             t = time.perf_counter()
             api.call("POST", f"/v1/runtime/vms/{vm}/resume")
@@ -179,14 +168,14 @@ def main(iterations: int, failover_runs: int, schedules: int, data_dir: Path | N
             key = store.create_tenant("bench", 100)[1]
             store.close()
             api = Api(c.wait_leader(30).url, key)
-            _until("warm template on n1", lambda: c.node_views()["n1"]["warmTemplates"] > 0, 600, 1.0)
+            poll_until("warm template on n1", lambda: c.node_views()["n1"]["warmTemplates"] > 0, 600, 1.0)
             api.exec_ok(api.call("POST", "/v1/runtime/schedule", json={})["vmId"])  # warm caches
             one = throughput(api, schedules, {})
             log(f"throughput, 1 node: {one}")
             c.start_node("n2", region="bench")
             c.start_node("n3")
             c.wait_nodes(["n1", "n2", "n3"], 600)
-            _until(
+            poll_until(
                 "warm templates", lambda: all(v["warmTemplates"] for v in c.node_views().values()), 600, 1.0
             )
             three = throughput(api, schedules, {})

@@ -49,6 +49,19 @@ def timed(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[float, Any]:
     return (time.perf_counter() - t) * 1000, res
 
 
+def poll_until(what: str, fn: Callable[..., Any], timeout: float, every: float = 0.05) -> Any:
+    """``fn()``'s first true answer, asked every ``every`` s; TimeoutError naming ``what``
+    after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
 def pss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         if line.startswith("Pss:"):

@@ -14,14 +14,12 @@ rows, so they can be measured on their own. Writes JSON and docs/benchmarks/imag
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, machine, pct, timed
+from pal.bench.common import Api, pct, report_of, timed, write_report
 from pal.bench.latency import cold_boot_rows, custom_image_rows
 from pal.bench.latency_rows import BASELINES, ROWS
 from pal.bench.server import local_server, server_accel, wait_template
@@ -114,20 +112,13 @@ def main(
         api = Api(url, key)
         accel = server_accel(url)
         samples = run(api, data, iterations, memory_mib, log)
-    report = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    body = {
         "iterations": iterations,
         "memory_mib": memory_mib,
-        "accel": accel,
-        "machine": machine(),
-        "load_start": round(load_start, 1),
-        "load_end": round(os.getloadavg()[0], 1),
         "samples_ms": samples,
         "p50_ms": {k: round(pct(v, 0.5), 1) for k, v in samples.items()},
         "p90_ms": {k: round(pct(v, 0.9), 1) for k, v in samples.items()},
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "images.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "images.md").write_text(render(report))
-    log(f"wrote {out_dir / 'images.md'}")
+    report = report_of(body, accel=accel, load_start=load_start, data_dir=data)
+    write_report(out_dir, "images", report, render(report), log)
     return report

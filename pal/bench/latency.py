@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import statistics
 import tempfile
@@ -32,6 +31,7 @@ from pal.bench.common import (
     qemu_pid_of,
     timed,
     vm_pss_kib,
+    write_report,
 )
 from pal.bench.floors import native_guest_path_ms, qemu_floor_ms
 from pal.bench.latency_report import render_markdown, warm_base
@@ -363,10 +363,7 @@ def main(
         base = warm_base(report["samples_ms"], key)
         if v and base:
             report["p50_x_warm_exec"][key] = round(pct(v, 0.5) / base, 2)
-    out_dir.mkdir(parents=True, exist_ok=True)
     # A partial run (--only) never overwrites the published full report.
     stem = "runtime-latency" if set(sections) == set(SECTIONS) else f"runtime-latency-{'-'.join(sections)}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"{stem}.md").write_text(render_markdown(report))
-    log(f"wrote {out_dir / (stem + '.md')}")
+    write_report(out_dir, stem, report, render_markdown(report), log)
     return report

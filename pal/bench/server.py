@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from pal.bench.common import Api
+from pal.localcluster.throwaway import free_port
 from pal.sizes import size_name
 
 # The operator token of the servers this process starts: /healthz names the accelerator
@@ -32,15 +32,9 @@ def server_accel(url: str, token: str | None = None) -> str:
     return str(r.json().get("accel", "unknown"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
-    port, ports_port = _free_port(), _free_port()
+    port, ports_port = free_port(), free_port()
     env = {
         **os.environ,
         "PAL_LOG_LEVEL": "WARNING",

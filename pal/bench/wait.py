@@ -36,6 +36,7 @@ from pal.bench.common import (
     Api,
     data_dir_lines,
     pct,
+    poll_until,
     pss_kib,
     qemu_pid_of,
     report_of,
@@ -45,6 +46,7 @@ from pal.bench.common import (
 from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
+POLL_TIMEOUT_S = 300  # how long a pause, an offload or a wake may take to show
 HOST = "127.0.0.2"
 NAME = "model.bench.test"
 MIB = 1024 * 1024
@@ -126,17 +128,6 @@ def _sh(api: Api, vm: str, line: str, **kw: Any) -> dict[str, Any]:
     if out["exitCode"] != 0:
         raise RuntimeError(f"{line!r} in {vm}: {out}")
     return dict(out)
-
-
-def _poll(what: str, fn: Any, timeout: float = 300) -> Any:
-    deadline = time.time() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.time() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _events(api: Api, vm: str) -> list[dict[str, Any]]:
@@ -223,7 +214,7 @@ def _idle_tier_rows(api: Api, iterations: int, s: dict[str, Any], log: Any) -> N
     s["warm_exec_tier_vm"] = _warm_exec(api, vm, 5)
     s["idle_tier_wake_to_first_exec"] = []
     for _ in range(iterations):
-        _poll("the live tier", lambda: _pause(api, vm).get("offloaded"))
+        poll_until("the live tier", lambda: _pause(api, vm).get("offloaded"), POLL_TIMEOUT_S)
         s["idle_tier_wake_to_first_exec"].append(timed(api.exec_ok, vm)[0])
     api.call("DELETE", f"/v1/runtime/vms/{vm}")
 
@@ -301,14 +292,20 @@ def _wait_scenario(api: Api, model: Model, url: str, wait_on: bool) -> dict[str,
     th.start()
     one: dict[str, Any] = {}
     if wait_on and pid:
-        p = _poll("the wait pause", lambda: _pause(api, vm).get("by") == "wait" and _pause(api, vm))
+        p = poll_until(
+            "the wait pause", lambda: _pause(api, vm).get("by") == "wait" and _pause(api, vm), POLL_TIMEOUT_S
+        )
         one["residentBeforeMiB"] = p.get("residentMiB")
         one["rssPausedMiB"] = _rss_mib(pid)
         cpu0, t0 = _cpu_ticks(pid), time.time()
-        _poll("the offload", lambda: _pause(api, vm).get("offloaded") or not th.is_alive())
+        poll_until(
+            "the offload", lambda: _pause(api, vm).get("offloaded") or not th.is_alive(), POLL_TIMEOUT_S
+        )
         one["rssOffloadedMiB"] = _rss_mib(pid)
         one["residentAfterMiB"] = _pause(api, vm).get("residentMiB")
-        _poll("the wake", lambda: api.call("GET", f"/v1/runtime/vms/{vm}")["state"] == "running")
+        poll_until(
+            "the wake", lambda: api.call("GET", f"/v1/runtime/vms/{vm}")["state"] == "running", POLL_TIMEOUT_S
+        )
         secs = time.time() - t0
         one["qemuCpuPctPaused"] = round(100 * (_cpu_ticks(pid) - cpu0) / os.sysconf("SC_CLK_TCK") / secs, 2)
     th.join()

@@ -13,7 +13,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from .output import Table, err_console, fail, parse_pairs, print_json, print_table
+from .output import Table, err_console, fail, parse_pairs, print_json, print_rows
 from .settings import prepare_data_dir, server_settings
 
 image_app = typer.Typer(
@@ -349,9 +349,7 @@ def image_ls(
             r["size"] = f"{(r['size'] or 0) / 1024**2:.0f} MiB"
             r["templates"] = " ".join(r["templates"])
             r["tenants"] = "all" if r["tenants"] is None else ",".join(r["tenants"])
-        print_table(rows, LS_COLUMNS)
-    else:
-        print_json(rows)
+    print_rows(rows, LS_COLUMNS, table)
 
 
 @image_app.command("rm")

@@ -17,7 +17,7 @@ from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
 from .image import image_app
 from .nodes import node_app
-from .output import Table, fail, mode, print_json, print_table
+from .output import Table, fail, mode, print_json, print_rows, print_table
 from .settings import say, server_settings
 from .snapshots import snapshots_app
 from .vm import files_app, vm_app
@@ -49,6 +49,10 @@ app.add_typer(snapshots_app, name="snapshots")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")
+]
+# A benchmark's own server runs on a data dir whose image is built already.
+BenchDataDir = Annotated[
+    Path | None, typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)")
 ]
 
 
@@ -390,6 +394,9 @@ def tenants_rm(
     print_json({**_tenant_json(t), "note": "keys refused now; the server deletes its VMs and snapshots"})
 
 
+TENANT_COLUMNS = ["id", "name", "maxVms", "maxPaused", "maxSnapshotGib", "keyExpiresAt", "createdAt"]
+
+
 @tenants_app.command("ls")
 def tenants_ls(
     data_dir: DataDir = None,
@@ -398,12 +405,7 @@ def tenants_ls(
 ) -> None:
     """List tenants (never their keys)."""
     rows = _with_store(data_dir, database, lambda store: [_tenant_json(t) for t in store.list_tenants()])
-    if table:
-        print_table(
-            rows, ["id", "name", "maxVms", "maxPaused", "maxSnapshotGib", "keyExpiresAt", "createdAt"]
-        )
-    else:
-        print_json(rows)
+    print_rows(rows, TENANT_COLUMNS, table)
 
 
 bench_app = typer.Typer(
@@ -455,10 +457,7 @@ def bench_cluster(
     iterations: Annotated[int, typer.Option(help="resumes timed each way (p50/p90)")] = 5,
     failovers: Annotated[int, typer.Option(help="leader kills timed")] = 10,
     schedules: Annotated[int, typer.Option(help="VMs scheduled per throughput run")] = 8,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
-    ] = None,
+    data_dir: BenchDataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where cluster.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Cluster on one machine: schedule throughput (1 vs 3 nodes), failover, resume from S3."""
@@ -476,10 +475,7 @@ def bench_cluster(
 @bench_app.command("s3")
 def bench_s3(
     iterations: Annotated[int, typer.Option(help="resumes timed each way, encrypted and not")] = 5,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
-    ] = None,
+    data_dir: BenchDataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
@@ -491,10 +487,7 @@ def bench_s3(
 @bench_app.command("density")
 def bench_density(
     cap: Annotated[int, typer.Option(help="sandboxes at most (a shared machine: start modest)")] = 30,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option("--data-dir", help="a data dir with a built image (default PAL_TEST_DATA_DIR)"),
-    ] = None,
+    data_dir: BenchDataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where density.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Sandboxes of 256 MiB per node until it refuses one: per tier, memory, wakes, GET/list."""

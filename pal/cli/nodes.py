@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .output import Table, fail, print_json, print_table
+from .output import Table, fail, print_json, print_rows
 
 node_app = typer.Typer(
     help="Run a node (`pal node --server URL`), or list, drain and reactivate nodes.",
@@ -111,10 +111,7 @@ def _admin(method: str, path: str, body: Any = None) -> Any:
 def ls(table: Table = False) -> None:
     """Nodes, their capacity and health."""
     nodes = _admin("GET", "/v1/nodes")["nodes"]
-    if table:
-        print_table(nodes, NODE_COLUMNS)
-    else:
-        print_json(nodes)
+    print_rows(nodes, NODE_COLUMNS, table)
 
 
 @node_app.command("drain")

@@ -42,6 +42,14 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
         typer.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
 
 
+def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[str], table: bool) -> None:
+    """A list command's answer: aligned ``columns`` with ``--table``, else the rows as JSON."""
+    if table:
+        print_table(rows, columns)
+    else:
+        print_json(rows)
+
+
 def note(message: str) -> None:
     """A remark on stderr that is not an error (truncation, timeouts...)."""
     sys.stderr.write(f"pal: {message}\n")

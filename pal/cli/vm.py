@@ -15,7 +15,7 @@ from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 
 from .exec_process import exec_process
 from .help import examples
-from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_table
+from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_rows, print_table
 from .stdin import pending_input
 
 FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
@@ -182,10 +182,8 @@ def ls(
     if quiet:
         for v in vms:
             typer.echo(v["vmId"])
-    elif table:
-        print_table(vms, VM_COLUMNS)
     else:
-        print_json(vms)
+        print_rows(vms, VM_COLUMNS, table)
 
 
 @vm_app.command("extend")

@@ -23,6 +23,7 @@ from typing import Any
 
 from pal.config import Settings
 from pal.images import initramfs, kernel
+from pal.images.bundle import file_sha256
 from pal.images.modes import guest_umask
 
 BOOT_VERSION = 1
@@ -77,14 +78,6 @@ def _key(pkg: kernel.KernelPackage) -> str:
     return h.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _quiet(_step: str, _fraction: float) -> None:
     pass
 
@@ -128,7 +121,7 @@ def _ensure(settings: Settings, progress: Progress | None) -> BootSet:
             "kernelVersion": extracted.release,
             "kernelPackage": f"{pkg.package}={pkg.version}",
             "modules": modules,
-            "sha256": {VMLINUX: _sha256(staging / VMLINUX), INITRD: _sha256(staging / INITRD)},
+            "sha256": {VMLINUX: file_sha256(staging / VMLINUX), INITRD: file_sha256(staging / INITRD)},
         }
         (staging / BOOT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         final = root / boot_id

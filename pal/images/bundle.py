@@ -91,17 +91,15 @@ def guest_files_hash() -> str:
 def bundle_key(base_tarball_name: str) -> str:
     """Everything that decides the bundle's bytes: base system, guest files, busybox."""
     h = hashlib.sha256()
-    for part in (base_tarball_name, guest_files_hash(), _sha256(initramfs.BUSYBOX)):
+    for part in (base_tarball_name, guest_files_hash(), file_sha256(initramfs.BUSYBOX)):
         h.update(part.encode() + b"\n")
     return h.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes (read in pieces: a kernel or busybox is large)."""
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _run(cmd: list[str]) -> str:

@@ -12,12 +12,13 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
+from typing import Self
+
+from pal.localcluster.throwaway import ThrowawayServer, free_port
 
 # Debian keeps each major's programs in /usr/lib/postgresql/<major>/bin (not on PATH).
 DEBIAN_BIN_GLOB = "/usr/lib/postgresql/*/bin"
@@ -52,12 +53,6 @@ def _bin(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -88,11 +83,11 @@ def reap_orphans() -> list[Path]:
     return reaped
 
 
-class LocalPostgres:
+class LocalPostgres(ThrowawayServer):
     """``with LocalPostgres() as pg: pg.url`` -> a SQLAlchemy URL of an empty database."""
 
     def __init__(self, base_dir: Path | None = None, port: int | None = None, database: str = "pal") -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.database = database
         self.password = secrets.token_urlsafe(18)
         self._own_base = base_dir is None
@@ -115,7 +110,7 @@ class LocalPostgres:
             pw = pwd.getpwnam(RUN_AS)
             os.chown(path, pw.pw_uid, pw.pw_gid)
 
-    def start(self, timeout: float = 60.0) -> LocalPostgres:
+    def start(self, timeout: float = 60.0) -> Self:
         reap_orphans()
         self.base.mkdir(parents=True, exist_ok=True)
         os.chmod(self.base, 0o700)
@@ -195,11 +190,3 @@ class LocalPostgres:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
-
-    def __enter__(self) -> LocalPostgres:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

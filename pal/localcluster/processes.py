@@ -12,7 +12,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,8 @@ from typing import Any
 
 import httpx
 
+from pal.localcluster.throwaway import free_port
 from pal.manager.auth import node_token
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

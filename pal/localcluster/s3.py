@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
+from typing import Self
+
+from pal.localcluster.throwaway import ThrowawayServer, free_port
 
 # Credentials the S3 client reads from the environment; moto accepts any.
 TEST_ENV = {
@@ -26,12 +27,6 @@ TEST_ENV = {
     "AWS_SECRET_ACCESS_KEY": "pal-test-secret",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _moto_server_bin() -> str:
@@ -43,13 +38,13 @@ def _moto_server_bin() -> str:
     return found
 
 
-class S3Server:
+class S3Server(ThrowawayServer):
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 30.0) -> S3Server:
+    def start(self, timeout: float = 30.0) -> Self:
         # Own process group, so stop() can kill exactly this server and its children.
         self._proc = subprocess.Popen(
             [_moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)],
@@ -83,11 +78,3 @@ class S3Server:
             proc.wait(timeout=5)
         except ProcessLookupError:
             proc.wait(timeout=5)
-
-    def __enter__(self) -> S3Server:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

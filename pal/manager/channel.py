@@ -45,6 +45,7 @@ _CLOSED = object()  # inbox sentinel: the channel (or the request) went away
 
 INBOX_BYTES = 1 << 20  # wire bytes one request may have waiting (16 exec output chunks)
 SEND_TIMEOUT_S = 30.0  # a guest that takes no input for this long has lost its channel
+REPLY_TIMEOUT_S = 30.0  # a request's default wait for its answer
 # A guest sending more undecodable or malformed lines than this within the window is not
 # a harness resynchronising after a restore (a line or two): its channel is closed.
 MAX_VIOLATIONS = 64
@@ -281,7 +282,7 @@ class HarnessChannel:
         await self._send({**msg, "id": next(self._ids)})
 
     async def request(
-        self, msg: p.Message, data: bytes | None = None, timeout: float | None = 30.0
+        self, msg: p.Message, data: bytes | None = None, timeout: float | None = REPLY_TIMEOUT_S
     ) -> tuple[p.Message, bytes]:
         """Send one request and wait for its single ``ok`` (or raise on ``err``).
         Returns the reply and its payload (ChannelClosed when the payload is not valid)."""

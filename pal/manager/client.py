@@ -6,15 +6,16 @@ over the manager's unix socket, so there is one code path, not two.
 
 from __future__ import annotations
 
-import json
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from pal.errors import PalError, Unavailable, from_wire
+from pal.errors import Unavailable, from_wire
 from pal.manager.client_code import CodeCalls
+from pal.manager.client_http import UNREACHABLE, NodeHttp
 from pal.manager.client_processes import ProcessCalls
 from pal.manager.models import (
     BrokeredSet,
@@ -47,9 +48,6 @@ from pal.manager.models import (
 from pal.manager.tunnel import MAX_FRAME, TunnelStream, open_tunnel
 from pal.spec import ExecRequest
 
-# The node could not be reached at all (nothing was done there): callers may try another.
-UNREACHABLE = "NODE_UNREACHABLE"
-
 TUNNEL_OPEN_TIMEOUT_S = 30.0  # the node's connect to the guest has its own 10 s bound
 
 # Spawns include a cold boot under TCG; snapshots include checksumming.
@@ -60,7 +58,7 @@ SPAWN_TIMEOUT = httpx.Timeout(None, connect=5.0)
 HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 
 
-class ManagerClient(ProcessCalls, CodeCalls):
+class ManagerClient(ProcessCalls, CodeCalls, NodeHttp):
     """``ManagerClient(socket)``: the embedded node's root-only unix socket.
     ``ManagerClient(url=..., token=...)``: a remote node over HTTP, every request carrying
     the node's token (``Authorization: Bearer``; pal/manager/auth.py)."""
@@ -84,28 +82,6 @@ class ManagerClient(ProcessCalls, CodeCalls):
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-    @staticmethod
-    def _raise_for(resp: httpx.Response) -> None:
-        if resp.status_code < 400:
-            return
-        try:
-            err = resp.json()["error"]
-            raise from_wire(resp.status_code, err["code"], err["message"])
-        except (ValueError, KeyError, TypeError):
-            raise PalError(f"runtime manager answered {resp.status_code}: {resp.text[:200]}") from None
-
-    async def _call(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        try:
-            resp = await self._http.request(method, url, **kw)
-        except httpx.TransportError as exc:
-            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
-        self._raise_for(resp)
-        return resp
-
-    @staticmethod
-    def _body(model: Any) -> dict[str, Any]:
-        return model.model_dump(by_alias=True, mode="json")  # type: ignore[no-any-return]
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         # No read timeout: a spawn waits its turn for free CPU on the node, as long as the
@@ -145,23 +121,15 @@ class ManagerClient(ProcessCalls, CodeCalls):
         return Notices.model_validate(resp.json())
 
     async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
-        body = req.model_dump(by_alias=True, mode="json")
-        try:
-            async with self._http.stream(
-                "POST", f"/vms/{vm_id}/exec", json=body, timeout=httpx.Timeout(None, connect=5.0)
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    self._raise_for(resp)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        ev = ExecEvent.model_validate(json.loads(line))
-                        if ev.type == "error" and ev.status is not None:
-                            # The node's own error, as if it came before the stream.
-                            raise from_wire(ev.status, ev.code or "", ev.message or "")
-                        yield ev
-        except httpx.TransportError as exc:
-            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
+        async with contextlib.aclosing(
+            self._ndjson("POST", f"/vms/{vm_id}/exec", json=self._body(req))
+        ) as lines:
+            async for raw in lines:
+                ev = ExecEvent.model_validate(raw)
+                if ev.type == "error" and ev.status is not None:
+                    # The node's own error, as if it came before the stream.
+                    raise from_wire(ev.status, ev.code or "", ev.message or "")
+                yield ev
 
     async def open_port(self, vm_id: str, port: int) -> TunnelStream:
         from websockets.asyncio.client import connect, unix_connect

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 
-from pal.errors import Unavailable, from_wire
+from pal.errors import from_wire
+from pal.manager.client_http import NodeHttp
 from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.spec import ProcessStartRequest, SignalRequest, Terminal
 
-UNREACHABLE = "NODE_UNREACHABLE"  # client.py's code for a node that cannot be reached
 LONG_POLL_SLACK_S = 35.0  # beyond a long poll's own wait: the node's guest request bound (30 s)
 
 
-class ProcessCalls:
-    _http: httpx.AsyncClient
-
-    async def _call(self, method: str, url: str, **kw: Any) -> httpx.Response:  # client.py
-        raise NotImplementedError
-
-    @staticmethod
-    def _raise_for(resp: httpx.Response) -> None:  # client.py
-        raise NotImplementedError
-
+class ProcessCalls(NodeHttp):
     async def start_process(self, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
-        body = req.model_dump(by_alias=True, mode="json")
-        resp = await self._call("POST", f"/vms/{vm_id}/processes", json=body)
+        resp = await self._call("POST", f"/vms/{vm_id}/processes", json=self._body(req))
         return ProcessInfo.model_validate(resp.json())
 
     async def list_processes(self, vm_id: str) -> list[ProcessInfo]:
@@ -79,18 +68,9 @@ class ProcessCalls:
         """The output stream; a node error (before or during it) is raised as its PalError,
         a node that went away as 503 NODE_UNREACHABLE."""
         url = f"/vms/{vm_id}/processes/{pid}/attach"
-        try:
-            async with self._http.stream(
-                "GET", url, params={"from": start}, timeout=httpx.Timeout(None, connect=5.0)
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    self._raise_for(resp)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        ev = ProcessEvent.model_validate(json.loads(line))
-                        if ev.type == "error":
-                            raise from_wire(ev.status or 503, ev.code or "", ev.message or "")
-                        yield ev
-        except httpx.TransportError as exc:
-            raise Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE) from exc
+        async with contextlib.aclosing(self._ndjson("GET", url, params={"from": start})) as lines:
+            async for raw in lines:
+                ev = ProcessEvent.model_validate(raw)
+                if ev.type == "error":
+                    raise from_wire(ev.status or 503, ev.code or "", ev.message or "")
+                yield ev

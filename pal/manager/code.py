@@ -33,7 +33,6 @@ from pal.manager.code_models import (
 )
 from pal.manager.guest_errors import to_pal_error
 from pal.manager.vm import VmRegistry
-from pal.manager.vm_states import require_running
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +145,8 @@ class GuestCode:
             "code": req.code,
             "timeout": req.timeout_secs or DEFAULT_TIMEOUT_SECS,
         }
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                replies = await lv.channel.start_stream(msg)
-            except BaseException:
-                lv.active_execs -= 1
-                raise
         bound = CellBound()
-        try:
+        async with lv.exec_in_flight(msg) as replies:
             async for reply in replies:
                 kind = reply["k"]
                 if kind == p.K_CEV:
@@ -172,27 +162,12 @@ class GuestCode:
                     except gi.BadReply as exc:
                         raise _bad_reply(vm_id, exc) from None
                     return
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
     async def _call(self, vm_id: str, msg: p.Message) -> dict[str, Any]:
-        lv = self.registry.running(vm_id)
-        async with lv.op_lock:
-            require_running(lv)
-            lv.files_in_flight += 1
-            lv.files_idle.clear()
-        lv.touch()
         try:
-            reply, _ = await lv.channel.request({**msg, "tok": lv.token}, timeout=REQUEST_TIMEOUT_S)
+            reply, _ = await self.registry.running(vm_id).request_in_flight(msg, timeout=REQUEST_TIMEOUT_S)
         except GuestError as exc:
             raise _error(exc) from None
-        finally:
-            lv.touch()
-            lv.files_in_flight -= 1
-            if lv.files_in_flight == 0:
-                lv.files_idle.set()
         res = reply.get("result")
         if not isinstance(res, dict):
             raise _bad_reply(vm_id, gi.BadReply(f"{msg['k']} reply has no result"))

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
 from pal.guest import protocol as p
+from pal.manager.models import WireModel as _Model
 
 Language = Literal["python", "bash"]
 CONTEXT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_TIMEOUT_SECS = 24 * 3600
 MAX_ENV_VARS = 256
 DEFAULT_TIMEOUT_SECS = 300.0  # a cell without timeoutSecs
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
 class CodeRequest(_Model):

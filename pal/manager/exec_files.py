@@ -12,6 +12,9 @@ stdin, signals, PTYs: issue 22) and code kernels (issue 26) belong here too, nex
 - it counts as host-observed activity (``LiveVm.touch``; idle suspend goes by it);
 - whatever the guest answers is hostile: decoded and bounded by guest_input.py, its error
   codes mapped to statuses by guest_errors.py (the one mapping).
+
+The lock, the in-flight counts and the activity are ``LiveVm.exec_in_flight`` (a stream)
+and ``LiveVm.request_in_flight`` (one request) in vm.py: a new call goes through one.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from pal.manager.channel import GuestError
 from pal.manager.guest_errors import to_pal_error
 from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
 from pal.manager.vm import LiveVm, VmRegistry
-from pal.manager.vm_states import require_running
 from pal.spec import ExecRequest
 
 log = logging.getLogger(__name__)
@@ -50,46 +52,20 @@ class GuestCalls:
             "timeout": req.timeout_secs,
             "user": req.user,
         }
-        # Sent under the VM's operation lock: a live pause comes either before (and this
-        # answers 409 LIVE_PAUSED, which the scheduler turns into a wake) or after the
-        # request is in the guest's channel (and its probe, behind it, sees the exec).
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                # A stream closed early kills its command, unless asked to leave it running.
-                abandon = p.K_DETACH if req.detach_on_close else p.K_CANCEL
-                replies = await lv.channel.start_stream(msg, abandon=abandon)
-            except BaseException:
-                lv.active_execs -= 1
-                raise
-        try:
+        # A stream closed early kills its command, unless asked to leave it running.
+        abandon = p.K_DETACH if req.detach_on_close else p.K_CANCEL
+        async with lv.exec_in_flight(msg, abandon=abandon) as replies:
             async for ev in _exec_events(lv, replies):
                 yield ev
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
     # ------------------------------------------------------------------ files
     async def _file_request(
         self, vm_id: str, msg: p.Message, data: bytes | None = None
     ) -> tuple[p.Message, bytes]:
-        lv = self.registry.running(vm_id)
-        async with lv.op_lock:  # ordered with live pauses, like exec
-            require_running(lv)
-            lv.files_in_flight += 1
-            lv.files_idle.clear()
-        lv.touch()
         try:
-            return await lv.channel.request({**msg, "tok": lv.token}, data)
+            return await self.registry.running(vm_id).request_in_flight(msg, data)
         except GuestError as exc:
             raise to_pal_error(exc.guest_code, exc.message, "file") from None
-        finally:
-            lv.files_in_flight -= 1
-            if lv.files_in_flight == 0:
-                lv.files_idle.set()
 
     async def list_files(self, vm_id: str, path: str) -> FileList:
         reply, _ = await self._file_request(vm_id, {"k": p.K_LS, "path": path})

@@ -15,9 +15,14 @@ from pal.ids import SafeId, TenantId
 from pal.spec import Egress, WaitPause
 
 
-class _Model(BaseModel):
+class WireModel(BaseModel):
+    """A body of the node's RPC (and of the API's link routes): camelCase on the wire,
+    unknown fields refused. What a tenant sends is stricter (pal/spec.py: frozen, strict)."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
+
+_Model = WireModel  # what the models below derive from
 
 MemMode = Literal["private", "shared"]
 
@@ -284,7 +289,19 @@ class HeartbeatAck(_Model):
     stopping: list[str] = Field(default_factory=list)  # VMs it must not run (being stopped)
 
 
-class ExecEvent(_Model):
+class StreamError(_Model):
+    """What an ``error`` line of the node's NDJSON streams (exec, a process's output)
+    carries: the guest's error ``code`` and ``message``, or an error of the node itself
+    after the stream started, with the ``status`` it answers with. The client raises the
+    latter as that error (client.py); a guest's code comes without one and is mapped by
+    guest_errors.py."""
+
+    code: str | None = None
+    message: str | None = None
+    status: int | None = None
+
+
+class ExecEvent(StreamError):
     """One line of the exec NDJSON stream; mirrors the API's SSE events."""
 
     # ``process``: the first event, naming the exec's process (``process_id``), whose output
@@ -293,12 +310,6 @@ class ExecEvent(_Model):
     process_id: int | None = None
     data: str | None = None
     exit_code: int | None = None
-    code: str | None = None
-    message: str | None = None
-    # An error of the node (not of the guest) after the stream started: the status it
-    # answers with. The client raises it as that error (client.py); a guest's error code
-    # comes without one and is mapped by guest_errors.py.
-    status: int | None = None
 
 
 class FileList(_Model):
@@ -317,13 +328,14 @@ class FileDeleted(_Model):
     deleted: bool
 
 
-class MetricSample(_Model):
-    """One per-VM sample; null where the figure is not known (see pal/manager/metrics.py)."""
+class MetricFigures(BaseModel):
+    """The figures of one per-VM sample, null where one is not known (pal/manager/metrics.py
+    says where each comes from): the node's sample and the API's (``MetricSampleOut``)."""
 
-    t: int  # unix ms
-    cpu_pct: float | None = None
-    rss_bytes: int | None = None
-    pss_bytes: int | None = None
+    t: int = Field(description="sample time, unix milliseconds")
+    cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
+    rss_bytes: int | None = Field(default=None, description="host RSS of the VM's QEMU")
+    pss_bytes: int | None = Field(default=None, description="host PSS of the VM's QEMU")
     guest_mem_used_bytes: int | None = None
     guest_mem_total_bytes: int | None = None
     disk_used_bytes: int | None = None
@@ -331,6 +343,10 @@ class MetricSample(_Model):
     net_rx_bytes: int | None = None
     net_tx_bytes: int | None = None
     live_paused_ms: int | None = None
+
+
+class MetricSample(_Model, MetricFigures):
+    """One per-VM sample, as the node's RPC sends it."""
 
 
 class VmMetrics(_Model):

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from pal.errors import InsufficientStorage
 from pal.manager import admission
-from pal.manager.vm import LiveVm
+from pal.manager.vm import LiveVm, kill_quietly
 from pal.vmm import offload
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,5 @@ class Parking:
         await asyncio.gather(*(self.discard(v) for v in list(self.vms)), return_exceptions=True)
 
     async def _kill(self, lv: LiveVm) -> None:
-        with contextlib.suppress(Exception):
-            await lv.channel.close()
-        with contextlib.suppress(Exception):
-            await lv.qemu.kill()
+        await kill_quietly(lv)
         await self.host.free_vm_files(lv.vm_id, lv.slot)

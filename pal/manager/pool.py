@@ -44,7 +44,7 @@ from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.restore import brokered_of, identity_of
 from pal.manager.templates import PRIME_COMMANDS, PRIME_TIMEOUT_S, TemplateCache, TemplateHost
-from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.vm import LiveVm, VmRegistry, kill_quietly
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
 from pal.vmm import offload
@@ -309,10 +309,7 @@ class WarmPool:
     # ------------------------------------------------------------------ discard
 
     async def _kill(self, lv: LiveVm) -> None:
-        with contextlib.suppress(Exception):
-            await lv.channel.close()
-        with contextlib.suppress(Exception):
-            await lv.qemu.kill()
+        await kill_quietly(lv)
         await self.d.free_vm_files(lv.vm_id, lv.slot)
 
     async def evict(self, need_mib: int) -> int:

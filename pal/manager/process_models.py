@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+from pal.manager.models import StreamError
+from pal.manager.models import WireModel as _Model
 
 
 class TerminalSize(_Model):
@@ -72,7 +70,7 @@ class ProcessOutput(_Model):
     process: ProcessInfo
 
 
-class ProcessEvent(_Model):
+class ProcessEvent(StreamError):
     """One line of a process's output stream (the node's NDJSON ``attach``).
 
     ``output``: ``data`` (base64) of ``stream``, ``offset`` the journal offset *after* it;
@@ -90,9 +88,6 @@ class ProcessEvent(_Model):
     exit_code: int | None = None
     timed_out: bool | None = None
     reason: str | None = None
-    code: str | None = None
-    message: str | None = None
-    status: int | None = None
 
 
 class StdinWritten(_Model):

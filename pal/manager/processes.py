@@ -40,7 +40,6 @@ from pal.manager.process_models import (
     StdinWritten,
 )
 from pal.manager.vm import LiveVm, VmRegistry
-from pal.manager.vm_states import require_running
 from pal.spec import ProcessStartRequest, SignalRequest, Terminal
 
 log = logging.getLogger(__name__)
@@ -69,24 +68,11 @@ class GuestProcesses:
         self, vm_id: str, msg: p.Message, data: bytes | None = None, *, op: Op = "process", wait_ms: int = 0
     ) -> tuple[p.Message, bytes]:
         lv = self.registry.running(vm_id)
-        counted = not wait_ms
-        async with lv.op_lock:  # ordered with live pauses, like exec and files
-            require_running(lv)
-            if counted:
-                lv.files_in_flight += 1
-                lv.files_idle.clear()
-        lv.touch()
+        timeout = REQUEST_TIMEOUT_S + wait_ms / 1000
         try:
-            timeout = REQUEST_TIMEOUT_S + wait_ms / 1000
-            return await lv.channel.request({**msg, "tok": lv.token}, data, timeout=timeout)
+            return await lv.request_in_flight(msg, data, timeout=timeout, counted=not wait_ms)
         except GuestError as exc:
             raise to_pal_error(exc.guest_code, exc.message, op) from None
-        finally:
-            lv.touch()
-            if counted:
-                lv.files_in_flight -= 1
-                if lv.files_in_flight == 0:
-                    lv.files_idle.set()
 
     async def start(self, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
         msg: p.Message = {
@@ -148,33 +134,19 @@ class GuestProcesses:
     async def attach(self, vm_id: str, pid: int, start: int) -> AsyncIterator[ProcessEvent]:
         """The process's output from ``start`` on, as it comes (see the module's doc)."""
         lv = self.registry.running(vm_id)
-        async with lv.op_lock:
-            require_running(lv)
-            lv.active_execs += 1
-            lv.touch()
-            try:
-                replies = await lv.channel.start_stream(
-                    {"k": p.K_PATTACH, "tok": lv.token, "pid": pid, "from": start}
-                )
-            except BaseException:
-                lv.active_execs -= 1
-                raise
-        incarnation = lv.incarnation
+        msg: p.Message = {"k": p.K_PATTACH, "tok": lv.token, "pid": pid, "from": start}
+        async with lv.exec_in_flight(msg) as replies:
+            incarnation = lv.incarnation
 
-        def stopped() -> str | None:
-            # A snapshot pause may park the QEMU with its channel open (parked.py): the VM is
-            # no longer this node's live one (or it came back as another incarnation).
-            if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
-                return "vm-stopped"
-            return "live-paused" if lv.live is not None else None
+            def stopped() -> str | None:
+                # A snapshot pause may park the QEMU with its channel open (parked.py): the VM
+                # is no longer this node's live one (or it came back as another incarnation).
+                if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
+                    return "vm-stopped"
+                return "live-paused" if lv.live is not None else None
 
-        try:
             async for ev in _attach_events(lv, replies, start, stopped):
                 yield ev
-        finally:
-            await replies.aclose()
-            lv.active_execs -= 1
-            lv.touch()
 
 
 async def _next_or_stop(

@@ -14,8 +14,6 @@ through ``Depends(node_runtime)`` (the app's ``state.runtime``).
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
@@ -29,12 +27,12 @@ from pal.manager.auth import bearer_matches
 from pal.manager.models import (
     BrokeredSet,
     EgressSet,
-    ExecEvent,
     LivePauseRequest,
     SnapshotRequest,
     SpawnRequest,
     WarmRequest,
 )
+from pal.manager.rpc_answers import dump, dump_list, ndjson
 from pal.manager.rpc_code import router as code_router
 from pal.manager.rpc_processes import router as processes_router
 from pal.manager.runtime import NodeRuntime
@@ -89,10 +87,6 @@ async def invalid_request(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(err.to_body(), status_code=err.status)
 
 
-def dump(model: object) -> JSONResponse:
-    return JSONResponse(model.model_dump(by_alias=True, mode="json"))  # type: ignore[attr-defined]
-
-
 # ---------------------------------------------------------------------- a VM's life
 @router.post("/vms")
 async def spawn(req: SpawnRequest, runtime: Runtime) -> JSONResponse:
@@ -134,28 +128,10 @@ async def notices(runtime: Runtime, after: int = 0, epoch: str = "", wait_s: flo
 
 
 # ---------------------------------------------------------------------- in the guest
-def exec_line(ev: ExecEvent) -> bytes:
-    return (ev.model_dump_json(by_alias=True, exclude_none=True) + "\n").encode()
-
-
-def error_line(exc: PalError) -> bytes:
-    """A node-side error after the stream started: an ``error`` event with its status."""
-    body = {"type": "error", "code": exc.code, "message": exc.message, "status": exc.status}
-    return (json.dumps(body) + "\n").encode()
-
-
 @router.post("/vms/{vm_id}/exec")
 async def exec_(vm_id: SafeId, req: ExecRequest, runtime: Runtime) -> StreamingResponse:
     runtime.require_running(vm_id)  # fail with a status before the stream starts
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for ev in runtime.exec_stream(vm_id, req):
-                yield exec_line(ev)
-        except PalError as exc:
-            yield error_line(exc)
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return ndjson(runtime.exec_stream(vm_id, req))
 
 
 @router.websocket("/vms/{vm_id}/ports/{port}")
@@ -235,8 +211,7 @@ async def heartbeat(runtime: Runtime) -> JSONResponse:
 
 @router.get("/images")
 async def images(runtime: Runtime) -> JSONResponse:
-    found = await runtime.images()
-    return JSONResponse({"images": [x.model_dump(by_alias=True, mode="json") for x in found]})
+    return dump_list("images", await runtime.images())
 
 
 @router.get("/vms/{vm_id}/metrics")
@@ -265,8 +240,7 @@ async def delete_vm_snapshots(
 
 @router.get("/snapshots/{agent_version_id}/{vm_id}")
 async def list_snapshots(agent_version_id: SafeId, vm_id: SafeId, runtime: Runtime) -> JSONResponse:
-    snaps = await runtime.list_snapshots(agent_version_id, vm_id)
-    return JSONResponse({"snapshots": [x.model_dump(by_alias=True, mode="json") for x in snaps]})
+    return dump_list("snapshots", await runtime.list_snapshots(agent_version_id, vm_id))
 
 
 @router.get("/snapshots/{agent_version_id}/{vm_id}/{snapshot_id}")

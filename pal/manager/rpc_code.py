@@ -7,18 +7,15 @@ started is an ``error`` line with its ``status`` (rpc.py's rule for exec), which
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pal.errors import PalError
 from pal.ids import SafeId
 from pal.manager.code import GuestCode
 from pal.manager.code_models import CONTEXT_ID_PATTERN, CodeRequest, ContextCreate
-from pal.manager.rpc_processes import _dump
+from pal.manager.rpc_answers import dump, dump_list, ndjson
 
 router = APIRouter()
 
@@ -35,27 +32,17 @@ Code = Annotated[GuestCode, Depends(guest_code)]
 @router.post("/vms/{vm_id}/code")
 async def run_code(vm_id: SafeId, req: CodeRequest, code: Code) -> StreamingResponse:
     code.registry.running(vm_id)  # fail with a status before the stream starts
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for ev in code.run(vm_id, req):
-                yield (ev.model_dump_json(by_alias=True, exclude_none=True) + "\n").encode()
-        except PalError as exc:
-            body = {"type": "error", "code": exc.code, "message": exc.message, "status": exc.status}
-            yield (json.dumps(body) + "\n").encode()
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return ndjson(code.run(vm_id, req))
 
 
 @router.post("/vms/{vm_id}/code/contexts")
 async def create_context(vm_id: SafeId, req: ContextCreate, code: Code) -> JSONResponse:
-    return _dump(await code.create_context(vm_id, req))
+    return dump(await code.create_context(vm_id, req))
 
 
 @router.get("/vms/{vm_id}/code/contexts")
 async def list_contexts(vm_id: SafeId, code: Code) -> JSONResponse:
-    found = await code.list_contexts(vm_id)
-    return JSONResponse({"contexts": [c.model_dump(by_alias=True, mode="json") for c in found]})
+    return dump_list("contexts", await code.list_contexts(vm_id))
 
 
 @router.delete("/vms/{vm_id}/code/contexts/{ctx}")

@@ -8,17 +8,15 @@ started is an ``error`` event with its ``status`` (rpc.py's rule for exec), whic
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pal.errors import PalError, TooLarge
+from pal.errors import TooLarge
 from pal.ids import SafeId
-from pal.manager.process_models import ProcessEvent
 from pal.manager.processes import MAX_READ_BYTES, MAX_STDIN_BYTES, MAX_WAIT_MS, GuestProcesses
+from pal.manager.rpc_answers import dump, dump_list, ndjson
 from pal.spec import ProcessStartRequest, SignalRequest, Terminal
 
 router = APIRouter()
@@ -34,29 +32,24 @@ def guest_processes(request: Request) -> GuestProcesses:
 Processes = Annotated[GuestProcesses, Depends(guest_processes)]
 
 
-def _dump(model: object) -> JSONResponse:
-    return JSONResponse(model.model_dump(by_alias=True, mode="json"))  # type: ignore[attr-defined]
-
-
 @router.post("/vms/{vm_id}/processes")
 async def start_process(vm_id: SafeId, req: ProcessStartRequest, procs: Processes) -> JSONResponse:
-    return _dump(await procs.start(vm_id, req))
+    return dump(await procs.start(vm_id, req))
 
 
 @router.get("/vms/{vm_id}/processes")
 async def list_processes(vm_id: SafeId, procs: Processes) -> JSONResponse:
-    found = await procs.list(vm_id)
-    return JSONResponse({"processes": [x.model_dump(by_alias=True, mode="json") for x in found]})
+    return dump_list("processes", await procs.list(vm_id))
 
 
 @router.get("/vms/{vm_id}/processes/{pid}")
 async def get_process(vm_id: SafeId, pid: Pid, procs: Processes) -> JSONResponse:
-    return _dump(await procs.get(vm_id, pid))
+    return dump(await procs.get(vm_id, pid))
 
 
 @router.delete("/vms/{vm_id}/processes/{pid}")
 async def delete_process(vm_id: SafeId, pid: Pid, procs: Processes) -> JSONResponse:
-    return _dump(await procs.delete(vm_id, pid))
+    return dump(await procs.delete(vm_id, pid))
 
 
 @router.get("/vms/{vm_id}/processes/{pid}/output")
@@ -68,26 +61,13 @@ async def read_output(
     max_bytes: Annotated[int, Query(alias="maxBytes", ge=1, le=MAX_READ_BYTES)] = MAX_READ_BYTES,
     wait_ms: Annotated[int, Query(alias="waitMs", ge=0, le=MAX_WAIT_MS)] = 0,
 ) -> JSONResponse:
-    return _dump(await procs.read(vm_id, pid, start, max_bytes, wait_ms))
-
-
-def _line(ev: ProcessEvent) -> bytes:
-    return (ev.model_dump_json(by_alias=True, exclude_none=True) + "\n").encode()
+    return dump(await procs.read(vm_id, pid, start, max_bytes, wait_ms))
 
 
 @router.get("/vms/{vm_id}/processes/{pid}/attach")
 async def attach(vm_id: SafeId, pid: Pid, start: Offset, procs: Processes) -> StreamingResponse:
     procs.registry.running(vm_id)  # fail with a status before the stream starts
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for ev in procs.attach(vm_id, pid, start):
-                yield _line(ev)
-        except PalError as exc:
-            body = {"type": "error", "code": exc.code, "message": exc.message, "status": exc.status}
-            yield (json.dumps(body) + "\n").encode()
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return ndjson(procs.attach(vm_id, pid, start))
 
 
 @router.post("/vms/{vm_id}/processes/{pid}/stdin")
@@ -97,7 +77,7 @@ async def write_stdin(
     data = await request.body()
     if len(data) > MAX_STDIN_BYTES:
         raise TooLarge(f"a stdin write takes at most {MAX_STDIN_BYTES} bytes")
-    return _dump(await procs.write_stdin(vm_id, pid, data, eof))
+    return dump(await procs.write_stdin(vm_id, pid, data, eof))
 
 
 @router.post("/vms/{vm_id}/processes/{pid}/signal")
@@ -119,4 +99,4 @@ async def wait(
     procs: Processes,
     timeout_ms: Annotated[int, Query(alias="timeoutMs", ge=0, le=MAX_WAIT_MS)] = 0,
 ) -> JSONResponse:
-    return _dump(await procs.wait(vm_id, pid, timeout_ms))
+    return dump(await procs.wait(vm_id, pid, timeout_ms))

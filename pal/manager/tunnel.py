@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from pal.errors import PalError, Unavailable, from_wire
@@ -60,6 +60,18 @@ def parse_status(text: str) -> str:
     if not isinstance(err, dict):
         raise Unavailable("the tunnel answered something that is not a status")
     raise from_wire(int(msg.get("status") or 500), str(err.get("code")), str(err.get("message")))
+
+
+async def run_until_one_ends(*directions: Coroutine[Any, Any, None]) -> None:
+    """The directions of a relay together, until one of them ends (or fails); the others
+    are cancelled then, and all are awaited before this returns."""
+    tasks = [asyncio.create_task(d) for d in directions]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def serve_stream(
@@ -102,13 +114,9 @@ async def serve_stream(
             await ws.send_bytes(data)
             on_traffic()
 
-    tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        await run_until_one_ends(up(), down())
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         writer.close()
         with contextlib.suppress(Exception):
             await ws.close()

@@ -9,18 +9,20 @@ a dict of its own): ``live``/``running`` are the two preconditions of a call on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pal.errors import Conflict
+from pal.guest import protocol as p
 from pal.ids import validate_id
 from pal.images.paths import ImagePaths
-from pal.manager.channel import HarnessChannel
+from pal.manager.channel import REPLY_TIMEOUT_S, HarnessChannel
 from pal.manager.slots import SlotMap, slot_prefix
 from pal.manager.vm_states import require_running
 from pal.manager.vmnet import Brokered
@@ -130,6 +132,67 @@ class LiveVm:
     def touch(self) -> None:
         """Host-observed activity now (exec, file, port): what idle suspend goes by."""
         self.last_activity_ms = int(time.time() * 1000)
+
+    async def request_in_flight(
+        self,
+        msg: p.Message,
+        data: bytes | None = None,
+        *,
+        timeout: float = REPLY_TIMEOUT_S,
+        counted: bool = True,
+    ) -> tuple[p.Message, bytes]:
+        """One request to the guest (a file, a process or a code-context call) with the VM's
+        token, sent under its operation lock (ordered with live pauses, like exec) and
+        counted as a request in flight, which a live pause waits for (live.py), unless
+        ``counted`` is False (a long poll)."""
+        async with self.op_lock:
+            require_running(self)
+            if counted:
+                self.files_in_flight += 1
+                self.files_idle.clear()
+        self.touch()
+        try:
+            return await self.channel.request({**msg, "tok": self.token}, data, timeout=timeout)
+        finally:
+            self.touch()
+            if counted:
+                self.files_in_flight -= 1
+                if self.files_in_flight == 0:
+                    self.files_idle.set()
+
+    @contextlib.asynccontextmanager
+    async def exec_in_flight(
+        self, msg: p.Message, abandon: str = p.K_CANCEL
+    ) -> AsyncIterator[AsyncGenerator[p.Message, None]]:
+        """The guest's replies to a streaming request (an exec, a cell, a process's output),
+        counted as an exec in flight while they last (the VM stays awake). Sent under the
+        VM's operation lock: a live pause comes either before (this answers 409
+        LIVE_PAUSED, which the scheduler turns into a wake) or after the request is in the
+        guest's channel (and its probe, behind it, sees the exec)."""
+        async with self.op_lock:
+            require_running(self)
+            self.active_execs += 1
+            self.touch()
+            try:
+                replies = await self.channel.start_stream(msg, abandon=abandon)
+            except BaseException:
+                self.active_execs -= 1
+                raise
+        try:
+            yield replies
+        finally:
+            await replies.aclose()
+            self.active_execs -= 1
+            self.touch()
+
+
+async def kill_quietly(lv: LiveVm) -> None:
+    """Close the VM's channel and kill its QEMU, whatever state either is in (a parked or
+    pooled VM thrown away: nobody waits for an error)."""
+    with contextlib.suppress(Exception):
+        await lv.channel.close()
+    with contextlib.suppress(Exception):
+        await lv.qemu.kill()
 
 
 # Seals a VM's brokered secrets for its state file (vmnet.VmNetworking.seal_brokered).

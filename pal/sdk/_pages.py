@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+from ._wire import given
+
 Page = dict[str, Any]
 
 
@@ -49,11 +51,4 @@ def lifetime_body(
 ) -> dict[str, Any]:
     """PUT .../lifetime: exactly one of ``lifetime_secs`` (from the schedule; 0: none) and
     ``extend_secs``; ``on_lifetime_end`` (``pause``/``delete``) optionally."""
-    body: dict[str, Any] = {}
-    if lifetime_secs is not None:
-        body["lifetimeSecs"] = lifetime_secs
-    if extend_secs is not None:
-        body["extendSecs"] = extend_secs
-    if on_lifetime_end is not None:
-        body["onLifetimeEnd"] = on_lifetime_end
-    return body
+    return given(lifetimeSecs=lifetime_secs, extendSecs=extend_secs, onLifetimeEnd=on_lifetime_end)

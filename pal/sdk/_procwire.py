@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 from .errors import ConflictError, PalApiError, PalConnectionError, ServerError
@@ -63,6 +64,51 @@ def may_reattach(exc: PalApiError) -> bool:
     return isinstance(exc, ConflictError | PalConnectionError) or (
         isinstance(exc, ServerError) and exc.status in (502, 503, 504)
     )
+
+
+class Reattach:
+    """An output iterator's place (``offset``: after the last event it gave) and its rule of
+    when to reattach: after a ``detached`` event, or a stream that could not be (re)opened
+    (:func:`may_reattach`) with a growing backoff, until nothing came for ``timeout`` s."""
+
+    def __init__(self, offset: int, timeout: float) -> None:
+        self.offset = offset
+        self._timeout = timeout
+        self._backoff, self._since = BACKOFF_START_S, time.monotonic()
+
+    def passes(self, ev: OutputEvent) -> bool:
+        """Whether ``ev`` goes to the caller (False: ``detached``, reattach); an ``error``
+        event raises."""
+        if ev.type == "detached":
+            return False
+        if ev.type == "error":
+            raise PalApiError(503, "STREAM_ERROR", ev.reason)
+        self._backoff, self._since = BACKOFF_START_S, time.monotonic()
+        self.offset = ev.offset or self.offset
+        return True
+
+    def may_retry(self, exc: PalApiError) -> bool:
+        return may_reattach(exc) and time.monotonic() - self._since <= self._timeout
+
+    def next_backoff(self) -> float:
+        """How long to sleep before this reattach (the next one waits twice as long)."""
+        delay, self._backoff = self._backoff, min(self._backoff * 2, BACKOFF_MAX_S)
+        return delay
+
+
+class WaitPolls:
+    """``wait``'s long polls: each at most WAIT_POLL_SECS, until ``timeout_secs`` (None: no
+    limit) or the process exited."""
+
+    def __init__(self, timeout_secs: float | None) -> None:
+        self._deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+
+    def next_poll(self) -> float:
+        left = WAIT_POLL_SECS if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        return min(left, WAIT_POLL_SECS)
+
+    def done(self, proc: dict[str, Any]) -> bool:
+        return not proc["running"] or (self._deadline is not None and time.monotonic() >= self._deadline)
 
 
 class SseLines:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
 
 from .errors import PalApiError, error_for
-from .models import ExecEvent, FileBytes, FileText
+from .models import ExecEvent, ExecResult, FileBytes, FileText
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 DEFAULT_TIMEOUT = 60.0
 TRUNCATED_HEADER = "x-pal-truncated"
+SSE_HEADERS = {"Accept": "text/event-stream"}
 
 
 def resolve(base_url: str | None, api_key: str | None) -> tuple[str, str | None]:
@@ -34,6 +36,11 @@ def exec_timeout(timeout: float) -> httpx.Timeout:
     return httpx.Timeout(timeout, read=None)
 
 
+def given(**fields: Any) -> dict[str, Any]:
+    """The optional fields of a request body that the caller set (None: left out)."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def exec_body(
     command: str,
     argv: list[str] | None,
@@ -43,13 +50,13 @@ def exec_body(
     user: str | None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"command": command, "argv": list(argv or []), "env": dict(env or {})}
-    if cwd is not None:
-        body["cwd"] = cwd
-    if timeout_secs is not None:
-        body["timeoutSecs"] = timeout_secs
-    if user is not None:
-        body["user"] = user
-    return body
+    return body | given(cwd=cwd, timeoutSecs=timeout_secs, user=user)
+
+
+def exec_result(out: dict[str, Any]) -> ExecResult:
+    return ExecResult(
+        out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")), out.get("processId")
+    )
 
 
 def error_from(status: int, body: bytes) -> PalApiError:
@@ -138,3 +145,63 @@ def connection_error(exc: httpx.TransportError, url: str) -> PalApiError:
     from .errors import PalConnectionError
 
     return PalConnectionError(0, "CONNECTION_ERROR", f"cannot reach Pal at {url}: {exc}")
+
+
+class RuntimeCalls:
+    """A group of /v1/runtime calls over a :class:`~pal.sdk.client.Client` (``Runtime``,
+    ``Processes``, ``Code``)."""
+
+    def __init__(self, client: Any) -> None:  # a Client (client.py imports this module)
+        self._c = client
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
+
+    def _sse(self, method: str, path: str, **kw: Any) -> contextlib.AbstractContextManager[Iterator[str]]:
+        return sse_lines(self._c, method, f"/v1/runtime{path}", **kw)
+
+
+class AsyncRuntimeCalls:
+    """:class:`RuntimeCalls` over an :class:`~pal.sdk.async_client.AsyncClient`."""
+
+    def __init__(self, client: Any) -> None:  # an AsyncClient
+        self._c = client
+
+    async def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
+
+    def _sse(
+        self, method: str, path: str, **kw: Any
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[str]]:
+        return asse_lines(self._c, method, f"/v1/runtime{path}", **kw)
+
+
+# A stream (exec, process output) runs as long as it runs: the server bounds it and sends
+# keepalives, so its read has no timeout (exec_timeout).
+@contextlib.contextmanager
+def sse_lines(client: Any, method: str, path: str, **kw: Any) -> Iterator[Iterator[str]]:
+    """The lines of an SSE answer of ``client`` (a Client); an error status raises its
+    PalApiError, a connection that fails PalConnectionError (also while reading)."""
+    try:
+        timeout = exec_timeout(client.timeout)
+        with client._http.stream(method, path, headers=SSE_HEADERS, timeout=timeout, **kw) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                check(resp)
+            yield resp.iter_lines()
+    except httpx.TransportError as exc:
+        raise connection_error(exc, client.base_url) from exc
+
+
+@contextlib.asynccontextmanager
+async def asse_lines(client: Any, method: str, path: str, **kw: Any) -> AsyncIterator[AsyncIterator[str]]:
+    """:func:`sse_lines` of an AsyncClient."""
+    try:
+        timeout = exec_timeout(client.timeout)
+        async with client._http.stream(method, path, headers=SSE_HEADERS, timeout=timeout, **kw) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                check(resp)
+            yield resp.aiter_lines()
+    except httpx.TransportError as exc:
+        raise connection_error(exc, client.base_url) from exc

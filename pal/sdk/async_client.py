@@ -64,16 +64,13 @@ class AsyncClient:
         await self.aclose()
 
 
-class AsyncRuntime:
+class AsyncRuntime(_wire.AsyncRuntimeCalls):
     """The /v1/runtime calls. VM-shaped answers are the server's camelCase JSON dicts."""
 
     def __init__(self, client: AsyncClient) -> None:
-        self._c = client
+        super().__init__(client)
         self.processes = AsyncProcesses(client)  # start/list/get/read/output/send_stdin/...
         self.code = AsyncCode(client)  # run/create_context/list_contexts/delete_context/interrupt
-
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
 
     async def schedule(self, **spec: Any) -> dict[str, Any]:
         """``spec`` is an AgentSpec in camelCase or snake_case keys (image, limits, secrets,
@@ -157,10 +154,7 @@ class AsyncRuntime:
     ) -> ExecResult:
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         timeout = _wire.exec_timeout(self._c.timeout)
-        out = await self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout)
-        return ExecResult(
-            out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")), out.get("processId")
-        )
+        return _wire.exec_result(await self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout))
 
     async def exec_stream(
         self,
@@ -175,24 +169,11 @@ class AsyncRuntime:
     ) -> AsyncGenerator[ExecEvent, None]:
         """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
-        http = self._c._http
-        try:
-            async with http.stream(
-                "POST",
-                f"/v1/runtime/vms/{vm_id}/exec",
-                json=body,
-                headers={"Accept": "text/event-stream"},
-                timeout=_wire.exec_timeout(self._c.timeout),
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _wire.check(resp)
-                parser = _wire.SseParser()
-                async for line in resp.aiter_lines():
-                    for ev in parser.feed([line]):
-                        yield ev
-        except httpx.TransportError as exc:
-            raise _wire.connection_error(exc, self._c.base_url) from exc
+        async with self._sse("POST", f"/vms/{vm_id}/exec", json=body) as lines:
+            parser = _wire.SseParser()
+            async for line in lines:
+                for ev in parser.feed([line]):
+                    yield ev
 
     async def list_files(self, vm_id: str, path: str = "") -> dict[str, Any]:
         return dict(await self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))

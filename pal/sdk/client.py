@@ -61,16 +61,13 @@ class Client:
         self.close()
 
 
-class Runtime:
+class Runtime(_wire.RuntimeCalls):
     """The /v1/runtime calls. VM-shaped answers are the server's camelCase JSON dicts."""
 
     def __init__(self, client: Client) -> None:
-        self._c = client
+        super().__init__(client)
         self.processes = Processes(client)  # start/list/get/read/output/send_stdin/...
         self.code = Code(client)  # run/create_context/list_contexts/delete_context/interrupt
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
 
     def schedule(self, **spec: Any) -> dict[str, Any]:
         """``spec`` is an AgentSpec in camelCase or snake_case keys (image, limits, secrets,
@@ -153,10 +150,7 @@ class Runtime:
     ) -> ExecResult:
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
         timeout = _wire.exec_timeout(self._c.timeout)
-        out = self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout)
-        return ExecResult(
-            out["exitCode"], out["stdout"], out["stderr"], bool(out.get("timedOut")), out.get("processId")
-        )
+        return _wire.exec_result(self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout))
 
     def exec_stream(
         self,
@@ -173,23 +167,10 @@ class Runtime:
         ``close()`` (or leaving a ``with contextlib.closing(...)``) closes the connection early,
         which stops the command in the guest."""
         body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
-        http = self._c._http
-        try:
-            with http.stream(
-                "POST",
-                f"/v1/runtime/vms/{vm_id}/exec",
-                json=body,
-                headers={"Accept": "text/event-stream"},
-                timeout=_wire.exec_timeout(self._c.timeout),
-            ) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    _wire.check(resp)
-                parser = _wire.SseParser()
-                for line in resp.iter_lines():
-                    yield from parser.feed([line])
-        except httpx.TransportError as exc:
-            raise _wire.connection_error(exc, self._c.base_url) from exc
+        with self._sse("POST", f"/vms/{vm_id}/exec", json=body) as lines:
+            parser = _wire.SseParser()
+            for line in lines:
+                yield from parser.feed([line])
 
     def list_files(self, vm_id: str, path: str = "") -> dict[str, Any]:
         return dict(self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))

@@ -69,19 +69,11 @@ class CodeResult:
 
 
 def code_body(code: str, language: str, context: str | None, timeout_secs: float | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"code": code, "language": language}
-    if context is not None:
-        body["contextId"] = context
-    if timeout_secs is not None:
-        body["timeoutSecs"] = timeout_secs
-    return body
+    return {"code": code, "language": language} | _wire.given(contextId=context, timeoutSecs=timeout_secs)
 
 
 def context_body(language: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"language": language, "env": dict(env or {})}
-    if cwd is not None:
-        body["cwd"] = cwd
-    return body
+    return {"language": language, "env": dict(env or {})} | _wire.given(cwd=cwd)
 
 
 def code_result(body: dict[str, Any]) -> CodeResult:
@@ -102,14 +94,8 @@ def code_result(body: dict[str, Any]) -> CodeResult:
     )
 
 
-class Code:
+class Code(_wire.RuntimeCalls):
     """``runtime.code``: cells and contexts of a VM's kernels."""
-
-    def __init__(self, client: Any) -> None:  # a Client (client.py imports this module)
-        self._c = client
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
 
     def run(
         self,
@@ -146,14 +132,8 @@ class Code:
         return dict(self._json("POST", f"/vms/{vm_id}/code/contexts/{context}/interrupt"))
 
 
-class AsyncCode:
+class AsyncCode(_wire.AsyncRuntimeCalls):
     """``AsyncClient.runtime.code``: :class:`Code`'s calls, awaited."""
-
-    def __init__(self, client: Any) -> None:  # an AsyncClient
-        self._c = client
-
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
 
     async def run(
         self,

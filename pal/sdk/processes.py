@@ -25,8 +25,6 @@ from .errors import PalApiError
 from .models import OutputEvent
 from .terminal import AsyncTerminal, Terminal
 
-STREAM_HEADERS = {"Accept": "text/event-stream"}
-
 
 def _read_result(body: dict[str, Any]) -> dict[str, Any]:
     """A read's answer with each output item's ``data`` as bytes."""
@@ -34,13 +32,7 @@ def _read_result(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "output": out}
 
 
-class Processes:
-    def __init__(self, client: Any) -> None:  # a Client (client.py imports this module)
-        self._c = client
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return self._c.request(method, f"/v1/runtime{path}", **kw).json()
-
+class Processes(_wire.RuntimeCalls):
     def start(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
     ) -> dict[str, Any]:
@@ -80,46 +72,29 @@ class Processes:
         self, vm_id: str, pid: int, offset: int = 0, *, reattach_timeout: float = pw.REATTACH_TIMEOUT_S
     ) -> Iterator[OutputEvent]:
         """The output from ``offset`` on, as it comes, ending with the ``exit`` event."""
-        backoff, since = pw.BACKOFF_START_S, time.monotonic()
+        reattach = pw.Reattach(offset, reattach_timeout)
         while True:
             try:
-                for ev in self._attach(vm_id, pid, offset):
-                    if ev.type == "detached":
+                for ev in self._attach(vm_id, pid, reattach.offset):
+                    if not reattach.passes(ev):
                         break
-                    if ev.type == "error":
-                        raise PalApiError(503, "STREAM_ERROR", ev.reason)
-                    backoff, since = pw.BACKOFF_START_S, time.monotonic()
-                    offset = ev.offset or offset
                     yield ev
                     if ev.type == "exit":
                         return
             except PalApiError as exc:
-                if not pw.may_reattach(exc) or time.monotonic() - since > reattach_timeout:
+                if not reattach.may_retry(exc):
                     raise
-                time.sleep(backoff)
-                backoff = min(backoff * 2, pw.BACKOFF_MAX_S)
+                time.sleep(reattach.next_backoff())
 
     def _attach(self, vm_id: str, pid: int, offset: int) -> Iterator[OutputEvent]:
         params = {"from": offset, "encoding": "base64"}
-        try:
-            with self._c._http.stream(
-                "GET",
-                f"/v1/runtime/vms/{vm_id}/processes/{pid}/output",
-                params=params,
-                headers=STREAM_HEADERS,
-                timeout=_wire.exec_timeout(self._c.timeout),
-            ) as resp:
-                if resp.status_code >= 400:
-                    resp.read()
-                    _wire.check(resp)
-                sse = pw.SseLines()
-                for line in resp.iter_lines():
-                    got = sse.feed(line)
-                    ev = pw.output_event(*got) if got else None
-                    if ev is not None:
-                        yield ev
-        except httpx.TransportError as exc:
-            raise _wire.connection_error(exc, self._c.base_url) from exc
+        with self._sse("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params) as lines:
+            sse = pw.SseLines()
+            for line in lines:
+                got = sse.feed(line)
+                ev = pw.output_event(*got) if got else None
+                if ev is not None:
+                    yield ev
 
     def send_stdin(self, vm_id: str, pid: int, data: bytes | str, *, eof: bool = False) -> None:
         """Write all of ``data`` (``str`` as UTF-8) to its stdin; ``eof`` closes it after."""
@@ -158,30 +133,19 @@ class Processes:
 
     def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
         """The process once it exited, or as it is at ``timeout_secs`` (None: no limit)."""
-        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        polls = pw.WaitPolls(timeout_secs)
         while True:
-            left = pw.WAIT_POLL_SECS if deadline is None else max(0.0, deadline - time.monotonic())
-            poll = min(left, pw.WAIT_POLL_SECS)
+            poll = polls.next_poll()
+            params, timeout = {"timeoutSecs": poll}, httpx.Timeout(self._c.timeout + poll)
             proc = dict(
-                self._json(
-                    "POST",
-                    f"/vms/{vm_id}/processes/{pid}/wait",
-                    params={"timeoutSecs": poll},
-                    timeout=httpx.Timeout(self._c.timeout + poll),
-                )
+                self._json("POST", f"/vms/{vm_id}/processes/{pid}/wait", params=params, timeout=timeout)
             )
-            if not proc["running"] or (deadline is not None and time.monotonic() >= deadline):
+            if polls.done(proc):
                 return proc
 
 
-class AsyncProcesses:
+class AsyncProcesses(_wire.AsyncRuntimeCalls):
     """:class:`Processes`, awaitable."""
-
-    def __init__(self, client: Any) -> None:  # an AsyncClient
-        self._c = client
-
-    async def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return (await self._c.request(method, f"/v1/runtime{path}", **kw)).json()
 
     async def start(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
@@ -218,46 +182,31 @@ class AsyncProcesses:
     async def output(
         self, vm_id: str, pid: int, offset: int = 0, *, reattach_timeout: float = pw.REATTACH_TIMEOUT_S
     ) -> AsyncIterator[OutputEvent]:
-        backoff, since = pw.BACKOFF_START_S, time.monotonic()
+        reattach = pw.Reattach(offset, reattach_timeout)
         while True:
             try:
-                async for ev in self._attach(vm_id, pid, offset):
-                    if ev.type == "detached":
+                async for ev in self._attach(vm_id, pid, reattach.offset):
+                    if not reattach.passes(ev):
                         break
-                    if ev.type == "error":
-                        raise PalApiError(503, "STREAM_ERROR", ev.reason)
-                    backoff, since = pw.BACKOFF_START_S, time.monotonic()
-                    offset = ev.offset or offset
                     yield ev
                     if ev.type == "exit":
                         return
             except PalApiError as exc:
-                if not pw.may_reattach(exc) or time.monotonic() - since > reattach_timeout:
+                if not reattach.may_retry(exc):
                     raise
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, pw.BACKOFF_MAX_S)
+                await asyncio.sleep(reattach.next_backoff())
 
     async def _attach(self, vm_id: str, pid: int, offset: int) -> AsyncIterator[OutputEvent]:
-        params = {"from": offset, "encoding": "base64"}
-        try:
-            async with self._c._http.stream(
-                "GET",
-                f"/v1/runtime/vms/{vm_id}/processes/{pid}/output",
-                params=params,
-                headers=STREAM_HEADERS,
-                timeout=_wire.exec_timeout(self._c.timeout),
-            ) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _wire.check(resp)
-                sse = pw.SseLines()
-                async for line in resp.aiter_lines():
-                    got = sse.feed(line)
-                    ev = pw.output_event(*got) if got else None
-                    if ev is not None:
-                        yield ev
-        except httpx.TransportError as exc:
-            raise _wire.connection_error(exc, self._c.base_url) from exc
+        url = f"/v1/runtime/vms/{vm_id}/processes/{pid}/output"
+        async with _wire.asse_lines(
+            self._c, "GET", url, params={"from": offset, "encoding": "base64"}
+        ) as lines:
+            sse = pw.SseLines()
+            async for line in lines:
+                got = sse.feed(line)
+                ev = pw.output_event(*got) if got else None
+                if ev is not None:
+                    yield ev
 
     async def send_stdin(self, vm_id: str, pid: int, data: bytes | str, *, eof: bool = False) -> None:
         raw = data.encode() if isinstance(data, str) else data
@@ -299,17 +248,12 @@ class AsyncProcesses:
         return dict(await self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))
 
     async def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
-        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        polls = pw.WaitPolls(timeout_secs)
         while True:
-            left = pw.WAIT_POLL_SECS if deadline is None else max(0.0, deadline - time.monotonic())
-            poll = min(left, pw.WAIT_POLL_SECS)
+            poll = polls.next_poll()
+            params, timeout = {"timeoutSecs": poll}, httpx.Timeout(self._c.timeout + poll)
             proc = dict(
-                await self._json(
-                    "POST",
-                    f"/vms/{vm_id}/processes/{pid}/wait",
-                    params={"timeoutSecs": poll},
-                    timeout=httpx.Timeout(self._c.timeout + poll),
-                )
+                await self._json("POST", f"/vms/{vm_id}/processes/{pid}/wait", params=params, timeout=timeout)
             )
-            if not proc["running"] or (deadline is not None and time.monotonic() >= deadline):
+            if polls.done(proc):
                 return proc

@@ -10,15 +10,19 @@ from typing import Any
 from .models import OutputEvent
 
 
-class Terminal:
-    """A process started on a terminal; ``process`` is it as started."""
+class _TerminalProcess:
+    """What a terminal is: the process as started (``process``) and the calls that reach it."""
 
     def __init__(self, processes: Any, vm_id: str, process: dict[str, Any]) -> None:
-        # processes: the Processes that started it (processes.py imports this module)
+        # processes: the Processes or AsyncProcesses that started it (processes.py imports this module)
         self._p = processes
         self.vm_id = vm_id
         self.process = process
         self.pid: int = int(process["processId"])
+
+
+class Terminal(_TerminalProcess):
+    """A process started on a terminal; ``process`` is it as started."""
 
     def write(self, data: bytes | str) -> None:
         """Type ``data`` (``str`` as UTF-8), as keys reach the terminal (``"\\x03"`` is ^C)."""
@@ -39,15 +43,8 @@ class Terminal:
         return self._p.kill(self.vm_id, self.pid)
 
 
-class AsyncTerminal:
+class AsyncTerminal(_TerminalProcess):
     """:class:`Terminal`, awaitable."""
-
-    def __init__(self, processes: Any, vm_id: str, process: dict[str, Any]) -> None:
-        # processes: the AsyncProcesses that started it
-        self._p = processes
-        self.vm_id = vm_id
-        self.process = process
-        self.pid: int = int(process["processId"])
 
     async def write(self, data: bytes | str) -> None:
         await self._p.send_stdin(self.vm_id, self.pid, data)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import io
 import json
 import os
 import struct
@@ -56,6 +55,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pal.errors import BackendError
 from pal.snapshots.layout import SnapshotRef
+from pal.snapshots.upload_stream import UploadStream
 
 SCHEME = "pal-enc-v1"
 KEY_FORMAT = "pal-snapshot-key-v1"
@@ -230,7 +230,7 @@ def _open(aead: AESGCM, header: bytes, identity: bytes, index: int, sealed: byte
         ) from None
 
 
-class EncryptingReader(io.RawIOBase):
+class EncryptingReader(UploadStream):
     """A read-only, non-seekable file object: the ``pal-enc-v1`` object of the plaintext
     that ``read(n)`` returns (for boto3's ``upload_fileobj``). Constant memory."""
 
@@ -265,12 +265,6 @@ class EncryptingReader(io.RawIOBase):
                 return
             current, index = following, index + 1
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
     def read(self, size: int | None = -1) -> bytes:
         # Whole pieces are handed on as they are: no buffer that grows and shrinks (that
         # copying, not AES, was what bounded the throughput).
@@ -291,11 +285,6 @@ class EncryptingReader(io.RawIOBase):
         out = parts[0] if len(parts) == 1 else b"".join(parts)
         self.bytes_out += len(out)
         return out
-
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
 
 class DecryptingReader:

@@ -7,7 +7,6 @@ downloader that what it wrote is, without reading the file a second time.
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from pathlib import Path
 from pal.errors import BackendError
 from pal.snapshots.hashing import SparseDigest, data_blocks
 from pal.snapshots.layout import SPARSE_BLOCK, SPARSE_END_OFFSET, SPARSE_MAGIC
+from pal.snapshots.upload_stream import UploadStream
 
 _U64 = struct.Struct("<Q")
 # Zero pages inside a 1 MiB record are not written on decode, so the rebuilt file is as
@@ -26,7 +26,7 @@ _ZERO_PAGE = bytes(_PAGE)
 _RECORD = struct.Struct("<QQ")
 
 
-class SparseEncoder(io.RawIOBase):
+class SparseEncoder(UploadStream):
     """A read-only, non-seekable file object producing the encoding of ``path``.
 
     Hand it to boto3's ``upload_fileobj`` (which reads it in part-sized chunks). After
@@ -56,12 +56,6 @@ class SparseEncoder(io.RawIOBase):
         self.size = size
         self.digest = digest.finish(size)
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
     def read(self, size: int | None = -1) -> bytes:
         want = None if size is None or size < 0 else size
         while not self._done and (want is None or len(self._buf) < want):
@@ -77,11 +71,6 @@ class SparseEncoder(io.RawIOBase):
             del self._buf[:want]
         self.bytes_out += len(out)
         return out
-
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if not self.closed:

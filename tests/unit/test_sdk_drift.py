@@ -4,9 +4,9 @@ SDK calls a route the document does not have. How each SDK's routes are read (se
 sdk/contract/README.md):
 
 - Python (pal/sdk/client.py, async_client.py, each on its own): from the syntax tree, every
-  call of ``_json`` / ``request`` / ``stream`` with a literal method and a literal or f-string
-  path (``_json`` adds ``/v1/runtime``); any other such call is refused unless it forwards
-  its own ``method`` argument.
+  call of ``_json`` / ``_sse`` / ``request`` / ``stream`` with a literal method and a literal
+  or f-string path (``_json`` and ``_sse`` add ``/v1/runtime``); any other such call is
+  refused unless it forwards its own ``method`` argument.
 - TypeScript (sdk/typescript/src): every ``this.json`` / ``this.request`` /
   ``this.client.json`` / ``this.client.request`` call takes a literal method and path (tsc
   already checks those against the generated types); a call with any other first argument
@@ -96,7 +96,7 @@ def python_routes(source: Path) -> set[Route]:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         name = node.func.attr
-        if name not in ("_json", "request", "stream") or len(node.args) < 2:
+        if name not in ("_json", "_sse", "request", "stream") or len(node.args) < 2:
             continue
         method, path = node.args[0], _template(node.args[1])
         if isinstance(method, ast.Name) and method.id == "method":
@@ -105,7 +105,7 @@ def python_routes(source: Path) -> set[Route]:
             f"{source.name}:{node.lineno}: an HTTP call whose route cannot be read; give it a "
             "literal method and a literal or f-string path"
         )
-        found.add((method.value, _norm(("/v1/runtime" if name == "_json" else "") + path)))
+        found.add((method.value, _norm(("/v1/runtime" if name in ("_json", "_sse") else "") + path)))
     return found
 
 
