@@ -91,6 +91,22 @@ def read_vmm_meta(snapshot_dir: Path) -> dict[str, Any]:
     return {"memoryKind": kind}
 
 
+def misfit(meta: dict[str, Any], spec: VmSpec, rootfs_bytes: int, disk: Path) -> str | None:
+    """Why a snapshot (its vmm.json, its rootfs size) cannot load into a QEMU started
+    for ``spec`` with a config drive, a NIC and the disk file ``disk``; None when it can.
+    A migration stream only loads into an identical machine (the caller also checks that
+    its kernel and initrd are the snapshot's boot files)."""
+    if meta.get("memoryMib") is not None and int(meta["memoryMib"]) != spec.memory_mib:
+        return f"{meta['memoryMib']} MiB of RAM, not {spec.memory_mib}"
+    if meta.get("vcpus") is not None and int(meta["vcpus"]) != spec.vcpus:
+        return f"{meta['vcpus']} vCPUs, not {spec.vcpus}"
+    if meta.get("configDrive") is False or meta.get("nic") is None or spec.config_drive is None:
+        return "another device set (config drive, NIC)"
+    if rootfs_bytes > disk.stat().st_size:
+        return f"a disk of {rootfs_bytes} bytes, larger than {disk.stat().st_size}"
+    return None
+
+
 class Runstate(enum.Enum):
     IDLE = "idle"  # constructed; no process yet
     STARTING = "starting"  # QEMU exec'd, QMP not answering yet
@@ -294,6 +310,48 @@ class QemuVm:
             await vm.kill()
             raise
         return vm
+
+    @classmethod
+    async def spawn_waiting(cls, spec: VmSpec, disk_bytes: int) -> QemuVm:
+        """Start QEMU in ``-incoming defer`` for a snapshot not chosen yet (a pre-started
+        QEMU, pal/manager/prestart.py): its disk and its shared RAM file are sparse
+        placeholders of the spec's sizes, which :meth:`fill` makes a snapshot's, in place,
+        before :meth:`load`. Success: INCOMING. Failure: the QEMU is killed."""
+        vm = cls(spec)
+        try:
+            spec.vm_dir.mkdir(parents=True, exist_ok=True)
+            disks.new_sparse_file(spec.disk_path, disk_bytes)
+            disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
+            jail.give_to(spec.mem_path, spec.run_as)
+            vm.mem_path, vm.mem_share = spec.mem_path, True
+            await vm._spawn(incoming=True)
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    @require(S.INCOMING)
+    async def fill(self, snapshot_dir: Path) -> None:
+        """Make a QEMU of :meth:`spawn_waiting` the snapshot's: its disk, and its RAM file
+        when the snapshot's RAM is a file, reflinked into the placeholders QEMU holds open
+        (the same inodes: it sees the new content). Then :meth:`load` loads the device
+        state. The snapshot must fit the machine (:func:`misfit`). Failure: killed."""
+        try:
+            t0 = time.perf_counter()
+            meta = await asyncio.to_thread(read_vmm_meta, snapshot_dir)
+            why = misfit(meta, self.spec, (snapshot_dir / "rootfs").stat().st_size, self.spec.disk_path)
+            if why:
+                raise VmmError(f"snapshot {snapshot_dir.name} does not fit QEMU of {self.spec.vm_id}: {why}")
+            await asyncio.to_thread(disks.reflink_into, snapshot_dir / "rootfs", self.spec.disk_path)
+            if meta.get("memoryKind") == MEMORY_FILE:
+                await asyncio.to_thread(disks.reflink_into, snapshot_dir / "mem", self.mem_path)
+            # A "stream" snapshot carries RAM in its stream: the placeholder, never run, takes it.
+            self.ignore_shared = meta.get("memoryKind") == MEMORY_FILE
+            self._snapshot_dir = snapshot_dir
+            self.timings_ms = {"fill": _ms(t0)}
+        except BaseException:
+            await self.kill()
+            raise
 
     @require(S.INCOMING)
     async def load(self) -> None:
