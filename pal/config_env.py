@@ -171,7 +171,7 @@ def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
 
 
 def parse_pool(
-    raw: str | None, default: tuple[tuple[str, int], ...] = sizes.DEFAULT_POOL, name: str = "PAL_POOL"
+    raw: str | None, default: tuple[tuple[str, int], ...] = sizes.DEFAULT_POOL, env: str = "PAL_POOL"
 ) -> tuple[tuple[str, int], ...]:
     """PAL_POOL (and PAL_PRESTART): ``256m-1c-2048d:2,512m-1c-2048d:1`` (size and how many
     of it); ``0``/``off``: none; unset or empty: ``default`` (pal/sizes.py)."""
@@ -189,9 +189,9 @@ def parse_pool(
             size = sizes.size_name(*sizes.parse_size_name(name))
             n = int(count) if count else 1
         except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from exc
+            raise ValueError(f"{env}: {exc}") from exc
         if not 0 <= n <= sizes.POOL_COUNT_MAX:
-            raise ValueError(f"{name}: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
+            raise ValueError(f"{env}: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
         out[size] = n
     return tuple((k, v) for k, v in out.items() if v)
 
