@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pal.sizes import DEFAULT_MEMORY_MIB, size_name
+from pal.sizes import DEFAULT_MEMORY_MIB, DEFAULT_PRESTART, size_name
 
 from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
@@ -602,7 +602,7 @@ def bench_prestart(
         iterations=iterations,
         rounds=rounds,
         memory_mib=memory_mib,
-        prestart=f"{size_name(memory_mib)}:2",
+        prestart=f"{size_name(memory_mib)}:{DEFAULT_PRESTART[0][1]}",
     )
 
 
