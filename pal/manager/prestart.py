@@ -215,19 +215,6 @@ class PrestartSet:
         await q.qemu.kill()
         await self.d.free_vm_files(q.prestart_id, q.slot)
 
-    async def evict(self, need_mib: int) -> int:
-        """Discard waiting QEMUs (the newest first) for a spawn short of memory; the MiB of
-        host memory they held (their RSS)."""
-        freed = 0
-        for pid, q in sorted(self.ready.items(), key=lambda kv: -kv[1].made_at):
-            if freed >= need_mib:
-                break
-            mem = process_memory(q.qemu.pid) if q.qemu.pid else None
-            self.ready.pop(pid, None)
-            await self.discard(q)
-            freed += (mem.rss_bytes // MIB) if mem else 0
-        return freed
-
     async def close(self) -> None:
         """Stop starting and kill every waiting QEMU (the node stops)."""
         if self._task is not None:

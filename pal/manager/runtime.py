@@ -153,7 +153,7 @@ class NodeRuntime:
         return await self.reports.heartbeat()
 
     async def stats(self) -> m.NodeStats:
-        pool = self.pool.status()
+        pool, pre = self.pool.status(), self.prestart.status()
         return (await self.reports.stats()).model_copy(
             update={
                 "pool_ready": sum(r["ready"] for r in pool["sizes"].values()),
@@ -161,6 +161,11 @@ class NodeRuntime:
                 "pool_rss_bytes": pool["rssBytes"],
                 "pool_claims": pool["claims"],
                 "pool_misses": pool["misses"],
+                "prestart_ready": sum(r["ready"] for r in pre["sizes"].values()),
+                "prestart_target": sum(r["target"] for r in pre["sizes"].values()),
+                "prestart_rss_bytes": pre["rssBytes"],
+                "prestart_takes": pre["takes"],
+                "prestart_misses": pre["misses"],
             }
         )
 

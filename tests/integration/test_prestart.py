@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, qemu_pids_under, scratch_run_dir, start_server, stop_server
+from tests.integration.test_pool import node_metric
 from tests.leaks import prestarted_qemus, problems, vm_slots
 
 pytestmark = pytest.mark.vm
@@ -107,6 +108,10 @@ def test_a_resume_and_a_fork_child_take_prestarted_qemus_with_their_data_intact(
 
             # The set starts new QEMUs, never in the slots the VMs took.
             wait_prestarted(server, 2, not_among={slot, child_slot})
+            assert node_metric(server, "pal_prestart_takes") >= 2  # the child's resume may take one too
+            ready, target = (node_metric(server, f"pal_prestart_{f}") for f in ("ready", "target"))
+            assert ready == target == 2
+            assert node_metric(server, "pal_prestart_rss_bytes") > 0
             assert problems(run_dir) == []
             for v in (child, vm):
                 assert c.delete(f"/v1/runtime/vms/{v}").status_code == 200
