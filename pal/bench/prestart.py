@@ -109,15 +109,20 @@ def main(
                     "steps": {},
                     "fork_how": {},
                     "load": [],
+                    "errors": [],
                 },
             )
             log(f"round {r + 1}/{rounds}: PAL_PRESTART={env['PAL_PRESTART']}")
             with local_server(data_dir, {"PAL_PARKED_MAX": "0", "PAL_POOL": "0", **env}) as (u, k):
                 api = Api(u, k)
                 accel = server_accel(u)
-                wait_template(api, memory_mib)
                 res["load"].append(round(os.getloadavg()[0], 1))
-                one_round(api, iterations, memory_mib, res)
+                try:
+                    wait_template(api, memory_mib)
+                    one_round(api, iterations, memory_mib, res)
+                except RuntimeError as exc:  # reported, not hidden: the round's rows stop there
+                    log(f"  round failed: {exc}")
+                    res["errors"].append(str(exc)[:300])
     body = {"iterations": iterations, "rounds": rounds, "fork_n": FORK_N, "prestart": prestart}
     body["modes"] = modes
     report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
@@ -184,6 +189,10 @@ def render_markdown(r: dict[str, Any]) -> str:
             cells.append(f"{pct(v, 0.5):.1f}" if v else "–")
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines += [
+        "",
+        "Failed rounds: "
+        + ("; ".join(f"{mode}: {e}" for mode in modes for e in modes[mode].get("errors", [])) or "none")
+        + ".",
         "",
         "How the fork children came up: "
         + "; ".join(f"{mode}: {modes[mode].get('fork_how')}" for mode in modes)

@@ -310,21 +310,28 @@ class Spawner:
         return True
 
     async def _load_prestarted(self, s: _Spawning) -> None:
-        """The VM on the gateway (fresh sockets in the slot's namespace), the snapshot's disk
-        and RAM reflinked into the taken QEMU, its device state loaded, its vCPUs run."""
+        """The VM on the gateway (fresh sockets in the slot's namespace) while the snapshot's
+        disk and RAM are reflinked into the taken QEMU; then its device state loaded, its
+        vCPUs run."""
         assert s.qemu is not None and s.src is not None and s.src.snap_dir is not None
         req = s.req
-        await self.d.net.reregister(
-            req.vm_id,
-            s.slot,
-            req.egress,
-            limits_json(req.egress_mbps, req.max_connections),
-            brokered_of(req),
-            wait_rule(req.wait_pause),
-            names=read_names(s.src.snap_dir),
+        registered, filled = await asyncio.gather(
+            self.d.net.reregister(
+                req.vm_id,
+                s.slot,
+                req.egress,
+                limits_json(req.egress_mbps, req.max_connections),
+                brokered_of(req),
+                wait_rule(req.wait_pause),
+                names=read_names(s.src.snap_dir),
+            ),
+            s.qemu.fill(s.src.snap_dir),
+            return_exceptions=True,
         )
-        s.registered = True
-        await s.qemu.fill(s.src.snap_dir)
+        s.registered = not isinstance(registered, BaseException)
+        for got in (registered, filled):
+            if isinstance(got, BaseException):
+                raise got
         s.disk = (s.qemu.spec.disk_path, s.qemu.spec.disk_format)
         failpoints.hit("manager:prestart-filled")  # the snapshot's files in, nothing loaded
         s.timings["prepare_ms"] = round((time.perf_counter() - s.t0) * 1000, 1)
