@@ -44,6 +44,7 @@ from pal.manager import admission
 from pal.manager.restore_gate import RestoreGate
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
+from pal.vmm import disks
 from pal.vmm.jail import Jail
 from pal.vmm.qemu import QemuVm, VmSpec, misfit
 from pal.vmm.usage import process_memory
@@ -98,8 +99,14 @@ class PrestartSet:
     # ------------------------------------------------------------------ start
 
     def start(self) -> None:
-        if any(self.targets.values()) and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="prestart")
+        if not any(self.targets.values()) or self._task is not None:
+            return
+        if not disks.reflink_supported(self.d.settings.data_dir):
+            # A take fills the QEMU's open files by reflink; without it there is no take.
+            self.last_error = f"{self.d.settings.data_dir} cannot reflink: no pre-started QEMUs"
+            log.warning("prestart: %s", self.last_error)
+            return
+        self._task = asyncio.create_task(self._run(), name="prestart")
 
     def missing(self) -> list[str]:
         out: list[str] = []
