@@ -9,7 +9,7 @@ instead of starting one (docs/lifecycle.md, "Pre-started QEMUs").
   ``prestarted``: a restarted manager never adopts it (adopt.py kills it and frees the
   slot). It has run no guest code and holds no tenant's data.
 - **Take** (spawn.py, for a restore whose snapshot fits the machine: size, boot files,
-  devices, disk size; ``qemu.misfit``): one QEMU is popped from the set in memory, without
+  devices, disk size; ``vmm_meta.misfit``): one QEMU is popped from the set in memory, without
   an await between the look and the pop, so no two restores ever take the same one; its
   slot is re-keyed to the restoring VM's id. The spawn then reflinks the snapshot's disk
   and RAM into the placeholders QEMU holds open (``QemuVm.fill``), registers the VM with
@@ -46,8 +46,9 @@ from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
 from pal.vmm import disks
 from pal.vmm.jail import Jail
-from pal.vmm.qemu import QemuVm, VmSpec, misfit
+from pal.vmm.qemu import QemuVm, VmSpec
 from pal.vmm.usage import process_memory
+from pal.vmm.vmm_meta import misfit
 
 log = logging.getLogger(__name__)
 

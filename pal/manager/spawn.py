@@ -40,7 +40,8 @@ from pal.snapshots.layout import SnapshotRef
 from pal.vmm import disks
 from pal.vmm.errors import VmmError
 from pal.vmm.jail import Jail
-from pal.vmm.qemu import QemuVm, VmSpec, read_vmm_meta
+from pal.vmm.qemu import QemuVm, VmSpec
+from pal.vmm.vmm_meta import read_vmm_meta
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ import shutil
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -46,6 +45,7 @@ from pal.vmm.cmdline import VmSpec, build_argv, seccomp_args
 from pal.vmm.errors import RunstateError, VmExited, VmmError
 from pal.vmm.handoff import Handoff
 from pal.vmm.versions import qemu_version
+from pal.vmm.vmm_meta import MEMORY_FILE, MEMORY_STREAM, VMM_META, SnapshotArtifacts, misfit, read_vmm_meta
 
 QMP_TIMEOUT_S = 5.0
 # QEMU's start up to its QMP greeting: seconds on a 2-core host under load with TCG (a
@@ -55,56 +55,10 @@ QMP_GREETING_TIMEOUT_S = 30.0
 MIGRATE_TIMEOUT_S = 120.0  # a "stream" snapshot moves all guest RAM through a pipe
 KILL_GRACE_S = 1.0
 MEM_MODES = ("private", "shared")
-MEMORY_FILE = "file"
-MEMORY_STREAM = "stream"
-VMM_META = "vmm.json"  # written next to the artifacts: what restore needs to rebuild the machine
-
-
-@dataclass
-class SnapshotArtifacts:
-    dir: Path
-    paths: dict[str, Path]  # "snapshot", "rootfs", "vmm", and "mem" when memory_kind == "file"
-    sizes: dict[str, int]  # apparent sizes in bytes
-    memory_kind: str  # "file" | "stream"
-    methods: dict[str, str]  # how each file was captured: reflink | copy | convert
-    durations_ms: dict[str, float] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)  # contents of vmm.json
 
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 2)
-
-
-def read_vmm_meta(snapshot_dir: Path) -> dict[str, Any]:
-    """vmm.json of a snapshot (inferred for a snapshot without one)."""
-    path = Path(snapshot_dir) / VMM_META
-    if path.exists():
-        try:
-            meta = json.loads(path.read_text())
-        except ValueError as exc:
-            raise VmmError(f"corrupt {path}: {exc}") from exc
-        if isinstance(meta, dict):
-            return meta
-    if not (Path(snapshot_dir) / "snapshot").exists():
-        raise VmmError(f"{snapshot_dir} holds no snapshot (no device state file)")
-    kind = MEMORY_FILE if (Path(snapshot_dir) / "mem").exists() else MEMORY_STREAM
-    return {"memoryKind": kind}
-
-
-def misfit(meta: dict[str, Any], spec: VmSpec, rootfs_bytes: int, disk: Path) -> str | None:
-    """Why a snapshot (its vmm.json, its rootfs size) cannot load into a QEMU started
-    for ``spec`` with a config drive, a NIC and the disk file ``disk``; None when it can.
-    A migration stream only loads into an identical machine (the caller also checks that
-    its kernel and initrd are the snapshot's boot files)."""
-    if meta.get("memoryMib") is not None and int(meta["memoryMib"]) != spec.memory_mib:
-        return f"{meta['memoryMib']} MiB of RAM, not {spec.memory_mib}"
-    if meta.get("vcpus") is not None and int(meta["vcpus"]) != spec.vcpus:
-        return f"{meta['vcpus']} vCPUs, not {spec.vcpus}"
-    if meta.get("configDrive") is False or meta.get("nic") is None or spec.config_drive is None:
-        return "another device set (config drive, NIC)"
-    if rootfs_bytes > disk.stat().st_size:
-        return f"a disk of {rootfs_bytes} bytes, larger than {disk.stat().st_size}"
-    return None
 
 
 class Runstate(enum.Enum):
@@ -313,9 +267,8 @@ class QemuVm:
 
     @classmethod
     async def spawn_waiting(cls, spec: VmSpec, disk_bytes: int) -> QemuVm:
-        """Start QEMU in ``-incoming defer`` for a snapshot not chosen yet (a pre-started
-        QEMU, pal/manager/prestart.py): its disk and its shared RAM file are sparse
-        placeholders of the spec's sizes, which :meth:`fill` makes a snapshot's, in place,
+        """Start QEMU in ``-incoming defer`` for a snapshot not chosen yet (pal/manager/prestart.py),
+        its disk and shared RAM file sparse placeholders that :meth:`fill` makes a snapshot's
         before :meth:`load`. Success: INCOMING. Failure: the QEMU is killed."""
         vm = cls(spec)
         try:
@@ -332,10 +285,9 @@ class QemuVm:
 
     @require(S.INCOMING)
     async def fill(self, snapshot_dir: Path) -> None:
-        """Make a QEMU of :meth:`spawn_waiting` the snapshot's: its disk, and its RAM file
-        when the snapshot's RAM is a file, reflinked into the placeholders QEMU holds open
-        (the same inodes: it sees the new content). Then :meth:`load` loads the device
-        state. The snapshot must fit the machine (:func:`misfit`). Failure: killed."""
+        """Make a QEMU of :meth:`spawn_waiting` the snapshot's (it must :func:`misfit` not): its
+        disk and RAM file (if a file) reflinked into the placeholders QEMU holds open, the
+        same inodes. Then :meth:`load` loads the device state. Failure: killed."""
         try:
             t0 = time.perf_counter()
             meta = await asyncio.to_thread(read_vmm_meta, snapshot_dir)
@@ -345,8 +297,7 @@ class QemuVm:
             await asyncio.to_thread(disks.reflink_into, snapshot_dir / "rootfs", self.spec.disk_path)
             if meta.get("memoryKind") == MEMORY_FILE:
                 await asyncio.to_thread(disks.reflink_into, snapshot_dir / "mem", self.mem_path)
-            # A "stream" snapshot carries RAM in its stream: the placeholder, never run, takes it.
-            self.ignore_shared = meta.get("memoryKind") == MEMORY_FILE
+            self.ignore_shared = meta.get("memoryKind") == MEMORY_FILE  # else RAM is in the stream
             self._snapshot_dir = snapshot_dir
             self.timings_ms = {"fill": _ms(t0)}
         except BaseException:

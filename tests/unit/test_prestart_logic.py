@@ -1,4 +1,4 @@
-"""Pre-started QEMUs' pure rules (pal/manager/prestart.py, qemu.misfit, PAL_PRESTART) and
+"""Pre-started QEMUs' pure rules (pal/manager/prestart.py, vmm_meta.misfit, PAL_PRESTART) and
 the in-place reflink they are filled by (disks.reflink_into) on a real reflink file system."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pal.sizes import DEFAULT_PRESTART
 from pal.vmm import disks
 from pal.vmm.cmdline import ImageFiles, VmSpec
 from pal.vmm.errors import VmmError
-from pal.vmm.qemu import QemuVm, misfit
+from pal.vmm.qemu import QemuVm
+from pal.vmm.vmm_meta import misfit
 
 XFS_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
 MIB = 1 << 20
