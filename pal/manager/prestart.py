@@ -177,6 +177,7 @@ class PrestartSet:
                 qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
             finally:
                 vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
+            failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
             reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
             failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
             self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image, disk)

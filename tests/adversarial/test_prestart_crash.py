@@ -4,7 +4,8 @@ child: failed, its source running), the QEMU it was taking is gone and never han
 anyone else (nor kept waiting), nothing is leaked (tests/leaks.py), and a resume then
 takes a newly started QEMU with the VM's data intact.
 
-The steps: ``manager:prestart-ready`` (a QEMU waits; no restore has it),
+The steps: ``manager:prestart-spawned`` (a QEMU waits, its state file not written yet),
+``manager:prestart-ready`` (a QEMU waits; no restore has it),
 ``manager:prestart-taken`` (taken by a restore; its state file still says prestarted),
 ``manager:prestart-filled`` (the snapshot's disk and RAM reflinked in, the VM on the
 gateway) and ``manager:prestart-loaded`` (device state loaded, the guest runs, no identity
@@ -105,9 +106,12 @@ def test_a_take_killed_at_each_step_hands_the_qemu_to_no_one_else_and_leaks_noth
         stop_server(server)
 
 
-def test_a_node_killed_while_qemus_wait_kills_them_at_restart_and_starts_new_ones(run_dir: Path) -> None:
+@pytest.mark.parametrize("failpoint", ["manager:prestart-spawned", "manager:prestart-ready"])
+def test_a_node_killed_while_qemus_wait_kills_them_at_restart_and_starts_new_ones(
+    run_dir: Path, failpoint: str
+) -> None:
     try:
-        server = start_server(run_dir, {**PRESTART_ENV, "PAL_FAILPOINT": "manager:prestart-ready"})
+        server = start_server(run_dir, {**PRESTART_ENV, "PAL_FAILPOINT": failpoint})
     except RuntimeError as exc:  # killed before it answered its health check
         assert "exited with -9" in str(exc), exc
     else:
