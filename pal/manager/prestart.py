@@ -68,7 +68,6 @@ class Prestarted:
     slot: str
     size: str  # sizes.size_name
     image: ImagePaths  # the boot files it runs
-    disk_mib: int
     made_at: float = field(default_factory=time.time)
 
 
@@ -180,7 +179,7 @@ class PrestartSet:
             failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
             reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
             failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
-            self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image, disk)
+            self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
             self.last_error = None
             log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
             return True

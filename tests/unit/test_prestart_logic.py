@@ -78,7 +78,7 @@ def prestart_set(tmp: Path, *ready: Prestarted) -> PrestartSet:
 
 def waiting(tmp: Path, name: str, made_at: float, kernel: str = "vmlinux") -> Prestarted:
     s = spec(tmp, name, kernel)
-    return Prestarted(QemuVm(s), name, "slot-" + name, "256m-1c-2048d", cast(Any, s.image), 2048, made_at)
+    return Prestarted(QemuVm(s), name, "slot-" + name, "256m-1c-2048d", cast(Any, s.image), made_at)
 
 
 def test_a_take_pops_the_oldest_fitting_qemu_and_never_the_same_twice(tmp_path: Path) -> None:
@@ -113,7 +113,7 @@ def test_reflink_into_changes_the_content_a_mapping_of_the_same_file_sees(reflin
     with open(dst, "wb") as f:
         f.truncate(8 * MIB)  # a larger placeholder keeps its size; its tail stays zeros
     inode = dst.stat().st_ino
-    with open(dst, "r+b") as f, mmap.mmap(f.fileno(), 8 * MIB, mmap.MAP_SHARED) as m:
+    with open(dst, "r+b") as held, mmap.mmap(held.fileno(), 8 * MIB, mmap.MAP_SHARED) as m:
         assert m[MIB : MIB + 13] == b"\0" * 13  # mapped (and read) before the reflink
         disks.reflink_into(src, dst)
         assert m[MIB : MIB + 13] == b"snapshot page"
