@@ -181,6 +181,15 @@ class Settings(BaseSettings):
     parked_secs: float = setting(
         900.0, "PAL_PARKED_SECS", "how long a node keeps such a parked QEMU at most, seconds", lo=1.0
     )
+    prestart: tuple[tuple[str, int], ...] = setting(
+        sizes.DEFAULT_PRESTART,
+        "PAL_PRESTART",
+        "QEMUs a node keeps started and waiting for an incoming migration (`-incoming defer`),"
+        " their jail, cgroup and network namespace made, per size, for a resume into a new"
+        " QEMU or a fork child of that size to take (`256m-1c-2048d:4`); `0` turns it off",
+        read=lambda _n, raw: parse_pool(raw, sizes.DEFAULT_PRESTART, "PAL_PRESTART"),
+        shown="`256m-1c-2048d:4`",
+    )
     metrics_interval_s: float = setting(
         5.0, "PAL_METRICS_INTERVAL", "per-VM metrics sample period, seconds (15 minutes are kept)", lo=0.5
     )

@@ -170,12 +170,14 @@ def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
     return tuple(out)
 
 
-def parse_pool(raw: str | None) -> tuple[tuple[str, int], ...]:
-    """PAL_POOL: ``256m-1c-2048d:2,512m-1c-2048d:1`` (size and how many pooled VMs of it);
-    ``0``/``off``: no pool; unset or empty: the default of pal/sizes.py."""
+def parse_pool(
+    raw: str | None, default: tuple[tuple[str, int], ...] = sizes.DEFAULT_POOL, env: str = "PAL_POOL"
+) -> tuple[tuple[str, int], ...]:
+    """PAL_POOL (and PAL_PRESTART): ``256m-1c-2048d:2,512m-1c-2048d:1`` (size and how many
+    of it); ``0``/``off``: none; unset or empty: ``default`` (pal/sizes.py)."""
     text = (raw or "").strip()
     if not text:
-        return sizes.DEFAULT_POOL
+        return default
     if text.lower() in ("0", "off", "false", "no"):
         return ()
     out: dict[str, int] = {}
@@ -187,9 +189,9 @@ def parse_pool(raw: str | None) -> tuple[tuple[str, int], ...]:
             size = sizes.size_name(*sizes.parse_size_name(name))
             n = int(count) if count else 1
         except ValueError as exc:
-            raise ValueError(f"PAL_POOL: {exc}") from exc
+            raise ValueError(f"{env}: {exc}") from exc
         if not 0 <= n <= sizes.POOL_COUNT_MAX:
-            raise ValueError(f"PAL_POOL: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
+            raise ValueError(f"{env}: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
         out[size] = n
     return tuple((k, v) for k, v in out.items() if v)
 

@@ -18,6 +18,7 @@ DISK_MIB_RANGE = (512, 65536)
 DEFAULT_TEMPLATE_SIZES = ("256m-1c-2048d", "512m-1c-2048d", "1024m-1c-4096d", "2048m-2c-8192d")
 # The claimable warm pool (PAL_POOL, pal/manager/pool.py): two VMs of the default size.
 DEFAULT_POOL = (("256m-1c-2048d", 2),)
+DEFAULT_PRESTART = (("256m-1c-2048d", 4),)  # pre-started QEMUs (pal/manager/prestart.py)
 POOL_COUNT_MAX = 64
 
 

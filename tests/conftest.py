@@ -206,6 +206,9 @@ def start_server(
         # No warm pool unless a test asks for one (tests/integration/test_pool.py): its
         # background fills would add VMs (and CPU load) to every other test's node.
         "PAL_POOL": "0",
+        # No pre-started QEMUs unless a test asks for them (tests/integration/test_prestart.py),
+        # for the same reason.
+        "PAL_PRESTART": "0",
         # The ports listener (VM ports on origins of their own): never the default 8081,
         # which servers of other tests (or people) on this machine may hold.
         "PAL_PORTS_PORT": str(ports_port),

@@ -5,7 +5,8 @@ A VM that is live (running, or live-paused) has exactly one QEMU, its ``vms/<slo
 (whose state.json names the VM: pal/manager/slots.py), its network namespace, its gateway
 registration and its cgroup, all named by its slot. A snapshot-paused VM whose
 QEMU the node parked (pal/manager/parked.py: its state.json names the VM's snapshot) has
-all of them but the gateway registration. Any other VM has none of them. No row is left
+all of them but the gateway registration, as have the node's pooled VMs and pre-started
+QEMUs (pal/manager/pool.py, prestart.py). Any other VM has none of them. No row is left
 in an in-between state, each tenant's slot count is the number of its slot-holding VMs,
 and no snapshot, staging dir or fork memory file outlives its use.
 """
@@ -57,6 +58,11 @@ def vm_slots(data_dir: Path) -> dict[str, str]:
 def pooled_vms(data_dir: Path) -> dict[str, str]:
     """The warm pool's VMs (pal/manager/pool.py): pool id -> slot."""
     return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if st.get("pooled")}
+
+
+def prestarted_qemus(data_dir: Path) -> dict[str, str]:
+    """QEMUs waiting for a restore (pal/manager/prestart.py): prestart id -> slot."""
+    return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if st.get("prestarted")}
 
 
 def vm_dir_of(data_dir: Path, vm_id: str) -> Path:
@@ -145,7 +151,8 @@ def problems(data_dir: Path) -> list[str]:
     live = {vm_id for vm_id, vm in v.rows.items() if is_live(vm)}
     parked = {vm_id for vm_id, vm in v.rows.items() if is_parked(settings, vm)}
     pool = pooled_vms(data_dir)  # no row: the node's own, each with all of the above
-    held = live | parked | set(pool)  # VMs with a QEMU, a vms/ dir, a namespace and a cgroup
+    pre = prestarted_qemus(data_dir)  # the same
+    held = live | parked | set(pool) | set(pre)  # a QEMU, a vms/ dir, a namespace, a cgroup
     out: list[str] = []
 
     for vm in v.rows.values():

@@ -20,6 +20,9 @@ Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemet
   ``pal_pool_claims{node}``, ``pal_pool_misses{node}``: the warm pool (docs/lifecycle.md,
   "The warm pool"): VMs ready to claim, how many it keeps, what their QEMUs hold resident,
   and the schedules that claimed one or found none of their size.
+- ``pal_prestart_ready{node}``, ``pal_prestart_target{node}``, ``pal_prestart_rss_bytes{node}``,
+  ``pal_prestart_takes{node}``, ``pal_prestart_misses{node}``: the QEMUs waiting for a
+  restore (docs/lifecycle.md, "Pre-started QEMUs"), the same way.
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ class _StatsCollector(Collector):
                 ("misses", "Schedules of a pooled size that found none ready"),
             )
         }
+        pre = {
+            f: GaugeMetricFamily(f"pal_prestart_{f}", what, labels=["node"])
+            for f, what in (
+                ("ready", "QEMUs waiting in -incoming defer for a restore to take"),
+                ("target", "QEMUs the node keeps waiting (PAL_PRESTART)"),
+                ("rss_bytes", "Resident host memory of the waiting QEMUs"),
+                ("takes", "Restores that took a waiting QEMU since the node started"),
+                ("misses", "Restores of a pre-started size that found none fitting"),
+            )
+        }
         for report in st.nodes:
             node = report.stats
             up.add_metric([report.node_id], 1 if node else 0)
@@ -95,7 +108,9 @@ class _StatsCollector(Collector):
             seals.add_metric([report.node_id], node.seal_queue_depth)
             for f, fam in pool.items():
                 fam.add_metric([report.node_id], getattr(node, f"pool_{f}"))
-        yield from (up, info, live, snap, s3q, seals, *pool.values())
+            for f, fam in pre.items():
+                fam.add_metric([report.node_id], getattr(node, f"prestart_{f}"))
+        yield from (up, info, live, snap, s3q, seals, *pool.values(), *pre.values())
 
 
 def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pal.sizes import DEFAULT_MEMORY_MIB
+from pal.sizes import DEFAULT_MEMORY_MIB, DEFAULT_PRESTART, size_name
 
 from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
@@ -572,6 +572,31 @@ def bench_fanout(
         sections=sections,
     )
     (out_dir / "fanout.md").write_text(bench_fanout.render_markdown(report))
+
+
+@bench_app.command("prestart")
+def bench_prestart(
+    iterations: Annotated[int, typer.Option(help="warm execs and resumes timed per round")] = 10,
+    rounds: Annotated[int, typer.Option(help="rounds per mode (off and on alternate)")] = 3,
+    memory_mib: Annotated[int, typer.Option(help="guest RAM of the measured VMs")] = DEFAULT_MEMORY_MIB,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where prestart.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Pre-started QEMUs off and on: resume into a new QEMU, fork ×10 → all answered.
+
+    Each as a ratio to the same mode's warm exec, in rounds alternating PAL_PRESTART=0
+    and on (docs/benchmarks/prestart.md)."""
+    from pal.bench import prestart as bench_prestart
+    from pal.config import Settings
+
+    bench_prestart.main(
+        data_dir=data_dir or Settings.from_env().data_dir,
+        out_dir=out_dir,
+        iterations=iterations,
+        rounds=rounds,
+        memory_mib=memory_mib,
+        prestart=f"{size_name(memory_mib)}:{DEFAULT_PRESTART[0][1]}",
+    )
 
 
 @bench_app.command("wait")

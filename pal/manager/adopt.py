@@ -103,7 +103,7 @@ class Adopter:
 
     async def _adopt(self, vm_dir: Path) -> LiveVm | None:
         st = json.loads((vm_dir / "state.json").read_text())
-        if st.get("parked") or st.get("pooled"):
+        if st.get("parked") or st.get("pooled") or st.get("prestarted"):
             return None  # a cache: a parked QEMU's snapshot is on disk, a pool refills
         pid = int(st["pid"])
         run_as = tuple(st["runAs"]) if st.get("runAs") else None

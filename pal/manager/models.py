@@ -375,6 +375,12 @@ class NodeStats(_Model):
     pool_rss_bytes: int = 0
     pool_claims: int = 0
     pool_misses: int = 0
+    # Pre-started QEMUs (prestart.py): waiting, the target, their RSS, restores that took one.
+    prestart_ready: int = 0
+    prestart_target: int = 0
+    prestart_rss_bytes: int = 0
+    prestart_takes: int = 0
+    prestart_misses: int = 0
 
 
 class SnapshotInfo(_Model):

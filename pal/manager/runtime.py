@@ -14,6 +14,7 @@ interface its constructor names (docs/internals.md, "The node's request paths"):
 | live.py, waits.py | live pause, offload and resume; wait management |
 | parked.py, templates.py | parked QEMUs; warm templates |
 | pool.py, slots.py | the claimable warm pool; host slots (what host resources are named by) |
+| prestart.py | QEMUs waiting in `-incoming defer` for a restore to take |
 | adopt.py | adoption after a crash or restart |
 | egress.py, heartbeat.py, sampling.py | the VM's network; the node's reports; metrics |
 
@@ -44,6 +45,7 @@ from pal.manager.notices import NoticeBoard
 from pal.manager.parked import Parking
 from pal.manager.pool import PoolDeps, WarmPool
 from pal.manager.ports import GuestConnection, PortRoutes
+from pal.manager.prestart import PrestartDeps, PrestartSet
 from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
 from pal.manager.restore_gate import RestoreGate
@@ -104,6 +106,10 @@ class NodeRuntime:
             )
         )
         self.spawner.claim, self.spawner.evict_pool = self.pool.claim, self.pool.evict
+        self.prestart = PrestartSet(
+            PrestartDeps(settings, accel.name, reg, net, jail, gate, self.files.free_vm_files)
+        )
+        self.spawner.prestart = self.prestart
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
@@ -147,7 +153,7 @@ class NodeRuntime:
         return await self.reports.heartbeat()
 
     async def stats(self) -> m.NodeStats:
-        pool = self.pool.status()
+        pool, pre = self.pool.status(), self.prestart.status()
         return (await self.reports.stats()).model_copy(
             update={
                 "pool_ready": sum(r["ready"] for r in pool["sizes"].values()),
@@ -155,12 +161,19 @@ class NodeRuntime:
                 "pool_rss_bytes": pool["rssBytes"],
                 "pool_claims": pool["claims"],
                 "pool_misses": pool["misses"],
+                "prestart_ready": sum(r["ready"] for r in pre["sizes"].values()),
+                "prestart_target": sum(r["target"] for r in pre["sizes"].values()),
+                "prestart_rss_bytes": pre["rssBytes"],
+                "prestart_takes": pre["takes"],
+                "prestart_misses": pre["misses"],
             }
         )
 
     def start_pool(self) -> None:
-        """Fill the warm pool in the background (after adoption: PAL_POOL)."""
+        """Fill the warm pool and start the pre-started QEMUs in the background (after
+        adoption: PAL_POOL, PAL_PRESTART)."""
         self.pool.start()
+        self.prestart.start()
 
     async def images(self) -> list[m.ImageInfo]:
         return await self.reports.images()
@@ -192,6 +205,7 @@ class NodeRuntime:
 
     async def stop_all(self) -> None:
         await self.pool.close()
+        await self.prestart.close()
         await self.stopper.stop_all()
 
     async def snapshot(self, vm_id: str, req: m.SnapshotRequest) -> m.SnapshotResult:

@@ -30,6 +30,7 @@ from pal.manager.fork import ForkMemory
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.parked import Parking
+from pal.manager.prestart import PrestartSet
 from pal.manager.restore import BootSource, Restores, brokered_of, identity_of
 from pal.manager.restore_gate import RestoreGate
 from pal.manager.vm import LiveVm, VmRegistry
@@ -37,8 +38,10 @@ from pal.manager.vmnet import VmNetworking, limits_json, read_names, wait_rule
 from pal.network.netns import VmNetns
 from pal.snapshots.layout import SnapshotRef
 from pal.vmm import disks
+from pal.vmm.errors import VmmError
 from pal.vmm.jail import Jail
 from pal.vmm.qemu import QemuVm, VmSpec
+from pal.vmm.vmm_meta import read_vmm_meta
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class _Spawning:
     mac: str = ""
     timings: dict[str, Any] = field(default_factory=dict)
     pooled: bool = False  # made for the warm pool: kept out of the registry (pool.py)
+    prestarted: bool = False  # its QEMU and slot were a pre-started QEMU's (prestart.py)
     lv: LiveVm | None = None
     admission: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
@@ -92,6 +96,7 @@ class Spawner:
         self.d = deps
         self.claim: Claim | None = None  # the warm pool's (set by the runtime)
         self.evict_pool: Callable[[int], Awaitable[int]] | None = None  # frees pooled VMs' MiB
+        self.prestart: PrestartSet | None = None  # QEMUs waiting for a restore (set by the runtime)
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         reg = self.d.registry
@@ -148,11 +153,14 @@ class Spawner:
         try:
             await self._admitted(s)
             s.src = await self.d.restores.source(req, pinned)
-            self._make_vm_dir(s)
-            await self._disk_and_network(s)
-            await self._register_network(s)
-            await self._map_fork_memory(s)
-            await self._start_qemu(s)
+            if await self._take_prestarted(s):
+                await self._load_prestarted(s)
+            else:
+                self._make_vm_dir(s)
+                await self._disk_and_network(s)
+                await self._register_network(s)
+                await self._map_fork_memory(s)
+                await self._start_qemu(s)
             await self._identify(s)
             self._enlist(s)
             return s
@@ -280,6 +288,59 @@ class Spawner:
         s.vnet.close_fds()  # QEMU holds the tap, the gateway its sockets
         s.timings.update({f"qemu_{k}_ms": round(v, 1) for k, v in s.qemu.timings_ms.items()})
 
+    async def _take_prestarted(self, s: _Spawning) -> bool:
+        """A restore takes a pre-started QEMU its snapshot fits (prestart.py), if one waits:
+        its slot is the VM's from now on (the fresh one, still empty, is given back)."""
+        ps, src, req = self.prestart, s.src, s.req
+        if ps is None or src is None or src.snap_dir is None or req.restore is None:
+            return False
+        try:
+            meta, rootfs = await asyncio.to_thread(_snapshot_shape, src.snap_dir)
+        except (OSError, VmmError):
+            return False  # the usual path reports what is wrong with the snapshot
+        got = ps.take(req.memory_mib, req.vcpus, req.disk_mib, src.image, meta, rootfs)
+        if got is None:
+            return False
+        reg = self.d.registry
+        reg.slots.release(req.vm_id, s.slot)
+        s.slot = reg.slots.rekey(got.prestart_id, req.vm_id)
+        s.vm_dir = reg.slot_dir(s.slot)
+        s.qemu, s.prestarted = got.qemu, True
+        s.qemu.spec.vm_id = req.vm_id
+        failpoints.hit("manager:prestart-taken")  # its state file still says prestarted
+        return True
+
+    async def _load_prestarted(self, s: _Spawning) -> None:
+        """The VM on the gateway (fresh sockets in the slot's namespace) while the snapshot's
+        disk and RAM are reflinked into the taken QEMU; then its device state loaded, its
+        vCPUs run."""
+        assert s.qemu is not None and s.src is not None and s.src.snap_dir is not None
+        req = s.req
+        registered, filled = await asyncio.gather(
+            self.d.net.reregister(
+                req.vm_id,
+                s.slot,
+                req.egress,
+                limits_json(req.egress_mbps, req.max_connections),
+                brokered_of(req),
+                wait_rule(req.wait_pause),
+                names=read_names(s.src.snap_dir),
+            ),
+            s.qemu.fill(s.src.snap_dir),
+            return_exceptions=True,
+        )
+        s.registered = not isinstance(registered, BaseException)
+        for got in (registered, filled):
+            if isinstance(got, BaseException):
+                raise got
+        s.disk = (s.qemu.spec.disk_path, s.qemu.spec.disk_format)
+        failpoints.hit("manager:prestart-filled")  # the snapshot's files in, nothing loaded
+        s.timings["prepare_ms"] = round((time.perf_counter() - s.t0) * 1000, 1)
+        await s.qemu.load()
+        failpoints.hit("manager:prestart-loaded")  # the guest runs, no identity, no commit
+        s.timings["prestarted"] = 1
+        s.timings.update({f"qemu_{k}_ms": round(v, 1) for k, v in s.qemu.timings_ms.items()})
+
     async def _identify(self, s: _Spawning) -> None:
         """The guest answers on its channel and takes its identity (identify.py)."""
         assert s.qemu is not None and s.src is not None
@@ -359,10 +420,10 @@ class Spawner:
                 log.warning("VM %s failed to start: %s\n%s", s.req.vm_id, exc, tail)
         if s.vnet is not None:
             s.vnet.close_fds()
-            if s.registered:
-                await self.d.net.release(s.req.vm_id, s.slot)
-            else:
-                await asyncio.to_thread(_quiet_delete_netns, s.vnet.name)
+        if s.registered:
+            await self.d.net.release(s.req.vm_id, s.slot)
+        elif s.vnet is not None or s.prestarted:
+            await asyncio.to_thread(_quiet_delete_netns, self.d.net.ns_name(s.slot))
         with contextlib.suppress(OSError):
             shutil.rmtree(s.vm_dir)
         self.d.jail.release(s.slot)
@@ -381,6 +442,11 @@ async def _disk_from(src: Path, image: ImagePaths, vm_dir: Path, disk_mib: int) 
     dst = vm_dir / "disk"
     method = await asyncio.to_thread(disks.clone, src, dst, disk_mib * 1024 * 1024)
     return dst, disks.disk_format_for(method)
+
+
+def _snapshot_shape(snap_dir: Path) -> tuple[dict[str, Any], int]:
+    """What decides which QEMU a snapshot loads into: its vmm.json and its disk's size."""
+    return read_vmm_meta(snap_dir), (snap_dir / "rootfs").stat().st_size
 
 
 def _quiet_delete_netns(name: str) -> None:

@@ -237,12 +237,20 @@ class VmRegistry:
     def write_state(self, lv: LiveVm) -> None:
         """Everything needed to re-adopt this VM if the manager process dies (root-only:
         it holds the exec token and the VM's secrets)."""
-        path = self.slot_dir(lv.slot) / "state.json"
+        self._write(lv.slot, self._state(lv))
+
+    def _write(self, slot: str, state: dict[str, Any]) -> None:
+        path = self.slot_dir(slot) / "state.json"
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(self._state(lv), f)
+            json.dump(state, f)
         os.replace(tmp, path)
+
+    def write_prestarted(self, slot: str, prestart_id: str, pid: int) -> None:
+        """The state file of a pre-started QEMU (prestart.py): never adopted (a restart kills
+        it); a restore that takes it commits by :meth:`write_state` replacing this."""
+        self._write(slot, {"vmId": prestart_id, "slot": slot, "pid": pid, "prestarted": True})
 
     def _state(self, lv: LiveVm) -> dict[str, Any]:
         return {

@@ -34,6 +34,23 @@ def _ficlone(src: Path, dst: Path) -> None:
         fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
 
 
+def reflink_into(src: Path | str, dst: Path | str) -> None:
+    """Make the existing file ``dst`` hold ``src``'s content by reflink, in place: the same
+    inode, so a process that has ``dst`` open or mapped (a pre-started QEMU,
+    pal/manager/prestart.py) sees the new content; the kernel drops ``dst``'s cached pages.
+    ``dst`` keeps its size when it is larger (the tail stays a hole). No fallback: a copy
+    would be slow and racy, so the caller starts a QEMU the usual way instead."""
+    try:
+        with open(src, "rb") as s:
+            fd = os.open(dst, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(fd, FICLONE, s.fileno())
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        raise VmmError(f"reflink {src} into {dst} failed: {exc}") from exc
+
+
 def reflink_supported(directory: Path | str) -> bool:
     """True when files in ``directory`` can be cloned with FICLONE."""
     d = Path(directory)

@@ -32,7 +32,6 @@ import shutil
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -46,6 +45,7 @@ from pal.vmm.cmdline import VmSpec, build_argv, seccomp_args
 from pal.vmm.errors import RunstateError, VmExited, VmmError
 from pal.vmm.handoff import Handoff
 from pal.vmm.versions import qemu_version
+from pal.vmm.vmm_meta import MEMORY_FILE, MEMORY_STREAM, VMM_META, SnapshotArtifacts, misfit, read_vmm_meta
 
 QMP_TIMEOUT_S = 5.0
 # QEMU's start up to its QMP greeting: seconds on a 2-core host under load with TCG (a
@@ -55,40 +55,10 @@ QMP_GREETING_TIMEOUT_S = 30.0
 MIGRATE_TIMEOUT_S = 120.0  # a "stream" snapshot moves all guest RAM through a pipe
 KILL_GRACE_S = 1.0
 MEM_MODES = ("private", "shared")
-MEMORY_FILE = "file"
-MEMORY_STREAM = "stream"
-VMM_META = "vmm.json"  # written next to the artifacts: what restore needs to rebuild the machine
-
-
-@dataclass
-class SnapshotArtifacts:
-    dir: Path
-    paths: dict[str, Path]  # "snapshot", "rootfs", "vmm", and "mem" when memory_kind == "file"
-    sizes: dict[str, int]  # apparent sizes in bytes
-    memory_kind: str  # "file" | "stream"
-    methods: dict[str, str]  # how each file was captured: reflink | copy | convert
-    durations_ms: dict[str, float] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)  # contents of vmm.json
 
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 2)
-
-
-def read_vmm_meta(snapshot_dir: Path) -> dict[str, Any]:
-    """vmm.json of a snapshot (inferred for a snapshot without one)."""
-    path = Path(snapshot_dir) / VMM_META
-    if path.exists():
-        try:
-            meta = json.loads(path.read_text())
-        except ValueError as exc:
-            raise VmmError(f"corrupt {path}: {exc}") from exc
-        if isinstance(meta, dict):
-            return meta
-    if not (Path(snapshot_dir) / "snapshot").exists():
-        raise VmmError(f"{snapshot_dir} holds no snapshot (no device state file)")
-    kind = MEMORY_FILE if (Path(snapshot_dir) / "mem").exists() else MEMORY_STREAM
-    return {"memoryKind": kind}
 
 
 class Runstate(enum.Enum):
@@ -294,6 +264,45 @@ class QemuVm:
             await vm.kill()
             raise
         return vm
+
+    @classmethod
+    async def spawn_waiting(cls, spec: VmSpec, disk_bytes: int) -> QemuVm:
+        """Start QEMU in ``-incoming defer`` for a snapshot not chosen yet (pal/manager/prestart.py),
+        its disk and shared RAM file sparse placeholders that :meth:`fill` makes a snapshot's
+        before :meth:`load`. Success: INCOMING. Failure: the QEMU is killed."""
+        vm = cls(spec)
+        try:
+            spec.vm_dir.mkdir(parents=True, exist_ok=True)
+            disks.new_sparse_file(spec.disk_path, disk_bytes)
+            disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
+            jail.give_to(spec.mem_path, spec.run_as)
+            vm.mem_path, vm.mem_share = spec.mem_path, True
+            await vm._spawn(incoming=True)
+        except BaseException:
+            await vm.kill()
+            raise
+        return vm
+
+    @require(S.INCOMING)
+    async def fill(self, snapshot_dir: Path) -> None:
+        """Make a QEMU of :meth:`spawn_waiting` the snapshot's (it must :func:`misfit` not): its
+        disk and RAM file (if a file) reflinked into the placeholders QEMU holds open, the
+        same inodes. Then :meth:`load` loads the device state. Failure: killed."""
+        try:
+            t0 = time.perf_counter()
+            meta = await asyncio.to_thread(read_vmm_meta, snapshot_dir)
+            why = misfit(meta, self.spec, (snapshot_dir / "rootfs").stat().st_size, self.spec.disk_path)
+            if why:
+                raise VmmError(f"snapshot {snapshot_dir.name} does not fit QEMU of {self.spec.vm_id}: {why}")
+            await asyncio.to_thread(disks.reflink_into, snapshot_dir / "rootfs", self.spec.disk_path)
+            if meta.get("memoryKind") == MEMORY_FILE:
+                await asyncio.to_thread(disks.reflink_into, snapshot_dir / "mem", self.mem_path)
+            self.ignore_shared = meta.get("memoryKind") == MEMORY_FILE  # else RAM is in the stream
+            self._snapshot_dir = snapshot_dir
+            self.timings_ms = {"fill": _ms(t0)}
+        except BaseException:
+            await self.kill()
+            raise
 
     @require(S.INCOMING)
     async def load(self) -> None:

@@ -51,7 +51,12 @@ def cluster(
         shared_images=TEST_DATA_DIR,
         s3_endpoint=s3_server.endpoint,
         s3_bucket=f"pal-cluster-{uuid.uuid4().hex[:6]}",
-        extra_env={"PAL_IDLE_SWEEP_INTERVAL": "1", "PAL_HARNESS_READY_TIMEOUT_MS": "60000"},  # as conftest
+        # as conftest (no pre-started QEMUs: they would add load and QEMUs no VM row has)
+        extra_env={
+            "PAL_IDLE_SWEEP_INTERVAL": "1",
+            "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
+            "PAL_PRESTART": "0",
+        },
     )
     try:
         c.start_replica("r1")

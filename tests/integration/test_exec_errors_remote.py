@@ -58,7 +58,7 @@ def remote(
         shared_images=TEST_DATA_DIR,
         s3_endpoint=s3_server.endpoint,
         s3_bucket=f"pal-execerr-{uuid.uuid4().hex[:6]}",
-        extra_env={"PAL_HARNESS_READY_TIMEOUT_MS": "60000"},  # as conftest
+        extra_env={"PAL_HARNESS_READY_TIMEOUT_MS": "60000", "PAL_PRESTART": "0"},  # as conftest
     )
     try:
         c.start_replica("r1")

@@ -37,14 +37,19 @@ def run_dir() -> Iterator[Path]:
         yield d
 
 
-def pool_metric(server: PalServer, name: str) -> float:
+def node_metric(server: PalServer, family: str) -> float:
+    """The one node's gauge ``family`` in /metrics."""
     r = httpx.get(
         server.url + "/metrics", headers={"Authorization": f"Bearer {server.operator_token}"}, timeout=60
     )
     assert r.status_code == 200, r.text
-    m = re.search(rf"^pal_pool_{name}\{{[^}}]*\}} ([0-9.e+]+)$", r.text, re.M)
-    assert m is not None, f"pal_pool_{name} is not in /metrics"
+    m = re.search(rf"^{family}\{{[^}}]*\}} ([0-9.e+]+)$", r.text, re.M)
+    assert m is not None, f"{family} is not in /metrics"
     return float(m.group(1))
+
+
+def pool_metric(server: PalServer, name: str) -> float:
+    return node_metric(server, f"pal_pool_{name}")
 
 
 def wait_pool_ready(

@@ -1,0 +1,254 @@
+"""Pre-started restores: QEMUs started ahead of time and waiting for an incoming migration
+(``-incoming defer``), for a resume into a new QEMU or a fork child of their size to take
+instead of starting one (docs/lifecycle.md, "Pre-started QEMUs").
+
+- **Start** (in the background, one at a time, only while no restore waits for CPU): a
+  slot (slots.py) gets its uid (jail.py), its network namespace and tap, its cgroup and a
+  QEMU of the size's machine (the default image's kernel and initrd, a config drive, a
+  NIC) whose disk and shared RAM file are sparse placeholders. Its ``state.json`` says
+  ``prestarted``: a restarted manager never adopts it (adopt.py kills it and frees the
+  slot). It has run no guest code and holds no tenant's data.
+- **Take** (spawn.py, for a restore whose snapshot fits the machine: size, boot files,
+  devices, disk size; ``vmm_meta.misfit``): one QEMU is popped from the set in memory, without
+  an await between the look and the pop, so no two restores ever take the same one; its
+  slot is re-keyed to the restoring VM's id. The spawn then reflinks the snapshot's disk
+  and RAM into the placeholders QEMU holds open (``QemuVm.fill``), registers the VM with
+  the gateway on fresh sockets, runs ``migrate-incoming`` and ``cont``, and the guest takes
+  its identity as after any restore. The spawn's own state file write is the commit:
+  until then the file says ``prestarted`` and a crash leaves the restore failed (its
+  snapshot intact) and the QEMU killed. A take that fails kills the QEMU (it never goes
+  back).
+- **Forks**: a fork child that takes a pre-started QEMU maps its own reflinked copy of
+  the snapshot's RAM ``share=on`` (as a resume does) instead of the snapshot's file
+  privately: its later snapshots are cheap, but its siblings share no page cache with it.
+- **Cost**: an idle QEMU waiting in ``-incoming defer`` holds its own memory (``status``
+  measures its RSS: the guest RAM is a sparse, untouched file) and no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pal import failpoints, sizes
+from pal.config import Settings
+from pal.guest import protocol as p
+from pal.images.paths import ImagePaths, load_image
+from pal.manager import admission
+from pal.manager.restore_gate import RestoreGate
+from pal.manager.vm import VmRegistry
+from pal.manager.vmnet import VmNetworking
+from pal.vmm import disks
+from pal.vmm.jail import Jail
+from pal.vmm.qemu import QemuVm, VmSpec
+from pal.vmm.usage import process_memory
+from pal.vmm.vmm_meta import misfit
+
+log = logging.getLogger(__name__)
+
+PRESTART_IMAGE = "default"  # whose boot files pre-started QEMUs run
+PRESTART_ID_PREFIX = "pre-"
+MIB = 1 << 20
+QEMU_OWN_MIB = 64  # what one idle QEMU may need of the host's memory (it needs less)
+RETRY_S = 30.0  # after a failed start, try again then, doubling per failure in a row
+RETRY_MAX_S = 600.0
+CPU_RECHECK_S = 0.5  # a start waits for the restore gate to be idle, looking this often
+
+
+@dataclass
+class Prestarted:
+    qemu: QemuVm
+    prestart_id: str
+    slot: str
+    size: str  # sizes.size_name
+    image: ImagePaths  # the boot files it runs
+    made_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class PrestartDeps:
+    """Exactly what the set needs of the node."""
+
+    settings: Settings
+    accel: str
+    registry: VmRegistry
+    net: VmNetworking
+    jail: Jail
+    gate: RestoreGate  # starts wait while restores do (the CPU is theirs)
+    free_vm_files: Callable[[str, str], Awaitable[Any]]  # stop.VmFiles.free_vm_files
+
+
+class PrestartSet:
+    def __init__(self, deps: PrestartDeps) -> None:
+        self.d = deps
+        self.targets: dict[str, int] = dict(deps.settings.prestart)
+        self.ready: dict[str, Prestarted] = {}  # prestart id -> QEMU waiting
+        self.starting: dict[str, int] = {}  # size -> starts under way
+        self.takes = 0
+        self.misses = 0
+        self.last_error: str | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        if not any(self.targets.values()) or self._task is not None:
+            return
+        if not disks.reflink_supported(self.d.settings.data_dir):
+            # A take fills the QEMU's open files by reflink; without it there is no take.
+            self.last_error = f"{self.d.settings.data_dir} cannot reflink: no pre-started QEMUs"
+            log.warning("prestart: %s", self.last_error)
+            return
+        self._task = asyncio.create_task(self._run(), name="prestart")
+
+    def missing(self) -> list[str]:
+        out: list[str] = []
+        for size, want in self.targets.items():
+            have = sum(1 for p in self.ready.values() if p.size == size) + self.starting.get(size, 0)
+            out += [size] * max(0, want - have)
+        return out
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            self._wake.clear()
+            failed = False
+            for size in self.missing():
+                await self._cpu_free()
+                if not await self.start_one(size):
+                    failed = True
+                    break
+            failures = failures + 1 if failed else 0
+            retry = min(RETRY_S * 2 ** max(0, failures - 1), RETRY_MAX_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
+
+    async def _cpu_free(self) -> None:
+        """Starting QEMUs is the CPU budget's last claim: wait while restores run or wait."""
+        gate = self.d.gate
+        while gate.waiting or gate.in_flight:
+            await asyncio.sleep(CPU_RECHECK_S)
+
+    def _spec(self, prestart_id: str, slot: str, image: ImagePaths, size: str, tap_fd: int) -> VmSpec:
+        mem, vcpus, _disk = sizes.parse_size_name(size)
+        vm_dir = self.d.registry.slot_dir(slot)
+        settings = self.d.settings
+        return VmSpec(
+            vm_id=prestart_id,
+            slot=slot,
+            vm_dir=vm_dir,
+            image=image,
+            vcpus=vcpus,
+            memory_mib=mem,
+            disk_path=vm_dir / "disk",
+            config_drive=vm_dir / "config.img",
+            accel=self.d.accel,
+            run_as=self.d.jail.identity(slot),
+            cgroup_limits=settings.cgroups,
+            seccomp=settings.seccomp,
+            net_fd=tap_fd,
+        )
+
+    async def start_one(self, size: str) -> bool:
+        """Start one QEMU of ``size`` waiting; False when it could not be started now."""
+        disk = sizes.parse_size_name(size)[2]
+        prestart_id = PRESTART_ID_PREFIX + secrets.token_hex(6)
+        reg = self.d.registry
+        slot = reg.slots.assign(prestart_id)
+        self.starting[size] = self.starting.get(size, 0) + 1
+        qemu: QemuVm | None = None
+        try:
+            await asyncio.to_thread(admission.check_memory, QEMU_OWN_MIB, f"a pre-started QEMU of {size}")
+            image = load_image(self.d.settings, PRESTART_IMAGE)
+            vnet = await self.d.net.create(slot)
+            try:
+                spec = self._spec(prestart_id, slot, image, size, vnet.tap_fd)
+                spec.vm_dir.mkdir(parents=True, exist_ok=True)
+                # The device set of every VM: a config drive (identify replaces what it says).
+                (spec.vm_dir / "config.img").write_bytes(p.encode_config({}))
+                qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
+            finally:
+                vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
+            failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
+            reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
+            failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
+            self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
+            self.last_error = None
+            log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
+            return True
+        except Exception as exc:
+            self.last_error = f"{size}: {exc}"
+            log.warning("prestart: a QEMU of %s could not be started: %s", size, exc)
+            if qemu is not None:
+                await qemu.kill()
+            await self.d.free_vm_files(prestart_id, slot)
+            return False
+        finally:
+            self.starting[size] -= 1
+
+    # ------------------------------------------------------------------ take
+
+    def take(
+        self, memory_mib: int, vcpus: int, disk_mib: int, image: ImagePaths, meta: dict[str, Any], rootfs: int
+    ) -> Prestarted | None:
+        """A waiting QEMU the snapshot (``meta``: its vmm.json; ``rootfs``: its disk's size)
+        loads into, out of the set, or None. No await between the look and the pop: a QEMU
+        is taken by one restore only."""
+        size = sizes.size_name(memory_mib, vcpus, disk_mib)
+        if size not in self.targets:
+            return None
+        for pid, q in sorted(self.ready.items(), key=lambda kv: kv[1].made_at):
+            if q.size != size or q.qemu.exited.is_set():
+                continue
+            if (q.image.kernel, q.image.initrd) != (image.kernel, image.initrd):
+                continue
+            if misfit(meta, q.qemu.spec, rootfs, q.qemu.spec.disk_path) is not None:
+                continue
+            self.takes += 1
+            self._wake.set()  # start another
+            return self.ready.pop(pid)
+        self.misses += 1
+        return None
+
+    # ------------------------------------------------------------------ discard
+
+    async def discard(self, q: Prestarted) -> None:
+        await q.qemu.kill()
+        await self.d.free_vm_files(q.prestart_id, q.slot)
+
+    async def close(self) -> None:
+        """Stop starting and kill every waiting QEMU (the node stops)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        ready, self.ready = list(self.ready.values()), {}
+        await asyncio.gather(*(self.discard(q) for q in ready), return_exceptions=True)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """Per size: target, ready, starting, their RSS; takes and misses so far."""
+        per: dict[str, dict[str, Any]] = {
+            size: {"target": n, "ready": 0, "starting": self.starting.get(size, 0), "rssBytes": 0}
+            for size, n in self.targets.items()
+        }
+        for q in self.ready.values():
+            row = per.setdefault(q.size, {"target": 0, "ready": 0, "starting": 0, "rssBytes": 0})
+            row["ready"] += 1
+            mem = process_memory(q.qemu.pid) if q.qemu.pid else None
+            row["rssBytes"] += mem.rss_bytes if mem else 0
+        return {
+            "sizes": per,
+            "takes": self.takes,
+            "misses": self.misses,
+            "rssBytes": sum(r["rssBytes"] for r in per.values()),
+            "lastError": self.last_error,
+        }
