@@ -1041,13 +1041,13 @@ export interface components {
         };
         /** EventListOut */
         EventListOut: {
-            /** Events */
-            events: components["schemas"]["EventOut"][];
             /**
              * Nextcursor
              * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
+            /** Events */
+            events: components["schemas"]["EventOut"][];
         };
         /**
          * EventOut
@@ -1266,13 +1266,13 @@ export interface components {
         };
         /** ImageListOut */
         ImageListOut: {
-            /** Images */
-            images: components["schemas"]["ImageOut"][];
             /**
              * Nextcursor
              * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
+            /** Images */
+            images: components["schemas"]["ImageOut"][];
         };
         /** ImageOut */
         ImageOut: {
@@ -1916,13 +1916,13 @@ export interface components {
         };
         /** SnapshotListOut */
         SnapshotListOut: {
-            /** Snapshots */
-            snapshots: components["schemas"]["SnapshotOut"][];
             /**
              * Nextcursor
              * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
+            /** Snapshots */
+            snapshots: components["schemas"]["SnapshotOut"][];
         };
         /** SnapshotOut */
         SnapshotOut: {
@@ -2075,13 +2075,13 @@ export interface components {
         };
         /** VmListOut */
         VmListOut: {
-            /** Vms */
-            vms: components["schemas"]["VmOut"][];
             /**
              * Nextcursor
              * @description the next page's `cursor`; absent on the last page
              */
             nextCursor?: string | null;
+            /** Vms */
+            vms: components["schemas"]["VmOut"][];
         };
         /** VmMetricsOut */
         VmMetricsOut: {
