@@ -129,9 +129,19 @@ class NodePool:
         return self.store.record_node(rec)
 
     async def register_local(self) -> None:
-        """Record embedded nodes that have not heartbeated yet (before a first placement)."""
-        if self._unnamed:
+        """Before a placement: record embedded nodes that have not heartbeated yet, and
+        refresh those whose record is a period old. An in-process node answers at once, and
+        a background tick held up by slow work (a sweep on a loaded host) must not make it
+        look silent to placement."""
+        if self._unnamed or any(self._record_is_old(n) for n in self._local):
             await self.refresh_local()
+
+    def _record_is_old(self, node_id: str) -> bool:
+        rec = self.store.get_node(node_id)
+        return (
+            rec is None
+            or (utcnow() - rec.last_seen_at).total_seconds() > self.settings.node_heartbeat_interval_s
+        )
 
     async def refresh_local(self) -> list[NodeHeartbeat]:
         """Pull and record the embedded nodes' heartbeats; returns them. A node that does

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -451,3 +453,15 @@ async def test_an_image_added_after_the_nodes_last_heartbeat_is_schedulable_at_o
     env.manager.image_infos.append(ImageInfo(name="fresh", agent_version_id="sha256-" + "f" * 64))
     vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec(image="fresh"))
     assert vm.state == S.RUNNING and env.manager.spawn_requests[-1].image == "fresh"
+
+
+async def test_an_embedded_node_whose_record_aged_is_asked_again_not_refused(env: SchedEnv) -> None:
+    """A background tick held up on a loaded host leaves the in-process node's record old;
+    placement asks the node itself instead of calling it silent (503 NO_NODE)."""
+    await _running(env)
+    (node,) = env.store.list_nodes()
+    old = node.last_seen_at - timedelta(seconds=10 * env.settings.node_heartbeat_interval_s)
+    env.store.record_node(dataclasses.replace(node, last_seen_at=old))
+    await _running(env)
+    (fresh,) = env.store.list_nodes()
+    assert fresh.last_seen_at > old
