@@ -457,14 +457,14 @@ def test_a_lifetime_ends_after_a_failover(cluster: LocalCluster, store: Store, k
     new = cluster.wait_leader(10, exclude=leader)
     store.update_vm(vm["vmId"], lifetime_ends_at=datetime.now(UTC) - timedelta(seconds=1))
     with api(new, keys["tc"]) as c:
-        poll(
-            "the lifetime ends",
-            lambda: c.get(f"/v1/runtime/vms/{vm['vmId']}").json()["state"] == "terminated",
-            60,
-        )
-        events = c.get(f"/v1/runtime/vms/{vm['vmId']}/events").json()["events"]
-        ended = [e for e in events if e["kind"] == "lifetime_ended"]
-        assert [e["details"]["action"] for e in ended] == ["deleted"], events
+
+        def ended() -> list[dict[str, Any]]:  # the sweep writes its event once the delete is done
+            events = c.get(f"/v1/runtime/vms/{vm['vmId']}/events").json()["events"]
+            return [e for e in events if e["kind"] == "lifetime_ended"]
+
+        poll("the lifetime ends", ended, 60)
+        assert c.get(f"/v1/runtime/vms/{vm['vmId']}").json()["state"] == "terminated"
+        assert [e["details"]["action"] for e in ended()] == ["deleted"]
     restarted = cluster.restart(leader)  # back as a follower
     poll("the restarted replica answers", lambda: cluster.health(restarted), 60)
     slots_exact(store, "tc")

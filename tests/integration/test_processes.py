@@ -348,8 +348,22 @@ def test_another_tenants_vm_is_404(pal_server: PalServer, shared: tuple[httpx.Cl
 # ----------------------------------------------------------------------------- across pauses
 
 
-SLOW = "i=0; while [ $i -lt 400 ]; do echo line $i; i=$((i+1)); sleep 0.02; done"
+# 400 lines over a pause: the second 200 wait for GATE (the test opens it after the resume),
+# so the pause always lands while the process runs, however slow the host. One Python
+# process, not a `sleep` per line: a fork and exec per line cost seconds under TCG.
+GATE = "/tmp/slow-gate"
+SLOW = (
+    f"rm -f {GATE}; python3 -u -c 'import os, time\n"
+    "for i in range(400):\n"
+    f'    while i == 200 and not os.path.exists("{GATE}"): time.sleep(0.05)\n'
+    '    print("line", i); time.sleep(0.02 if i < 200 else 0.005)\''
+)
 SLOW_BYTES = "".join(f"line {i}\n" for i in range(400)).encode()
+
+
+def open_gate(api: httpx.Client, vm: str) -> None:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/touch", "argv": [GATE]})
+    assert r.status_code == 200 and r.json()["exitCode"] == 0, r.text
 
 
 @pytest.mark.parametrize("mode", ["snapshot", "live"])
@@ -375,7 +389,7 @@ def test_a_stream_ends_detached_on_a_pause_and_resumes_after_it(
     t = threading.Thread(target=reader)
     t.start()
     try:
-        attached.wait()
+        assert attached.wait(300), "the reader got no output before the gate"  # a hang guard
         r = api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": mode})
         assert r.status_code == 200, r.text
         t.join(300)  # a hang guard: the stream must end by itself
@@ -385,6 +399,7 @@ def test_a_stream_ends_detached_on_a_pause_and_resumes_after_it(
         if api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "paused":
             r = api.post(f"/v1/runtime/vms/{vm}/resume")
             assert r.status_code == 200, r.text
+        open_gate(api, vm)
     got += ended["more"]
     rest, end, how, body = follow(api, vm, pid, ended["offset"])
     assert how == "exit" and body["exitCode"] == 0, (how, body)
@@ -432,7 +447,9 @@ def test_the_sdk_iterator_reattaches_across_a_pause_by_itself(
             seen.append(next(events))
         # Paused and resumed while the iterator is in the middle: it reattaches itself.
         assert api.post(f"/v1/runtime/vms/{vm}/pause", json={"mode": "live"}).status_code == 200
-        resumer = threading.Thread(target=lambda: api.post(f"/v1/runtime/vms/{vm}/resume"))
+        resumer = threading.Thread(
+            target=lambda: (api.post(f"/v1/runtime/vms/{vm}/resume"), open_gate(api, vm))
+        )
         resumer.start()
         seen += list(events)
         resumer.join()
