@@ -482,7 +482,7 @@ def test_a_reader_reattaching_wakes_an_idle_suspended_vm(api: httpx.Client) -> N
     try:
         # Prints for a while with nobody reading: not activity, so the VM is suspended
         # while it runs; its output waits in the journal, in the snapshot.
-        script = "i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 1; done"
+        script = "i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 0.5; done"
         pid = start(api, vm, script)
         for _ in range(1200):  # a hang guard (0.25 s polls), not a speed bound
             if api.get(f"/v1/runtime/vms/{vm}").json()["state"] == "paused":
