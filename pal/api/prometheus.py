@@ -40,6 +40,20 @@ from pal.scheduler.views import OperatorStats
 
 from .operator import require_metrics_reader
 
+# The warm pool's and the pre-started QEMUs' gauges (``pal_<field>``), each a NodeStats field.
+_HELD_QEMUS = {
+    "pool_ready": "Warm pool VMs ready to claim",
+    "pool_target": "Warm pool VMs the node keeps (PAL_POOL within PAL_POOL_MEMORY_MIB)",
+    "pool_rss_bytes": "Resident host memory of the warm pool's QEMUs",
+    "pool_claims": "Schedules that claimed a pooled VM since the node started",
+    "pool_misses": "Schedules of a pooled size that found none ready",
+    "prestart_ready": "QEMUs waiting in -incoming defer for a restore to take",
+    "prestart_target": "QEMUs the node keeps waiting (PAL_PRESTART)",
+    "prestart_rss_bytes": "Resident host memory of the waiting QEMUs",
+    "prestart_takes": "Restores that took a waiting QEMU since the node started",
+    "prestart_misses": "Restores of a pre-started size that found none fitting",
+}
+
 
 class _StatsCollector(Collector):
     """The figures read at this scrape, as gauges."""
@@ -74,26 +88,7 @@ class _StatsCollector(Collector):
         seals = GaugeMetricFamily(
             "pal_seal_queue_depth", "Snapshots waiting for their background checksum", labels=["node"]
         )
-        pool = {
-            f: GaugeMetricFamily(f"pal_pool_{f}", what, labels=["node"])
-            for f, what in (
-                ("ready", "Warm pool VMs ready to claim"),
-                ("target", "Warm pool VMs the node keeps (PAL_POOL within PAL_POOL_MEMORY_MIB)"),
-                ("rss_bytes", "Resident host memory of the warm pool's QEMUs"),
-                ("claims", "Schedules that claimed a pooled VM since the node started"),
-                ("misses", "Schedules of a pooled size that found none ready"),
-            )
-        }
-        pre = {
-            f: GaugeMetricFamily(f"pal_prestart_{f}", what, labels=["node"])
-            for f, what in (
-                ("ready", "QEMUs waiting in -incoming defer for a restore to take"),
-                ("target", "QEMUs the node keeps waiting (PAL_PRESTART)"),
-                ("rss_bytes", "Resident host memory of the waiting QEMUs"),
-                ("takes", "Restores that took a waiting QEMU since the node started"),
-                ("misses", "Restores of a pre-started size that found none fitting"),
-            )
-        }
+        held = {f: GaugeMetricFamily(f"pal_{f}", what, labels=["node"]) for f, what in _HELD_QEMUS.items()}
         for report in st.nodes:
             node = report.stats
             up.add_metric([report.node_id], 1 if node else 0)
@@ -106,11 +101,9 @@ class _StatsCollector(Collector):
                 snap.add_metric([report.node_id, "s3"], node.snapshot_bytes_s3)
             s3q.add_metric([report.node_id], node.s3_queue_depth)
             seals.add_metric([report.node_id], node.seal_queue_depth)
-            for f, fam in pool.items():
-                fam.add_metric([report.node_id], getattr(node, f"pool_{f}"))
-            for f, fam in pre.items():
-                fam.add_metric([report.node_id], getattr(node, f"prestart_{f}"))
-        yield from (up, info, live, snap, s3q, seals, *pool.values(), *pre.values())
+            for f, fam in held.items():
+                fam.add_metric([report.node_id], getattr(node, f))
+        yield from (up, info, live, snap, s3q, seals, *held.values())
 
 
 def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:

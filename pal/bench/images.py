@@ -14,15 +14,14 @@ rows, so they can be measured on their own. Writes JSON and docs/benchmarks/imag
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, pct, report_of, timed, write_report
+from pal.bench.common import Api, pct, timed, write_report
 from pal.bench.latency import cold_boot_rows, custom_image_rows
 from pal.bench.latency_rows import BASELINES, ROWS
-from pal.bench.server import local_server, server_accel, wait_template
+from pal.bench.server import measure_on_local_server, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 KEYS = (
@@ -104,21 +103,17 @@ def main(
     out_dir: Path = Path("docs/benchmarks"),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    from pal.config import Settings
 
-    data = data_dir or Settings.from_env().data_dir
-    load_start = os.getloadavg()[0]
-    with local_server(data) as (url, key):
-        api = Api(url, key)
-        accel = server_accel(url)
+    def measure(api: Api, data: Path) -> dict[str, Any]:
         samples = run(api, data, iterations, memory_mib, log)
-    body = {
-        "iterations": iterations,
-        "memory_mib": memory_mib,
-        "samples_ms": samples,
-        "p50_ms": {k: round(pct(v, 0.5), 1) for k, v in samples.items()},
-        "p90_ms": {k: round(pct(v, 0.9), 1) for k, v in samples.items()},
-    }
-    report = report_of(body, accel=accel, load_start=load_start, data_dir=data)
+        return {
+            "iterations": iterations,
+            "memory_mib": memory_mib,
+            "samples_ms": samples,
+            "p50_ms": {k: round(pct(v, 0.5), 1) for k, v in samples.items()},
+            "p90_ms": {k: round(pct(v, 0.9), 1) for k, v in samples.items()},
+        }
+
+    report = measure_on_local_server(data_dir, measure)
     write_report(out_dir, "images", report, render(report), log)
     return report

@@ -18,9 +18,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import Api, data_dir_lines, pct, report_of, timed, write_report
-from pal.bench.server import local_server, server_accel
+from pal.bench.common import Api, data_dir_lines, pct, timed, write_report
+from pal.bench.server import measure_on_local_server
 
 MB = 1_000_000
 SSE = {"Accept": "text/event-stream"}
@@ -345,18 +343,10 @@ def main(
     out_dir: Path = Path("docs/benchmarks"),
     log: Any = print,
 ) -> dict[str, Any]:
-    from pal.config import Settings
-
-    token = secrets.token_urlsafe(24)  # /healthz shows the accelerator only to the operator
     # The machine is shared: a slow guest hello must not abort the run (as pal bench wait).
-    env = {"PAL_METRICS_TOKEN": token, "PAL_HARNESS_READY_TIMEOUT_MS": "60000"}
-    load_start = os.getloadavg()[0]
-    data_dir = data_dir or Settings.from_env().data_dir
-    with local_server(data_dir, env) as (url, key):
-        api = Api(url, key)
-        accel = server_accel(url, token)
-        body = run(api, iterations, size_mib, idle_processes, log)
-    report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
+    env = {"PAL_HARNESS_READY_TIMEOUT_MS": "60000"}
+    measure = lambda api, _: run(api, iterations, size_mib, idle_processes, log)  # noqa: E731
+    report = measure_on_local_server(data_dir, measure, env)
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items()}
     write_report(out_dir, "processes", report, render(report), log)
     return report

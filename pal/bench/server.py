@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from pal.bench.common import Api
+from pal.bench.common import Api, report_of
 from pal.localcluster.throwaway import free_port
 from pal.sizes import size_name
 
@@ -30,6 +31,24 @@ def server_accel(url: str, token: str | None = None) -> str:
     token = token or os.environ.get("PAL_ADMIN_TOKEN") or OPERATOR_TOKEN
     r = httpx.get(url + "/healthz", headers={"Authorization": f"Bearer {token}"}, timeout=10)
     return str(r.json().get("accel", "unknown"))
+
+
+def measure_on_local_server(
+    data_dir: Path | None,
+    measure: Callable[[Api, Path], dict[str, Any]],
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """What ``measure(api, data_dir)`` returns, measured against a `pal up` of its own on
+    ``data_dir`` (default PAL_DATA_DIR), as a report (common.report_of: the machine, the
+    accelerator, the load before and after)."""
+    from pal.config import Settings
+
+    data = data_dir or Settings.from_env().data_dir
+    load_start = os.getloadavg()[0]
+    with local_server(data, extra_env) as (url, key):
+        accel = server_accel(url)
+        body = measure(Api(url, key), data)
+    return report_of(body, accel=accel, load_start=load_start, data_dir=data)
 
 
 @contextlib.contextmanager

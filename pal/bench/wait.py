@@ -24,7 +24,6 @@ import hashlib
 import http.server
 import json
 import os
-import secrets
 import socketserver
 import statistics
 import threading
@@ -39,11 +38,10 @@ from pal.bench.common import (
     poll_until,
     pss_kib,
     qemu_pid_of,
-    report_of,
     timed,
     write_report,
 )
-from pal.bench.server import local_server, server_accel, wait_template
+from pal.bench.server import measure_on_local_server, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
 
 POLL_TIMEOUT_S = 300  # how long a pause, an offload or a wake may take to show
@@ -529,12 +527,8 @@ def main(
     out_dir: Path = Path("docs/benchmarks"),
     log: Any = print,
 ) -> dict[str, Any]:
-    from pal.config import Settings
-
     model = Model()
-    token = secrets.token_urlsafe(24)  # /healthz shows the accelerator only to the operator
     env = {
-        "PAL_METRICS_TOKEN": token,
         "PAL_EGRESS_RESOLVE": f"{NAME}={HOST}",
         "PAL_EGRESS_ALLOW_INTERNAL": HOST,
         "PAL_EGRESS_DNS": "static",  # no lookup leaves the machine
@@ -543,13 +537,8 @@ def main(
         # guest is slow to say hello under others' load (as pal bench cluster).
         "PAL_HARNESS_READY_TIMEOUT_MS": "60000",
     }
-    load_start = os.getloadavg()[0]
-    data_dir = data_dir or Settings.from_env().data_dir
-    with local_server(data_dir, env) as (url, key):
-        api = Api(url, key)
-        accel = server_accel(url, token)
-        body = run(api, model, iterations, waits, scenario_runs, log)
-    report = report_of(body, accel=accel, load_start=load_start, data_dir=data_dir)
+    measure = lambda api, _: run(api, model, iterations, waits, scenario_runs, log)  # noqa: E731
+    report = measure_on_local_server(data_dir, measure, env)
     report["p50_ms"] = {k: round(pct(v, 0.5), 1) for k, v in report["samples_ms"].items()}
     write_report(out_dir, "wait", report, render(report), log)
     with contextlib.suppress(Exception):

@@ -29,6 +29,7 @@ from pal.images.boot import BootSet
 from pal.images.config import ImageConfig, OciRunConfig, resolve
 from pal.images.paths import META, ROOTFS, ImagePaths, image_dir
 from pal.images.tree import in_root, make_public_dirs, write_public
+from pal.pids import pid_alive
 
 # Bump when the assembly recipe changes in a way the input hashes do not capture.
 # 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077;
@@ -105,22 +106,12 @@ def pack(root: Path, staging: Path, max_bytes: int | None = None) -> dict[str, i
 WORK_PREFIXES = (".build-", ".buildah-", ".rm-")  # work dirs: <prefix><name>-<pid of the builder>
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_work(images_dir: Path) -> list[str]:
     """Work dirs left by builds that died (killed, crashed); a live build's are kept."""
     removed = []
     for d in images_dir.iterdir() if images_dir.is_dir() else []:
         pid = d.name.rsplit("-", 1)[-1]
-        if d.name.startswith(WORK_PREFIXES) and pid.isdigit() and not _pid_alive(int(pid)):
+        if d.name.startswith(WORK_PREFIXES) and pid.isdigit() and not pid_alive(int(pid)):
             if d.name.startswith(".buildah-"):
                 unmount_under(d)
             shutil.rmtree(d, ignore_errors=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Self
 
 from pal.localcluster.throwaway import ThrowawayServer, free_port
+from pal.pids import pid_alive
 
 # Debian keeps each major's programs in /usr/lib/postgresql/<major>/bin (not on PATH).
 DEBIAN_BIN_GLOB = "/usr/lib/postgresql/*/bin"
@@ -53,16 +54,6 @@ def _bin(name: str) -> str:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_orphans() -> list[Path]:
     """Stop and remove the throwaway servers whose owning process is gone (only those that
     recorded an owner: a server of a live run, or of someone else, is never touched)."""
@@ -72,7 +63,7 @@ def reap_orphans() -> list[Path]:
             owner = int((base / OWNER_FILE).read_text().strip())
         except (OSError, ValueError):
             continue
-        if _alive(owner):
+        if pid_alive(owner):
             continue
         cmd = [_bin("pg_ctl"), "-D", str(base / "data"), "-m", "immediate", "-w", "stop"]
         if os.geteuid() == 0:

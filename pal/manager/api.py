@@ -10,42 +10,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from pal.manager import models
 from pal.manager.code_models import CodeContext, CodeEvent, CodeRequest, ContextCreate
-from pal.manager.models import (
-    BrokeredSet,
-    EgressEvents,
-    EgressSet,
-    EgressSetResult,
-    ExecEvent,
-    FileDeleted,
-    FileList,
-    FileWritten,
-    ImageInfo,
-    LivePauseRequest,
-    LivePauseResult,
-    LiveResumeResult,
-    LiveState,
-    NodeHeartbeat,
-    NodeStats,
-    Notices,
-    SnapshotInfo,
-    SnapshotOwners,
-    SnapshotRequest,
-    SnapshotResult,
-    SnapshotStatus,
-    SpawnRequest,
-    SpawnResult,
-    VmMetrics,
-    WarmRequest,
-    WarmResult,
-)
 from pal.manager.process_models import ProcessDeleted, ProcessEvent, ProcessInfo, ProcessOutput, StdinWritten
 from pal.manager.tunnel import TunnelStream
 from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
 
 
 class RuntimeManager(Protocol):
-    async def spawn(self, req: SpawnRequest) -> SpawnResult:
+    async def spawn(self, req: models.SpawnRequest) -> models.SpawnResult:
         """Boot (cold or from a warm template) or restore a VM.
 
         Prerequisites: no live VM with ``req.vm_id`` on this node.
@@ -61,7 +34,7 @@ class RuntimeManager(Protocol):
         never stop a newer one)."""
         ...
 
-    async def snapshot(self, vm_id: str, req: SnapshotRequest) -> SnapshotResult:
+    async def snapshot(self, vm_id: str, req: models.SnapshotRequest) -> models.SnapshotResult:
         """Capture device state, memory and disk at one instant.
 
         Prerequisites: the VM is live on this node.
@@ -72,7 +45,7 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def live_pause(self, vm_id: str, req: LivePauseRequest) -> LivePauseResult:
+    async def live_pause(self, vm_id: str, req: models.LivePauseRequest) -> models.LivePauseResult:
         """Stop the VM's vCPUs in place (docs/live-pause.md: Pause, and Offload).
 
         Prerequisites: the VM is live on this node.
@@ -87,7 +60,7 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def live_resume(self, vm_id: str) -> LiveResumeResult:
+    async def live_resume(self, vm_id: str) -> models.LiveResumeResult:
         """Continue a live-paused VM: the same QEMU and incarnation, connections kept.
 
         Prerequisites: the VM is live on this node.
@@ -97,17 +70,17 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def live_status(self, vm_id: str) -> LiveState | None:
+    async def live_status(self, vm_id: str) -> models.LiveState | None:
         """The VM's live pause (None while it runs), resident guest RAM measured now."""
         ...
 
-    async def notices(self, after: int, epoch: str, wait_s: float) -> Notices:
+    async def notices(self, after: int, epoch: str, wait_s: float) -> models.Notices:
         """What the node saw for the scheduler to act on (wait-ready, wake, offloaded),
         newer than ``after`` (all kept ones if ``epoch`` is not the node's numbering);
         waits up to ``wait_s`` for one when there is none (long poll)."""
         ...
 
-    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[models.ExecEvent]:
         """Run a command; yields stdout/stderr chunks as they come, then exit or error."""
         ...
 
@@ -171,15 +144,15 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def list_files(self, vm_id: str, path: str) -> FileList: ...
+    async def list_files(self, vm_id: str, path: str) -> models.FileList: ...
 
     async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
         """Return (content cut at 1 MiB, truncated)."""
         ...
 
-    async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten: ...
+    async def write_file(self, vm_id: str, path: str, data: bytes) -> models.FileWritten: ...
 
-    async def set_egress(self, vm_id: str, req: EgressSet) -> EgressSetResult:
+    async def set_egress(self, vm_id: str, req: models.EgressSet) -> models.EgressSetResult:
         """Change a live VM's egress policy and limits.
 
         Prerequisites: the VM is live on this node.
@@ -189,7 +162,7 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def set_brokered(self, vm_id: str, req: BrokeredSet) -> None:
+    async def set_brokered(self, vm_id: str, req: models.BrokeredSet) -> None:
         """New values for a live VM's brokered secrets (rotation).
 
         Prerequisites: the VM is live on this node (else 409).
@@ -204,12 +177,12 @@ class RuntimeManager(Protocol):
         refused, dnsQueries, active); None when the gateway cannot tell."""
         ...
 
-    async def egress_events(self, after: int, epoch: str) -> EgressEvents:
+    async def egress_events(self, after: int, epoch: str) -> models.EgressEvents:
         """egress_denied events newer than ``after`` (all kept ones if ``epoch`` is not the
         gateway's current numbering). Bounded: the gateway keeps the newest 2000."""
         ...
 
-    async def warm(self, req: WarmRequest) -> WarmResult:
+    async def warm(self, req: models.WarmRequest) -> models.WarmResult:
         """Build the warm template of an image at a size now.
 
         Prerequisites: the image exists; templates are enabled (else 503).
@@ -218,21 +191,21 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def delete_file(self, vm_id: str, path: str) -> FileDeleted:
+    async def delete_file(self, vm_id: str, path: str) -> models.FileDeleted:
         """Remove a file or symlink under /workspace (404 FILE_NOT_FOUND, 400 for a dir)."""
         ...
 
-    async def heartbeat(self) -> NodeHeartbeat:
+    async def heartbeat(self) -> models.NodeHeartbeat:
         """This node's live VMs and each one's latest harness activity, plus what placement
         needs: capacity, warm templates, images, health, region and labels."""
         ...
 
-    async def images(self) -> list[ImageInfo]:
+    async def images(self) -> list[models.ImageInfo]:
         """The complete images of this node, by name: content digest, exec defaults, which
         tenants may use each (None: all) and its warm template sizes."""
         ...
 
-    async def vm_metrics(self, vm_id: str) -> VmMetrics:
+    async def vm_metrics(self, vm_id: str) -> models.VmMetrics:
         """The VM's resource samples of the last 15 minutes (pal/manager/metrics.py).
 
         Prerequisites: none; a VM this node never ran answers an empty series.
@@ -240,15 +213,17 @@ class RuntimeManager(Protocol):
         """
         ...
 
-    async def stats(self) -> NodeStats:
+    async def stats(self) -> models.NodeStats:
         """Operator figures of the node: live VMs, snapshot bytes per tier, queue depths."""
         ...
 
-    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
+    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[models.SnapshotInfo]:
         """The VM's complete local snapshots, oldest first, with artifact sizes."""
         ...
 
-    async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> SnapshotStatus:
+    async def snapshot_status(
+        self, agent_version_id: str, vm_id: str, snapshot_id: str
+    ) -> models.SnapshotStatus:
         """Whether a snapshot is complete and verified (local or S3)."""
         ...
 
@@ -268,6 +243,6 @@ class RuntimeManager(Protocol):
         fork on the node maps). Idempotent. Returns the local snapshot ids deleted."""
         ...
 
-    async def snapshot_owners(self) -> SnapshotOwners:
+    async def snapshot_owners(self) -> models.SnapshotOwners:
         """Which VMs have snapshots on the node's tiers (the control plane's sweep)."""
         ...

@@ -14,6 +14,7 @@ from .models import OutputEvent
 REATTACH_TIMEOUT_S = 300.0  # how long an output iterator keeps trying to reattach
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
 WAIT_POLL_SECS = 60  # the server's longest wait; longer waits are several polls
+STDIN_PART_BYTES = 1 << 20  # one stdin write's body at the most
 
 
 def start_body(command: str, argv: list[str] | None, **opts: Any) -> dict[str, Any]:
@@ -109,6 +110,26 @@ class WaitPolls:
 
     def done(self, proc: dict[str, Any]) -> bool:
         return not proc["running"] or (self._deadline is not None and time.monotonic() >= self._deadline)
+
+
+class StdinParts:
+    """``send_stdin``'s writes: ``data`` (``str`` as UTF-8) in parts of at most
+    STDIN_PART_BYTES, each from what the server has not taken yet; ``eof`` with the last."""
+
+    def __init__(self, data: bytes | str, eof: bool) -> None:
+        self._view = memoryview(data.encode() if isinstance(data, str) else data)
+        self._eof = eof
+
+    def next_part(self) -> tuple[bytes, dict[str, str]]:
+        """The next write's body and query."""
+        part = bytes(self._view[:STDIN_PART_BYTES])
+        last = len(part) == len(self._view)
+        return part, {"eof": "true" if self._eof and last else "false"}
+
+    def taken(self, answer: dict[str, Any]) -> bool:
+        """Whether all is written, now that the server answered a write (``written`` bytes)."""
+        self._view = self._view[int(answer["written"]) :]
+        return not self._view
 
 
 class SseLines:

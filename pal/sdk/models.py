@@ -5,6 +5,7 @@ small typed wrappers because callers branch on them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,7 @@ class FileText(str):
     truncated: bool
 
     def __new__(cls, text: str, truncated: bool = False) -> FileText:
-        obj = super().__new__(cls, text)
-        obj.truncated = truncated
-        return obj
+        return _marked(super().__new__(cls, text), truncated)
 
 
 class FileBytes(bytes):
@@ -62,6 +61,12 @@ class FileBytes(bytes):
     truncated: bool
 
     def __new__(cls, data: bytes, truncated: bool = False) -> FileBytes:
-        obj = super().__new__(cls, data)
-        obj.truncated = truncated
-        return obj
+        return _marked(super().__new__(cls, data), truncated)
+
+
+_Content = TypeVar("_Content", FileText, FileBytes)
+
+
+def _marked(content: _Content, truncated: bool) -> _Content:
+    content.truncated = truncated
+    return content

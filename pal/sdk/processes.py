@@ -98,15 +98,11 @@ class Processes(_wire.RuntimeCalls):
 
     def send_stdin(self, vm_id: str, pid: int, data: bytes | str, *, eof: bool = False) -> None:
         """Write all of ``data`` (``str`` as UTF-8) to its stdin; ``eof`` closes it after."""
-        raw = data.encode() if isinstance(data, str) else data
-        view = memoryview(raw)
+        parts = pw.StdinParts(data, eof)
         while True:
-            part = bytes(view[: 1 << 20])
-            last = len(part) == len(view)
-            params = {"eof": "true" if eof and last else "false"}
+            part, params = parts.next_part()
             body = self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part)
-            view = view[int(body["written"]) :]
-            if not view:
+            if parts.taken(body):
                 return
 
     def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:
@@ -209,17 +205,13 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
                     yield ev
 
     async def send_stdin(self, vm_id: str, pid: int, data: bytes | str, *, eof: bool = False) -> None:
-        raw = data.encode() if isinstance(data, str) else data
-        view = memoryview(raw)
+        parts = pw.StdinParts(data, eof)
         while True:
-            part = bytes(view[: 1 << 20])
-            last = len(part) == len(view)
-            params = {"eof": "true" if eof and last else "false"}
+            part, params = parts.next_part()
             body = await self._json(
                 "POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part
             )
-            view = view[int(body["written"]) :]
-            if not view:
+            if parts.taken(body):
                 return
 
     async def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:

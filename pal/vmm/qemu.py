@@ -31,7 +31,7 @@ import shlex
 import shutil
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -190,16 +190,11 @@ class QemuVm:
     async def boot(cls, spec: VmSpec) -> QemuVm:
         """Cold boot; returns once QMP answers (the guest is still booting)."""
         vm = cls(spec)
-        try:
+        async with vm._killed_on_failure():
             spec.vm_dir.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(vm._ensure_disk, None)
-            disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
-            jail.give_to(spec.mem_path, spec.run_as)
-            vm.mem_path, vm.mem_share = spec.mem_path, True
+            vm._new_shared_memory()
             await vm._spawn(incoming=False)
-        except BaseException:
-            await vm.kill()
-            raise
         return vm
 
     @classmethod
@@ -238,18 +233,15 @@ class QemuVm:
             spec = dataclasses.replace(spec, nic=False)  # a snapshot from before VMs had a NIC
         vm = cls(spec)
         vm._snapshot_dir = snapshot_dir
-        try:
+        async with vm._killed_on_failure():
             t0 = time.perf_counter()
             await asyncio.to_thread(vm._ensure_disk, snapshot_dir / "rootfs")
             vm.timings_ms["disk"] = _ms(t0)
             t0 = time.perf_counter()
-            size = spec.memory_mib * 1024 * 1024
             if meta.get("memoryKind") == MEMORY_STREAM:
-                # RAM comes from the stream into a fresh shared file: later snapshots of
-                # this VM are cheap again.
-                disks.new_sparse_file(spec.mem_path, size)
-                jail.give_to(spec.mem_path, spec.run_as)
-                vm.mem_path, vm.mem_share, vm.ignore_shared = spec.mem_path, True, False
+                # RAM comes from the stream into a fresh shared file: later snapshots are cheap.
+                vm._new_shared_memory()
+                vm.ignore_shared = False
             elif mem_mode == "private":
                 vm.mem_path, vm.mem_share, vm.ignore_shared = mem_file or snapshot_dir / "mem", False, True
             else:
@@ -260,9 +252,6 @@ class QemuVm:
             t0 = time.perf_counter()
             await vm._spawn(incoming=True)
             vm.timings_ms["spawn"] = _ms(t0)
-        except BaseException:
-            await vm.kill()
-            raise
         return vm
 
     @classmethod
@@ -271,16 +260,11 @@ class QemuVm:
         its disk and shared RAM file sparse placeholders that :meth:`fill` makes a snapshot's
         before :meth:`load`. Success: INCOMING. Failure: the QEMU is killed."""
         vm = cls(spec)
-        try:
+        async with vm._killed_on_failure():
             spec.vm_dir.mkdir(parents=True, exist_ok=True)
             disks.new_sparse_file(spec.disk_path, disk_bytes)
-            disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
-            jail.give_to(spec.mem_path, spec.run_as)
-            vm.mem_path, vm.mem_share = spec.mem_path, True
+            vm._new_shared_memory()
             await vm._spawn(incoming=True)
-        except BaseException:
-            await vm.kill()
-            raise
         return vm
 
     @require(S.INCOMING)
@@ -409,6 +393,22 @@ class QemuVm:
         src = source if source is not None else spec.image.rootfs
         method = disks.clone(src, spec.disk_path)
         self.spec = dataclasses.replace(spec, disk_format=disks.disk_format_for(method))
+
+    @contextlib.asynccontextmanager
+    async def _killed_on_failure(self) -> AsyncIterator[None]:
+        """A constructor's steps: whatever fails (or is cancelled) leaves no QEMU behind."""
+        try:
+            yield
+        except BaseException:
+            await self.kill()
+            raise
+
+    def _new_shared_memory(self) -> None:
+        """A fresh sparse RAM file of the VM's size, shared with QEMU (so a snapshot reflinks it)."""
+        spec = self.spec
+        disks.new_sparse_file(spec.mem_path, spec.memory_mib * 1024 * 1024)
+        jail.give_to(spec.mem_path, spec.run_as)
+        self.mem_path, self.mem_share = spec.mem_path, True
 
     @require(S.IDLE)
     async def _spawn(self, *, incoming: bool) -> None:

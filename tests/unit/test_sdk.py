@@ -191,3 +191,40 @@ async def test_async_files_are_binary_safe(live: tuple[ApiEnv, str]) -> None:
         await c.runtime.write_file(vm_id, "b", b"\xff\x00")
         assert await c.runtime.read_file_bytes(vm_id, "b") == b"\xff\x00"
         assert (await c.runtime.delete_file(vm_id, "b"))["deleted"] is True
+
+
+def _short_writing_server(taken: bytearray, seen: list[tuple[int, str]]) -> httpx.MockTransport:
+    """A stdin endpoint that takes at most 700,000 bytes of each write (as a full pipe would)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = request.content
+        seen.append((len(body), request.url.params["eof"]))
+        n = min(len(body), 700_000)
+        taken.extend(body[:n])
+        return httpx.Response(200, json={"written": n, "closed": request.url.params["eof"] == "true"})
+
+    return httpx.MockTransport(handle)
+
+
+def _check_stdin_writes(data: bytes, taken: bytearray, seen: list[tuple[int, str]]) -> None:
+    assert bytes(taken) == data
+    assert all(size <= 1 << 20 for size, _ in seen) and len(seen) > 3
+    assert [eof for _, eof in seen[:-1]] == ["false"] * (len(seen) - 1) and seen[-1][1] == "true"
+
+
+def test_send_stdin_resends_what_the_server_did_not_take_and_closes_with_the_last_part() -> None:
+    data = bytes(range(256)) * 10_000  # 2.4 MiB: several parts
+    taken, seen = bytearray(), list[tuple[int, str]]()
+    http = httpx.Client(base_url="http://pal.test", transport=_short_writing_server(taken, seen))
+    with Client("http://pal.test", "k", http_client=http) as c:
+        c.runtime.processes.send_stdin("vm1", 7, data, eof=True)
+    _check_stdin_writes(data, taken, seen)
+
+
+async def test_async_send_stdin_resends_what_the_server_did_not_take() -> None:
+    data = bytes(range(256)) * 10_000
+    taken, seen = bytearray(), list[tuple[int, str]]()
+    http = httpx.AsyncClient(base_url="http://pal.test", transport=_short_writing_server(taken, seen))
+    async with AsyncClient("http://pal.test", "k", http_client=http) as c:
+        await c.runtime.processes.send_stdin("vm1", 7, data, eof=True)
+    _check_stdin_writes(data, taken, seen)
