@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from pal import sizes
+from pal.spec import IMAGE_NAME
 
 Reader = Callable[[str, str], Any]  # (variable name, raw value) -> the setting's value
 
@@ -171,8 +172,9 @@ def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
 
 
 def parse_pool(raw: str | None) -> tuple[tuple[str, int], ...]:
-    """PAL_POOL: ``256m-1c-2048d:2,512m-1c-2048d:1`` (size and how many pooled VMs of it);
-    ``0``/``off``: no pool; unset or empty: the default of pal/sizes.py."""
+    """PAL_POOL: ``256m-1c-2048d:2,code-interpreter@512m-1c-2048d:1`` (an optional image and
+    ``@``, a size, and how many pooled VMs of it; no image: the default one); ``0``/``off``:
+    no pool; unset or empty: the default of pal/sizes.py. Keys: sizes.pool_entry."""
     text = (raw or "").strip()
     if not text:
         return sizes.DEFAULT_POOL
@@ -183,14 +185,18 @@ def parse_pool(raw: str | None) -> tuple[tuple[str, int], ...]:
         if not item:
             continue
         name, _, count = item.partition(":")
+        image, at, size_text = name.strip().rpartition("@")
+        image = image if at else sizes.POOL_DEFAULT_IMAGE
+        if not IMAGE_NAME.match(image):
+            raise ValueError(f"PAL_POOL: {item!r}: {image!r} is not an image name")
         try:
-            size = sizes.size_name(*sizes.parse_size_name(name))
+            size = sizes.size_name(*sizes.parse_size_name(size_text))
             n = int(count) if count else 1
         except ValueError as exc:
             raise ValueError(f"PAL_POOL: {exc}") from exc
         if not 0 <= n <= sizes.POOL_COUNT_MAX:
             raise ValueError(f"PAL_POOL: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
-        out[size] = n
+        out[sizes.pool_entry(image, size)] = n
     return tuple((k, v) for k, v in out.items() if v)
 
 

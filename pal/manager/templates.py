@@ -188,7 +188,7 @@ class TemplateCache:
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
             primed = await self._prime(runtime, vm_id)
-            primed += await _warm_kernel(lv, image)
+            primed += await warm_kernel(lv, image)
             staging.mkdir(parents=True, exist_ok=True)
             # Like a pause: the capture's RAM file must fit (a full disk fails it cleanly).
             await asyncio.to_thread(admission.check_disk, self.root, memory_mib, f"the template of {key}")
@@ -311,10 +311,11 @@ WARM_KERNEL_ENV = "PAL_WARM_KERNEL"  # an image's ENV naming the language whose 
 WARM_KERNEL_TIMEOUT_S = 240.0  # ipykernel's first start under TCG imports a lot
 
 
-async def _warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
+async def warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
     """Start the image's default code context before the capture (the code-interpreter
     image sets PAL_WARM_KERNEL=python), so a VM restored from the template answers its
-    first cell without a kernel start."""
+    first cell without a kernel start: an empty cell, which leaves no count nor history.
+    The warm pool runs it again in a pooled VM (pool.prime: its kernel runs, warm)."""
     language = image.config.env.get(WARM_KERNEL_ENV)
     if language not in ("python", "bash"):
         return []
