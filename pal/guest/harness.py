@@ -247,6 +247,7 @@ class Harness:
                 socket.sethostname(self.vm_id[:63])
             except OSError as exc:
                 log(f"sethostname failed: {exc}")
+        self.kernels.rekey(self._exec_env(None, False), self.vm_id[:63] if self.system else "")
         t2 = time.monotonic_ns()
         # decode: from the read that brought this request to here (JSON decode, dispatch).
         decode = (t0 - self.channel.read_ns) // 1000 if self.channel.read_ns else None
@@ -352,7 +353,8 @@ class Harness:
         creds: dict[str, Any] = {}
         if self.uid is not None:
             creds = {"user": self.uid, "group": self.gid, "extra_groups": []}
-        return ContextSpec(language=language, env=env, cwd=cwd, creds=creds, python=python)
+        vm_env = self._exec_env(None, False)
+        return ContextSpec(language=language, env=env, cwd=cwd, vm_env=vm_env, creds=creds, python=python)
 
     def _cwd(self, req_cwd: Any) -> str:
         cwd = req_cwd or self.workdir or self.workspace.root

@@ -12,7 +12,11 @@ site-packages; ``bash`` runs under Pal's interpreter and needs only ``bash``.
 - bash: one persistent ``bash`` per context; a cell is ``source``d from a file, so its
   variables, functions and cwd persist; SIGINT is trapped to ``return`` from the cell.
 
-Requests on stdin: ``{"op": "run", "code"}`` and ``{"op": "interrupt"}``. Events on the
+Requests on stdin: ``{"op": "run", "code"}``, ``{"op": "interrupt"}`` and ``{"op":
+"rekey", "set", "unset", "hostname"}`` (the VM took a new identity: a restore, a fork, a
+claim from the warm pool; the kernel's environment follows it and Python's ``random`` is
+reseeded, as after an ``os.fork``; it answers nothing). Runs and rekeys are done in order,
+one at a time, on a worker thread: an interrupt is read while a cell runs. Events on the
 protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once, then per cell ``stream {name,
 text}``, ``result {data, main}``, ``error {name, value, traceback}``, ``done {count}``.
 The kernel's own stdout/stderr go to /dev/null: only this driver writes the protocol fd.
@@ -22,7 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,6 +40,16 @@ from typing import Any
 MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
 CHUNK = 64 * 1024  # a bash cell's output goes out in lines of at most this
 READY_TIMEOUT_S = 170.0  # a kernel not ready by then failed (TCG, a loaded host; kernels.py waits 180 s)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # what a rekey may set or unset
+
+
+def rekey_env(req: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """A rekey's variables to set and unset, only well-formed names and string values."""
+    raw_set, raw_unset = req.get("set"), req.get("unset")
+    sets = raw_set if isinstance(raw_set, dict) else {}
+    unsets = raw_unset if isinstance(raw_unset, list) else []
+    ok = {k: v for k, v in sets.items() if isinstance(k, str) and ENV_NAME.match(k) and isinstance(v, str)}
+    return ok, [k for k in unsets if isinstance(k, str) and ENV_NAME.match(k) and k not in ok]
 
 
 class Out:
@@ -66,6 +83,24 @@ class PythonKernel:
         self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
         prov = getattr(self.km, "provisioner", None)
         self.pid = int(getattr(prov, "pid", 0) or getattr(getattr(self.km, "kernel", None), "pid", 0) or 0)
+
+    def rekey(self, req: dict[str, Any]) -> None:
+        """Silently (no count, no history, no output): the new environment, a new seed for
+        ``random``; an expression, so the user's namespace gets no name."""
+        sets, unsets = rekey_env(req)
+        code = (
+            f"(lambda os, sys: (os.environ.update({sets!r}),"
+            f" [os.environ.pop(k, None) for k in {unsets!r}],"
+            " 'random' in sys.modules and sys.modules['random'].seed()))"
+            "(__import__('os'), __import__('sys'))"
+        )
+        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        while True:
+            msg = self.kc.get_iopub_msg()
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                return
 
     def run(self, code: str) -> None:
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
@@ -158,6 +193,18 @@ class BashKernel:
             self.out.emit("error", name="ExitStatus", value=str(rc), traceback=[f"exit status {rc}"])
         self.out.emit("done", count=self.count)
 
+    def rekey(self, req: dict[str, Any]) -> None:
+        """The new environment, exported in the shell between cells; and bash's own
+        HOSTNAME (set once, at its start)."""
+        sets, unsets = rekey_env(req)
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in sets.items()]
+        lines += [f"unset {k}" for k in unsets]
+        host = req.get("hostname")
+        if isinstance(host, str) and host:
+            lines.append(f"HOSTNAME={shlex.quote(host)}")
+        if lines:
+            self._send("\n".join(lines) + "\n")
+
     def interrupt(self) -> None:
         os.killpg(self.pid, signal.SIGINT)
 
@@ -178,11 +225,14 @@ def main() -> int:
         out.emit("fail", msg=f"the {lang} kernel did not start: {exc!r}"[:1000])
         return 4
     out.emit("ready", kernel_pid=kernel.pid)
-    worker: threading.Thread | None = None
+    jobs: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    threading.Thread(target=_work, args=(jobs,), daemon=True).start()
     for raw in sys.stdin.buffer:
         try:
             req = json.loads(raw)
         except ValueError:
+            continue
+        if not isinstance(req, dict):
             continue
         if req.get("op") == "interrupt":
             try:
@@ -190,11 +240,20 @@ def main() -> int:
             except OSError:
                 pass
         elif req.get("op") == "run" and isinstance(req.get("code"), str):
-            if worker is not None:
-                worker.join()  # the harness sends one cell at a time; never two at once
-            worker = threading.Thread(target=kernel.run, args=(req["code"],), daemon=True)
-            worker.start()
+            jobs.put((kernel.run, req["code"]))  # the harness sends one cell at a time
+        elif req.get("op") == "rekey":
+            jobs.put((kernel.rekey, req))
     return 0
+
+
+def _work(jobs: queue.Queue[tuple[Any, Any]]) -> None:
+    """Runs and rekeys in order, one at a time (a kernel client is not thread-safe)."""
+    while True:
+        fn, arg = jobs.get()
+        try:
+            fn(arg)
+        except Exception:  # as a cell's thread did: no ``done``, the harness's timeout acts
+            pass
 
 
 if __name__ == "__main__":
