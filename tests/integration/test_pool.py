@@ -32,7 +32,7 @@ pytestmark = pytest.mark.vm
 POOL_ENV = {"PAL_POOL": "256m-1c-2048d:2"}
 DEADLINE_S = 600  # a hang guard, not a speed bound (a TCG restore on a busy host)
 MIB = 1 << 20
-CODE_SIZE = "512m-1c-2048d"  # test_code's SPEC: an ipykernel with numpy and pandas loaded
+CODE_SIZE = "256m-1c-2048d"  # the default size, which has templates in the tests
 
 
 @pytest.fixture
@@ -163,7 +163,8 @@ def test_a_schedule_of_a_pooled_image_claims_a_vm_whose_warm_kernel_is_fresh_and
             for n in range(2):
                 if n:
                     pooled = wait_pool_ready(server, 1, not_among=set(pooled))
-                r = c.post("/v1/runtime/schedule", json={**CODE_SPEC, "secrets": {"WHO": f"tenant-{n}"}})
+                spec = {"image": CODE_SPEC["image"], "secrets": {"WHO": f"tenant-{n}"}}
+                r = c.post("/v1/runtime/schedule", json=spec)
                 assert r.status_code == 200, r.text
                 assert r.json()["bootMethod"] == "pool", r.json()
                 vm = r.json()["vmId"]
@@ -181,6 +182,7 @@ def test_a_schedule_of_a_pooled_image_claims_a_vm_whose_warm_kernel_is_fresh_and
             # Two VMs of one template: their kernels were reseeded, not left at its state.
             assert seen[0]["draw"] != seen[1]["draw"]
             assert pool_metric(server, "claims") == 2
+        wait_pool_ready(server, 1, not_among=set(pooled))  # refilled: no fill under way
         assert problems(run_dir) == []
     finally:
         stop_server(server)
