@@ -240,6 +240,7 @@ class Harness:
                         self.ca_env = env
                 except OSError as exc:
                     log(f"cannot install the brokered-secrets CA: {exc}")
+        was = self.vm_id
         self._apply_identity(msg)
         if self.system and self.vm_id:
             # A forked or template-started guest must not keep its source's name.
@@ -247,7 +248,10 @@ class Harness:
                 socket.sethostname(self.vm_id[:63])
             except OSError as exc:
                 log(f"sethostname failed: {exc}")
-        self.kernels.rekey(self._exec_env(None, False), self.vm_id[:63] if self.system else "")
+        # Another VM's kernels (a fork, a template's or pooled VM's) get a new seed; the same
+        # VM's (a resume) keep their RNG, which the user may have seeded.
+        host = self.vm_id[:63] if self.system else ""
+        self.kernels.rekey(self._exec_env(None, False), host, reseed=was != self.vm_id)
         t2 = time.monotonic_ns()
         # decode: from the read that brought this request to here (JSON decode, dispatch).
         decode = (t0 - self.channel.read_ns) // 1000 if self.channel.read_ns else None

@@ -13,12 +13,13 @@ site-packages; ``bash`` runs under Pal's interpreter and needs only ``bash``.
   variables, functions and cwd persist; SIGINT is trapped to ``return`` from the cell.
 
 Requests on stdin: ``{"op": "run", "code"}``, ``{"op": "interrupt"}`` and ``{"op":
-"rekey", "set", "unset", "hostname"}`` (the VM took a new identity: a restore, a fork, a
-claim from the warm pool; the kernel's environment follows it and Python's ``random`` is
-reseeded, as after an ``os.fork``; it answers nothing). Runs and rekeys are done in order,
-one at a time, on a worker thread: an interrupt is read while a cell runs. Events on the
-protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once, then per cell ``stream {name,
-text}``, ``result {data, main}``, ``error {name, value, traceback}``, ``done {count}``.
+"rekey", "set", "unset", "hostname", "reseed"}`` (the VM took a new identity: a restore, a
+fork, a claim from the warm pool; the kernel's environment follows it and, when it is
+another VM's, Python's ``random`` is reseeded, as after an ``os.fork``; it answers nothing).
+Runs and rekeys are done in order, one at a time, on a worker thread: an interrupt is read
+while a cell runs. Events on the protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once,
+then per cell ``stream {name, text}``, ``result {data, main}``, ``error {name, value,
+traceback}``, ``done {count}``.
 The kernel's own stdout/stderr go to /dev/null: only this driver writes the protocol fd.
 """
 
@@ -161,13 +162,13 @@ class PythonKernel:
         return self.wire.request("execute_request", {**content, "allow_stdin": False, "stop_on_error": False})
 
     def rekey(self, req: dict[str, Any]) -> None:
-        """Silently (no count, no history, no output): the new environment, a new seed for
-        ``random``; an expression, so the user's namespace gets no name."""
+        """Silently (no count, no history, no output): the new environment and, if asked, a
+        new seed for ``random``; an expression, so the user's namespace gets no name."""
         sets, unsets = rekey_env(req)
         code = (
             f"(lambda os, sys: (os.environ.update({sets!r}),"
             f" [os.environ.pop(k, None) for k in {unsets!r}],"
-            " 'random' in sys.modules and sys.modules['random'].seed()))"
+            f" {req.get('reseed') is True} and 'random' in sys.modules and sys.modules['random'].seed()))"
             "(__import__('os'), __import__('sys'))"
         )
         self.wire.wait_idle(self.execute(code, silent=True))

@@ -202,20 +202,22 @@ class Kernels:
             self._contexts.pop(ctx.id, None)
         self._kill(ctx)
 
-    def rekey(self, vm_env: dict[str, str], hostname: str) -> None:
+    def rekey(self, vm_env: dict[str, str], hostname: str, reseed: bool) -> None:
         """The VM took a new identity (restore, fork, pool claim): each kernel's environment
-        follows it (what changed of the VM's part; a context's own variables win) and
-        reseeds its RNG (kerneldriver.py, ``rekey``). A template's or a pooled VM's kernel
-        started under another identity; a fork's must not share its parent's RNG."""
+        follows it (what changed of the VM's part; a context's own variables win) and, when
+        it is another VM's, its RNG is reseeded (kerneldriver.py, ``rekey``). A template's or
+        a pooled VM's kernel started under another identity; a fork's must not share its
+        parent's RNG."""
         with self._lock:
             contexts = list(self._contexts.values())
+        extra = {"hostname": hostname, "reseed": reseed}
         for ctx in contexts:
             old, new = {**ctx.env, **ctx.own_env}, {**vm_env, **ctx.own_env}
             sets = {k: v for k, v in new.items() if old.get(k) != v}
             unsets = [k for k in old if k not in new]
             ctx.env = dict(vm_env)
             with contextlib.suppress(OSError):
-                ctx.send({"op": "rekey", "set": sets, "unset": unsets, "hostname": hostname})
+                ctx.send({"op": "rekey", "set": sets, "unset": unsets, **extra})
 
     def interrupt(self, ctx_id: Any) -> bool:
         ctx = self.get(ctx_id)
