@@ -9,7 +9,8 @@ or ``<image>@<size>`` (sizes.pool_entry): its key here.
   forgets it. It is primed (the image's no-op commands; an image whose template started a
   kernel runs an empty cell in it, which leaves no state), then its vCPUs are stopped and
   its RAM handed back (offload.py): it costs its QEMU's own memory and a few MiB of guest
-  RAM. It has never run a tenant's code.
+  RAM. One whose template started a kernel keeps its RAM (a claim's first cell would read
+  the kernel back page by page). It has never run a tenant's code.
 - **Claim** (spawn.py asks first, for a schedule of a pooled image and size): one pooled
   VM is taken (in memory, without an await: never two claims of one VM), its slot is
   re-keyed to the tenant's vm id (slots.py), the gateway gets the tenant's policy, limits,
@@ -46,7 +47,14 @@ from pal.images.paths import load_image
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.restore import brokered_of, identity_of
-from pal.manager.templates import PRIME_COMMANDS, PRIME_TIMEOUT_S, TemplateCache, TemplateHost, warm_kernel
+from pal.manager.templates import (
+    PRIME_COMMANDS,
+    PRIME_TIMEOUT_S,
+    TemplateCache,
+    TemplateHost,
+    warm_kernel,
+    warm_kernel_language,
+)
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
@@ -202,6 +210,14 @@ class WarmPool:
             # No network until a claim: the gateway forgets it, its namespace and tap stay.
             await self.d.net.unregister(pool_id)
             await lv.qemu.pause()
+            if warm_kernel_language(lv.image) is not None:
+                # Kept resident: a claim's first cell would fault its started kernel back in
+                # from the RAM file page by page (measured: docs/benchmarks/code.md). The
+                # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
+                self.vms[pool_id] = PooledVm(lv, size)
+                self.last_error = None
+                log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
+                return True
             res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
             self.vms[pool_id] = PooledVm(lv, size, res.working_set)
             self.last_error = None

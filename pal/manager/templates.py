@@ -311,13 +311,19 @@ WARM_KERNEL_ENV = "PAL_WARM_KERNEL"  # an image's ENV naming the language whose 
 WARM_KERNEL_TIMEOUT_S = 240.0  # ipykernel's first start under TCG imports a lot
 
 
+def warm_kernel_language(image: ImagePaths) -> str | None:
+    """The language whose kernel the image's template starts (PAL_WARM_KERNEL), if any."""
+    language = image.config.env.get(WARM_KERNEL_ENV)
+    return language if language in ("python", "bash") else None
+
+
 async def warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
     """Start the image's default code context before the capture (the code-interpreter
     image sets PAL_WARM_KERNEL=python), so a VM restored from the template answers its
     first cell without a kernel start: an empty cell, which leaves no count nor history.
     The warm pool runs it again in a pooled VM (pool.prime: its kernel runs, warm)."""
-    language = image.config.env.get(WARM_KERNEL_ENV)
-    if language not in ("python", "bash"):
+    language = warm_kernel_language(image)
+    if language is None:
         return []
     msg = {"k": p.K_CRUN, "tok": lv.token, "ctx": None, "language": language, "code": "", "timeout": 60}
     try:
