@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 POOL_ID_PREFIX = "pool-"
 PREFETCH_WAIT_S = 2.0  # a claim waits this long at most for the working set
+REFILL_AFTER_CLAIM_S = 5.0  # a claim's refill starts this long after it
 REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then,
 REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed template
 # build is a cold boot: a pool must not keep a loaded host booting)
@@ -259,7 +260,9 @@ class WarmPool:
         if pv is None:
             self.misses += 1
             return None
-        self._wake.set()  # refill
+        # Refill, but not at once: under TCG a template restore beside the claimed VM's first
+        # requests takes the CPU they need on a small host (docs/benchmarks/code.md).
+        asyncio.get_running_loop().call_later(REFILL_AFTER_CLAIM_S, self._wake.set)
         if pv.lv.image.agent_version_id != load_image(self.d.settings, req.image).agent_version_id:
             await self._kill(pv.lv)  # made from an image build that was replaced since
             return None
