@@ -159,9 +159,10 @@ class Settings(BaseSettings):
     pool: tuple[tuple[str, int], ...] = setting(
         sizes.DEFAULT_POOL,
         "PAL_POOL",
-        "the claimable warm pool: sizes and how many VMs of each a node keeps restored from"
-        " their template, live-paused and offloaded, for a schedule of that size to claim"
-        " (`256m-1c-2048d:2,512m-1c-2048d:1`); `0` turns it off",
+        "the claimable warm pool: sizes (of the default image, or `<image>@<size>`) and how"
+        " many VMs of each a node keeps restored from their template, live-paused and offloaded,"
+        " for a schedule of that image and size to claim"
+        " (`256m-1c-2048d:2,code-interpreter@256m-1c-2048d:1`); `0` turns it off",
         read=lambda _n, raw: parse_pool(raw),
         shown="`256m-1c-2048d:2`",
     )

@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from pal import sizes
+from pal.spec import IMAGE_NAME
 
 Reader = Callable[[str, str], Any]  # (variable name, raw value) -> the setting's value
 
@@ -173,8 +174,10 @@ def parse_template_sizes(raw: str | None) -> tuple[str, ...] | None:
 def parse_pool(
     raw: str | None, default: tuple[tuple[str, int], ...] = sizes.DEFAULT_POOL, env: str = "PAL_POOL"
 ) -> tuple[tuple[str, int], ...]:
-    """PAL_POOL (and PAL_PRESTART): ``256m-1c-2048d:2,512m-1c-2048d:1`` (size and how many
-    of it); ``0``/``off``: none; unset or empty: ``default`` (pal/sizes.py)."""
+    """PAL_POOL: ``256m-1c-2048d:2,code-interpreter@512m-1c-2048d:1`` (an optional image and
+    ``@``, a size, and how many pooled VMs of it; no image: the default one); ``0``/``off``:
+    none; unset or empty: ``default`` (pal/sizes.py). Keys: sizes.pool_entry. PAL_PRESTART
+    has the same form without images (a waiting QEMU has no image until a restore fills it)."""
     text = (raw or "").strip()
     if not text:
         return default
@@ -185,14 +188,20 @@ def parse_pool(
         if not item:
             continue
         name, _, count = item.partition(":")
+        image, at, size_text = name.strip().rpartition("@")
+        if at and env != "PAL_POOL":
+            raise ValueError(f"{env}: {item!r}: sizes only, no image")
+        image = image if at else sizes.POOL_DEFAULT_IMAGE
+        if not IMAGE_NAME.match(image):
+            raise ValueError(f"{env}: {item!r}: {image!r} is not an image name")
         try:
-            size = sizes.size_name(*sizes.parse_size_name(name))
+            size = sizes.size_name(*sizes.parse_size_name(size_text))
             n = int(count) if count else 1
         except ValueError as exc:
             raise ValueError(f"{env}: {exc}") from exc
         if not 0 <= n <= sizes.POOL_COUNT_MAX:
             raise ValueError(f"{env}: {item!r}: a count is 0..{sizes.POOL_COUNT_MAX}")
-        out[size] = n
+        out[sizes.pool_entry(image, size)] = n
     return tuple((k, v) for k, v in out.items() if v)
 
 

@@ -17,9 +17,24 @@ DISK_MIB_RANGE = (512, 65536)
 # keep) a template per size they invent.
 DEFAULT_TEMPLATE_SIZES = ("256m-1c-2048d", "512m-1c-2048d", "1024m-1c-4096d", "2048m-2c-8192d")
 # The claimable warm pool (PAL_POOL, pal/manager/pool.py): two VMs of the default size.
+# An entry is keyed by its size for the default image and by ``<image>@<size>`` for another
+# (``code-interpreter@256m-1c-2048d``).
 DEFAULT_POOL = (("256m-1c-2048d", 2),)
 DEFAULT_PRESTART = (("256m-1c-2048d", 4),)  # pre-started QEMUs (pal/manager/prestart.py)
 POOL_COUNT_MAX = 64
+POOL_DEFAULT_IMAGE = "default"
+
+
+def pool_entry(image: str, size: str) -> str:
+    """A pool entry's key: the size alone for the default image, else ``<image>@<size>``."""
+    return size if image == POOL_DEFAULT_IMAGE else f"{image}@{size}"
+
+
+def split_pool_entry(key: str) -> tuple[str, str]:
+    """``code-interpreter@256m-1c-2048d`` -> (``code-interpreter``, ``256m-1c-2048d``); a
+    bare size is the default image's."""
+    image, _, size = key.rpartition("@")
+    return image or POOL_DEFAULT_IMAGE, size
 
 
 def size_name(memory_mib: int, vcpus: int = DEFAULT_VCPUS, disk_mib: int = DEFAULT_DISK_MIB) -> str:

@@ -61,7 +61,10 @@ class CodeRequests:
         ctx_id = msg.get("ctx")
         if ctx_id is None:
             language = language_of(msg.get("language", "python"))
-            ctx = self.kernels.start(self.spec_for(language, None, None), default_id(language))
+            try:  # started already (most cells): no environment nor python3 to resolve again
+                ctx = self.kernels.get(default_id(language))
+            except ExecError:
+                ctx = self.kernels.start(self.spec_for(language, None, None), default_id(language))
         else:
             ctx = self.kernels.get(ctx_id)
             asked = msg.get("language")

@@ -240,6 +240,7 @@ class Harness:
                         self.ca_env = env
                 except OSError as exc:
                     log(f"cannot install the brokered-secrets CA: {exc}")
+        was = self.vm_id
         self._apply_identity(msg)
         if self.system and self.vm_id:
             # A forked or template-started guest must not keep its source's name.
@@ -247,6 +248,10 @@ class Harness:
                 socket.sethostname(self.vm_id[:63])
             except OSError as exc:
                 log(f"sethostname failed: {exc}")
+        # Another VM's kernels (a fork, a template's or pooled VM's) get a new seed; the same
+        # VM's (a resume) keep their RNG, which the user may have seeded.
+        host = self.vm_id[:63] if self.system else ""
+        self.kernels.rekey(self._exec_env(None, False), host, reseed=was != self.vm_id)
         t2 = time.monotonic_ns()
         # decode: from the read that brought this request to here (JSON decode, dispatch).
         decode = (t0 - self.channel.read_ns) // 1000 if self.channel.read_ns else None
@@ -352,7 +357,8 @@ class Harness:
         creds: dict[str, Any] = {}
         if self.uid is not None:
             creds = {"user": self.uid, "group": self.gid, "extra_groups": []}
-        return ContextSpec(language=language, env=env, cwd=cwd, creds=creds, python=python)
+        vm_env = self._exec_env(None, False)
+        return ContextSpec(language=language, env=env, cwd=cwd, vm_env=vm_env, creds=creds, python=python)
 
     def _cwd(self, req_cwd: Any) -> str:
         cwd = req_cwd or self.workdir or self.workspace.root

@@ -12,9 +12,14 @@ site-packages; ``bash`` runs under Pal's interpreter and needs only ``bash``.
 - bash: one persistent ``bash`` per context; a cell is ``source``d from a file, so its
   variables, functions and cwd persist; SIGINT is trapped to ``return`` from the cell.
 
-Requests on stdin: ``{"op": "run", "code"}`` and ``{"op": "interrupt"}``. Events on the
-protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once, then per cell ``stream {name,
-text}``, ``result {data, main}``, ``error {name, value, traceback}``, ``done {count}``.
+Requests on stdin: ``{"op": "run", "code"}``, ``{"op": "interrupt"}`` and ``{"op":
+"rekey", "set", "unset", "hostname", "reseed"}`` (the VM took a new identity: a restore, a
+fork, a claim from the warm pool; the kernel's environment follows it and, when it is
+another VM's, Python's ``random`` is reseeded, as after an ``os.fork``; it answers nothing).
+Runs and rekeys are done in order, one at a time, on a worker thread: an interrupt is read
+while a cell runs. Events on the protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once,
+then per cell ``stream {name, text}``, ``result {data, main}``, ``error {name, value,
+traceback}``, ``done {count}``.
 The kernel's own stdout/stderr go to /dev/null: only this driver writes the protocol fd.
 """
 
@@ -22,17 +27,31 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 MIMES = ("text/plain", "text/html", "image/png", "image/svg+xml", "application/json")
 CHUNK = 64 * 1024  # a bash cell's output goes out in lines of at most this
 READY_TIMEOUT_S = 170.0  # a kernel not ready by then failed (TCG, a loaded host; kernels.py waits 180 s)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # what a rekey may set or unset
+
+
+def rekey_env(req: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """A rekey's variables to set and unset, only well-formed names and string values."""
+    raw_set, raw_unset = req.get("set"), req.get("unset")
+    sets = raw_set if isinstance(raw_set, dict) else {}
+    unsets = raw_unset if isinstance(raw_unset, list) else []
+    ok = {k: v for k, v in sets.items() if isinstance(k, str) and ENV_NAME.match(k) and isinstance(v, str)}
+    return ok, [k for k in unsets if isinstance(k, str) and ENV_NAME.match(k) and k not in ok]
 
 
 class Out:
@@ -48,6 +67,76 @@ class Out:
             self.f.write(line)
 
 
+class Wire:
+    """The kernel's shell and IOPub sockets, driven directly (plain blocking ZeroMQ): a
+    request is signed by jupyter_client's Session, a message read is only JSON-decoded as
+    far as needed. jupyter_client's own blocking client runs an asyncio loop per message
+    and parses every header's dates; under TCG that doubled a trivial cell's time in the
+    kernel (docs/benchmarks/code.md). Incoming messages are not HMAC-checked: the sockets
+    are IPC files in a 0700 directory of this user, whose kernel runs the user's code."""
+
+    DELIM = b"<IDS|MSG>"
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        import zmq
+        from jupyter_client.session import Session
+
+        self.zmq = zmq
+        key = info["key"] if isinstance(info["key"], bytes) else str(info["key"]).encode()
+        self.session = Session(key=key, signature_scheme=info["signature_scheme"])
+        ctx = zmq.Context.instance()
+        base = f"ipc://{info['ip']}-"
+        self.shell = ctx.socket(zmq.DEALER)
+        self.shell.linger = 0
+        self.shell.connect(base + str(info["shell_port"]))
+        self.iopub = ctx.socket(zmq.SUB)
+        self.iopub.linger = 0
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.iopub.connect(base + str(info["iopub_port"]))
+
+    def request(self, msg_type: str, content: dict[str, Any]) -> str:
+        msg = self.session.msg(msg_type, content)
+        self.session.send(self.shell, msg)
+        while self.shell.poll(0):  # replies are not needed: IOPub's idle ends a request
+            self.shell.recv_multipart()
+        return str(msg["header"]["msg_id"])
+
+    def next_of(self, msg_id: str, timeout_ms: int | None = None) -> tuple[str, dict[str, Any]] | None:
+        """The next IOPub message answering ``msg_id``: (type, content); None on timeout."""
+        while True:
+            if timeout_ms is not None and not self.iopub.poll(timeout_ms):
+                return None
+            frames = self.iopub.recv_multipart()
+            try:
+                at = frames.index(self.DELIM)
+                parent = json.loads(frames[at + 3])
+                if not isinstance(parent, dict) or parent.get("msg_id") != msg_id:
+                    continue
+                kind = json.loads(frames[at + 2])["msg_type"]
+                content = json.loads(frames[at + 5])
+            except (ValueError, IndexError, KeyError, TypeError):
+                continue
+            if isinstance(content, dict):
+                return str(kind), content
+
+    def wait_idle(self, msg_id: str) -> None:
+        while True:
+            got = self.next_of(msg_id)
+            if got and got[0] == "status" and got[1].get("execution_state") == "idle":
+                return
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until the kernel answers a kernel_info request on IOPub: then it runs, and this
+        subscription is live (a SUB socket misses what is published before it joins)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg_id = self.request("kernel_info_request", {})
+            if self.next_of(msg_id, 1000) is not None:
+                self.wait_idle(msg_id)
+                return
+        raise TimeoutError(f"the kernel did not answer in {timeout:.0f} s")
+
+
 class PythonKernel:
     def __init__(self, out: Out) -> None:
         from jupyter_client.manager import KernelManager  # the image's; absent: ``fail``
@@ -61,20 +150,37 @@ class PythonKernel:
         # kernel holds no timer, and the VM's idle probe can see it idle and suspend it.
         null = subprocess.DEVNULL
         self.km.start_kernel(stdout=null, stderr=null, stdin=null, independent=True)
-        self.kc = self.km.client()
-        self.kc.start_channels(hb=False)
-        self.kc.wait_for_ready(timeout=READY_TIMEOUT_S)
+        self.wire = Wire(self.km.get_connection_info())
+        self.wire.wait_ready(READY_TIMEOUT_S)
         prov = getattr(self.km, "provisioner", None)
         self.pid = int(getattr(prov, "pid", 0) or getattr(getattr(self.km, "kernel", None), "pid", 0) or 0)
 
+    def execute(self, code: str, silent: bool) -> str:
+        content = {"code": code, "silent": silent, "store_history": not silent, "user_expressions": {}}
+        # One cell at a time: nothing queued for an error to abort (stop_on_error would abort
+        # a cell sent right after an error or an interrupt, while the kernel still aborts).
+        return self.wire.request("execute_request", {**content, "allow_stdin": False, "stop_on_error": False})
+
+    def rekey(self, req: dict[str, Any]) -> None:
+        """Silently (no count, no history, no output): the new environment and, if asked, a
+        new seed for ``random``; an expression, so the user's namespace gets no name."""
+        sets, unsets = rekey_env(req)
+        code = (
+            f"(lambda os, sys: (os.environ.update({sets!r}),"
+            f" [os.environ.pop(k, None) for k in {unsets!r}],"
+            f" {req.get('reseed') is True} and 'random' in sys.modules and sys.modules['random'].seed()))"
+            "(__import__('os'), __import__('sys'))"
+        )
+        self.wire.wait_idle(self.execute(code, silent=True))
+
     def run(self, code: str) -> None:
-        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False)
+        msg_id = self.execute(code, silent=False)
         count = None
         while True:
-            msg = self.kc.get_iopub_msg()
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            got = self.wire.next_of(msg_id)
+            if got is None:
                 continue
-            kind, content = msg["msg_type"], msg["content"]
+            kind, content = got
             if kind == "stream":
                 self.out.emit("stream", name=content.get("name"), text=content.get("text", ""))
             elif kind in ("display_data", "update_display_data", "execute_result"):
@@ -158,6 +264,18 @@ class BashKernel:
             self.out.emit("error", name="ExitStatus", value=str(rc), traceback=[f"exit status {rc}"])
         self.out.emit("done", count=self.count)
 
+    def rekey(self, req: dict[str, Any]) -> None:
+        """The new environment, exported in the shell between cells; and bash's own
+        HOSTNAME (set once, at its start)."""
+        sets, unsets = rekey_env(req)
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in sets.items()]
+        lines += [f"unset {k}" for k in unsets]
+        host = req.get("hostname")
+        if isinstance(host, str) and host:
+            lines.append(f"HOSTNAME={shlex.quote(host)}")
+        if lines:
+            self._send("\n".join(lines) + "\n")
+
     def interrupt(self) -> None:
         os.killpg(self.pid, signal.SIGINT)
 
@@ -178,11 +296,14 @@ def main() -> int:
         out.emit("fail", msg=f"the {lang} kernel did not start: {exc!r}"[:1000])
         return 4
     out.emit("ready", kernel_pid=kernel.pid)
-    worker: threading.Thread | None = None
+    jobs: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    threading.Thread(target=_work, args=(jobs,), daemon=True).start()
     for raw in sys.stdin.buffer:
         try:
             req = json.loads(raw)
         except ValueError:
+            continue
+        if not isinstance(req, dict):
             continue
         if req.get("op") == "interrupt":
             try:
@@ -190,11 +311,20 @@ def main() -> int:
             except OSError:
                 pass
         elif req.get("op") == "run" and isinstance(req.get("code"), str):
-            if worker is not None:
-                worker.join()  # the harness sends one cell at a time; never two at once
-            worker = threading.Thread(target=kernel.run, args=(req["code"],), daemon=True)
-            worker.start()
+            jobs.put((kernel.run, req["code"]))  # the harness sends one cell at a time
+        elif req.get("op") == "rekey":
+            jobs.put((kernel.rekey, req))
     return 0
+
+
+def _work(jobs: queue.Queue[tuple[Any, Any]]) -> None:
+    """Runs and rekeys in order, one at a time (a kernel client is not thread-safe)."""
+    while True:
+        fn, arg = jobs.get()
+        try:
+            fn(arg)
+        except Exception:  # as a cell's thread did: no ``done``, the harness's timeout acts
+            pass
 
 
 if __name__ == "__main__":

@@ -48,12 +48,15 @@ class Context:
     language: str
     cwd: str
     popen: subprocess.Popen[bytes]
+    env: dict[str, str] = field(default_factory=dict)  # the VM's part of its environment
+    own_env: dict[str, str] = field(default_factory=dict)  # the context's own (cnew's env)
     kernel_pid: int = 0
     created_ms: int = field(default_factory=now_ms)
     executions: int = 0
     running: bool = False
     events: queue.Queue[P.Message | None] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def info(self) -> P.Message:
         return {
@@ -67,8 +70,9 @@ class Context:
 
     def send(self, req: P.Message) -> None:
         assert self.popen.stdin is not None
-        self.popen.stdin.write(json.dumps(req).encode() + b"\n")
-        self.popen.stdin.flush()
+        with self.send_lock:
+            self.popen.stdin.write(json.dumps(req).encode() + b"\n")
+            self.popen.stdin.flush()
 
 
 @dataclass
@@ -78,6 +82,7 @@ class ContextSpec:
     language: str
     env: dict[str, str]
     cwd: str
+    vm_env: dict[str, str]  # what of ``env`` is the VM's (identity, secrets), not the request's
     creds: dict[str, Any]
     python: str | None = None  # the image's python3 (for ``python``)
 
@@ -161,7 +166,10 @@ class Kernels:
                 **spec.creds,
             )
             self.children.register(popen.pid)
-        ctx = Context(id=ctx_id, language=spec.language, cwd=spec.cwd, popen=popen)
+        own = {k: v for k, v in spec.env.items() if spec.vm_env.get(k) != v}
+        ctx = Context(
+            id=ctx_id, language=spec.language, cwd=spec.cwd, popen=popen, env=spec.vm_env, own_env=own
+        )
         threading.Thread(target=_read_events, args=(ctx,), name=f"ctx-{ctx_id}", daemon=True).start()
         try:
             first = ctx.events.get(timeout=START_TIMEOUT_S)
@@ -193,6 +201,23 @@ class Kernels:
         with self._lock:
             self._contexts.pop(ctx.id, None)
         self._kill(ctx)
+
+    def rekey(self, vm_env: dict[str, str], hostname: str, reseed: bool) -> None:
+        """The VM took a new identity (restore, fork, pool claim): each kernel's environment
+        follows it (what changed of the VM's part; a context's own variables win) and, when
+        it is another VM's, its RNG is reseeded (kerneldriver.py, ``rekey``). A template's or
+        a pooled VM's kernel started under another identity; a fork's must not share its
+        parent's RNG."""
+        with self._lock:
+            contexts = list(self._contexts.values())
+        extra = {"hostname": hostname, "reseed": reseed}
+        for ctx in contexts:
+            old, new = {**ctx.env, **ctx.own_env}, {**vm_env, **ctx.own_env}
+            sets = {k: v for k, v in new.items() if old.get(k) != v}
+            unsets = [k for k in old if k not in new]
+            ctx.env = dict(vm_env)
+            with contextlib.suppress(OSError):
+                ctx.send({"op": "rekey", "set": sets, "unset": unsets, **extra})
 
     def interrupt(self, ctx_id: Any) -> bool:
         ctx = self.get(ctx_id)

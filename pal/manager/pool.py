@@ -1,13 +1,17 @@
-"""The claimable warm pool: VMs restored from their size's template ahead of time, then
-live-paused and offloaded, for a schedule of that size to claim (docs/lifecycle.md,
-"The warm pool").
+"""The claimable warm pool: VMs restored from their image's and size's template ahead of
+time, then live-paused and offloaded, for a schedule of that image and size to claim
+(docs/lifecycle.md, "The warm pool"). An entry of PAL_POOL is a size of the default image
+or ``<image>@<size>`` (sizes.pool_entry): its key here.
 
-- **Fill** (in the background, one VM at a time): a VM of a pooled size is spawned under a
+- **Fill** (in the background, one VM at a time): a VM of a pooled entry is spawned under a
   pool id of its own (``pool-…``) from the template, exactly as a tenant's would be, but
   kept out of the registry: no heartbeat reports it, no API call reaches it, the gateway
-  forgets it. Its vCPUs are stopped and its RAM handed back (offload.py): it costs its
-  QEMU's own memory and a few MiB of guest RAM. It has never run a tenant's code.
-- **Claim** (spawn.py asks first, for a schedule of a pooled size and image): one pooled
+  forgets it. It is primed (the image's no-op commands; an image whose template started a
+  kernel runs an empty cell in it, which leaves no state), then its vCPUs are stopped and
+  its RAM handed back (offload.py): it costs its QEMU's own memory and a few MiB of guest
+  RAM. One whose template started a kernel keeps its RAM (a claim's first cell would read
+  the kernel back page by page). It has never run a tenant's code.
+- **Claim** (spawn.py asks first, for a schedule of a pooled image and size): one pooled
   VM is taken (in memory, without an await: never two claims of one VM), its slot is
   re-keyed to the tenant's vm id (slots.py), the gateway gets the tenant's policy, limits,
   secrets and wait rule on fresh sockets, its working set is read back, its vCPUs run, and
@@ -43,7 +47,14 @@ from pal.images.paths import load_image
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.restore import brokered_of, identity_of
-from pal.manager.templates import PRIME_COMMANDS, PRIME_TIMEOUT_S, TemplateCache, TemplateHost
+from pal.manager.templates import (
+    PRIME_COMMANDS,
+    PRIME_TIMEOUT_S,
+    TemplateCache,
+    TemplateHost,
+    warm_kernel,
+    warm_kernel_language,
+)
 from pal.manager.vm import LiveVm, VmRegistry, kill_quietly
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
@@ -52,9 +63,9 @@ from pal.vmm.usage import process_memory
 
 log = logging.getLogger(__name__)
 
-POOL_IMAGE = "default"  # the image pooled VMs are of
 POOL_ID_PREFIX = "pool-"
 PREFETCH_WAIT_S = 2.0  # a claim waits this long at most for the working set
+REFILL_AFTER_CLAIM_S = 5.0  # a claim's refill starts this long after it
 REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then,
 REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed template
 # build is a cold boot: a pool must not keep a loaded host booting)
@@ -63,7 +74,7 @@ REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed
 @dataclass
 class PooledVm:
     lv: LiveVm
-    size: str  # sizes.size_name
+    size: str  # the pool entry's key (sizes.pool_entry): a size, or <image>@<size>
     working_set: list[tuple[int, int]] = field(default_factory=list)
     made_at: float = field(default_factory=time.time)
 
@@ -81,14 +92,15 @@ class PoolDeps:
     template_host: TemplateHost  # builds a missing template
 
 
-async def template_ready(d: PoolDeps, size: str) -> bool:
-    """The template pooled VMs of ``size`` restore from, built first when missing; False
-    when there is none to be had (PAL_TEMPLATES=0, a size without templates, a failed
+async def template_ready(d: PoolDeps, key: str) -> bool:
+    """The template pooled VMs of entry ``key`` restore from, built first when missing;
+    False when there is none to be had (PAL_TEMPLATES=0, a size without templates, a failed
     build): pooled VMs are only ever restored from a template."""
     templates = d.templates()
     if templates is None:
         return False
-    image = load_image(d.settings, POOL_IMAGE)
+    name, size = sizes.split_pool_entry(key)
+    image = load_image(d.settings, name)
     mem, vcpus, disk = sizes.parse_size_name(size)
     if templates.lookup(image, mem, vcpus, disk) is not None:
         return True
@@ -96,29 +108,31 @@ async def template_ready(d: PoolDeps, size: str) -> bool:
     return task is not None and await task is not None
 
 
-def pool_key(image: str, memory_mib: int, vcpus: int, disk_mib: int) -> str | None:
-    """The pooled size a spawn of this image and size can claim (None: not pooled)."""
-    return sizes.size_name(memory_mib, vcpus, disk_mib) if image == POOL_IMAGE else None
+def pool_key(image: str, memory_mib: int, vcpus: int, disk_mib: int) -> str:
+    """The pool entry a spawn of this image and size would claim from (sizes.pool_entry)."""
+    return sizes.pool_entry(image, sizes.size_name(memory_mib, vcpus, disk_mib))
 
 
 def budgeted_targets(wanted: tuple[tuple[str, int], ...], budget_mib: int) -> dict[str, int]:
-    """How many VMs of each size the pool keeps: PAL_POOL's counts, in its order, while the
+    """How many VMs of each entry the pool keeps: PAL_POOL's counts, in its order, while the
     guest RAM they add up to stays within ``budget_mib``."""
     out: dict[str, int] = {}
     left = budget_mib
-    for size, count in wanted:
-        mem = sizes.parse_size_name(size)[0]
+    for key, count in wanted:
+        mem = sizes.parse_size_name(sizes.split_pool_entry(key)[1])[0]
         n = min(count, left // mem) if mem else 0
-        out[size] = n
+        out[key] = n
         left -= n * mem
     return out
 
 
 async def prime(lv: LiveVm) -> None:
     """Run the image's own no-op commands once (templates.PRIME_COMMANDS), as a template
-    does before its capture: this QEMU then has the first exec's guest code translated
-    (TCG keeps it across the pause), so a claim's first exec runs warm. Nothing of a
-    tenant's runs: the commands are the image's, the identity the pool's."""
+    does before its capture, and an empty cell in the kernel its template started (if any:
+    templates.warm_kernel): this QEMU then has the first exec's and the first cell's guest
+    code translated (TCG keeps it across the pause), so a claim's first exec and first cell
+    run warm. Nothing of a tenant's runs: the commands are the image's, the identity the
+    pool's, and an empty cell leaves no state in the kernel (no count, no history)."""
     for argv in PRIME_COMMANDS:
         msg: p.Message = {"k": p.K_EXEC, "tok": lv.token, "argv": list(argv), "env": {}}
         msg |= {"cwd": None, "timeout": PRIME_TIMEOUT_S, "user": None}
@@ -129,6 +143,7 @@ async def prime(lv: LiveVm) -> None:
                     pass
             finally:
                 await replies.aclose()
+    await warm_kernel(lv, lv.image)
 
 
 class WarmPool:
@@ -151,11 +166,11 @@ class WarmPool:
             self._task = asyncio.create_task(self._run(), name="warm-pool")
 
     def missing(self) -> list[str]:
-        """Sizes short of their target, one entry per VM to make."""
+        """Entries short of their target, one per VM to make."""
         out: list[str] = []
-        for size, want in self.targets.items():
-            have = sum(1 for pv in self.vms.values() if pv.size == size) + self.filling.get(size, 0)
-            out += [size] * max(0, want - have)
+        for key, want in self.targets.items():
+            have = sum(1 for pv in self.vms.values() if pv.size == key) + self.filling.get(key, 0)
+            out += [key] * max(0, want - have)
         return out
 
     async def _run(self) -> None:
@@ -173,13 +188,14 @@ class WarmPool:
                 await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
 
     async def fill_one(self, size: str) -> bool:
-        """Make one pooled VM of ``size``; False when it could not be made now."""
-        mem, vcpus, disk = sizes.parse_size_name(size)
+        """Make one pooled VM of entry ``size``; False when it could not be made now."""
+        image, size_text = sizes.split_pool_entry(size)
+        mem, vcpus, disk = sizes.parse_size_name(size_text)
         pool_id = POOL_ID_PREFIX + secrets.token_hex(6)
         req = SpawnRequest(
             vm_id=pool_id,
             tenant_id="",
-            image=POOL_IMAGE,
+            image=image,
             vcpus=vcpus,
             memory_mib=mem,
             disk_mib=disk,
@@ -195,6 +211,14 @@ class WarmPool:
             # No network until a claim: the gateway forgets it, its namespace and tap stay.
             await self.d.net.unregister(pool_id)
             await lv.qemu.pause()
+            if warm_kernel_language(lv.image) is not None:
+                # Kept resident: a claim's first cell would fault its started kernel back in
+                # from the RAM file page by page (measured: docs/benchmarks/code.md). The
+                # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
+                self.vms[pool_id] = PooledVm(lv, size)
+                self.last_error = None
+                log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
+                return True
             res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
             self.vms[pool_id] = PooledVm(lv, size, res.working_set)
             self.last_error = None
@@ -230,13 +254,15 @@ class WarmPool:
         if req.restore is not None or req.boot == "cold":
             return None
         size = pool_key(req.image, req.memory_mib, req.vcpus, req.disk_mib)
-        if size is None or size not in self.targets:
+        if size not in self.targets:
             return None
         pv = self.take(size)
         if pv is None:
             self.misses += 1
             return None
-        self._wake.set()  # refill
+        # Refill, but not at once: under TCG a template restore beside the claimed VM's first
+        # requests takes the CPU they need on a small host (docs/benchmarks/code.md).
+        asyncio.get_running_loop().call_later(REFILL_AFTER_CLAIM_S, self._wake.set)
         if pv.lv.image.agent_version_id != load_image(self.d.settings, req.image).agent_version_id:
             await self._kill(pv.lv)  # made from an image build that was replaced since
             return None

@@ -188,7 +188,7 @@ class TemplateCache:
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
             primed = await self._prime(runtime, vm_id)
-            primed += await _warm_kernel(lv, image)
+            primed += await warm_kernel(lv, image)
             staging.mkdir(parents=True, exist_ok=True)
             # Like a pause: the capture's RAM file must fit (a full disk fails it cleanly).
             await asyncio.to_thread(admission.check_disk, self.root, memory_mib, f"the template of {key}")
@@ -311,12 +311,19 @@ WARM_KERNEL_ENV = "PAL_WARM_KERNEL"  # an image's ENV naming the language whose 
 WARM_KERNEL_TIMEOUT_S = 240.0  # ipykernel's first start under TCG imports a lot
 
 
-async def _warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
+def warm_kernel_language(image: ImagePaths) -> str | None:
+    """The language whose kernel the image's template starts (PAL_WARM_KERNEL), if any."""
+    language = image.config.env.get(WARM_KERNEL_ENV)
+    return language if language in ("python", "bash") else None
+
+
+async def warm_kernel(lv: Any, image: ImagePaths) -> list[str]:
     """Start the image's default code context before the capture (the code-interpreter
     image sets PAL_WARM_KERNEL=python), so a VM restored from the template answers its
-    first cell without a kernel start."""
-    language = image.config.env.get(WARM_KERNEL_ENV)
-    if language not in ("python", "bash"):
+    first cell without a kernel start: an empty cell, which leaves no count nor history.
+    The warm pool runs it again in a pooled VM (pool.prime: its kernel runs, warm)."""
+    language = warm_kernel_language(image)
+    if language is None:
         return []
     msg = {"k": p.K_CRUN, "tok": lv.token, "ctx": None, "language": language, "code": "", "timeout": 60}
     try:

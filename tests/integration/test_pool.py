@@ -5,6 +5,7 @@ pooled VM holds little guest RAM; and nothing is left behind."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from tests.conftest import (
     start_server,
     stop_server,
 )
+from tests.integration.test_code import SPEC as CODE_SPEC
+from tests.integration.test_code import code_image  # noqa: F401 (a fixture: the image, built)
 from tests.leaks import pooled_vms, problems, vm_slots, vm_states
 
 pytestmark = pytest.mark.vm
@@ -29,6 +32,7 @@ pytestmark = pytest.mark.vm
 POOL_ENV = {"PAL_POOL": "256m-1c-2048d:2"}
 DEADLINE_S = 600  # a hang guard, not a speed bound (a TCG restore on a busy host)
 MIB = 1 << 20
+CODE_SIZE = "256m-1c-2048d"  # the default size, which has templates in the tests
 
 
 @pytest.fixture
@@ -134,3 +138,57 @@ def test_a_size_without_a_pool_boots_as_before_and_counts_no_claim(run_dir: Path
             c.delete(f"/v1/runtime/vms/{r.json()['vmId']}")
     finally:
         stop_server(server)
+
+
+# A first cell that reports what its kernel held before it: the names a user defined (none
+# but IPython's own), the outputs kept, who the sandbox is, and a draw of Python's RNG.
+FIRST_CELL = (
+    "names = sorted(k for k in globals()"
+    " if not k.startswith('_') and k not in ('In', 'Out', 'exit', 'quit', 'get_ipython'))\n"
+    "import json, os, random, socket\n"
+    "print(json.dumps({'names': names, 'outs': len(Out), 'ins': len(In),"
+    " 'vm': os.environ.get('PAL_VM_ID'), 'who': os.environ.get('WHO'), 'host': socket.gethostname(),"
+    " 'cwd': os.getcwd(), 'draw': random.random()}))"
+)
+
+
+@pytest.mark.usefixtures("code_image")
+def test_a_schedule_of_a_pooled_image_claims_a_vm_whose_warm_kernel_is_fresh_and_its_own(
+    run_dir: Path,
+) -> None:
+    # The code-interpreter image pooled at its own size: its pooled VMs come from its
+    # template, whose kernel is started; a claim's first cell runs in that kernel, which
+    # holds nothing from before the claim and sees the tenant's identity, not the pool's.
+    server = start_server(run_dir, {"PAL_POOL": f"{CODE_SPEC['image']}@{CODE_SIZE}:1"})
+    try:
+        key = server.tenant("pool-code", max_vms=3)
+        pooled = wait_pool_ready(server, 1)
+        seen: list[dict[str, object]] = []
+        with server.client(key) as c:
+            for n in range(2):
+                if n:
+                    pooled = wait_pool_ready(server, 1, not_among=set(pooled))
+                spec = {"image": CODE_SPEC["image"], "secrets": {"WHO": f"tenant-{n}"}}
+                r = c.post("/v1/runtime/schedule", json=spec)
+                assert r.status_code == 200, r.text
+                assert r.json()["bootMethod"] == "pool", r.json()
+                vm = r.json()["vmId"]
+                assert vm_slots(run_dir)[vm] in pooled.values()
+                r = c.post(f"/v1/runtime/vms/{vm}/code", json={"code": FIRST_CELL})
+                assert r.status_code == 200, r.text
+                cell = r.json()
+                assert cell["error"] is None and cell["executionCount"] == 1, cell
+                got = json.loads(cell["stdout"])
+                assert got["names"] == [] and got["outs"] == 0 and got["ins"] == 2, got
+                assert got["vm"] == vm and got["host"] == vm[:63] and got["who"] == f"tenant-{n}", got
+                assert got["cwd"] == "/workspace"
+                seen.append(got)
+                assert c.delete(f"/v1/runtime/vms/{vm}").status_code == 200
+            # Two VMs of one template: their kernels were reseeded, not left at its state.
+            assert seen[0]["draw"] != seen[1]["draw"]
+            assert pool_metric(server, "claims") == 2
+        wait_pool_ready(server, 1, not_among=set(pooled))  # refilled: no fill under way
+        assert problems(run_dir) == []
+    finally:
+        stop_server(server)
+    assert qemu_pids_under(run_dir / "vms") == [], "a stopped server leaves no pooled QEMU"

@@ -82,3 +82,20 @@ def test_kernels_start_nothing_until_asked() -> None:
     from pal.guest.children import ChildTracker
 
     assert Kernels(ChildTracker(False)).list() == []
+
+
+def test_a_new_identity_reaches_running_kernels_and_keeps_a_contexts_own_env(host: Host) -> None:
+    # What a restore, a fork or a pool claim does: the kernels started before it see the new
+    # VM id, incarnation and secrets (not the old ones); a context's own variables stay.
+    run(host, "true", language="bash")
+    own = host.call(p.K_CNEW, tok=TOKEN, language="bash", env={"SECRET": "mine", "Z": "z"})
+    own_id = own["result"]["context"]["id"]
+    show = 'echo "$PAL_VM_ID $PAL_INCARNATION [$SECRET] [${NEW-unset}] [$Z]"'
+    evs, _ = run(host, show, language="bash")
+    assert text(evs) == "vm-1 1 [s3] [unset] []\n"
+    ident = host.call(p.K_IDENTIFY, vm_id="vm-2", incarnation=3, token=TOKEN, env={"NEW": "n"})
+    assert ident["k"] == p.K_OK
+    evs, _ = run(host, show, language="bash")
+    assert text(evs) == "vm-2 3 [] [n] []\n"
+    evs, _ = run(host, show, ctx=own_id)
+    assert text(evs) == "vm-2 3 [mine] [n] [z]\n"
