@@ -229,6 +229,7 @@ def start_server(
         log_path=log_path,
         ports_port=int((extra_env or {}).get("PAL_PORTS_PORT") or ports_port),
     )
+    _STARTED.append(server)
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -301,6 +302,18 @@ def scratch_run_dir(prefix: str) -> Iterator[Path]:
         for name in netns_of(d):
             netns.delete(name)
         shutil.rmtree(d, ignore_errors=True)
+
+
+_STARTED: list[PalServer] = []  # every start_server of the session, for the end-of-session stop
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_outlives_the_session() -> Iterator[None]:
+    """A test that fails between its start_server and its stop leaves the server (and its
+    VMs) running: stop whatever is still up once the session ends."""
+    yield
+    for server in _STARTED:
+        stop_server(server)
 
 
 def stop_server(server: PalServer, sig: int = signal.SIGTERM) -> None:
