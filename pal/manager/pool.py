@@ -46,6 +46,7 @@ from pal.guest import protocol as p
 from pal.images.paths import load_image
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
+from pal.manager.refill import refill_forever
 from pal.manager.restore import brokered_of, identity_of
 from pal.manager.templates import (
     PRIME_COMMANDS,
@@ -66,9 +67,6 @@ log = logging.getLogger(__name__)
 POOL_ID_PREFIX = "pool-"
 PREFETCH_WAIT_S = 2.0  # a claim waits this long at most for the working set
 REFILL_AFTER_CLAIM_S = 5.0  # a claim's refill starts this long after it
-REFILL_RETRY_S = 30.0  # after a failed fill (no template yet, no memory), try again then,
-REFILL_RETRY_MAX_S = 600.0  # doubling per failure in a row up to this (a failed template
-# build is a cold boot: a pool must not keep a loaded host booting)
 
 
 @dataclass
@@ -174,18 +172,7 @@ class WarmPool:
         return out
 
     async def _run(self) -> None:
-        failures = 0  # failed fills in a row
-        while True:
-            self._wake.clear()
-            failed = False
-            for size in self.missing():
-                if not await self.fill_one(size):
-                    failed = True
-                    break
-            failures = failures + 1 if failed else 0
-            retry = min(REFILL_RETRY_S * 2 ** max(0, failures - 1), REFILL_RETRY_MAX_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
+        await refill_forever(self.missing, self.fill_one, self._wake)
 
     async def fill_one(self, size: str) -> bool:
         """Make one pooled VM of entry ``size``; False when it could not be made now."""

@@ -28,7 +28,6 @@ instead of starting one (docs/lifecycle.md, "Pre-started QEMUs").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -41,6 +40,7 @@ from pal.config import Settings
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths, load_image
 from pal.manager import admission
+from pal.manager.refill import refill_forever
 from pal.manager.restore_gate import RestoreGate
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
@@ -56,8 +56,6 @@ PRESTART_IMAGE = "default"  # whose boot files pre-started QEMUs run
 PRESTART_ID_PREFIX = "pre-"
 MIB = 1 << 20
 QEMU_OWN_MIB = 64  # what one idle QEMU may need of the host's memory (it needs less)
-RETRY_S = 30.0  # after a failed start, try again then, doubling per failure in a row
-RETRY_MAX_S = 600.0
 CPU_RECHECK_S = 0.5  # a start waits for the restore gate to be idle, looking this often
 
 
@@ -116,19 +114,7 @@ class PrestartSet:
         return out
 
     async def _run(self) -> None:
-        failures = 0
-        while True:
-            self._wake.clear()
-            failed = False
-            for size in self.missing():
-                await self._cpu_free()
-                if not await self.start_one(size):
-                    failed = True
-                    break
-            failures = failures + 1 if failed else 0
-            retry = min(RETRY_S * 2 ** max(0, failures - 1), RETRY_MAX_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), retry if failed or self.missing() else None)
+        await refill_forever(self.missing, self.start_one, self._wake, before_each=self._cpu_free)
 
     async def _cpu_free(self) -> None:
         """Starting QEMUs is the CPU budget's last claim: wait while restores run or wait."""
