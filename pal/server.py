@@ -104,6 +104,7 @@ class Node:
     def warm_default_template(self) -> None:
         """Build the template of the default image at the default size (AgentSpec's)."""
         from pal.images.paths import list_images, load_image
+        from pal.sizes import size_name
         from pal.spec import Limits
 
         if self.runtime.templates is None:
@@ -114,7 +115,7 @@ class Node:
             self.runtime.templates.prune({i.agent_version_id for i in list_images(self.settings)})
             image = load_image(self.settings, "default")
             self.runtime.templates.ensure_in_background(
-                self.runtime, image, size.memory_mib, size.vcpus, size.disk_mib
+                self.runtime, image, size_name(size.memory_mib, size.vcpus, size.disk_mib)
             )
 
 

@@ -102,7 +102,7 @@ def drop_default_template(data_dir: Path, memory_mib: int) -> None:
 
     settings = Settings.from_env(data_dir)
     cache = TemplateCache.from_settings(settings)
-    key = cache.key(load_image(settings, "default"), memory_mib, 1, 2048)
+    key = cache.key(load_image(settings, "default"), size_name(memory_mib, 1, 2048))
     shutil.rmtree(cache.root / key, ignore_errors=True)
 
 

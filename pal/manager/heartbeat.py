@@ -200,15 +200,11 @@ class NodeReports:
         if templates is None:
             raise Unavailable("warm templates are disabled on this node (PAL_TEMPLATES=0)")
         image = await asyncio.to_thread(load_image, self.d.settings, req.image)
-        key = templates.key(image, req.memory_mib, req.vcpus, req.disk_mib)
-        task = templates.ensure_in_background(
-            self.d.template_host, image, req.memory_mib, req.vcpus, req.disk_mib
-        )
+        size = size_name(req.memory_mib, req.vcpus, req.disk_mib)
+        key = templates.key(image, size)
+        task = templates.ensure_in_background(self.d.template_host, image, size)
         if task is None:
-            raise InvalidRequest(
-                f"size {size_name(req.memory_mib, req.vcpus, req.disk_mib)} gets no template: "
-                "it is not one of PAL_TEMPLATE_SIZES"
-            )
+            raise InvalidRequest(f"size {size} gets no template: it is not one of PAL_TEMPLATE_SIZES")
         # Shielded: a caller that gives up does not cancel a build other schedules wait for.
         path = await asyncio.shield(task)
         return WarmResult(key=key, ready=path is not None)

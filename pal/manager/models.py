@@ -6,7 +6,7 @@ sides cannot drift. camelCase on the wire.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -97,6 +97,29 @@ class SpawnResult(_Model):
     # Where the spawn's time went: prepare, QEMU start/load/cont, identify (host and guest
     # steps); recorded in the VM's status event (docs/lifecycle.md, "The restore path").
     timings: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        req: SpawnRequest,
+        pid: int | None,
+        boot_ms: float,
+        method: str,
+        agent_version_id: str,
+        **more: Any,
+    ) -> SpawnResult:
+        """The answer to ``req``: its VM is up in QEMU ``pid`` after ``boot_ms``."""
+        return cls.model_validate(
+            {
+                "vm_id": req.vm_id,
+                "pid": pid or 0,
+                "incarnation": req.incarnation,
+                "boot_ms": boot_ms,
+                "method": method,
+                "agent_version_id": agent_version_id,
+                **more,
+            }
+        )
 
 
 class SnapshotRequest(_Model):

@@ -46,8 +46,8 @@ from pal.guest import protocol as p
 from pal.images.paths import load_image
 from pal.manager.identify import identify
 from pal.manager.models import SpawnRequest, SpawnResult
-from pal.manager.refill import refill_forever
-from pal.manager.restore import brokered_of, identity_of
+from pal.manager.refill import StandingSet
+from pal.manager.restore import brokered_of, continued_timings, identity_of
 from pal.manager.templates import (
     PRIME_COMMANDS,
     PRIME_TIMEOUT_S,
@@ -60,7 +60,6 @@ from pal.manager.vm import LiveVm, VmRegistry, kill_quietly
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
 from pal.vmm import offload
-from pal.vmm.usage import process_memory
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +74,10 @@ class PooledVm:
     size: str  # the pool entry's key (sizes.pool_entry): a size, or <image>@<size>
     working_set: list[tuple[int, int]] = field(default_factory=list)
     made_at: float = field(default_factory=time.time)
+
+    @property
+    def pid(self) -> int | None:
+        return self.lv.qemu.pid
 
 
 @dataclass
@@ -99,10 +102,9 @@ async def template_ready(d: PoolDeps, key: str) -> bool:
         return False
     name, size = sizes.split_pool_entry(key)
     image = load_image(d.settings, name)
-    mem, vcpus, disk = sizes.parse_size_name(size)
-    if templates.lookup(image, mem, vcpus, disk) is not None:
+    if templates.lookup(image, size) is not None:
         return True
-    task = templates.ensure_in_background(d.template_host, image, mem, vcpus, disk)
+    task = templates.ensure_in_background(d.template_host, image, size)
     return task is not None and await task is not None
 
 
@@ -144,35 +146,21 @@ async def prime(lv: LiveVm) -> None:
     await warm_kernel(lv, lv.image)
 
 
-class WarmPool:
+class WarmPool(StandingSet[PooledVm]):
+    """Pooled VMs by pool id (``ready``), kept at PAL_POOL's targets."""
+
+    MAKING, TAKEN = "filling", "claims"
+
     def __init__(self, deps: PoolDeps) -> None:
+        super().__init__(budgeted_targets(deps.settings.pool, deps.settings.pool_memory_mib))
         self.d = deps
-        self.targets = budgeted_targets(deps.settings.pool, deps.settings.pool_memory_mib)
-        self.vms: dict[str, PooledVm] = {}  # pool id -> pooled VM
-        self.filling: dict[str, int] = {}  # size -> fills under way
-        self.claims = 0
-        self.misses = 0
-        self.last_error: str | None = None
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ fill
 
     def start(self) -> None:
         """Fill the pool in the background (and refill it after every claim)."""
-        if self.targets and any(self.targets.values()) and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="warm-pool")
-
-    def missing(self) -> list[str]:
-        """Entries short of their target, one per VM to make."""
-        out: list[str] = []
-        for key, want in self.targets.items():
-            have = sum(1 for pv in self.vms.values() if pv.size == key) + self.filling.get(key, 0)
-            out += [key] * max(0, want - have)
-        return out
-
-    async def _run(self) -> None:
-        await refill_forever(self.missing, self.fill_one, self._wake)
+        if any(self.targets.values()) and self._task is None:
+            self._refill_in_background("warm-pool", self.fill_one)
 
     async def fill_one(self, size: str) -> bool:
         """Make one pooled VM of entry ``size``; False when it could not be made now."""
@@ -188,51 +176,49 @@ class WarmPool:
             disk_mib=disk,
             token=secrets.token_urlsafe(24),
         )
-        self.filling[size] = self.filling.get(size, 0) + 1
-        lv: LiveVm | None = None
-        try:
-            if not await template_ready(self.d, size):
-                raise Unavailable(f"no template of {size} to restore pooled VMs from")
-            lv = await self.d.spawn_pooled(req)
-            await prime(lv)
-            # No network until a claim: the gateway forgets it, its namespace and tap stay.
-            await self.d.net.unregister(pool_id)
-            await lv.qemu.pause()
-            if warm_kernel_language(lv.image) is not None:
-                # Kept resident: a claim's first cell would fault its started kernel back in
-                # from the RAM file page by page (measured: docs/benchmarks/code.md). The
-                # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
-                self.vms[pool_id] = PooledVm(lv, size)
+        with self._making_one(size):
+            lv: LiveVm | None = None
+            try:
+                if not await template_ready(self.d, size):
+                    raise Unavailable(f"no template of {size} to restore pooled VMs from")
+                lv = await self.d.spawn_pooled(req)
+                await prime(lv)
+                # No network until a claim: the gateway forgets it, its namespace and tap stay.
+                await self.d.net.unregister(pool_id)
+                await lv.qemu.pause()
+                if warm_kernel_language(lv.image) is not None:
+                    # Kept resident: a claim's first cell would fault its started kernel back in
+                    # from the RAM file page by page (measured: docs/benchmarks/code.md). The
+                    # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
+                    self.ready[pool_id] = PooledVm(lv, size)
+                    self.last_error = None
+                    log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
+                    return True
+                res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
+                self.ready[pool_id] = PooledVm(lv, size, res.working_set)
                 self.last_error = None
-                log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
+                log.info(
+                    "pool: VM %s of %s ready (%d MiB of guest RAM resident after the offload)",
+                    pool_id,
+                    size,
+                    res.resident_after >> 20,
+                )
                 return True
-            res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
-            self.vms[pool_id] = PooledVm(lv, size, res.working_set)
-            self.last_error = None
-            log.info(
-                "pool: VM %s of %s ready (%d MiB of guest RAM resident after the offload)",
-                pool_id,
-                size,
-                res.resident_after >> 20,
-            )
-            return True
-        except Exception as exc:
-            self.last_error = f"{size}: {exc}"
-            log.warning("pool: a VM of %s could not be made: %s", size, exc)
-            if lv is not None:
-                await self._kill(lv)
-            return False
-        finally:
-            self.filling[size] -= 1
+            except Exception as exc:
+                self.last_error = f"{size}: {exc}"
+                log.warning("pool: a VM of %s could not be made: %s", size, exc)
+                if lv is not None:
+                    await self._kill(lv)
+                return False
 
     # ------------------------------------------------------------------ claim
 
     def take(self, size: str) -> PooledVm | None:
         """One pooled VM of ``size`` out of the pool (the oldest), or None. No await
         between the look and the pop: a VM is taken by one claim only."""
-        for pool_id, pv in sorted(self.vms.items(), key=lambda kv: kv[1].made_at):
+        for pool_id, pv in sorted(self.ready.items(), key=lambda kv: kv[1].made_at):
             if pv.size == size and not pv.lv.qemu.exited.is_set():
-                return self.vms.pop(pool_id)
+                return self.ready.pop(pool_id)
         return None
 
     async def claim(self, req: SpawnRequest) -> SpawnResult | None:
@@ -260,7 +246,7 @@ class WarmPool:
             self.d.registry.vms.pop(req.vm_id, None)
             await self._kill(pv.lv)
             return None
-        self.claims += 1
+        self.taken += 1
         return res
 
     async def _claim(self, pv: PooledVm, req: SpawnRequest) -> SpawnResult:
@@ -301,23 +287,11 @@ class WarmPool:
         t_end = time.perf_counter()
         timings = {
             "pooled_s": round(time.time() - pv.made_at, 1),
-            "prepare_ms": round((t_net - t0) * 1000, 1),
-            "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
-            "qemu_cont_ms": round((t_cont - t_prefetch) * 1000, 1),
-            "identify_ms": round((t_end - t_cont) * 1000, 1),
-            **{f"identify_{k}": v for k, v in steps.items()},
+            **continued_timings((t0, t_net, t_prefetch, t_cont, t_end), steps),
         }
         boot_ms = (t_end - t0) * 1000
         log.info("VM %s up from the pool (%s) in %.0f ms: %s", req.vm_id, lv.slot, boot_ms, timings)
-        return SpawnResult(
-            vm_id=req.vm_id,
-            pid=lv.qemu.pid or 0,
-            incarnation=req.incarnation,
-            boot_ms=boot_ms,
-            method="pool",
-            agent_version_id=lv.image.agent_version_id,
-            timings=timings,
-        )
+        return SpawnResult.of(req, lv.qemu.pid, boot_ms, "pool", lv.image.agent_version_id, timings=timings)
 
     # ------------------------------------------------------------------ discard
 
@@ -329,41 +303,15 @@ class WarmPool:
         """Discard pooled VMs (the newest first) until ``need_mib`` of guest RAM is freed;
         the MiB freed. A tenant's spawn that needs the memory comes first."""
         freed = 0
-        for pool_id, pv in sorted(self.vms.items(), key=lambda kv: -kv[1].made_at):
+        for pool_id, pv in sorted(self.ready.items(), key=lambda kv: -kv[1].made_at):
             if freed >= need_mib:
                 break
-            self.vms.pop(pool_id, None)
+            self.ready.pop(pool_id, None)
             await self._kill(pv.lv)
             freed += pv.lv.memory_mib
         return freed
 
     async def close(self) -> None:
         """Stop filling and discard every pooled VM (the node stops)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        vms, self.vms = list(self.vms.values()), {}
+        vms = await self._stop()
         await asyncio.gather(*(self._kill(pv.lv) for pv in vms), return_exceptions=True)
-
-    # ------------------------------------------------------------------ status
-
-    def status(self) -> dict[str, Any]:
-        """Per size: target, ready, filling; what the pooled VMs cost the host now (QEMU
-        RSS, which includes the guest RAM still resident), claims and misses so far."""
-        per: dict[str, dict[str, Any]] = {
-            size: {"target": n, "ready": 0, "filling": self.filling.get(size, 0), "rssBytes": 0}
-            for size, n in self.targets.items()
-        }
-        for pv in self.vms.values():
-            row = per.setdefault(pv.size, {"target": 0, "ready": 0, "filling": 0, "rssBytes": 0})
-            row["ready"] += 1
-            mem = process_memory(pv.lv.qemu.pid) if pv.lv.qemu.pid else None
-            row["rssBytes"] += mem.rss_bytes if mem else 0
-        return {
-            "sizes": per,
-            "claims": self.claims,
-            "misses": self.misses,
-            "rssBytes": sum(r["rssBytes"] for r in per.values()),
-            "lastError": self.last_error,
-        }

@@ -40,14 +40,13 @@ from pal.config import Settings
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths, load_image
 from pal.manager import admission
-from pal.manager.refill import refill_forever
+from pal.manager.refill import StandingSet
 from pal.manager.restore_gate import RestoreGate
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
 from pal.vmm import disks
 from pal.vmm.jail import Jail
 from pal.vmm.qemu import QemuVm, VmSpec
-from pal.vmm.usage import process_memory
 from pal.vmm.vmm_meta import misfit
 
 log = logging.getLogger(__name__)
@@ -68,6 +67,10 @@ class Prestarted:
     image: ImagePaths  # the boot files it runs
     made_at: float = field(default_factory=time.time)
 
+    @property
+    def pid(self) -> int | None:
+        return self.qemu.pid
+
 
 @dataclass
 class PrestartDeps:
@@ -82,17 +85,14 @@ class PrestartDeps:
     free_vm_files: Callable[[str, str], Awaitable[Any]]  # stop.VmFiles.free_vm_files
 
 
-class PrestartSet:
+class PrestartSet(StandingSet[Prestarted]):
+    """QEMUs waiting by prestart id (``ready``), kept at PAL_PRESTART's targets."""
+
+    MAKING, TAKEN = "starting", "takes"
+
     def __init__(self, deps: PrestartDeps) -> None:
+        super().__init__(dict(deps.settings.prestart))
         self.d = deps
-        self.targets: dict[str, int] = dict(deps.settings.prestart)
-        self.ready: dict[str, Prestarted] = {}  # prestart id -> QEMU waiting
-        self.starting: dict[str, int] = {}  # size -> starts under way
-        self.takes = 0
-        self.misses = 0
-        self.last_error: str | None = None
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -104,17 +104,7 @@ class PrestartSet:
             self.last_error = f"{self.d.settings.data_dir} cannot reflink: no pre-started QEMUs"
             log.warning("prestart: %s", self.last_error)
             return
-        self._task = asyncio.create_task(self._run(), name="prestart")
-
-    def missing(self) -> list[str]:
-        out: list[str] = []
-        for size, want in self.targets.items():
-            have = sum(1 for p in self.ready.values() if p.size == size) + self.starting.get(size, 0)
-            out += [size] * max(0, want - have)
-        return out
-
-    async def _run(self) -> None:
-        await refill_forever(self.missing, self.start_one, self._wake, before_each=self._cpu_free)
+        self._refill_in_background("prestart", self.start_one, before_each=self._cpu_free)
 
     async def _cpu_free(self) -> None:
         """Starting QEMUs is the CPU budget's last claim: wait while restores run or wait."""
@@ -148,36 +138,34 @@ class PrestartSet:
         prestart_id = PRESTART_ID_PREFIX + secrets.token_hex(6)
         reg = self.d.registry
         slot = reg.slots.assign(prestart_id)
-        self.starting[size] = self.starting.get(size, 0) + 1
-        qemu: QemuVm | None = None
-        try:
-            await asyncio.to_thread(admission.check_memory, QEMU_OWN_MIB, f"a pre-started QEMU of {size}")
-            image = load_image(self.d.settings, PRESTART_IMAGE)
-            vnet = await self.d.net.create(slot)
+        with self._making_one(size):
+            qemu: QemuVm | None = None
             try:
-                spec = self._spec(prestart_id, slot, image, size, vnet.tap_fd)
-                spec.vm_dir.mkdir(parents=True, exist_ok=True)
-                # The device set of every VM: a config drive (identify replaces what it says).
-                (spec.vm_dir / "config.img").write_bytes(p.encode_config({}))
-                qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
-            finally:
-                vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
-            failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
-            reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
-            failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
-            self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
-            self.last_error = None
-            log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
-            return True
-        except Exception as exc:
-            self.last_error = f"{size}: {exc}"
-            log.warning("prestart: a QEMU of %s could not be started: %s", size, exc)
-            if qemu is not None:
-                await qemu.kill()
-            await self.d.free_vm_files(prestart_id, slot)
-            return False
-        finally:
-            self.starting[size] -= 1
+                await asyncio.to_thread(admission.check_memory, QEMU_OWN_MIB, f"a pre-started QEMU of {size}")
+                image = load_image(self.d.settings, PRESTART_IMAGE)
+                vnet = await self.d.net.create(slot)
+                try:
+                    spec = self._spec(prestart_id, slot, image, size, vnet.tap_fd)
+                    spec.vm_dir.mkdir(parents=True, exist_ok=True)
+                    # The device set of every VM: a config drive (identify replaces what it says).
+                    (spec.vm_dir / "config.img").write_bytes(p.encode_config({}))
+                    qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
+                finally:
+                    vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
+                failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
+                reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
+                failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
+                self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
+                self.last_error = None
+                log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
+                return True
+            except Exception as exc:
+                self.last_error = f"{size}: {exc}"
+                log.warning("prestart: a QEMU of %s could not be started: %s", size, exc)
+                if qemu is not None:
+                    await qemu.kill()
+                await self.d.free_vm_files(prestart_id, slot)
+                return False
 
     # ------------------------------------------------------------------ take
 
@@ -197,7 +185,7 @@ class PrestartSet:
                 continue
             if misfit(meta, q.qemu.spec, rootfs, q.qemu.spec.disk_path) is not None:
                 continue
-            self.takes += 1
+            self.taken += 1
             self._wake.set()  # start another
             return self.ready.pop(pid)
         self.misses += 1
@@ -211,30 +199,5 @@ class PrestartSet:
 
     async def close(self) -> None:
         """Stop starting and kill every waiting QEMU (the node stops)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        ready, self.ready = list(self.ready.values()), {}
+        ready = await self._stop()
         await asyncio.gather(*(self.discard(q) for q in ready), return_exceptions=True)
-
-    # ------------------------------------------------------------------ status
-
-    def status(self) -> dict[str, Any]:
-        """Per size: target, ready, starting, their RSS; takes and misses so far."""
-        per: dict[str, dict[str, Any]] = {
-            size: {"target": n, "ready": 0, "starting": self.starting.get(size, 0), "rssBytes": 0}
-            for size, n in self.targets.items()
-        }
-        for q in self.ready.values():
-            row = per.setdefault(q.size, {"target": 0, "ready": 0, "starting": 0, "rssBytes": 0})
-            row["ready"] += 1
-            mem = process_memory(q.qemu.pid) if q.qemu.pid else None
-            row["rssBytes"] += mem.rss_bytes if mem else 0
-        return {
-            "sizes": per,
-            "takes": self.takes,
-            "misses": self.misses,
-            "rssBytes": sum(r["rssBytes"] for r in per.values()),
-            "lastError": self.last_error,
-        }

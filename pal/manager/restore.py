@@ -23,6 +23,7 @@ from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import Brokered, VmNetworking, limits_json, read_names, wait_rule
+from pal.sizes import size_name
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.vmm import offload
@@ -73,6 +74,23 @@ def identity_of(req: SpawnRequest, mac: str) -> Identity:
     return Identity(req.vm_id, req.incarnation, req.token, req.env, mac, ca)
 
 
+def continued_timings(
+    marks: tuple[float, float, float, float, float], guest: dict[str, float]
+) -> dict[str, float]:
+    """The steps of a spawn that continues a QEMU holding the VM's memory already (a parked
+    resume, a pool claim), from ``marks``: start, network set, working set prefetched, QEMU
+    continued, identified; ``guest``: the guest's own identify steps (docs/lifecycle.md,
+    "The restore path")."""
+    t0, t_net, t_prefetch, t_cont, t_end = marks
+    return {
+        "prepare_ms": round((t_net - t0) * 1000, 1),
+        "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
+        "qemu_cont_ms": round((t_cont - t_prefetch) * 1000, 1),
+        "identify_ms": round((t_end - t_cont) * 1000, 1),
+        **{f"identify_{k}": v for k, v in guest.items()},
+    }
+
+
 class Restores:
     def __init__(self, deps: RestoreDeps) -> None:
         self.d = deps
@@ -90,14 +108,13 @@ class Restores:
         image = load_image(self.d.settings, req.image)
         templates = self.d.templates()
         if req.boot != "cold" and templates is not None:
-            template = pinned.enter_context(templates.use(image, req.memory_mib, req.vcpus, req.disk_mib))
+            size = size_name(req.memory_mib, req.vcpus, req.disk_mib)
+            template = pinned.enter_context(templates.use(image, size))
             if template is not None:
                 return BootSource(image, "template", template / "rootfs", template=template)
             # This one boots cold; the next VM of this size restores warm (when its size is
             # one of PAL_TEMPLATE_SIZES).
-            templates.ensure_in_background(
-                self.d.template_host, image, req.memory_mib, req.vcpus, req.disk_mib
-            )
+            templates.ensure_in_background(self.d.template_host, image, size)
         return BootSource(image, "cold", image.rootfs)
 
     def _take_identity(
@@ -170,24 +187,12 @@ class Restores:
         timings = {
             "parked_s": round(time.monotonic() - pv.parked_at, 1),
             "offloaded": 1.0 if pv.offloaded else 0.0,
-            "prepare_ms": round((t_net - t0) * 1000, 1),
-            "prefetch_ms": round((t_prefetch - t_net) * 1000, 1),
-            "qemu_cont_ms": round((t_vmm - t_prefetch) * 1000, 1),
-            "identify_ms": round((t_end - t_vmm) * 1000, 1),
-            **{f"identify_{k}": v for k, v in guest_steps.items()},
+            **continued_timings((t0, t_net, t_prefetch, t_vmm, t_end), guest_steps),
         }
         boot_ms = (t_end - t0) * 1000
         log.info(
             "VM %s up by its parked QEMU in %.0f ms (pid %s): %s", req.vm_id, boot_ms, lv.qemu.pid, timings
         )
-        return SpawnResult(
-            vm_id=req.vm_id,
-            pid=lv.qemu.pid or 0,
-            incarnation=req.incarnation,
-            boot_ms=boot_ms,
-            method="restore",
-            agent_version_id=ref.agent_version_id,
-            mem_snapshot_id=None,
-            warm=True,
-            timings=timings,
+        return SpawnResult.of(
+            req, lv.qemu.pid, boot_ms, "restore", ref.agent_version_id, warm=True, timings=timings
         )

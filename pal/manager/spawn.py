@@ -397,14 +397,14 @@ class Spawner:
         log.info(
             "VM %s up by %s in %.0f ms (pid %s): %s", req.vm_id, s.src.method, boot_ms, s.qemu.pid, s.timings
         )
-        return SpawnResult(
-            vm_id=req.vm_id,
-            pid=s.qemu.pid or 0,
-            incarnation=req.incarnation,
-            boot_ms=boot_ms,
-            method=s.src.method,  # type: ignore[arg-type]
-            # A restored VM is what its snapshot was, whatever the image is now.
-            agent_version_id=req.restore.agent_version_id if req.restore else s.src.image.agent_version_id,
+        # A restored VM is what its snapshot was, whatever the image is now.
+        version = req.restore.agent_version_id if req.restore else s.src.image.agent_version_id
+        return SpawnResult.of(
+            req,
+            s.qemu.pid,
+            boot_ms,
+            s.src.method,
+            version,
             mem_snapshot_id=lv.mem_snapshot_id,
             timings=s.timings,
         )

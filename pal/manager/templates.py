@@ -33,7 +33,7 @@ from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
 from pal.manager import admission
 from pal.manager.models import ExecEvent, SpawnRequest
-from pal.sizes import DEFAULT_TEMPLATE_SIZES, size_name
+from pal.sizes import DEFAULT_TEMPLATE_SIZES, parse_size_name
 from pal.spec import ExecRequest
 
 if TYPE_CHECKING:
@@ -86,15 +86,15 @@ class TemplateCache:
             keep=settings.templates_keep,
         )
 
-    def allowed(self, memory_mib: int, vcpus: int, disk_mib: int) -> bool:
-        """Whether this size gets a template (PAL_TEMPLATE_SIZES)."""
-        return self.sizes_allowed is None or size_name(memory_mib, vcpus, disk_mib) in self.sizes_allowed
+    def allowed(self, size: str) -> bool:
+        """Whether this size (``<mem>m-<vcpus>c-<disk>d``) gets a template (PAL_TEMPLATE_SIZES)."""
+        return self.sizes_allowed is None or size in self.sizes_allowed
 
     @contextlib.contextmanager
-    def use(self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> Iterator[Path | None]:
+    def use(self, image: ImagePaths, size: str) -> Iterator[Path | None]:
         """The complete template of this build and size (or None), kept from pruning while
         the caller restores from it, and marked as just used."""
-        path = self.lookup(image, memory_mib, vcpus, disk_mib)
+        path = self.lookup(image, size)
         if path is None:
             yield None
             return
@@ -110,63 +110,42 @@ class TemplateCache:
                 del self._in_use[key]
 
     @staticmethod
-    def key(image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> str:
-        return f"{image.agent_version_id}-{size_name(memory_mib, vcpus, disk_mib)}"
+    def key(image: ImagePaths, size: str) -> str:
+        return f"{image.agent_version_id}-{size}"
 
-    def lookup(self, image: ImagePaths, memory_mib: int, vcpus: int, disk_mib: int) -> Path | None:
-        path = self.root / self.key(image, memory_mib, vcpus, disk_mib)
+    def lookup(self, image: ImagePaths, size: str) -> Path | None:
+        path = self.root / self.key(image, size)
         return path if (path / COMPLETE).exists() else None
 
     def ensure_in_background(
-        self,
-        runtime: TemplateHost,
-        image: ImagePaths,
-        memory_mib: int,
-        vcpus: int,
-        disk_mib: int,
+        self, runtime: TemplateHost, image: ImagePaths, size: str
     ) -> asyncio.Task[Path | None] | None:
         """Start building this template unless one is built or building; None when the
         size gets no template (PAL_TEMPLATE_SIZES)."""
-        if not self.allowed(memory_mib, vcpus, disk_mib):
+        if not self.allowed(size):
             return None
-        key = self.key(image, memory_mib, vcpus, disk_mib)
+        key = self.key(image, size)
         task = self._building.get(key)
         if task is None or task.done():
-            task = asyncio.create_task(
-                self.build(runtime, image, memory_mib, vcpus, disk_mib), name=f"template-{key}"
-            )
+            task = asyncio.create_task(self.build(runtime, image, size), name=f"template-{key}")
             self._building[key] = task
         return task
 
-    async def build(
-        self,
-        runtime: TemplateHost,
-        image: ImagePaths,
-        memory_mib: int,
-        vcpus: int,
-        disk_mib: int,
-    ) -> Path | None:
+    async def build(self, runtime: TemplateHost, image: ImagePaths, size: str) -> Path | None:
         """Cold-boot a VM, wait for its harness, capture it, keep the capture as a template
         (then prune the least recently used past the limit). At most ``max_builds`` at once."""
-        key = self.key(image, memory_mib, vcpus, disk_mib)
+        key = self.key(image, size)
         final = self.root / key
         async with self._build_slots:
             if (final / COMPLETE).exists():
                 return final
-            built = await self._build(runtime, image, key, memory_mib, vcpus, disk_mib)
+            built = await self._build(runtime, image, key, size)
         if built is not None:
             await asyncio.to_thread(self.prune_least_recently_used)
         return built
 
-    async def _build(
-        self,
-        runtime: TemplateHost,
-        image: ImagePaths,
-        key: str,
-        memory_mib: int,
-        vcpus: int,
-        disk_mib: int,
-    ) -> Path | None:
+    async def _build(self, runtime: TemplateHost, image: ImagePaths, key: str, size: str) -> Path | None:
+        memory_mib, vcpus, disk_mib = parse_size_name(size)
         final = self.root / key
         vm_id = "tmpl-" + secrets.token_hex(6)
         staging = self.root / f".staging-{vm_id}"

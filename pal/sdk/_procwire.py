@@ -6,8 +6,9 @@ from __future__ import annotations
 import base64
 import json
 import time
-from typing import Any
+from typing import Any, Unpack, cast
 
+from ._wire import ExecOptions
 from .errors import ConflictError, PalApiError, PalConnectionError, ServerError
 from .models import OutputEvent
 
@@ -17,21 +18,48 @@ WAIT_POLL_SECS = 60  # the server's longest wait; longer waits are several polls
 STDIN_PART_BYTES = 1 << 20  # one stdin write's body at the most
 
 
-def start_body(command: str, argv: list[str] | None, **opts: Any) -> dict[str, Any]:
+class StartOptions(ExecOptions, total=False):
+    """A process start's optional fields besides ``pty`` (docs/processes.md)."""
+
+    stdin: bool | None  # keep its stdin open for writes
+    tag: str | None
+    keep_awake: bool | None  # the VM is not idle while it runs
+    journal_bytes: int | None  # how much output the node keeps for reattaches
+
+
+class ProcessOptions(StartOptions, total=False):
+    pty: tuple[int, int] | dict[str, int] | None  # a terminal of (cols, rows)
+
+
+class TerminalOptions(StartOptions, total=False):
+    cols: int  # 80 when left out
+    rows: int  # 24 when left out
+
+
+def terminal_options(opts: TerminalOptions) -> ProcessOptions:
+    """A terminal's start: ``cols`` x ``rows`` (default 80 x 24) as its ``pty``."""
+    start = {k: v for k, v in opts.items() if k not in ("cols", "rows")}
+    return cast(ProcessOptions, start | {"pty": (opts.get("cols", 80), opts.get("rows", 24))})
+
+
+# The wire names of the start options that go into the body as they are.
+_WIRE_NAMES = {
+    "env": "env",
+    "cwd": "cwd",
+    "timeout_secs": "timeoutSecs",
+    "user": "user",
+    "stdin": "stdin",
+    "tag": "tag",
+    "keep_awake": "keepAwake",
+    "journal_bytes": "journalBytes",
+}
+
+
+def start_body(command: str, argv: list[str] | None, **opts: Unpack[ProcessOptions]) -> dict[str, Any]:
     body: dict[str, Any] = {"command": command, "argv": list(argv or [])}
-    names = {
-        "env": "env",
-        "cwd": "cwd",
-        "timeout_secs": "timeoutSecs",
-        "user": "user",
-        "stdin": "stdin",
-        "tag": "tag",
-        "keep_awake": "keepAwake",
-        "journal_bytes": "journalBytes",
-    }
-    for key, wire in names.items():
-        if opts.get(key) is not None:
-            body[wire] = opts[key]
+    for key, value in opts.items():
+        if value is not None and key in _WIRE_NAMES:
+            body[_WIRE_NAMES[key]] = value
     pty = opts.get("pty")
     if pty is not None:
         cols, rows = (pty["cols"], pty["rows"]) if isinstance(pty, dict) else pty

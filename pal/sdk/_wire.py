@@ -7,7 +7,7 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import httpx
 
@@ -41,16 +41,19 @@ def given(**fields: Any) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def exec_body(
-    command: str,
-    argv: list[str] | None,
-    env: dict[str, str] | None,
-    cwd: str | None,
-    timeout_secs: float | None,
-    user: str | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"command": command, "argv": list(argv or []), "env": dict(env or {})}
-    return body | given(cwd=cwd, timeoutSecs=timeout_secs, user=user)
+class ExecOptions(TypedDict, total=False):
+    """An exec's optional fields (``exec`` and ``exec_stream``): the guest's defaults when
+    left out."""
+
+    env: dict[str, str] | None
+    cwd: str | None
+    timeout_secs: float | None
+    user: str | None
+
+
+def exec_body(command: str, argv: list[str] | None, **opts: Unpack[ExecOptions]) -> dict[str, Any]:
+    body: dict[str, Any] = {"command": command, "argv": list(argv or []), "env": dict(opts.get("env") or {})}
+    return body | given(cwd=opts.get("cwd"), timeoutSecs=opts.get("timeout_secs"), user=opts.get("user"))
 
 
 def exec_result(out: dict[str, Any]) -> ExecResult:

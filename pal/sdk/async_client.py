@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 
 from . import _pages, _wire
-from .code import AsyncCode, CodeResult
+from ._wire import ExecOptions
+from .code import AsyncCode, CodeOptions, CodeResult
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import AsyncProcesses
 
@@ -125,50 +126,26 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
     async def resume(self, vm_id: str) -> dict[str, Any]:
         return dict(await self._json("POST", f"/vms/{vm_id}/resume"))
 
-    async def run_code(
-        self,
-        vm_id: str,
-        code: str,
-        *,
-        language: str = "python",
-        context: str | None = None,
-        timeout_secs: float | None = None,
-    ) -> CodeResult:
+    async def run_code(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
         """Run a cell in the VM's kernel (``language`` python or bash; ``context``: a context
         id, default the language's default context). Variables persist between cells."""
-        return await self.code.run(vm_id, code, language=language, context=context, timeout_secs=timeout_secs)
+        return await self.code.run(vm_id, code, **opts)
 
     async def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
         return dict(await self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))
 
     async def exec(
-        self,
-        vm_id: str,
-        command: str,
-        argv: builtins.list[str] | None = None,
-        *,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout_secs: float | None = None,
-        user: str | None = None,
+        self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
     ) -> ExecResult:
-        body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
+        body = _wire.exec_body(command, argv, **opts)
         timeout = _wire.exec_timeout(self._c.timeout)
         return _wire.exec_result(await self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout))
 
     async def exec_stream(
-        self,
-        vm_id: str,
-        command: str,
-        argv: builtins.list[str] | None = None,
-        *,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout_secs: float | None = None,
-        user: str | None = None,
+        self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
     ) -> AsyncGenerator[ExecEvent, None]:
         """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
-        body = _wire.exec_body(command, argv, env, cwd, timeout_secs, user)
+        body = _wire.exec_body(command, argv, **opts)
         async with self._sse("POST", f"/vms/{vm_id}/exec", json=body) as lines:
             parser = _wire.SseParser()
             async for line in lines:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import builtins
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from . import _wire
 
@@ -68,12 +68,29 @@ class CodeResult:
         return [r.png for r in self.results if r.png is not None]
 
 
-def code_body(code: str, language: str, context: str | None, timeout_secs: float | None) -> dict[str, Any]:
-    return {"code": code, "language": language} | _wire.given(contextId=context, timeoutSecs=timeout_secs)
+class CodeOptions(TypedDict, total=False):
+    """A cell's optional fields: ``language`` python (the default) or bash; ``context`` a
+    context id (default: the language's default context); ``timeout_secs``."""
+
+    language: str
+    context: str | None
+    timeout_secs: float | None
 
 
-def context_body(language: str, cwd: str | None, env: dict[str, str] | None) -> dict[str, Any]:
-    return {"language": language, "env": dict(env or {})} | _wire.given(cwd=cwd)
+class ContextOptions(TypedDict, total=False):
+    """A new context's optional fields: its working directory and environment."""
+
+    cwd: str | None
+    env: dict[str, str] | None
+
+
+def code_body(code: str, **opts: Unpack[CodeOptions]) -> dict[str, Any]:
+    body = {"code": code, "language": opts.get("language") or "python"}
+    return body | _wire.given(contextId=opts.get("context"), timeoutSecs=opts.get("timeout_secs"))
+
+
+def context_body(language: str, **opts: Unpack[ContextOptions]) -> dict[str, Any]:
+    return {"language": language, "env": dict(opts.get("env") or {})} | _wire.given(cwd=opts.get("cwd"))
 
 
 def code_result(body: dict[str, Any]) -> CodeResult:
@@ -97,28 +114,15 @@ def code_result(body: dict[str, Any]) -> CodeResult:
 class Code(_wire.RuntimeCalls):
     """``runtime.code``: cells and contexts of a VM's kernels."""
 
-    def run(
-        self,
-        vm_id: str,
-        code: str,
-        *,
-        language: str = "python",
-        context: str | None = None,
-        timeout_secs: float | None = None,
-    ) -> CodeResult:
-        body = code_body(code, language, context, timeout_secs)
+    def run(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
+        body = code_body(code, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
         return code_result(self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
 
     def create_context(
-        self,
-        vm_id: str,
-        language: str = "python",
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
+        self, vm_id: str, language: str = "python", **opts: Unpack[ContextOptions]
     ) -> dict[str, Any]:
-        body = context_body(language, cwd, env)
+        body = context_body(language, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
         return dict(self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
 
@@ -135,28 +139,15 @@ class Code(_wire.RuntimeCalls):
 class AsyncCode(_wire.AsyncRuntimeCalls):
     """``AsyncClient.runtime.code``: :class:`Code`'s calls, awaited."""
 
-    async def run(
-        self,
-        vm_id: str,
-        code: str,
-        *,
-        language: str = "python",
-        context: str | None = None,
-        timeout_secs: float | None = None,
-    ) -> CodeResult:
-        body = code_body(code, language, context, timeout_secs)
+    async def run(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
+        body = code_body(code, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
         return code_result(await self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
 
     async def create_context(
-        self,
-        vm_id: str,
-        language: str = "python",
-        *,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
+        self, vm_id: str, language: str = "python", **opts: Unpack[ContextOptions]
     ) -> dict[str, Any]:
-        body = context_body(language, cwd, env)
+        body = context_body(language, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
         return dict(await self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
 

@@ -14,7 +14,7 @@ import base64
 import builtins
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 
@@ -25,6 +25,8 @@ from .errors import PalApiError
 from .models import OutputEvent
 from .terminal import AsyncTerminal, Terminal
 
+Argv = builtins.list[str] | None
+
 
 def _read_result(body: dict[str, Any]) -> dict[str, Any]:
     """A read's answer with each output item's ``data`` as bytes."""
@@ -34,25 +36,18 @@ def _read_result(body: dict[str, Any]) -> dict[str, Any]:
 
 class Processes(_wire.RuntimeCalls):
     def start(
-        self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
+        self, vm_id: str, command: str, argv: Argv = None, **opts: Unpack[pw.ProcessOptions]
     ) -> dict[str, Any]:
         """Start ``command``; ``opts``: env, cwd, timeout_secs, user, stdin (bool), pty
         ((cols, rows) or {cols, rows}), tag, keep_awake, journal_bytes. The process."""
         return dict(self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts)))
 
     def terminal(
-        self,
-        vm_id: str,
-        command: str = "/bin/sh",
-        argv: builtins.list[str] | None = None,
-        *,
-        cols: int = 80,
-        rows: int = 24,
-        **opts: Any,
+        self, vm_id: str, command: str = "/bin/sh", argv: Argv = None, **opts: Unpack[pw.TerminalOptions]
     ) -> Terminal:
         """Start ``command`` on a terminal of ``cols`` x ``rows``: a :class:`Terminal` to
         write to, resize and read."""
-        return Terminal(self, vm_id, self.start(vm_id, command, argv, pty=(cols, rows), **opts))
+        return Terminal(self, vm_id, self.start(vm_id, command, argv, **pw.terminal_options(opts)))
 
     def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
         return list(self._json("GET", f"/vms/{vm_id}/processes")["processes"])
@@ -144,23 +139,16 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
     """:class:`Processes`, awaitable."""
 
     async def start(
-        self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Any
+        self, vm_id: str, command: str, argv: Argv = None, **opts: Unpack[pw.ProcessOptions]
     ) -> dict[str, Any]:
         return dict(
             await self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts))
         )
 
     async def terminal(
-        self,
-        vm_id: str,
-        command: str = "/bin/sh",
-        argv: builtins.list[str] | None = None,
-        *,
-        cols: int = 80,
-        rows: int = 24,
-        **opts: Any,
+        self, vm_id: str, command: str = "/bin/sh", argv: Argv = None, **opts: Unpack[pw.TerminalOptions]
     ) -> AsyncTerminal:
-        proc = await self.start(vm_id, command, argv, pty=(cols, rows), **opts)
+        proc = await self.start(vm_id, command, argv, **pw.terminal_options(opts))
         return AsyncTerminal(self, vm_id, proc)
 
     async def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def prestart_set(tmp: Path, *ready: Prestarted) -> PrestartSet:
     ps = PrestartSet.__new__(PrestartSet)
     ps.targets = {"256m-1c-2048d": len(ready)}
     ps.ready = {q.prestart_id: q for q in ready}
-    ps.takes = ps.misses = 0
+    ps.taken = ps.misses = 0
     ps._wake = cast(Any, type("W", (), {"set": lambda self: None})())
     return ps
 
@@ -89,7 +89,7 @@ def test_a_take_pops_the_oldest_fitting_qemu_and_never_the_same_twice(tmp_path: 
     second = ps.take(256, 1, 2048, image, META, MIB)
     assert first is old and second is new
     assert ps.take(256, 1, 2048, image, META, MIB) is None
-    assert (ps.takes, ps.misses, ps.ready) == (2, 1, {})
+    assert (ps.taken, ps.misses, ps.ready) == (2, 1, {})
 
 
 def test_a_take_skips_what_the_snapshot_does_not_fit(tmp_path: Path) -> None:

@@ -23,32 +23,32 @@ def image(tmp: Path, content_hash: str) -> ImagePaths:
 def test_lookup_needs_a_complete_template_of_the_same_build_and_size(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates")
     v1, v2 = image(tmp_path, "a" * 64), image(tmp_path, "b" * 64)
-    d = cache.root / cache.key(v1, 256, 1, 2048)
+    d = cache.root / cache.key(v1, "256m-1c-2048d")
     d.mkdir(parents=True)
-    assert cache.lookup(v1, 256, 1, 2048) is None, "a template still being written is not used"
+    assert cache.lookup(v1, "256m-1c-2048d") is None, "a template still being written is not used"
     (d / COMPLETE).write_text("{}")
-    assert cache.lookup(v1, 256, 1, 2048) == d
-    assert cache.lookup(v1, 512, 1, 2048) is None
-    assert cache.lookup(v1, 256, 2, 2048) is None
-    assert cache.lookup(v2, 256, 1, 2048) is None, "a rebuilt image never restores an old template"
+    assert cache.lookup(v1, "256m-1c-2048d") == d
+    assert cache.lookup(v1, "512m-1c-2048d") is None
+    assert cache.lookup(v1, "256m-2c-2048d") is None
+    assert cache.lookup(v2, "256m-1c-2048d") is None, "a rebuilt image never restores an old template"
 
 
 def test_prune_keeps_only_current_builds(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates")
     v1, v2 = image(tmp_path, "a" * 64), image(tmp_path, "b" * 64)
     for v in (v1, v2):
-        d = cache.root / cache.key(v, 256, 1, 2048)
+        d = cache.root / cache.key(v, "256m-1c-2048d")
         d.mkdir(parents=True)
         (d / COMPLETE).write_text("{}")
     (cache.root / ".staging-tmpl-x").mkdir()
     cache.prune({v2.agent_version_id})
-    assert cache.lookup(v1, 256, 1, 2048) is None
-    assert cache.lookup(v2, 256, 1, 2048) is not None
+    assert cache.lookup(v1, "256m-1c-2048d") is None
+    assert cache.lookup(v2, "256m-1c-2048d") is not None
     assert not (cache.root / ".staging-tmpl-x").exists()
 
 
 def _complete(cache: TemplateCache, v: ImagePaths, mem: int, mtime: float) -> Path:
-    d = cache.root / cache.key(v, mem, 1, 2048)
+    d = cache.root / cache.key(v, f"{mem}m-1c-2048d")
     d.mkdir(parents=True)
     (d / COMPLETE).write_text("{}")
     os.utime(d / COMPLETE, (mtime, mtime))
@@ -57,11 +57,11 @@ def _complete(cache: TemplateCache, v: ImagePaths, mem: int, mtime: float) -> Pa
 
 def test_only_the_operators_sizes_get_a_template(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates", sizes=["256m-1c-2048d"])
-    assert cache.allowed(256, 1, 2048) and not cache.allowed(384, 1, 2048)
+    assert cache.allowed("256m-1c-2048d") and not cache.allowed("384m-1c-2048d")
     runtime = _FakeRuntime()
-    assert cache.ensure_in_background(runtime, image(tmp_path, "a" * 64), 384, 1, 2048) is None  # type: ignore[arg-type]
+    assert cache.ensure_in_background(runtime, image(tmp_path, "a" * 64), "384m-1c-2048d") is None  # type: ignore[arg-type]
     assert runtime.spawned == 0
-    assert TemplateCache(tmp_path / "t2", sizes=None).allowed(384, 3, 999)  # PAL_TEMPLATE_SIZES=*
+    assert TemplateCache(tmp_path / "t2", sizes=None).allowed("384m-3c-999d")  # PAL_TEMPLATE_SIZES=*
 
 
 def test_the_least_recently_used_go_past_the_limit_but_never_one_in_use(tmp_path: Path) -> None:
@@ -70,16 +70,16 @@ def test_the_least_recently_used_go_past_the_limit_but_never_one_in_use(tmp_path
     oldest = _complete(cache, v, 128, 1000)
     _complete(cache, v, 256, 2000)
     _complete(cache, v, 512, 3000)
-    with cache.use(v, 128, 1, 2048) as pinned:  # in use (and now the most recently used)
+    with cache.use(v, "128m-1c-2048d") as pinned:  # in use (and now the most recently used)
         assert pinned == oldest
         _complete(cache, v, 1024, 4000)
         removed = cache.prune_least_recently_used()
-    assert sorted(removed) == sorted([cache.key(v, 256, 1, 2048), cache.key(v, 512, 1, 2048)])
-    assert cache.lookup(v, 128, 1, 2048) is not None, "used last: kept"
-    assert cache.lookup(v, 1024, 1, 2048) is not None
-    assert cache.lookup(v, 256, 1, 2048) is None
+    assert sorted(removed) == sorted([cache.key(v, "256m-1c-2048d"), cache.key(v, "512m-1c-2048d")])
+    assert cache.lookup(v, "128m-1c-2048d") is not None, "used last: kept"
+    assert cache.lookup(v, "1024m-1c-2048d") is not None
+    assert cache.lookup(v, "256m-1c-2048d") is None
     assert sorted(p.name for p in cache.root.iterdir()) == sorted(
-        [cache.key(v, 128, 1, 2048), cache.key(v, 1024, 1, 2048)]
+        [cache.key(v, "128m-1c-2048d"), cache.key(v, "1024m-1c-2048d")]
     ), "nothing half-removed is left"
 
 
@@ -88,10 +88,10 @@ def test_a_template_in_use_outlives_the_limit(tmp_path: Path) -> None:
     v = image(tmp_path, "a" * 64)
     _complete(cache, v, 128, 1000)
     _complete(cache, v, 256, 2000)
-    with cache.use(v, 128, 1, 2048):
-        os.utime(cache.root / cache.key(v, 128, 1, 2048) / COMPLETE, (500, 500))
+    with cache.use(v, "128m-1c-2048d"):
+        os.utime(cache.root / cache.key(v, "128m-1c-2048d") / COMPLETE, (500, 500))
         assert cache.prune_least_recently_used() == [], "the other is newer; this one is in use"
-    assert cache.prune_least_recently_used() == [cache.key(v, 128, 1, 2048)]
+    assert cache.prune_least_recently_used() == [cache.key(v, "128m-1c-2048d")]
 
 
 class _FakeRuntime:
@@ -130,7 +130,7 @@ async def test_template_builds_are_capped_and_the_cache_stays_within_its_limit(t
     cache = TemplateCache(tmp_path / "templates", sizes=None, max_builds=1, keep=2)
     runtime = _FakeRuntime()
     v = image(tmp_path, "a" * 64)
-    tasks = [cache.ensure_in_background(runtime, v, mem, 1, 2048) for mem in (128, 256, 512)]  # type: ignore[arg-type]
+    tasks = [cache.ensure_in_background(runtime, v, f"{mem}m-1c-2048d") for mem in (128, 256, 512)]  # type: ignore[arg-type]
     for _ in range(20):
         await asyncio.sleep(0)
     assert runtime.spawned == 1, "one build at a time"
