@@ -69,17 +69,23 @@ def pss_kib(pid: int) -> int:
     return 0
 
 
-def qemu_pid_of(vm_id: str) -> int | None:
-    """The QEMU whose VM dir (a slot, pal/manager/slots.py) names ``vm_id`` in its state.json."""
+def qemu_pids() -> dict[str, int]:
+    """Each VM's QEMU, by the vm id its VM dir (a slot, pal/manager/slots.py) names in its
+    state.json: one walk of /proc for any number of VMs."""
+    out: dict[str, int] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, KeyError):
             cmd = (d / "cmdline").read_bytes()
             m = re.search(rb"(/[^\0,]*/vms/[^/\0,]+)/", cmd) if b"qemu-system" in cmd else None
-            if m and json.loads((Path(m.group(1).decode()) / "state.json").read_text())["vmId"] == vm_id:
-                return int(d.name)
-    return None
+            if m:
+                out[json.loads((Path(m.group(1).decode()) / "state.json").read_text())["vmId"]] = int(d.name)
+    return out
+
+
+def qemu_pid_of(vm_id: str) -> int | None:
+    return qemu_pids().get(vm_id)
 
 
 def vm_pss_kib(vm_id: str) -> int | None:

@@ -28,7 +28,7 @@ from pal.bench.common import (
     data_dir_lines,
     pct,
     pss_kib,
-    qemu_pid_of,
+    qemu_pids,
     report_of,
     timed,
     write_report,
@@ -102,8 +102,9 @@ def _settle(api: Api, vm_ids: list[str]) -> list[dict[str, Any]]:
 def _tiers(vms: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per tier: sandboxes, and QEMU PSS per sandbox (MiB: mean, max)."""
     out: dict[str, dict[str, Any]] = {}
+    pids = qemu_pids()
     for vm in vms:
-        pid = qemu_pid_of(vm["vmId"])
+        pid = pids.get(vm["vmId"])
         tier = _tier(vm)
         if tier == "parked" and pid is None:
             tier = "snapshot"  # snapshot-paused, its QEMU not kept (PAL_PARKED_MAX, its age)
@@ -185,6 +186,9 @@ def run(api: Api, cap: int, server_pid: int | None, log: Any) -> dict[str, Any]:
     parked = vm_ids[-PARKED_SAMPLE:]
     for vm in parked:
         with contextlib.suppress(RuntimeError):
+            # Woken first: a snapshot pause parks the QEMU of a running VM only (a live-paused
+            # one's QEMU stops with it; manager/snapshot.py _may_park).
+            api.exec_ok(vm)
             api.call("POST", f"/v1/runtime/vms/{vm}/pause")
     parked_tier = _tiers(_vms(api, parked))
     for vm in vm_ids:
@@ -251,7 +255,7 @@ def main(
     env = {"PAL_IDLE_SWEEP_INTERVAL": "1", "PAL_HARNESS_READY_TIMEOUT_MS": "60000"}
     load_start = os.getloadavg()[0]
     data_dir = data_dir or Settings.from_env().data_dir
-    with local_server(data_dir, env) as (url, key):
+    with local_server(data_dir, env, max_vms=cap + 1) as (url, key):  # + the warm exec's VM
         api = Api(url, key)
         accel = server_accel(url)
         body = run(api, cap, _server_pid(int(url.rsplit(":", 1)[1])), log)

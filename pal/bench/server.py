@@ -52,7 +52,10 @@ def measure_on_local_server(
 
 
 @contextlib.contextmanager
-def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, str]]:
+def local_server(
+    data_dir: Path, extra_env: dict[str, str] | None = None, max_vms: int = 200
+) -> Iterator[tuple[str, str]]:
+    """A `pal up` on ``data_dir`` and the key of a new tenant allowed ``max_vms`` VMs."""
     port, ports_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -75,7 +78,7 @@ def local_server(data_dir: Path, extra_env: dict[str, str] | None = None) -> Ite
             time.sleep(0.5)
         name = f"bench-{os.getpid()}-{int(time.time())}"
         out = subprocess.run(
-            [*pal, "tenants", "create", name, "--max-vms", "200", "--data-dir", str(data_dir)],
+            [*pal, "tenants", "create", name, "--max-vms", str(max_vms), "--data-dir", str(data_dir)],
             check=True, capture_output=True, text=True, env=env,
         )  # fmt: skip
         # Measure at full speed: the default template is warm (what `pal up` logs as ready).

@@ -97,11 +97,24 @@ class Sampler:
         return self.metrics.series(vm_id, live=lv is not None and not lv.qemu.exited.is_set())
 
 
+def _memory(lv: LiveVm, pid: int) -> usage.ProcessMemory | None:
+    """The QEMU's RSS and PSS. Reading smaps_rollup walks its page tables, which costs a
+    node with hundreds of idle VMs a good part of a core (docs/benchmarks/density.md), and a
+    live-paused QEMU's memory changes only when its offload runs: read once per state."""
+    live = lv.live
+    if live is not None and live.sampled_memory is not None and live.sampled_memory[0] == live.offloaded:
+        return live.sampled_memory[1]
+    mem = usage.process_memory(pid)
+    if live is not None:
+        live.sampled_memory = (live.offloaded, mem)
+    return mem
+
+
 def _read(lv: LiveVm, hb_max_age_s: float, net: tuple[int, int] | None) -> RawReading:
     """One VM's reading, taken off the event loop (smaps_rollup walks page tables)."""
     pid = lv.qemu.pid
     cpu, _ = usage.cpu_ns(pid, lv.qemu.cgroup) if pid else (None, "")
-    mem = usage.process_memory(pid) if pid else None
+    mem = _memory(lv, pid) if pid else None
     hb = lv.channel.heartbeat  # cleaned by the channel (guest_input.heartbeat)
     fresh = hb is not None and time.monotonic() - lv.channel.heartbeat_at <= hb_max_age_s
     paused = lv.paused_ms()

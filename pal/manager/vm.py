@@ -29,6 +29,7 @@ from pal.manager.vmnet import Brokered
 from pal.snapshots.layout import SnapshotRef
 from pal.spec import Egress, WaitPause, egress_to_json
 from pal.vmm.qemu import QemuVm
+from pal.vmm.usage import ProcessMemory
 
 
 def _set_event() -> asyncio.Event:
@@ -53,6 +54,9 @@ class LivePause:
     tasks: set[asyncio.Task[None]] = field(default_factory=set, repr=False)
     prefetch: asyncio.Task[int] | None = field(default=None, repr=False)
     port_woken: bool = field(default=False, repr=False)  # a wake for port traffic was posted
+    # The metrics sampler's last memory reading of the stopped QEMU (sampling.py), keyed by
+    # whether the offload had run: it changes only then, so it is read once per state.
+    sampled_memory: tuple[bool, ProcessMemory | None] | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {

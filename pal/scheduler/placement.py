@@ -7,7 +7,8 @@ The rules, in order (issue 13 / the spec's "warm pool, region, fair share, cost,
 1. hard constraints: the node is active (not draining or lost), heartbeating (silent for no
    more than three heartbeat periods) and healthy, has the image,
    is in the requested region and carries the requested labels, and has room: guest RAM
-   left (its capacity minus what its VMs hold) and free disk for the VM's disk size;
+   left (its capacity minus what its VMs hold: :func:`held_memory_mib`) and free disk for
+   the VM's disk size;
 2. a warm template for the image build and size (a schedule restores it instead of booting);
 3. tenant fair share: the fewest VMs of this tenant (spreads a tenant's VMs);
 4. load: the fewest VMs, then the most free guest RAM (then the node id, to be stable).
@@ -18,11 +19,13 @@ passes the hard constraints. The choice's reason is recorded in the VM's status 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from pal.errors import InvalidRequest, Unavailable
+from pal.scheduler.states import Marker
 from pal.store import NodeRecord, VmRecord
 
 ACTIVE = "active"
@@ -42,7 +45,7 @@ class Need:
 
 @dataclass
 class NodeLoad:
-    memory_mib: int = 0  # guest RAM of the VMs placed there (slot-holding states)
+    memory_mib: int = 0  # guest RAM the VMs placed there hold (slot-holding states; held_memory_mib)
     vms: int = 0
     by_tenant: dict[str, int] = field(default_factory=dict)
 
@@ -58,8 +61,26 @@ class Choice:
     reason: str
 
 
+# A VM in the idle tier (live-paused by the idle sweeper) has handed its RAM back to its
+# file (pal/vmm/offload.py): it holds its QEMU and what of its working set comes back, not
+# its RAM (about 50 MiB of PSS for a 256 MiB VM, docs/benchmarks/density.md). Placement
+# counts it at this share of its RAM, so a node holds hundreds of idle sandboxes. A wake is
+# never refused for memory: it only shrinks the node's free count (below zero, even), and
+# new VMs go elsewhere (or wait) until VMs idle again. The RAM is a file on the data dir,
+# so a node past its count pages guest RAM to that file rather than running out; the
+# node's own admission (manager/admission.py) still checks the host's real free memory
+# before it starts a QEMU.
+IDLE_TIER_MEMORY_SHARE = 0.25
+
+
 def vm_memory_mib(vm: VmRecord) -> int:
     return int(vm.limits.get("memory_mib") or 0)
+
+
+def held_memory_mib(vm: VmRecord) -> int:
+    """The guest RAM ``vm`` counts against its node's capacity."""
+    mib = vm_memory_mib(vm)
+    return math.ceil(mib * IDLE_TIER_MEMORY_SHARE) if vm.marker == Marker.LIVE_IDLE else mib
 
 
 def loads(vms: Iterable[VmRecord]) -> dict[str, NodeLoad]:
@@ -67,7 +88,7 @@ def loads(vms: Iterable[VmRecord]) -> dict[str, NodeLoad]:
     out: dict[str, NodeLoad] = {}
     for vm in vms:
         if vm.node_id and vm.holds_slot:
-            out.setdefault(vm.node_id, NodeLoad()).add(vm.tenant_id, vm_memory_mib(vm))
+            out.setdefault(vm.node_id, NodeLoad()).add(vm.tenant_id, held_memory_mib(vm))
     return out
 
 

@@ -113,3 +113,26 @@ def test_a_restore_needs_no_image_on_the_node() -> None:
     with pytest.raises(Unavailable, match="no image"):
         placement.choose(nodes, {}, NEED)
     assert placement.choose(nodes, {}, Need(**{**NEED.__dict__, "restore": True})).node_id == "n1"
+
+
+def test_an_idle_tier_vm_counts_a_share_of_its_ram_and_a_woken_one_all_of_it() -> None:
+    from pal.scheduler.states import Marker
+    from pal.store import VmRecord
+
+    now = datetime.now(UTC)
+
+    def vm(i: int, state: str, marker: str = "") -> VmRecord:
+        return VmRecord(vm_id=f"v{i}", tenant_id="t1", image="default", limits={"memory_mib": 256},
+                        state=state, marker=marker, created_at=now, updated_at=now, node_id="a",
+                        holds_slot=True)  # fmt: skip
+
+    idle = [vm(i, "paused", Marker.LIVE_IDLE) for i in range(8)]
+    held = placement.loads(idle)["a"]
+    assert held.vms == 8 and held.memory_mib == 8 * 64  # offloaded: a quarter each
+    need = Need(tenant_id="t1", image="default", memory_mib=256, vcpus=1, disk_mib=2048)
+    full = node("a", capacity={"memoryMib": 1024, "diskFreeMib": 100_000})
+    assert placement.why_not(full, held, need) is None, "eight idle VMs leave room for a ninth"
+    # The same eight awake (or live-paused by an operator, not offloaded) hold all their RAM.
+    awake = placement.loads([vm(i, "running") for i in range(4)] + [vm(9, "paused", Marker.LIVE)])["a"]
+    assert awake.memory_mib == 5 * 256
+    assert placement.why_not(full, awake, need) == "-256 MiB of guest RAM free < 256"
