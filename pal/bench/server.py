@@ -37,15 +37,16 @@ def measure_on_local_server(
     data_dir: Path | None,
     measure: Callable[[Api, Path], dict[str, Any]],
     extra_env: dict[str, str] | None = None,
+    max_vms: int = 200,
 ) -> dict[str, Any]:
     """What ``measure(api, data_dir)`` returns, measured against a `pal up` of its own on
-    ``data_dir`` (default PAL_DATA_DIR), as a report (common.report_of: the machine, the
-    accelerator, the load before and after)."""
+    ``data_dir`` (default PAL_DATA_DIR) by a tenant allowed ``max_vms``, as a report
+    (common.report_of: the machine, the accelerator, the load before and after)."""
     from pal.config import Settings
 
     data = data_dir or Settings.from_env().data_dir
     load_start = os.getloadavg()[0]
-    with local_server(data, extra_env) as (url, key):
+    with local_server(data, extra_env, max_vms) as (url, key):
         accel = server_accel(url)
         body = measure(Api(url, key), data)
     return report_of(body, accel=accel, load_start=load_start, data_dir=data)
