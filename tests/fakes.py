@@ -9,11 +9,13 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from pal.config import Settings
 from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
+from pal.manager.channel import HarnessChannel
 from pal.manager.models import (
     BrokeredSet,
     EgressEvent,
@@ -48,6 +50,7 @@ from pal.manager.models import (
     WarmResult,
     WarmTemplate,
 )
+from pal.manager.vm import LiveVm
 from pal.scheduler.scheduler import Scheduler
 from pal.spec import ExecRequest
 from pal.store import Store
@@ -660,3 +663,22 @@ def bytes_read() -> int:
         if line.startswith("rchar:"):
             return int(line.split()[1])
     raise AssertionError("no rchar in /proc/self/io")
+
+
+def live_vm(tmp_path: Path, vm_id: str, *, pid: int = 1, **kw: Any) -> LiveVm:
+    """A node-side VM with a stand-in QEMU (its exit event, a pid, no cgroup) and a channel
+    that never connects: for unit tests of what the node reads and reports."""
+    return LiveVm(
+        vm_id=vm_id,
+        tenant_id="t",
+        qemu=SimpleNamespace(exited=asyncio.Event(), pid=pid, cgroup=None),  # type: ignore[arg-type]
+        channel=kw.pop("channel", None) or HarnessChannel(tmp_path / "x", vm_id),
+        image=None,  # type: ignore[arg-type]
+        incarnation=1,
+        token="t",
+        env={},
+        memory_mib=kw.pop("memory_mib", 128),
+        vcpus=1,
+        disk_mib=512,
+        **kw,
+    )

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from pal.guest import protocol as p
 from pal.manager import channel as ch
 from pal.manager import guest_input as gi
 from pal.manager.channel import ChannelClosed, GuestError, HarnessChannel
+from tests.fakes import live_vm
 
 
 class Guest:
@@ -272,7 +272,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
     """The node's heartbeat with one VM whose guest sent nonsense: every VM is reported."""
     from pal.config import Settings
     from pal.manager.heartbeat import NodeIdentity, NodeReports, ReportDeps
-    from pal.manager.vm import LiveVm, VmRegistry
+    from pal.manager.vm import VmRegistry
     from pal.vmm.host_cpu import LoadSampler
 
     registry = VmRegistry(tmp_path / "vms", lambda *_: None)
@@ -293,20 +293,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
     ):
         chan = HarnessChannel(tmp_path / "x", vm_id)
         chan.heartbeat, chan.heartbeat_at = hb, time.monotonic()
-        qemu = SimpleNamespace(exited=asyncio.Event(), pid=1)
-        registry.vms[vm_id] = LiveVm(
-            vm_id=vm_id,
-            tenant_id="t",
-            qemu=qemu,  # type: ignore[arg-type]
-            channel=chan,
-            image=None,  # type: ignore[arg-type]
-            incarnation=1,
-            token="t",
-            env={},
-            memory_mib=128,
-            vcpus=1,
-            disk_mib=512,
-        )
+        registry.vms[vm_id] = live_vm(tmp_path, vm_id, channel=chan)
     node = asyncio.run(reports.heartbeat())
     by_id = {v.vm_id: v for v in node.vms}
     assert set(by_id) == {"vm-bad", "vm-good"}

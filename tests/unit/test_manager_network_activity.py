@@ -3,31 +3,17 @@ guest's network traffic through the egress gateway (not only execs, files and po
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
-from pal.manager.channel import HarnessChannel
 from pal.manager.metrics import MetricsBook
 from pal.manager.sampling import Sampler
 from pal.manager.vm import LiveVm, VmRegistry
+from tests.fakes import live_vm
 
 
 def _vm(tmp_path: Path, vm_id: str, last_ms: int) -> LiveVm:
-    return LiveVm(
-        vm_id=vm_id,
-        tenant_id="t",
-        qemu=SimpleNamespace(exited=asyncio.Event(), pid=1),  # type: ignore[arg-type]
-        channel=HarnessChannel(tmp_path / "x", vm_id),
-        image=None,  # type: ignore[arg-type]
-        incarnation=1,
-        token="t",
-        env={},
-        memory_mib=128,
-        vcpus=1,
-        disk_mib=512,
-        last_activity_ms=last_ms,
-    )
+    return live_vm(tmp_path, vm_id, last_activity_ms=last_ms)
 
 
 def test_bytes_through_the_gateway_count_as_host_observed_activity(tmp_path: Path) -> None:

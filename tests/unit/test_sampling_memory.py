@@ -4,34 +4,16 @@ At hundreds of idle VMs the walks cost the node a good part of a core (docs/benc
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from pal.manager import sampling
-from pal.manager.channel import HarnessChannel
-from pal.manager.vm import LivePause, LiveVm
+from pal.manager.vm import LivePause
 from pal.vmm import usage
-
-
-def _vm(tmp_path: Path) -> LiveVm:
-    return LiveVm(
-        vm_id="vm-1",
-        tenant_id="t",
-        qemu=SimpleNamespace(exited=asyncio.Event(), pid=4242, cgroup=None),  # type: ignore[arg-type]
-        channel=HarnessChannel(tmp_path / "x", "vm-1"),
-        image=None,  # type: ignore[arg-type]
-        incarnation=1,
-        token="t",
-        env={},
-        memory_mib=256,
-        vcpus=1,
-        disk_mib=512,
-    )
+from tests.fakes import live_vm
 
 
 def test_a_paused_qemu_is_read_once_before_and_once_after_its_offload(
@@ -40,7 +22,7 @@ def test_a_paused_qemu_is_read_once_before_and_once_after_its_offload(
     walks = itertools.count(1)  # each walk sees a different resident size, as the kernel would
     monkeypatch.setattr(usage, "process_memory", lambda pid: usage.ProcessMemory(next(walks) << 20, 1 << 20))
     monkeypatch.setattr(usage, "cpu_ns", lambda pid, cg: (0, "proc"))
-    lv = _vm(tmp_path)
+    lv = live_vm(tmp_path, "vm-1", pid=4242, memory_mib=256)
 
     def rss_mib() -> int:
         reading = sampling._read(lv, 15.0, None)
