@@ -49,6 +49,15 @@ def lifetime_events(api: httpx.Client, vm: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "lifetime_ended"]
 
 
+def lifetime_ended(api: httpx.Client, vm: str, final: str) -> dict[str, Any]:
+    """The one ``lifetime_ended`` event, once the sweep wrote it (just after its delete or
+    pause), with the VM then in ``final``."""
+    poll(f"{vm}'s lifetime_ended event", lambda: lifetime_events(api, vm))
+    (ended,) = lifetime_events(api, vm)
+    assert state_of(api, vm) == final
+    return ended
+
+
 @pytest.fixture
 def cleanup(api: httpx.Client) -> Iterator[list[str]]:
     vms: list[str] = []
@@ -136,8 +145,7 @@ def test_lifetime_ends_a_busy_vm_with_an_audit_event(
     assert state_of(api, vm["vmId"]) == "running"
     r = api.put(f"/v1/runtime/vms/{vm['vmId']}/lifetime", json={"lifetimeSecs": 1})
     assert r.status_code == 200 and r.json()["lifetimeSecs"] == 1, r.text
-    poll(f"{vm['vmId']} {final}", lambda: state_of(api, vm["vmId"]) == final)
-    (ended,) = lifetime_events(api, vm["vmId"])
+    ended = lifetime_ended(api, vm["vmId"], final)
     assert ended["details"]["action"] == action and ended["details"]["onLifetimeEnd"] == on_end, ended
     assert ended["fromState"] == "running"
     changes = api.get(f"/v1/runtime/vms/{vm['vmId']}/events").json()["events"]
@@ -185,8 +193,7 @@ def test_a_lifetime_deadline_survives_a_restart(pal_server: PalServer, tenant_ke
         server = start_server(run_dir)
         try:
             with server.client(key) as api:
-                poll(f"{vm_id} deleted", lambda: state_of(api, vm_id) == "terminated")
-                (ended,) = lifetime_events(api, vm_id)
+                ended = lifetime_ended(api, vm_id, "terminated")
                 assert ended["details"]["action"] == "deleted", json.dumps(ended)
                 assert ended["fromState"] == "paused"
         finally:
