@@ -145,6 +145,8 @@
   }
 
   openBtn.addEventListener("click", open);
+  // The button comes disabled: a click before this script ran would do nothing.
+  openBtn.disabled = false;
   // End: the shell is hung up (SIGHUP to its group), as when a terminal window closes.
   endBtn.addEventListener("click", () => send(JSON.stringify({ type: "signal", signal: "HUP" })));
 })();
