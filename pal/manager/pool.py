@@ -176,40 +176,39 @@ class WarmPool(StandingSet[PooledVm]):
             disk_mib=disk,
             token=secrets.token_urlsafe(24),
         )
-        with self._making_one(size):
-            lv: LiveVm | None = None
-            try:
-                if not await template_ready(self.d, size):
-                    raise Unavailable(f"no template of {size} to restore pooled VMs from")
-                lv = await self.d.spawn_pooled(req)
-                await prime(lv)
-                # No network until a claim: the gateway forgets it, its namespace and tap stay.
-                await self.d.net.unregister(pool_id)
-                await lv.qemu.pause()
-                if warm_kernel_language(lv.image) is not None:
-                    # Kept resident: a claim's first cell would fault its started kernel back in
-                    # from the RAM file page by page (measured: docs/benchmarks/code.md). The
-                    # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
-                    self.ready[pool_id] = PooledVm(lv, size)
-                    self.last_error = None
-                    log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
-                    return True
-                res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
-                self.ready[pool_id] = PooledVm(lv, size, res.working_set)
+        lv: LiveVm | None = None
+        try:
+            if not await template_ready(self.d, size):
+                raise Unavailable(f"no template of {size} to restore pooled VMs from")
+            lv = await self.d.spawn_pooled(req)
+            await prime(lv)
+            # No network until a claim: the gateway forgets it, its namespace and tap stay.
+            await self.d.net.unregister(pool_id)
+            await lv.qemu.pause()
+            if warm_kernel_language(lv.image) is not None:
+                # Kept resident: a claim's first cell would fault its started kernel back in
+                # from the RAM file page by page (measured: docs/benchmarks/code.md). The
+                # memory budget (PAL_POOL_MEMORY_MIB) counts a pooled VM's whole RAM anyway.
+                self.ready[pool_id] = PooledVm(lv, size)
                 self.last_error = None
-                log.info(
-                    "pool: VM %s of %s ready (%d MiB of guest RAM resident after the offload)",
-                    pool_id,
-                    size,
-                    res.resident_after >> 20,
-                )
+                log.info("pool: VM %s of %s ready (paused, its kernel's RAM resident)", pool_id, size)
                 return True
-            except Exception as exc:
-                self.last_error = f"{size}: {exc}"
-                log.warning("pool: a VM of %s could not be made: %s", size, exc)
-                if lv is not None:
-                    await self._kill(lv)
-                return False
+            res = await asyncio.to_thread(offload.offload, lv.qemu.pid or 0, lv.qemu.mem_path)
+            self.ready[pool_id] = PooledVm(lv, size, res.working_set)
+            self.last_error = None
+            log.info(
+                "pool: VM %s of %s ready (%d MiB of guest RAM resident after the offload)",
+                pool_id,
+                size,
+                res.resident_after >> 20,
+            )
+            return True
+        except Exception as exc:
+            self.last_error = f"{size}: {exc}"
+            log.warning("pool: a VM of %s could not be made: %s", size, exc)
+            if lv is not None:
+                await self._kill(lv)
+            return False
 
     # ------------------------------------------------------------------ claim
 

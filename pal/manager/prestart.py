@@ -138,34 +138,33 @@ class PrestartSet(StandingSet[Prestarted]):
         prestart_id = PRESTART_ID_PREFIX + secrets.token_hex(6)
         reg = self.d.registry
         slot = reg.slots.assign(prestart_id)
-        with self._making_one(size):
-            qemu: QemuVm | None = None
+        qemu: QemuVm | None = None
+        try:
+            await asyncio.to_thread(admission.check_memory, QEMU_OWN_MIB, f"a pre-started QEMU of {size}")
+            image = load_image(self.d.settings, PRESTART_IMAGE)
+            vnet = await self.d.net.create(slot)
             try:
-                await asyncio.to_thread(admission.check_memory, QEMU_OWN_MIB, f"a pre-started QEMU of {size}")
-                image = load_image(self.d.settings, PRESTART_IMAGE)
-                vnet = await self.d.net.create(slot)
-                try:
-                    spec = self._spec(prestart_id, slot, image, size, vnet.tap_fd)
-                    spec.vm_dir.mkdir(parents=True, exist_ok=True)
-                    # The device set of every VM: a config drive (identify replaces what it says).
-                    (spec.vm_dir / "config.img").write_bytes(p.encode_config({}))
-                    qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
-                finally:
-                    vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
-                failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
-                reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
-                failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
-                self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
-                self.last_error = None
-                log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
-                return True
-            except Exception as exc:
-                self.last_error = f"{size}: {exc}"
-                log.warning("prestart: a QEMU of %s could not be started: %s", size, exc)
-                if qemu is not None:
-                    await qemu.kill()
-                await self.d.free_vm_files(prestart_id, slot)
-                return False
+                spec = self._spec(prestart_id, slot, image, size, vnet.tap_fd)
+                spec.vm_dir.mkdir(parents=True, exist_ok=True)
+                # The device set of every VM: a config drive (identify replaces what it says).
+                (spec.vm_dir / "config.img").write_bytes(p.encode_config({}))
+                qemu = await QemuVm.spawn_waiting(spec, disk * MIB)
+            finally:
+                vnet.close_fds()  # QEMU holds the tap; a take makes new gateway sockets
+            failpoints.hit("manager:prestart-spawned")  # waiting, no state file yet
+            reg.write_prestarted(slot, prestart_id, qemu.pid or 0)
+            failpoints.hit("manager:prestart-ready")  # waiting; its state file says prestarted
+            self.ready[prestart_id] = Prestarted(qemu, prestart_id, slot, size, image)
+            self.last_error = None
+            log.info("prestart: QEMU %s of %s waiting for a restore (%s)", qemu.pid, size, slot)
+            return True
+        except Exception as exc:
+            self.last_error = f"{size}: {exc}"
+            log.warning("prestart: a QEMU of %s could not be started: %s", size, exc)
+            if qemu is not None:
+                await qemu.kill()
+            await self.d.free_vm_files(prestart_id, slot)
+            return False
 
     # ------------------------------------------------------------------ take
 

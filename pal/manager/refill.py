@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pal.vmm.usage import process_memory
@@ -89,17 +89,19 @@ class StandingSet(Generic[T]):
         make_one: Callable[[str], Awaitable[bool]],
         before_each: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self._task = asyncio.create_task(
-            refill_forever(self.missing, make_one, self._wake, before_each), name=name
-        )
+        """Keep the set at its targets: ``make_one(size)`` makes one (False: not now), counted
+        in ``making`` while it runs."""
 
-    @contextlib.contextmanager
-    def _making_one(self, size: str) -> Iterator[None]:
-        self.making[size] = self.making.get(size, 0) + 1
-        try:
-            yield
-        finally:
-            self.making[size] -= 1
+        async def make_counted(size: str) -> bool:
+            self.making[size] = self.making.get(size, 0) + 1
+            try:
+                return await make_one(size)
+            finally:
+                self.making[size] -= 1
+
+        self._task = asyncio.create_task(
+            refill_forever(self.missing, make_counted, self._wake, before_each), name=name
+        )
 
     async def _stop(self) -> list[T]:
         """Stop the refill; everything that was ready, now out of the set (for the caller
