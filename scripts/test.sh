@@ -18,16 +18,20 @@ echo "==> pytest"
 if [[ $# -gt 0 ]]; then
   exec .venv/bin/pytest -q "$@"
 fi
-# The adversarial tests run first, alone: some bound what a hostile guest gets out of a
-# quiet host. Then the unit tests (pure Python, no VMs) run beside the other VM tests at a
-# low CPU priority (nice 10): they take the cycles those tests leave idle (waits on
-# guests, servers, browsers) and barely slow them.
+# The tests marked `alone` run first, alone: they bound what holds on a quiet host (what a
+# flooding guest gets, the guest clock to milliseconds). The other VM tests (adversarial,
+# e2e, integration) then run in two xdist workers, a test file whole in one worker, each
+# worker with its own image and template cache (tests/conftest.py): one worker's QEMUs use
+# the CPU the other's leave idle while they wait on guests, servers and browsers. The unit
+# tests (pure Python, no VMs) run beside them at a low CPU priority (nice 10), for the same
+# reason.
 rc=0
-.venv/bin/pytest -q --durations=10 tests/adversarial || rc=$?
+VM_TESTS=(tests/adversarial tests/e2e tests/integration)
+.venv/bin/pytest -q --durations=5 -m alone "${VM_TESTS[@]}" || rc=$?
 UNIT_LOG="$(mktemp)"
 nice -n 10 .venv/bin/pytest -q -p no:cacheprovider tests/unit >"$UNIT_LOG" 2>&1 &
 UNIT_PID=$!
-.venv/bin/pytest -q --durations=25 tests/e2e tests/integration || rc=$?
+.venv/bin/pytest -q --durations=25 -n 2 --dist loadgroup -m "not alone" "${VM_TESTS[@]}" || rc=$?
 unit_rc=0
 wait "$UNIT_PID" || unit_rc=$?
 echo "==> unit tests (run beside the above)"

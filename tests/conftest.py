@@ -37,7 +37,37 @@ from tests.netservers import (
 from tests.s3server import s3_server  # noqa: F401  (session fixture: a real S3 server)
 
 REPO = Path(__file__).resolve().parent.parent
-TEST_DATA_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
+# scripts/test.sh runs the VM tests in two pytest-xdist workers. Each worker's servers get a
+# cache of their own (images, templates), so no worker's template build, prune or image
+# removal touches what the other's servers read: gw0 keeps PAL_TEST_DATA_DIR, every other
+# worker a dir inside it (short: QEMU's unix socket paths stay under 108 bytes), its image
+# cloned from the first's (prepare_base_dir).
+BASE_DATA_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+TEST_DATA_DIR = BASE_DATA_DIR if _WORKER == "gw0" else BASE_DATA_DIR / f"w{_WORKER.removeprefix('gw')}"
+os.environ["PAL_TEST_DATA_DIR"] = str(TEST_DATA_DIR)  # what tests and `pal` read it from
+
+# Test files that run in the same worker: the TypeScript SDK's two build its dist/ in place
+# (beside each other, one would read the other's half-written output); the code
+# interpreter's three use the image that test_code.py's fixture builds (minutes under TCG:
+# once, not once per worker).
+XDIST_GROUPS = {
+    "tests/e2e/test_sdk_contract.py": "typescript-sdk",
+    "tests/e2e/test_typescript_sdk.py": "typescript-sdk",
+    "tests/integration/test_code.py": "code-image",
+    "tests/integration/test_pool.py": "code-image",
+    "tests/e2e/test_dashboard_code.py": "code-image",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` a test file runs whole in one worker (its module
+    fixtures are set up once), and the files of one XDIST_GROUPS group in the same one."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            path = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(path, path)))
 
 
 @pytest.fixture(scope="session")
@@ -165,13 +195,57 @@ class PalServer:
 
 
 def prepare_base_dir() -> None:
-    """Reflink-capable data dir and the guest image, built once per machine."""
+    """Reflink-capable data dir and the guest image, built once per machine (a second
+    xdist worker's dir gets a clone of the first's image, built under a lock)."""
     from pal.config import Settings
+    from pal.images.paths import load_image
     from pal.server import ensure_image, prepare_data_dir
 
-    settings = Settings.from_env(TEST_DATA_DIR)
-    prepare_data_dir(settings)
-    ensure_image(settings)
+    with open_lock(BASE_DATA_DIR.parent / f".{BASE_DATA_DIR.name}.prepare.lock"):
+        base = Settings.from_env(BASE_DATA_DIR)
+        prepare_data_dir(base)
+        ensure_image(base)
+        if TEST_DATA_DIR != BASE_DATA_DIR:
+            settings = Settings.from_env(TEST_DATA_DIR)
+            prepare_data_dir(settings)
+            want = load_image(base, "default").agent_version_id
+            with contextlib.suppress(Exception):
+                if load_image(settings, "default").agent_version_id == want:
+                    return
+            copy_default_image(BASE_DATA_DIR, TEST_DATA_DIR)
+            ensure_image(settings)  # a no-op unless the clone is incomplete
+
+
+@contextlib.contextmanager
+def open_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between the processes of a test run (xdist workers)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def copy_default_image(src: Path, dst: Path) -> None:
+    """Clone (reflink) the built ``default`` image of data dir ``src`` into ``dst``: its
+    root fs and meta and the boot set it names (kernel + initrd), as built."""
+    from pal.config import Settings
+    from pal.images.paths import load_image
+    from pal.vmm import disks
+
+    base = src / "images"
+    image = load_image(Settings.from_env(src), "default")
+    for src_dir in {image.dir, image.vmlinux.parent}:
+        dst_dir = dst / "images" / src_dir.relative_to(base)
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        for f in src_dir.iterdir():
+            if f.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    (dst_dir / f.name).unlink()
+                disks.clone(f, dst_dir / f.name, qcow2_ok=False)
+                os.chmod(dst_dir / f.name, f.stat().st_mode)
+    with contextlib.suppress(FileNotFoundError):
+        shutil.copy(base / "accel.json", dst / "images" / "accel.json")
 
 
 def start_server(
@@ -250,27 +324,14 @@ def private_data_dir() -> Iterator[Path]:
     under /tmp. The guest image is copied in (building one from scratch is not under test).
     """
     from pal.config import Settings
-    from pal.images.paths import load_image
     from pal.server import prepare_data_dir
-    from pal.vmm import disks
 
     prepare_base_dir()
     parent = Path(tempfile.mkdtemp(prefix="pal-private-"))
     data = parent / "d"
     try:
         prepare_data_dir(Settings.from_env(data))
-        base = TEST_DATA_DIR / "images"
-        image = load_image(Settings.from_env(TEST_DATA_DIR), "default")
-        # the image (root fs + meta) and the boot set it names (kernel + initrd), as built
-        for src_dir in {image.dir, image.vmlinux.parent}:
-            dst_dir = data / "images" / src_dir.relative_to(base)
-            dst_dir.mkdir(parents=True, exist_ok=True)
-            for f in src_dir.iterdir():
-                if f.is_file():
-                    disks.clone(f, dst_dir / f.name, qcow2_ok=False)
-                    os.chmod(dst_dir / f.name, f.stat().st_mode)
-        with contextlib.suppress(FileNotFoundError):
-            shutil.copy(base / "accel.json", data / "images" / "accel.json")
+        copy_default_image(TEST_DATA_DIR, data)
         yield data
     finally:
         for pid in qemu_pids_under(data):

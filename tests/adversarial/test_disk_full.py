@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from pal.manager.admission import MIN_FREE_MIB, disk_free_mib
+from pal.sizes import DEFAULT_DISK_MIB
 from tests.conftest import PalServer, private_data_dir, start_server, stop_server
 
 pytestmark = pytest.mark.vm
@@ -65,6 +67,21 @@ def fill(data: Path, leave_mib: int) -> Path:
     return filler
 
 
+def reported_free_mib(server: PalServer, at_least: int) -> int:
+    """Wait until the node reports ``at_least`` MiB free on its data disk (GET /v1/nodes)."""
+    operator = {"Authorization": f"Bearer {server.operator_token}"}
+    deadline = time.monotonic() + 120  # a hang guard: a heartbeat is due every 5 s
+    while True:
+        r = httpx.get(server.url + "/v1/nodes", headers=operator, timeout=60)
+        assert r.status_code == 200, r.text
+        (node,) = r.json()["nodes"]
+        free = int(node["capacity"]["diskFreeMib"])
+        if free >= at_least:
+            return free
+        assert time.monotonic() < deadline, node
+        time.sleep(0.5)
+
+
 def test_a_pause_on_a_full_disk_fails_cleanly_and_the_vm_runs_on(small_server: PalServer) -> None:
     data = small_server.data_dir
     key = small_server.tenant("full")
@@ -95,6 +112,9 @@ def test_a_pause_on_a_full_disk_fails_cleanly_and_the_vm_runs_on(small_server: P
             assert not written, written
         finally:
             filler.unlink()
+        # Placement reads the space the node last reported (its heartbeat, every few s): a
+        # heartbeat taken while the disk was full refuses the resume until the next one.
+        reported_free_mib(small_server, at_least=DEFAULT_DISK_MIB)
 
         # Nothing is corrupt: the earlier snapshot restores, and the refused pause now works.
         r = c.post(f"/v1/runtime/vms/{paused}/resume")

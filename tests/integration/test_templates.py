@@ -122,6 +122,7 @@ def assert_clock_in_step(api: httpx.Client, vm: str, url: str, when: str) -> Non
     assert abs(got["offset"]) <= got["rtt"] / 2 + CLOCK_SYNC_TOLERANCE_S, (when, got)
 
 
+@pytest.mark.alone  # the answer's trip to the host, which the correction cannot see, grows with load
 def test_the_guest_clock_is_the_hosts_to_milliseconds_after_template_and_resumes(
     api: httpx.Client, upstream: Upstream
 ) -> None:

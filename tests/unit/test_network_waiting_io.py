@@ -39,8 +39,10 @@ async def _vm_with_conn(
     ups: list[asyncio.StreamWriter] = []
 
     async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got = _UPSTREAM_GOT[writer] = bytearray()
         ups.append(writer)
-        await reader.read(1 << 20)
+        while data := await reader.read(1 << 20):
+            got += data
 
     up_server = await asyncio.start_server(upstream, "127.0.0.1", 0)
     up_port = up_server.sockets[0].getsockname()[1]
@@ -68,6 +70,16 @@ async def _vm_with_conn(
     while not ups:
         await asyncio.sleep(0.001)
     return vm, sink, conn, reader, writer, ups[0], [up_server, guest_server]
+
+
+# What each test upstream (by its writer) has read: a socket closed with bytes it has not
+# read yet sends a reset, not an end, so an upstream that ends reads the request first.
+_UPSTREAM_GOT: dict[asyncio.StreamWriter, bytearray] = {}
+
+
+async def _end_upstream(up: asyncio.StreamWriter, after_reading: bytes) -> None:
+    await _until(lambda: _UPSTREAM_GOT[up] == after_reading)
+    up.close()
 
 
 async def _until(cond: Any, timeout: float = 10.0) -> None:
@@ -122,7 +134,8 @@ async def test_first_byte_while_held_makes_it_ready_and_release_delivers_data_th
     await _until(lambda: vm.ready is not None)
     assert sink.events[-1] == {"ev": "ready", "vmId": "vm-1", "reason": "first-byte", "buffered": 5000}
     up.write(b"b" * 5000)
-    up.close()  # the upstream ends while held: the guest sees it only after the data
+    # The upstream ends while held: the guest sees its end only after the data.
+    await _end_upstream(up, after_reading=b"request")
     await _until(lambda: conn.buffered == 10_000 and conn._up_eof)
     assert conn.bytes_down == 0 and len([e for e in sink.events if e["ev"] == "ready"]) == 1
     with pytest.raises(TimeoutError):
@@ -159,7 +172,7 @@ async def test_complete_waits_for_the_end_the_cap_or_a_quiet_moment(monkeypatch:
     await _until(lambda: conn.waiting)
     vm.hold(if_waiting=True)
     up.write(b"all")
-    up.close()
+    await _end_upstream(up, after_reading=b"request")
     await _until(lambda: vm.ready == "complete")
     vm.release()
     assert await asyncio.wait_for(reader.read(), 10) == b"all"
