@@ -17,13 +17,12 @@ import logging
 import signal
 
 import httpx
-import uvicorn
 
 from pal.api.callers import NODE_HEADER
 from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.manager.models import HeartbeatAck
-from pal.server import Node, _logging, _Server, ensure_image, prepare_data_dir, secure_umask
+from pal.server import Node, _logging, _Server, ensure_image, http_config, prepare_data_dir, secure_umask
 
 log = logging.getLogger("pal.node")
 
@@ -107,7 +106,7 @@ async def serve_node(
         log.warning("VMs left by a previous run: adopted %s, killed %s", adopted, killed)
     sampler = asyncio.create_task(node.runtime.run_sampler(), name="vm-metrics")
     app = create_rpc_app(node.runtime, token=settings.node_token)
-    rpc = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    rpc = _Server(http_config(app, host=host, port=port, lifespan="off"))
     rpc_task = asyncio.create_task(rpc.serve(), name="node-rpc")
     while not rpc.started:
         if rpc_task.done():

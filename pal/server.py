@@ -28,6 +28,18 @@ from pal.config import Settings
 log = logging.getLogger("pal")
 
 
+# How long our servers keep an idle connection open: well past any client's reuse window
+# (httpx keeps one 5 s, Node's undici 4 s). At uvicorn's default (5 s) the server could close
+# a connection at the moment a client sent a request on it; the request was reset, and an
+# exec to a node that was there failed as 503 NODE_UNREACHABLE.
+KEEP_ALIVE_S = 75
+
+
+def http_config(app: Any, **kw: Any) -> uvicorn.Config:
+    """uvicorn's config for each of our servers (the API, the ports listener, a node's RPC)."""
+    return uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, **kw)
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: `serve()` below owns SIGTERM/SIGINT."""
 
@@ -93,12 +105,7 @@ class Node:
         from pal.manager.rpc import create_rpc_app
 
         sock = rpc_socket.bind(self.settings.manager_socket)
-        cfg = uvicorn.Config(
-            create_rpc_app(self.runtime),
-            log_level="warning",
-            lifespan="off",
-            http=rpc_socket.PeerCheckedProtocol,
-        )
+        cfg = http_config(create_rpc_app(self.runtime), lifespan="off", http=rpc_socket.PeerCheckedProtocol)
         return _Server(cfg), sock
 
     def warm_default_template(self) -> None:
@@ -285,13 +292,13 @@ def _serve(app: Any, host: str, port: int, ports_sock: socket.socket) -> _Listen
     nothing else (never the API or the dashboard: pal/api/port_origins.py)."""
     from pal.api.port_origins import ports_listener_app
 
-    api = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    api = _Server(http_config(app, host=host, port=port, lifespan="on"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     listener = ports_listener_app(app.state.ports_app, app.state.port_origins)
-    ports = _Server(uvicorn.Config(listener, log_level="warning", lifespan="off"))
+    ports = _Server(http_config(listener, lifespan="off"))
     tasks = [
         asyncio.create_task(api.serve(), name="api"),
         asyncio.create_task(ports.serve(sockets=[ports_sock]), name="ports"),

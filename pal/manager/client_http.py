@@ -19,7 +19,8 @@ STREAM_TIMEOUT = httpx.Timeout(None, connect=5.0)
 
 
 def unreachable(exc: httpx.TransportError) -> Unavailable:
-    return Unavailable(f"runtime manager unreachable: {exc}", code=UNREACHABLE)
+    # httpx's errors often have no text (a reset connection reads as ReadError('')).
+    return Unavailable(f"runtime manager unreachable: {str(exc) or type(exc).__name__}", code=UNREACHABLE)
 
 
 class NodeHttp:

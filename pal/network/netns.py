@@ -48,6 +48,7 @@ from pal.network import nft
 NETNS_DIR = Path("/run/netns")
 # Which data dir each tag belongs to (tmpfs, like the namespaces: both end with a reboot).
 OWNERS_DIR = Path("/run/pal/netns-owners")
+NETNS_DIR_LOCK = Path("/run/pal/netns-dir.lock")  # Pal processes making NETNS_DIR a mount
 _TAG = re.compile(r"^[0-9a-f]{8}$")
 TAP = "tap0"
 HOST_IP = GATEWAY_IP  # the guest's gateway and DNS server: the host side of its NIC
@@ -61,6 +62,8 @@ LISTEN_BACKLOG = 128  # per VM: a guest flooding SYNs fills only its own queue
 _VM_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
+_MS_REC = 16384
+_MS_SHARED = 1 << 20
 _MNT_DETACH = 2
 _TUNSETIFF = 0x400454CA
 _IFF_TAP, _IFF_NO_PI, _IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
@@ -143,9 +146,33 @@ def in_namespace(fn: Callable[[], T], *, new: str | None = None, enter: str | No
     return box["result"]  # type: ignore[return-value]
 
 
+def _netns_dir_mounted(libc: ctypes.CDLL) -> None:
+    """Make /run/netns a shared mount point of its own, as `ip netns add` does, before a
+    namespace is bound in it. Otherwise the first `ip netns add` on this host (an operator's,
+    a test's) bind-mounts /run/netns over itself: the namespaces bound there before are hidden
+    under that mount, can no longer be unmounted or removed, and leak until reboot. Once it is
+    a mount point, `ip` only makes it shared again. Idempotent; Pal processes take turns."""
+    NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
+    NETNS_DIR_LOCK.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(NETNS_DIR_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        target = bytes(NETNS_DIR)
+        if libc.mount(b"none", target, None, _MS_SHARED | _MS_REC, None) == 0:
+            return
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # EINVAL: not a mount point yet
+            raise OSError(err, f"make {NETNS_DIR} shared: {os.strerror(err)}")
+        if libc.mount(target, target, None, _MS_BIND | _MS_REC, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"bind mount of {NETNS_DIR} on itself: {os.strerror(err)}")
+        if libc.mount(b"none", target, None, _MS_SHARED | _MS_REC, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"make {NETNS_DIR} shared: {os.strerror(err)}")
+
+
 def _create_bound(libc: ctypes.CDLL, name: str) -> None:
     """unshare a new network namespace for this thread and bind-mount it at /run/netns/name."""
-    NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
+    _netns_dir_mounted(libc)
     path = ns_path(name)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)

@@ -4,10 +4,13 @@ the guest would, answers read back. The guest side is played by raw Ethernet fra
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,3 +162,42 @@ def test_namespaces_of_a_deleted_data_dir_are_swept_by_another_node(
     finally:
         for n in names:
             netns.delete(n)
+
+
+# Run in a mount namespace of its own (private: nothing it mounts reaches the host), from a
+# /run/netns that is not a mount point yet, as on a freshly booted host.
+_FIRST_IP_NETNS_ADD = """
+import ctypes, json, subprocess, sys
+from pal.network import netns
+libc = ctypes.CDLL(None, use_errno=True)
+while libc.umount2(b"/run/netns", 0) == 0:
+    pass
+pal_ns, ip_ns = sys.argv[1], sys.argv[2]
+netns.create(pal_ns).close_fds()
+subprocess.run(["ip", "netns", "add", ip_ns], check=True)
+subprocess.run(["ip", "netns", "delete", ip_ns], check=True)
+try:
+    netns.delete(pal_ns)
+    error = None
+except OSError as exc:
+    error = str(exc)
+mounts = open("/proc/self/mountinfo").read()
+print(json.dumps({"error": error, "file_left": netns.exists(pal_ns), "mount_left": pal_ns in mounts}))
+"""
+
+
+def test_an_ip_netns_add_after_ours_leaves_our_namespaces_removable() -> None:
+    """The first `ip netns add` on a host bind-mounts /run/netns over itself unless it is a
+    mount point already; a namespace Pal had bound there before would be hidden under that
+    mount and could never be removed. Pal makes the directory a mount point first."""
+    pal_ns, ip_ns = netns.ns_name("0000beef", f"vm-{os.getpid()}"), f"paltest-ip-{os.getpid()}"
+    try:
+        out = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _FIRST_IP_NETNS_ADD,
+             pal_ns, ip_ns],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert json.loads(out.stdout) == {"error": None, "file_left": False, "mount_left": False}, out.stderr
+    finally:
+        for name in (pal_ns, ip_ns):  # the files are on the host's filesystem
+            (netns.NETNS_DIR / name).unlink(missing_ok=True)

@@ -1,0 +1,17 @@
+"""Our servers keep an idle connection open well past the time a client keeps it for reuse,
+so a server never closes a connection at the moment a client sends a request on it (that
+request is reset: under load, a node's exec failed as 503 NODE_UNREACHABLE)."""
+
+from __future__ import annotations
+
+import httpx
+from starlette.applications import Starlette
+
+from pal.server import http_config
+
+
+def test_a_server_keeps_idle_connections_past_an_httpx_clients_reuse_window() -> None:
+    client_reuse_s = httpx.Limits().keepalive_expiry  # what ManagerClient and the SDKs use
+    assert client_reuse_s is not None
+    cfg = http_config(Starlette(), lifespan="off")
+    assert cfg.timeout_keep_alive >= 10 * client_reuse_s, cfg.timeout_keep_alive
