@@ -31,7 +31,7 @@ VM_TESTS=(tests/adversarial tests/e2e tests/integration)
 UNIT_LOG="$(mktemp)"
 nice -n 10 .venv/bin/pytest -q -p no:cacheprovider tests/unit >"$UNIT_LOG" 2>&1 &
 UNIT_PID=$!
-.venv/bin/pytest -q --durations=25 -n 2 --dist loadgroup -m "not alone" "${VM_TESTS[@]}" || rc=$?
+.venv/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not alone" "${VM_TESTS[@]}" || rc=$?
 unit_rc=0
 wait "$UNIT_PID" || unit_rc=$?
 echo "==> unit tests (run beside the above)"

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,14 +61,22 @@ XDIST_GROUPS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` a test file runs whole in one worker (its module
-    fixtures are set up once), and the files of one XDIST_GROUPS group in the same one."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = item.nodeid.split("::", 1)[0]
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(path, path)))
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile`` a test file runs whole in one worker (its module fixtures are
+    set up once), and the files of one XDIST_GROUPS group in the same one. (xdist's own
+    ``loadgroup`` renames each test's node id, which pytest 9 no longer lets it do: the
+    groups were silently ignored.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return XDIST_GROUPS.get(path, path)
+
+    return ByFileGroup(config, log)
 
 
 @pytest.fixture(scope="session")
