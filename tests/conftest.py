@@ -327,16 +327,16 @@ def start_server(
 
 @contextlib.contextmanager
 def private_data_dir() -> Iterator[Path]:
-    """A data dir where users make one: ``<mktemp -d>/d``, under a 0700 parent, shared with
-    nothing. On a file system without reflinks (ext4 /tmp) it becomes a loop-mounted XFS
-    like any user's; ``pal data-dir umount`` takes it down at the end, so no mount is left
-    under /tmp. The guest image is copied in (building one from scratch is not under test).
+    """A data dir where users make one: ``<mktemp -d>/d``, under a 0700 parent with capitals
+    in its name, shared with nothing. On a file system without reflinks (ext4 /tmp) it becomes
+    a loop-mounted XFS like any user's; ``pal data-dir umount`` takes it down at the end, so
+    no mount is left under /tmp. The guest image is copied in (building one from scratch is not under test).
     """
     from pal.config import Settings
     from pal.server import prepare_data_dir
 
     prepare_base_dir()
-    parent = Path(tempfile.mkdtemp(prefix="pal-private-"))
+    parent = Path(tempfile.mkdtemp(prefix="Pal-Private-"))
     data = parent / "d"
     try:
         prepare_data_dir(Settings.from_env(data))

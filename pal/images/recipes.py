@@ -9,17 +9,22 @@ files changed it is re-assembled from its kept source, as a server start would.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pal.errors import BackendError
 from pal.images import assemble, builder
 from pal.images.dockerfile import build_dockerfile
 from pal.images.export import export_image
 from pal.images.importer import refresh
 from pal.images.paths import ImageNotFound, ImagePaths, image_dir, load_image, read_meta, write_meta
+from pal.pids import pid_alive
 
 if TYPE_CHECKING:
     from pal.config import Settings
@@ -27,6 +32,11 @@ if TYPE_CHECKING:
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 BASE_IMAGE = "default"
+# buildah (1.28, Debian 12's) names an ``oci:DIR`` base after DIR's path, parsed as an image
+# reference: lowercase letters, digits and separators only. A data dir's path may hold
+# anything (/home/Alice/pal, mktemp's /tmp/tmp.aB3xY), so the base's staging dir is
+# bind-mounted for the build at a path of Pal's own: <this>/<pid>.
+BASE_MOUNTS = Path("/run/pal/recipe-bases")
 
 
 def recipe(name: str) -> Path | None:
@@ -70,20 +80,57 @@ def build_recipe(
         refresh(settings, kept, progress)
     else:
         builder.build_image(settings, BASE_IMAGE, progress=progress)
-        # Not under images/.build-*: buildah reads an oci: path as a reference name, whose
-        # components may not start with a dot.
-        staging = settings.data_dir / f"recipe-base-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            report(f"exporting {BASE_IMAGE} as the base", 0.02)
-            base = export_image(settings, BASE_IMAGE, staging / "base")
-            build_dockerfile(
-                settings, name, dockerfile, dockerfile.parent, progress, None, {"BASE": base}, tenants=tenants
-            )
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        _build_on_the_base(settings, name, dockerfile, report, progress, tenants)
     d = image_dir(settings, name)
     meta = read_meta(d) or {}
     meta["recipeHash"] = want
     write_meta(d, meta)
     return load_image(settings, name)
+
+
+def _build_on_the_base(
+    settings: Settings,
+    name: str,
+    dockerfile: Path,
+    report: Progress,
+    progress: Progress | None,
+    tenants: list[str] | None,
+) -> None:
+    """Export the base image into a staging dir and build ``dockerfile`` FROM it."""
+    staging = settings.data_dir / f"recipe-base-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        with _at_a_reference_path(staging) as at:
+            report(f"exporting {BASE_IMAGE} as the base", 0.02)
+            args = {"BASE": export_image(settings, BASE_IMAGE, at / "base")}
+            build_dockerfile(
+                settings, name, dockerfile, dockerfile.parent, progress, build_args=args, tenants=tenants
+            )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _at_a_reference_path(staging: Path) -> Iterator[Path]:
+    """``staging``, bind-mounted at BASE_MOUNTS/<pid> while the build reads it (see there).
+    A build killed before its unmount leaves its mount to the next build's sweep."""
+    BASE_MOUNTS.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for old in BASE_MOUNTS.iterdir():
+        if old.name.isdigit() and (old.name == str(os.getpid()) or not pid_alive(int(old.name))):
+            _unmount(old)
+    at = BASE_MOUNTS / str(os.getpid())
+    at.mkdir()
+    try:
+        done = subprocess.run(["mount", "--bind", str(staging), str(at)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BackendError(f"cannot bind-mount the recipe's base at {at}: {done.stderr.strip()}")
+        yield at
+    finally:
+        _unmount(at)
+
+
+def _unmount(at: Path) -> None:
+    subprocess.run(["umount", "--lazy", str(at)], capture_output=True, check=False)
+    with contextlib.suppress(OSError):
+        at.rmdir()
