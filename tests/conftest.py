@@ -443,6 +443,15 @@ def tenant_key(pal_server: PalServer) -> str:
     return key
 
 
+@pytest.fixture(scope="session")
+def warm_template(tenant_key: str) -> None:
+    """The worker's cache holds the default image's warm template (on a fresh machine the
+    second worker's is empty). Tests that kill servers at failpoints need it: a server that
+    built it would hit their failpoints in the build, and the next server's build of it
+    would look like a leaked QEMU."""
+    del tenant_key  # its fixture waited for the template
+
+
 @pytest.fixture
 def api(pal_server: PalServer, tenant_key: str) -> Iterator[httpx.Client]:
     with pal_server.client(tenant_key) as c:

@@ -36,7 +36,7 @@ CASES = {
 
 
 @pytest.fixture
-def run_dir() -> Iterator[Path]:
+def run_dir(warm_template: None) -> Iterator[Path]:
     with scratch_run_dir("poolkill") as d:
         yield d
 

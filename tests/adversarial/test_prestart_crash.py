@@ -40,7 +40,7 @@ CASES = {
 
 
 @pytest.fixture
-def run_dir() -> Iterator[Path]:
+def run_dir(warm_template: None) -> Iterator[Path]:
     with scratch_run_dir("prekill") as d:
         yield d
 

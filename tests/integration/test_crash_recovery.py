@@ -35,7 +35,7 @@ MAX_VMS = 3
 
 
 @pytest.fixture
-def run_dir() -> Iterator[Path]:
+def run_dir(warm_template: None) -> Iterator[Path]:
     with scratch_run_dir("crash") as d:
         yield d
 
