@@ -97,9 +97,7 @@ def _build_on_the_base(
     tenants: list[str] | None,
 ) -> None:
     """Export the base image into a staging dir and build ``dockerfile`` FROM it."""
-    staging = settings.data_dir / f"recipe-base-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = assemble.new_staging(settings, "recipe-base")  # a dead build's is swept
     try:
         with _at_a_reference_path(staging) as at:
             report(f"exporting {BASE_IMAGE} as the base", 0.02)

@@ -146,6 +146,12 @@ def in_namespace(fn: Callable[[], T], *, new: str | None = None, enter: str | No
     return box["result"]  # type: ignore[return-value]
 
 
+def _mount(libc: ctypes.CDLL, src: bytes, target: bytes, flags: int, what: str) -> None:
+    if libc.mount(src, target, None, flags, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
 def _netns_dir_mounted(libc: ctypes.CDLL) -> None:
     """Make /run/netns a shared mount point of its own, as `ip netns add` does, before a
     namespace is bound in it. Otherwise the first `ip netns add` on this host (an operator's,
@@ -154,20 +160,16 @@ def _netns_dir_mounted(libc: ctypes.CDLL) -> None:
     a mount point, `ip` only makes it shared again. Idempotent; Pal processes take turns."""
     NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
     NETNS_DIR_LOCK.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    target, shared = bytes(NETNS_DIR), _MS_SHARED | _MS_REC
     with open(NETNS_DIR_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        target = bytes(NETNS_DIR)
-        if libc.mount(b"none", target, None, _MS_SHARED | _MS_REC, None) == 0:
-            return
-        err = ctypes.get_errno()
-        if err != errno.EINVAL:  # EINVAL: not a mount point yet
-            raise OSError(err, f"make {NETNS_DIR} shared: {os.strerror(err)}")
-        if libc.mount(target, target, None, _MS_BIND | _MS_REC, None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"bind mount of {NETNS_DIR} on itself: {os.strerror(err)}")
-        if libc.mount(b"none", target, None, _MS_SHARED | _MS_REC, None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"make {NETNS_DIR} shared: {os.strerror(err)}")
+        try:
+            _mount(libc, b"none", target, shared, f"make {NETNS_DIR} shared")
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: not a mount point yet
+                raise
+            _mount(libc, target, target, _MS_BIND | _MS_REC, f"bind mount of {NETNS_DIR} on itself")
+            _mount(libc, b"none", target, shared, f"make {NETNS_DIR} shared")
 
 
 def _create_bound(libc: ctypes.CDLL, name: str) -> None:
@@ -184,9 +186,7 @@ def _create_bound(libc: ctypes.CDLL, name: str) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
         src = f"/proc/self/task/{threading.get_native_id()}/ns/net".encode()
-        if libc.mount(src, bytes(path), None, _MS_BIND, None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"bind mount of {path}: {os.strerror(err)}")
+        _mount(libc, src, bytes(path), _MS_BIND, f"bind mount of {path}")
     except BaseException:
         with contextlib.suppress(OSError):
             path.unlink()
