@@ -258,25 +258,33 @@ class CgroupHost:
         d = cg.dirs
         if self.version == "v2":
             u = d[UNIFIED]
-            return {
+            knobs = {
                 "cpu": (u, "cpu.max", f"{limits.cpu_quota_us} {CFS_PERIOD_US}"),
                 "memory": (u, "memory.max", str(limits.memory_bytes)),
                 "pids": (u, "pids.max", str(limits.pids)),
-                "io": (u, self._io_knob(u, V2_IO_KNOBS), f"default {limits.io_weight}"),
             }
-        return {
+            io = self._io_knob(u, V2_IO_KNOBS)
+            if io:
+                knobs["io"] = (u, io, f"default {limits.io_weight}")
+            return knobs
+        knobs = {
             "cpu period": (d["cpu"], "cpu.cfs_period_us", str(CFS_PERIOD_US)),
             "cpu": (d["cpu"], "cpu.cfs_quota_us", str(limits.cpu_quota_us)),
             "memory": (d["memory"], "memory.limit_in_bytes", str(limits.memory_bytes)),
             "pids": (d["pids"], "pids.max", str(limits.pids)),
-            "io": (d["blkio"], self._io_knob(d["blkio"], V1_IO_KNOBS), str(limits.io_weight)),
         }
+        io = self._io_knob(d["blkio"], V1_IO_KNOBS)
+        if io:
+            knobs["io"] = (d["blkio"], io, str(limits.io_weight))
+        return knobs
 
-    def _io_knob(self, d: Path, knobs: tuple[str, ...]) -> str:
+    def _io_knob(self, d: Path, knobs: tuple[str, ...]) -> str | None:
+        """The IO weight knob, or None where the kernel has no weight-aware scheduler (the
+        weight is a refinement, not a protection: it is skipped there)."""
         for knob in knobs:
             if self.fs.exists(d / knob):
                 return knob
-        raise _unavailable(f"no IO weight knob ({' or '.join(knobs)}) in {d}: no weight-aware I/O scheduler")
+        return None
 
     def existing(self, vm_id: str) -> VmCgroup | None:
         """The cgroup a previous manager made for an adopted VM, if any."""

@@ -159,13 +159,12 @@ def test_v1_missing_controller_fails_closed_and_names_the_opt_out(tmp_path: Path
         discover(fs)
 
 
-def test_v1_no_io_weight_knob_fails_closed_and_leaves_nothing(tmp_path: Path) -> None:
+def test_v1_no_io_weight_knob_still_applies_the_protecting_limits(tmp_path: Path) -> None:
     fs = v1_tree(tmp_path)
     fs.knobs = {**V1_KNOBS, "blkio": []}  # a kernel without a weight-aware scheduler
     host = discover(fs)
-    with pytest.raises(Unavailable, match="IO weight"):
-        host.create("vm1", Limits.for_vm(1, 256))
-    assert not any(d.exists() for d in host.dirs("vm1").values())
+    cg = host.create("vm1", Limits.for_vm(1, 256))
+    assert set(cg.applied) == {"cpu period", "cpu", "memory", "pids"}
 
 
 def test_v2_pal_alone_in_its_cgroup_steps_into_a_leaf_and_delegates(tmp_path: Path) -> None:
