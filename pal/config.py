@@ -52,6 +52,11 @@ DEFAULT_DATA_DIR = Path("/var/lib/pal")
 # node RPC's 8081 (a node may run on the same machine).
 DEFAULT_PORTS_PORT = 8082
 FORK_COUNT_CEILING = 1000
+# A VM's disk bounds when its spec asks none: room for any ordinary workload (a package
+# install, a build) while one VM's hog leaves the disk to the others (docs/benchmarks/io.md).
+DEFAULT_DISK_READ_MIBPS = 200
+DEFAULT_DISK_WRITE_MIBPS = 100
+DEFAULT_DISK_IOPS = 4000
 # A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT):
 # a command that never ends (waiting on a fifo, a prompt) must not hold a request open until
 # the VM is deleted. Streamed exec has no default: its reader sees the output and can stop it.
@@ -99,6 +104,13 @@ def read_at_least(low: int) -> Callable[[str, str], int]:
         return value
 
     return read
+
+
+def read_bound_or_off(name: str, raw: str) -> int | None:
+    """A per-VM default bound: a positive integer, or `off` (0) for none."""
+    if raw.strip().lower() in ("off", "0", "none"):
+        return None
+    return read_at_least(1)(name, raw)
 
 
 class Settings(BaseSettings):
@@ -277,6 +289,46 @@ class Settings(BaseSettings):
         None,
         "PAL_MAX_EGRESS_MBPS",
         "ceiling of a spec's `limits.egressMbps`, and the rate of a VM that asks none; unset: no ceiling",
+        read=read_at_least(1),
+    )
+    disk_read_mibps: int | None = setting(
+        DEFAULT_DISK_READ_MIBPS,
+        "PAL_DISK_READ_MIBPS",
+        "disk read bandwidth of a VM whose spec asks none (`limits.diskReadMibps`), MiB/s; `off`:"
+        " unbounded. Held by QEMU and by the kernel's throttle (`pal doctor` says where)",
+        read=read_bound_or_off,
+    )
+    disk_write_mibps: int | None = setting(
+        DEFAULT_DISK_WRITE_MIBPS,
+        "PAL_DISK_WRITE_MIBPS",
+        "disk write bandwidth of a VM whose spec asks none (`limits.diskWriteMibps`), MiB/s;"
+        " `off`: unbounded",
+        read=read_bound_or_off,
+    )
+    disk_iops: int | None = setting(
+        DEFAULT_DISK_IOPS,
+        "PAL_DISK_IOPS",
+        "disk operations per second (reads and writes) of a VM whose spec asks none"
+        " (`limits.diskIops`); `off`: unbounded",
+        read=read_bound_or_off,
+    )
+    max_disk_read_mibps: int | None = setting(
+        None,
+        "PAL_MAX_DISK_READ_MIBPS",
+        "ceiling of a spec's `limits.diskReadMibps` (above: 400 naming the field); a default"
+        " above it is lowered to it; unset: no ceiling",
+        read=read_at_least(1),
+    )
+    max_disk_write_mibps: int | None = setting(
+        None,
+        "PAL_MAX_DISK_WRITE_MIBPS",
+        "ceiling of a spec's `limits.diskWriteMibps`, as PAL_MAX_DISK_READ_MIBPS",
+        read=read_at_least(1),
+    )
+    max_disk_iops: int | None = setting(
+        None,
+        "PAL_MAX_DISK_IOPS",
+        "ceiling of a spec's `limits.diskIops`, as PAL_MAX_DISK_READ_MIBPS",
         read=read_at_least(1),
     )
     gateway_max_buffer_bytes: int = setting(
@@ -515,6 +567,14 @@ class Settings(BaseSettings):
         return bool(self.s3_endpoint and self.s3_bucket)
 
     @property
+    def disk_bounds(self) -> DiskBounds:
+        return DiskBounds(
+            read_mibps=(self.disk_read_mibps, self.max_disk_read_mibps),
+            write_mibps=(self.disk_write_mibps, self.max_disk_write_mibps),
+            iops=(self.disk_iops, self.max_disk_iops),
+        )
+
+    @property
     def net_budgets(self) -> NetBudgets:
         return NetBudgets(
             max_connections=self.max_connections,
@@ -547,6 +607,16 @@ class NetBudgets:
             "nodeConnections": self.node_connections,
             "maxBufferBytes": self.max_buffer_bytes,
         }
+
+
+@dataclass(frozen=True)
+class DiskBounds:
+    """Per kind of disk limit: (the default of a VM whose spec asks none, the ceiling of
+    what a spec may ask); None: unbounded / no ceiling (pal/scheduler/ceilings.py)."""
+
+    read_mibps: tuple[int | None, int | None] = (None, None)
+    write_mibps: tuple[int | None, int | None] = (None, None)
+    iops: tuple[int | None, int | None] = (None, None)
 
 
 def _one(field: str) -> Any:

@@ -83,21 +83,23 @@ class Node:
         self._log_limits()
 
     def _log_limits(self) -> None:
-        from pal.errors import Unavailable
+        """What this host gives VMs, once at start: each missing or turned-off capability
+        with its effect and fix (pal/manager/hostcaps.py; `pal doctor` shows the same)."""
+        from pal.manager import hostcaps
         from pal.vmm import cgroups
-        from pal.vmm.versions import qemu_supports_sandbox
 
-        if not self.settings.seccomp:
-            log.warning("PAL_SECCOMP=off: QEMU runs without its seccomp syscall filter (-sandbox)")
-        elif not qemu_supports_sandbox():
-            log.error("QEMU has no -sandbox (built without seccomp): no VM can start; see `pal doctor`")
-        if not self.settings.cgroups:
-            log.warning("PAL_CGROUPS=off: VMs run without host CPU, memory, pids and IO limits")
-            return
         try:
-            log.info("host limits per VM: cgroup %s (cpu, memory, pids, io weight)", cgroups.host().version)
-        except Unavailable as exc:
-            log.error("%s: no VM can start", exc.message)
+            caps = hostcaps.report(self.settings, hostcaps.HostView(cgroup_host=cgroups.host))
+        except Exception as exc:  # a probe that breaks must not keep the node from starting
+            log.warning("host capabilities could not be probed: %s; see `pal doctor`", exc)
+            return
+        used = ", ".join(c.name for c in caps if c.state == "used")
+        log.info("host: %s used (`pal doctor` says how)", used)
+        for c in caps:
+            if c.stops_vms:
+                log.error("host: %s %s; no VM can start", c.name, c.line())
+            elif c.state in ("missing", "off"):
+                log.warning("host: %s %s", c.name, c.line())
 
     def rpc_server(self) -> tuple[_Server, socket.socket]:
         """The manager's RPC server and its socket (root-only: see rpc_socket.py)."""
@@ -454,21 +456,3 @@ async def serve_control_plane(
 def run_control_plane(settings: Settings, host: str, port: int, advertise: str | None) -> None:
     _logging(settings)
     asyncio.run(serve_control_plane(settings, host, port, advertise))
-
-
-def jail_summary(seccomp: bool = True) -> str:
-    """How each QEMU is confined here (what `pal doctor` shows); ``seccomp``: PAL_SECCOMP."""
-    from pal.vmm.versions import qemu_supports_sandbox
-
-    who = (
-        "own uid per VM (exec'd unprivileged, no -runas)"
-        if os.geteuid() == 0
-        else f"NOT dropped: Pal runs as uid {os.geteuid()}, so QEMUs run as it"
-    )
-    if not seccomp:
-        sandbox = "seccomp OFF (PAL_SECCOMP=off): QEMU runs without its syscall filter"
-    elif qemu_supports_sandbox():
-        sandbox = "seccomp on (set*id, spawn, resource control and obsolete calls denied)"
-    else:
-        sandbox = "NO seccomp: this QEMU was built without -sandbox, so no VM starts (or set PAL_SECCOMP=off)"
-    return f"{who}; {sandbox}; files as descriptors; minimal environment"

@@ -6,7 +6,8 @@ across layers live in the lowest layer that needs them): the API takes these as 
 bodies (camelCase on the wire), the scheduler as its domain objects, the runtime manager gets
 ``ExecRequest`` as is. So validation rules are stated once, here. The only module of ``pal``
 it imports are ``pal.sizes`` (the default sizes and their bounds, one layer lower so that the
-CLI can show them without these models) and ``pal.guest.protocol`` (the limits the guest
+CLI can show them without these models), ``pal.limits`` (what a spec asks of the host) and
+``pal.guest.protocol`` (the limits the guest
 enforces too: a process's journal and tag). The egress matcher (pal/network/policy.py)
 compiles the entries parsed here.
 
@@ -33,11 +34,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.alias_generators import to_camel
 from pydantic.json_schema import SkipJsonSchema
 
-from pal import sizes
 from pal.guest import protocol as P
+from pal.limits import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from pal.limits import STRICT, Limits
 
 IMAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -56,7 +57,6 @@ MAX_ENV = 1024
 MAX_EXEC_STRINGS_BYTES = 1024 * 1024  # argv + env, all strings together
 MAX_PATH_CHARS = 4096
 MAX_EGRESS_ENTRIES = 256
-DEFAULT_MAX_CONNECTIONS = 256  # limits.maxConnections when a spec does not say
 # metadata (an orchestrator's tags): small, keys safe in a query string (GET /vms?metadata.k=v)
 MAX_METADATA_KEYS = 32
 METADATA_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,62}$")
@@ -232,34 +232,7 @@ def parse_egress_default(raw: str | None) -> Egress:
 
 
 class _Model(BaseModel):
-    # strict: a JSON body means what it says ("256" is not 256, 0 is not false).
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True
-    )
-
-
-class Limits(_Model):
-    vcpus: int = Field(
-        sizes.DEFAULT_VCPUS, ge=sizes.VCPUS_RANGE[0], le=sizes.VCPUS_RANGE[1], description="virtual CPUs"
-    )
-    memory_mib: int = Field(
-        sizes.DEFAULT_MEMORY_MIB,
-        ge=sizes.MEMORY_MIB_RANGE[0],
-        le=sizes.MEMORY_MIB_RANGE[1],
-        description="guest RAM in MiB",
-    )
-    disk_mib: int = Field(
-        sizes.DEFAULT_DISK_MIB,
-        ge=sizes.DISK_MIB_RANGE[0],
-        le=sizes.DISK_MIB_RANGE[1],
-        description="root disk size in MiB",
-    )
-    egress_mbps: int | None = Field(
-        None, ge=1, le=100_000, description="network throughput cap per direction, Mbit/s (null: none)"
-    )
-    max_connections: int = Field(
-        DEFAULT_MAX_CONNECTIONS, ge=1, le=65_536, description="concurrent outbound TCP connections"
-    )
+    model_config = STRICT
 
 
 class Placement(_Model):

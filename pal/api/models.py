@@ -74,6 +74,19 @@ class LiveStatsOut(_Out):
     bytes_while_paused: int = Field(default=0, description="response bytes the host held while paused")
 
 
+class LimitsAppliedOut(_Out):
+    """The host limits the VM's node applied when it last came up (docs/limits.md)."""
+
+    applied: dict[str, str] = Field(
+        default_factory=dict,
+        description="limit -> what holds it: `cpu`, `memory`, `pids` (its cgroup), `ioWeight`, "
+        "`diskKernel` (the kernel's disk throttle), `diskQemu` (QEMU's)",
+    )
+    skipped: dict[str, str] = Field(
+        default_factory=dict, description="limit -> why this VM's host does not have it"
+    )
+
+
 class VmOut(_Out):
     """A VM as the API shows it: the public columns of the store's ``VmRecord``, read by
     name. A new VM field goes in store/records.py, store/tables.py (+ a migration) and,
@@ -115,6 +128,9 @@ class VmOut(_Out):
     lifetime_ends_at: datetime | None = Field(default=None, description="when its lifetime ends")
     on_lifetime_end: str = Field(
         default="delete", description="what its lifetime's end does: `pause` or `delete`"
+    )
+    limits_applied: LimitsAppliedOut | None = Field(
+        default=None, description="the host limits of its last start; null before it first ran"
     )
     _omit_null = frozenset({"pause"})
 

@@ -409,7 +409,7 @@ def tenants_ls(
 
 
 bench_app = typer.Typer(
-    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait`, `processes`, `peer`."
+    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait`, `processes`, `io`, `peer`."
 )
 app.add_typer(bench_app, name="bench")
 
@@ -597,6 +597,20 @@ def bench_prestart(
         memory_mib=memory_mib,
         prestart=f"{size_name(memory_mib)}:{DEFAULT_PRESTART[0][1]}",
     )
+
+
+@bench_app.command("io")
+def bench_io(
+    rounds: Annotated[int, typer.Option(min=1, help="rounds per mode (unbounded and bounded alternate)")] = 3,
+    seconds: Annotated[float, typer.Option(min=1, help="how long the quiet VM's writes are timed")] = 30,
+    data_dir: BenchDataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where io.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Disk isolation: a VM's small synchronous writes (p50/p99) beside a VM writing as fast as
+    it can, without per-VM disk limits and with the defaults (docs/benchmarks/io.md)."""
+    from pal.bench import io as bench_io_mod
+
+    bench_io_mod.main(rounds=rounds, seconds=seconds, data_dir=data_dir, out_dir=out_dir)
 
 
 @bench_app.command("wait")

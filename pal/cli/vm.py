@@ -85,6 +85,13 @@ def schedule(
     deny: Deny = None,
     egress_mbps: Annotated[int | None, typer.Option(help="network cap per direction, Mbit/s")] = None,
     max_connections: Annotated[int | None, typer.Option(help="concurrent outbound connections")] = None,
+    disk_read_mibps: Annotated[
+        int | None, typer.Option(help="disk read cap, MiB/s (default: the server's)")
+    ] = None,
+    disk_write_mibps: Annotated[
+        int | None, typer.Option(help="disk write cap, MiB/s (default: the server's)")
+    ] = None,
+    disk_iops: Annotated[int | None, typer.Option(help="disk IOPS cap (default: the server's)")] = None,
     meta: Meta = None,
     lifetime: Annotated[
         int, typer.Option(help="end the VM N seconds after its schedule, busy or not (0 = never)")
@@ -104,6 +111,9 @@ def schedule(
         "diskMib": disk_mib,
         "egressMbps": egress_mbps,
         "maxConnections": max_connections,
+        "diskReadMibps": disk_read_mibps,
+        "diskWriteMibps": disk_write_mibps,
+        "diskIops": disk_iops,
     }
     limits = {k: v for k, v in given.items() if v is not None}
     spec: dict[str, object] = {"image": image, "idleTimeoutSecs": idle_timeout}
@@ -197,7 +207,7 @@ def extend(
 
 @vm_app.command("get")
 def get(vm_id: VmId) -> None:
-    """Show one VM: state, limits, snapshot, reason."""
+    """Show one VM: state, limits (and limitsApplied: which held on its host), snapshot, reason."""
     print_json(call(lambda: client().runtime.get(vm_id)))
 
 

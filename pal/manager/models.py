@@ -6,13 +6,17 @@ sides cannot drift. camelCase on the wire.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from pal.ids import SafeId, TenantId
 from pal.spec import Egress, WaitPause
+from pal.vmm.disk_limits import DiskLimits
+
+if TYPE_CHECKING:
+    from pal.vmm.qemu import QemuVm
 
 
 class WireModel(BaseModel):
@@ -79,10 +83,26 @@ class SpawnRequest(_Model):
     egress: Egress = "none"
     egress_mbps: int | None = None
     max_connections: int | None = None
+    # disk bounds resolved at schedule (pal/scheduler/ceilings.py); None: unbounded
+    disk_read_mibps: int | None = None
+    disk_write_mibps: int | None = None
+    disk_iops: int | None = None
     # brokered secrets: ``env`` holds their placeholders, these their values (docs/secrets.md)
     brokered: list[BrokeredRule] = Field(default_factory=list)
     tenant_ca: TenantCa | None = None
     wait_pause: WaitPause | None = None  # the node watches for wait pauses (None: off)
+
+    @property
+    def disk_limits(self) -> DiskLimits:
+        return DiskLimits(self.disk_read_mibps, self.disk_write_mibps, self.disk_iops)
+
+
+class LimitsApplied(_Model):
+    """A VM's host limits as its node applied them (pal/vmm/cgroups.py, disk_limits.py):
+    ``applied`` limit -> what was written; ``skipped`` limit -> why this host has none."""
+
+    applied: dict[str, str] = Field(default_factory=dict)
+    skipped: dict[str, str] = Field(default_factory=dict)
 
 
 class SpawnResult(_Model):
@@ -97,26 +117,29 @@ class SpawnResult(_Model):
     # Where the spawn's time went: prepare, QEMU start/load/cont, identify (host and guest
     # steps); recorded in the VM's status event (docs/lifecycle.md, "The restore path").
     timings: dict[str, float] = Field(default_factory=dict)
+    limits: LimitsApplied = Field(default_factory=lambda: LimitsApplied())
 
     @classmethod
     def of(
         cls,
         req: SpawnRequest,
-        pid: int | None,
+        qemu: QemuVm,
         boot_ms: float,
         method: str,
         agent_version_id: str,
         **more: Any,
     ) -> SpawnResult:
-        """The answer to ``req``: its VM is up in QEMU ``pid`` after ``boot_ms``."""
+        """The answer to ``req``: its VM is up in ``qemu`` after ``boot_ms``."""
+        applied, skipped = qemu.limits_report()
         return cls.model_validate(
             {
                 "vm_id": req.vm_id,
-                "pid": pid or 0,
+                "pid": qemu.pid or 0,
                 "incarnation": req.incarnation,
                 "boot_ms": boot_ms,
                 "method": method,
                 "agent_version_id": agent_version_id,
+                "limits": LimitsApplied(applied=applied, skipped=skipped),
                 **more,
             }
         )

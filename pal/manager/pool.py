@@ -264,6 +264,7 @@ class WarmPool(StandingSet[PooledVm]):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(prefetch), PREFETCH_WAIT_S)
         t_prefetch = time.perf_counter()
+        await lv.qemu.limit_disk(req.disk_limits)  # the tenant's, before its first request
         await lv.qemu.cont()
         t_cont = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())
@@ -290,7 +291,7 @@ class WarmPool(StandingSet[PooledVm]):
         }
         boot_ms = (t_end - t0) * 1000
         log.info("VM %s up from the pool (%s) in %.0f ms: %s", req.vm_id, lv.slot, boot_ms, timings)
-        return SpawnResult.of(req, lv.qemu.pid, boot_ms, "pool", lv.image.agent_version_id, timings=timings)
+        return SpawnResult.of(req, lv.qemu, boot_ms, "pool", lv.image.agent_version_id, timings=timings)
 
     # ------------------------------------------------------------------ discard
 

@@ -176,6 +176,7 @@ class Restores:
             with contextlib.suppress(TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(prefetch), PARKED_PREFETCH_WAIT_S)
         t_prefetch = time.perf_counter()
+        await lv.qemu.limit_disk(req.disk_limits)  # the operator's defaults may have changed
         await lv.qemu.cont()
         t_vmm = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())
@@ -194,5 +195,5 @@ class Restores:
             "VM %s up by its parked QEMU in %.0f ms (pid %s): %s", req.vm_id, boot_ms, lv.qemu.pid, timings
         )
         return SpawnResult.of(
-            req, lv.qemu.pid, boot_ms, "restore", ref.agent_version_id, warm=True, timings=timings
+            req, lv.qemu, boot_ms, "restore", ref.agent_version_id, warm=True, timings=timings
         )

@@ -271,6 +271,7 @@ class Spawner:
             config_drive=s.vm_dir / "config.img",
             accel=self.d.accel,
             net_fd=s.vnet.tap_fd,
+            disk_limits=req.disk_limits,
         )
 
     async def _start_qemu(self, s: _Spawning) -> None:
@@ -336,6 +337,7 @@ class Spawner:
         s.disk = (s.qemu.spec.disk_path, s.qemu.spec.disk_format)
         failpoints.hit("manager:prestart-filled")  # the snapshot's files in, nothing loaded
         s.timings["prepare_ms"] = round((time.perf_counter() - s.t0) * 1000, 1)
+        await s.qemu.limit_disk(req.disk_limits)  # before its guest runs
         await s.qemu.load()
         failpoints.hit("manager:prestart-loaded")  # the guest runs, no identity, no commit
         s.timings["prestarted"] = 1
@@ -401,7 +403,7 @@ class Spawner:
         version = req.restore.agent_version_id if req.restore else s.src.image.agent_version_id
         return SpawnResult.of(
             req,
-            s.qemu.pid,
+            s.qemu,
             boot_ms,
             s.src.method,
             version,

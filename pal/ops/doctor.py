@@ -41,20 +41,10 @@ def _existing(data_dir: Path) -> Path:
 
 
 def host_checks(settings: Settings) -> list[Check]:
-    from pal.server import jail_summary
-    from pal.vmm import cgroups, disks
-    from pal.vmm.accel import probe
-    from pal.vmm.versions import qemu_version
-
-    def accel() -> Check:
-        info = probe(settings)
-        return Check("accelerator", True, f"{info.name} ({info.reason})")
-
-    def reflink() -> Check:
-        ok = disks.reflink_supported(_existing(settings.data_dir))
-        return Check(
-            "reflink", None, "yes (reflink clones)" if ok else "no (qcow2 overlays, slower snapshots)"
-        )
+    """One line per host capability (pal/manager/hostcaps.py: used, missing with its
+    effect and fix, off, not needed), then the data dir, image and snapshot store."""
+    from pal.manager import hostcaps
+    from pal.spec import egress_to_json
 
     def image() -> Check:
         from pal.images.paths import load_image
@@ -64,46 +54,18 @@ def host_checks(settings: Settings) -> list[Check]:
             "image", True, f"default: {img.agent_version_id} (kernel {img.meta.get('kernelVersion')})"
         )
 
-    def network() -> Check:
-        """Whether VMs can get their network: /dev/net/tun, libnftables, the egress defaults."""
-        from pal.network import nft
-        from pal.spec import egress_to_json
-
-        problems = []
-        if not Path("/dev/net/tun").exists():
-            problems.append("/dev/net/tun missing")
-        try:
-            nft.available()
-        except Exception as exc:
-            problems.append(str(exc))
-        if problems:
-            return Check("network", False, "unavailable: " + "; ".join(problems))
-        internal = ",".join(settings.egress_allow_internal) or "none"
-        default = egress_to_json(settings.egress_default)
-        return Check(
-            "network", True, f"tap + nftables per VM; default egress {default}; internal open: {internal}"
-        )
-
-    def jail() -> Check:
-        """Failed when VMs cannot start for want of seccomp; informative otherwise."""
-        from pal.vmm.versions import qemu_supports_sandbox
-
-        blocked = settings.seccomp and not qemu_supports_sandbox()
-        return Check("jail", False if blocked else None, jail_summary(settings.seccomp))
-
+    try:
+        caps = [Check(c.name, c.ok, c.line()) for c in hostcaps.report(settings)]
+    except Exception as exc:
+        caps = [Check("host", False, f"{type(exc).__name__}: {exc}")]
+    internal = ",".join(settings.egress_allow_internal) or "none"
+    egress = f"default {egress_to_json(settings.egress_default)}; internal destinations open: {internal}"
     s3 = f"{settings.s3_endpoint} bucket {settings.s3_bucket}" if settings.s3_enabled else "off"
     return [
         Check("data dir", settings.data_dir.is_dir(), str(settings.data_dir)),
-        _run("qemu", lambda: Check("qemu", True, qemu_version())),
-        _run("accelerator", accel),
-        _run("reflink", reflink),
-        _run(
-            "cgroups",
-            lambda: Check("cgroups", None, cgroups.describe(settings.cgroups, _existing(settings.data_dir))),
-        ),
-        _run("jail", jail),
+        *caps,
         _run("image", image),
-        _run("network", network),
+        Check("egress", None, egress),
         Check("snapshots", None, f"{settings.snapshots_root}; S3 mirror {s3}"),
     ]
 

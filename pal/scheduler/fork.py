@@ -21,7 +21,7 @@ from pal.scheduler import states
 from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token, new_vm_id
 from pal.scheduler.lifetime import inherited_end
 from pal.scheduler.snapshot_books import SnapshotBooks
-from pal.scheduler.spawning import Spawner, spawn_details
+from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
 from pal.store import VmRecord, utcnow
@@ -207,6 +207,6 @@ class Forking:
                 "agent_version_id": res.agent_version_id or child.agent_version_id,
                 "mem_snapshot_id": res.mem_snapshot_id or snap_id,
                 "last_activity_unix_ms": d.now_ms(),
-                "details": spawn_details(res),
+                **came_up(res),
             }
             return child_id, fields, None

@@ -23,7 +23,7 @@ from pal.scheduler import states
 from pal.scheduler.deps import Deps, SpawnChore, as_pal, new_snapshot_id, new_token
 from pal.scheduler.live import LiveOps, live_paused
 from pal.scheduler.snapshot_books import SnapshotBooks
-from pal.scheduler.spawning import Spawner, spawn_details
+from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState
 from pal.scheduler.views import add_counters, add_live_stats
 from pal.spec import PauseRequest
@@ -262,7 +262,7 @@ class PauseResume:
         running = await d.transitions.transition(
             vm_id,
             A.COME_UP,
-            details=spawn_details(res),
+            **came_up(res),
             paused_by=None,
             paused_at=None,
             mem_snapshot_id=res.mem_snapshot_id,

@@ -13,7 +13,7 @@ from pal.scheduler import ceilings, placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps, as_pal, new_token, new_vm_id
 from pal.scheduler.lifetime import ends_at
-from pal.scheduler.spawning import Spawner, spawn_details
+from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action
 from pal.spec import AgentSpec, WaitPause, egress_to_json
 from pal.store import VmRecord, utcnow
@@ -36,7 +36,10 @@ class Scheduling:
         Success: running, on the node placement chose (its reason in the status event).
         Failure: failed (503 NO_NODE, or the node's spawn error); the node leaves no QEMU."""
         d = self.d
-        spec = ceilings.apply(spec, d.settings.net_budgets, d.settings.wait_pause_default)  # PAL_MAX_*
+        settings = d.settings
+        spec = ceilings.apply(  # PAL_MAX_*, PAL_DISK_*
+            spec, settings.net_budgets, settings.wait_pause_default, settings.disk_bounds
+        )
         await self.spawner.require_image(tenant_id, spec.image)
         await d.nodes.register_local()
         placement.check_satisfiable(d.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))
@@ -66,7 +69,7 @@ class Scheduling:
             vm = await d.transitions.transition(
                 vm.vm_id,
                 A.COME_UP,
-                details=spawn_details(res),
+                **came_up(res),
                 agent_version_id=res.agent_version_id,
                 last_activity_unix_ms=d.now_ms(),
             )

@@ -22,17 +22,20 @@ from pal.store import NodeRecord, VmRecord
 log = logging.getLogger(__name__)
 
 
-def spawn_details(res: SpawnResult) -> dict[str, Any]:
-    """What a VM's coming up records in its status event: how it started and where the
-    time went (the node's timings, docs/lifecycle.md "The restore path")."""
-    out: dict[str, Any] = {
+def came_up(res: SpawnResult) -> dict[str, Any]:
+    """The columns a VM's coming up writes besides its state (the host limits its node
+    applied) and its status event's ``details``: how it started, where the time went (the
+    node's timings, docs/lifecycle.md "The restore path") and those limits."""
+    limits = res.limits.model_dump(by_alias=True)
+    details: dict[str, Any] = {
         "method": res.method,
         "bootMs": round(res.boot_ms, 1),
         "timings": dict(res.timings),
+        "limitsApplied": limits,
     }
     if res.warm:
-        out["warm"] = True  # it continued its parked QEMU (docs/lifecycle.md, "Parked QEMUs")
-    return out
+        details["warm"] = True  # it continued its parked QEMU (docs/lifecycle.md, "Parked QEMUs")
+    return {"details": details, "limits_applied": limits}
 
 
 def need(vm: VmRecord, *, restore: bool) -> placement.Need:
@@ -177,6 +180,9 @@ class Spawner:
             egress=egress_from_json(vm.egress),
             egress_mbps=vm.limits.get("egress_mbps"),
             max_connections=vm.limits.get("max_connections"),
+            disk_read_mibps=size.disk_read_mibps,
+            disk_write_mibps=size.disk_write_mibps,
+            disk_iops=size.disk_iops,
             **self._brokered(vm),
             wait_pause=WaitPause.model_validate(vm.wait_pause) if vm.wait_pause else None,
         )

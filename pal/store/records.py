@@ -58,6 +58,9 @@ class VmRecord:
     metadata: dict[str, str] = field(default_factory=dict)  # AgentSpec.metadata
     lifetime_ends_at: datetime | None = None  # lifetimeSecs after the schedule; None: no lifetime
     on_lifetime_end: str = "delete"  # pause | delete
+    # The host limits its node applied when it last came up: {applied, skipped} (pal/manager/
+    # models.py LimitsApplied); None before it first runs (or from before Pal recorded them).
+    limits_applied: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

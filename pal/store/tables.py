@@ -99,6 +99,7 @@ vms = Table(
     # lifetimeSecs as a deadline (the leader ends the VM then: pal/scheduler/lifetime.py)
     Column("lifetime_ends_at", UtcDateTime),
     Column("on_lifetime_end", String(8), nullable=False, default="delete"),  # pause | delete
+    Column("limits_applied", JSON),  # {applied, skipped}: the host limits of its last start
     Index("ix_vms_tenant_slot", "tenant_id", "holds_slot"),
     Index("ix_vms_state", "state"),
     Index("ix_vms_parent", "parent_vm_id"),

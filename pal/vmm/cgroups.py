@@ -1,25 +1,35 @@
-"""Host limits for each QEMU, through cgroups (v1 or v2): CPU quota, memory, pids, IO weight.
+"""Host limits for each QEMU, through cgroups (v1 or v2): CPU quota, memory, pids (required),
+IO weight and disk throttle (where the host has them).
 
 The guest already sees only its vCPUs and RAM; these limits protect the *host* and the other
 VMs from a QEMU that misbehaves or was taken over: a runaway translation cache, a thread
-bomb, a disk hog. Each VM gets ``<Pal's own cgroup>/pal/<vm_id>`` (one directory per
+bomb, a disk hog. Each VM gets ``<Pal's own cgroup>/pal/<slot>`` (one directory per
 controller on v1, one on v2), nested below the cgroup Pal itself runs in, so Pal never
 escapes limits its operator set on it.
 
-Fail closed: a VM's cgroup is made, with every limit written, before its QEMU is exec'd,
-and the QEMU is moved into it before it can run guest code (qemu.py); when any of that is
-impossible the VM does not start (503). ``PAL_CGROUPS=off`` is the operator's explicit
-opt-out: VMs then run without host limits, and the log and `pal doctor` say so.
+Fail closed where a limit protects: a VM's cgroup is made, with its CPU, memory and pids
+limits written, before its QEMU is exec'd, and the QEMU is moved into it before it can run
+guest code (qemu.py); when any of that is impossible the VM does not start (503).
+``PAL_CGROUPS=off`` is the operator's explicit opt-out: VMs then run without any of these
+limits, and the log and `pal doctor` say so.
+
+Applied where the host has them, skipped (with the reason, in the VM's ``limitsApplied``,
+the start log and `pal doctor`) where it does not, because a VM is safe without them:
+
+- the **IO weight**: a share of the disk's time under contention, honoured only by BFQ (and
+  by blk-iocost on v2) on the disk at the bottom of the data dir's device chain
+  (blockdev.py). Most cloud kernels have neither, and a weight only refines what the disk
+  throttle already bounds. It is 100 per vCPU, as the CPU quota is per vCPU: a 1-vCPU VM
+  weighs what any other cgroup of the host does by default, a 4-vCPU VM, which placement
+  counts as four times the machine, gets four times the share.
+- the **disk throttle** (bandwidth and IOPS) on the device QEMU's I/O is submitted to:
+  the kernel's half of the disk limits (disk_limits.py says why QEMU holds them too).
 
 cgroup v2: the controllers must be enabled in ``cgroup.subtree_control`` at every level
 above a VM's cgroup, and a cgroup that holds processes cannot enable them for its children
 (the "no internal processes" rule). When Pal's own cgroup holds only Pal (a service with
 ``Delegate=yes``), Pal moves itself into a leaf ``<own>/pal-manager`` first; when it shares
 it with other processes (a login shell's scope) it refuses and says how to run it.
-
-The IO weight is written on both versions, but only a scheduler that implements weights
-honours it (BFQ; on v2 also blk-iocost once enabled for the device): `pal doctor` names the
-data dir's device scheduler.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pal.errors import Unavailable
+from pal.vmm.blockdev import BlockHost, DataDevice
+from pal.vmm.disk_limits import DiskLimits
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +59,28 @@ EXTRA_CPU_FRACTION = 0.5
 # QEMU's threads: main loop, one per vCPU, RCU, up to 64 block I/O workers, chardevs.
 # A QEMU cannot fork (seccomp spawn=deny); this bounds the threads an escaped one can make.
 PIDS_MAX = 256
-IO_WEIGHT = 100  # the same share for every VM (and the default of everything else)
-V1_CONTROLLERS = ("cpu", "memory", "pids", "blkio")
-V2_CONTROLLERS = ("cpu", "memory", "pids", "io")
+IO_WEIGHT_PER_VCPU = 100  # the kernel's default weight is 100: one vCPU weighs one cgroup
+# The required controllers (fail closed) and the optional one that carries IO weight and
+# disk throttle; cpuacct (v1) only counts CPU time for the metrics.
+V1_CONTROLLERS = ("cpu", "memory", "pids")
+V2_CONTROLLERS = ("cpu", "memory", "pids")
+V1_IO, V2_IO = "blkio", "io"
 UNIFIED = "unified"
 MANAGER_LEAF = "pal-manager"
-# Knobs that set an IO weight, most specific first; which exist depends on the kernel.
-V1_IO_KNOBS = ("blkio.bfq.weight", "blkio.weight")
-V2_IO_KNOBS = ("io.weight", "io.bfq.weight")
+# Knobs that set an IO weight, most specific first, with their range and the schedulers
+# that honour them ("iocost": blk-iocost enabled for the device in the root's io.cost.qos).
+V1_IO_KNOBS = (("blkio.bfq.weight", 1000, ("bfq",)), ("blkio.weight", 1000, ("bfq", "cfq")))
+V2_IO_KNOBS = (("io.bfq.weight", 1000, ("bfq",)), ("io.weight", 10000, ("iocost",)))
+V1_THROTTLE = "blkio.throttle.read_bps_device"
+V2_THROTTLE = "io.max"
 OPT_OUT = "PAL_CGROUPS=off"
+OPT_OUT_LOSS = (
+    "VMs then run with no host CPU, memory, pids or kernel disk limits: one runaway or"
+    " taken-over QEMU can take the host's CPU, memory and threads from every other VM"
+)
+# Names of the limits in a VM's report (limitsApplied) and `pal doctor`.
+IO_WEIGHT = "ioWeight"
+DISK_KERNEL = "diskKernel"
 
 
 @dataclass(frozen=True)
@@ -63,13 +88,16 @@ class Limits:
     cpu_quota_us: int
     memory_bytes: int
     pids: int = PIDS_MAX
-    io_weight: int = IO_WEIGHT
+    io_weight: int = IO_WEIGHT_PER_VCPU
+    disk: DiskLimits = field(default_factory=DiskLimits)
 
     @classmethod
-    def for_vm(cls, vcpus: int, memory_mib: int) -> Limits:
+    def for_vm(cls, vcpus: int, memory_mib: int, disk: DiskLimits | None = None) -> Limits:
         return cls(
             cpu_quota_us=int((vcpus + EXTRA_CPU_FRACTION) * CFS_PERIOD_US),
             memory_bytes=(memory_mib + QEMU_OVERHEAD_MIB) * 1024 * 1024,
+            io_weight=IO_WEIGHT_PER_VCPU * vcpus,
+            disk=disk or DiskLimits(),
         )
 
 
@@ -98,7 +126,9 @@ class CgroupFs:
 
 
 def _unavailable(why: str) -> Unavailable:
-    return Unavailable(f"host limits (cgroups) cannot be applied: {why}; see `pal doctor`, or set {OPT_OUT}")
+    return Unavailable(
+        f"host limits (cgroups) cannot be applied: {why}; see `pal doctor`, or set {OPT_OUT} ({OPT_OUT_LOSS})"
+    )
 
 
 def own_paths(text: str) -> dict[str, str]:
@@ -119,6 +149,7 @@ class VmCgroup:
     vm_id: str
     dirs: dict[str, Path]  # controller (or "unified") -> directory
     applied: dict[str, str] = field(default_factory=dict)  # limit -> "knob=value" written
+    skipped: dict[str, str] = field(default_factory=dict)  # limit -> why the host has none
     fs: CgroupFs = field(default_factory=CgroupFs, repr=False)
 
     def add(self, pid: int) -> None:
@@ -160,27 +191,39 @@ class VmCgroup:
                     time.sleep(0.01)
 
 
+Knob = tuple[Path, str, str]  # (directory, knob file, value)
+
+
 @dataclass
 class CgroupHost:
     """Where this node's VM cgroups go: ``parents`` maps each controller (v1) or
-    "unified" (v2) to the ``pal`` directory under Pal's own cgroup."""
+    "unified" (v2) to the ``pal`` directory under Pal's own cgroup; ``no_io`` says why the
+    IO controller is not among them (it is optional)."""
 
     version: str  # "v1" | "v2"
     parents: dict[str, Path]
     fs: CgroupFs = field(default_factory=CgroupFs, repr=False)
+    root: Path = ROOT
+    no_io: str = ""
+    block: BlockHost = field(default_factory=BlockHost, repr=False)
 
     @classmethod
     def discover(
-        cls, root: Path = ROOT, proc_self: Path = PROC_SELF_CGROUP, fs: CgroupFs | None = None
+        cls,
+        root: Path = ROOT,
+        proc_self: Path = PROC_SELF_CGROUP,
+        fs: CgroupFs | None = None,
+        block: BlockHost | None = None,
     ) -> CgroupHost:
         """Find (v2: prepare) the parent directories; Unavailable with the reason if none."""
         fs = fs or CgroupFs()
+        block = block or BlockHost()
         try:
             own = own_paths(fs.read(proc_self))
         except OSError as exc:
             raise _unavailable(f"cannot read {proc_self}: {exc}") from exc
         if fs.exists(root / "cgroup.controllers"):
-            return cls._discover_v2(root, own.get("", "/"), fs)
+            return cls._discover_v2(root, own.get("", "/"), fs, block)
         parents: dict[str, Path] = {}
         missing = []
         for ctrl in V1_CONTROLLERS:
@@ -191,19 +234,26 @@ class CgroupHost:
             parents[ctrl] = mount / own[ctrl].lstrip("/") / "pal"
         if missing:
             raise _unavailable(f"cgroup v1 controller(s) {', '.join(missing)} not mounted under {root}")
+        no_io = ""
+        if V1_IO in own and fs.exists(root / V1_IO):
+            parents[V1_IO] = root / V1_IO / own[V1_IO].lstrip("/") / "pal"
+        else:
+            no_io = f"the cgroup v1 {V1_IO} controller is not mounted under {root}"
         # cpuacct only counts (CPU time for the per-VM metrics); it limits nothing.
         if "cpuacct" in own and fs.exists(root / "cpuacct" / "cpuacct.usage"):
             parents["cpuacct"] = root / "cpuacct" / own["cpuacct"].lstrip("/") / "pal"
-        return cls("v1", parents, fs)
+        return cls("v1", parents, fs, root, no_io, block)
 
     @classmethod
-    def _discover_v2(cls, root: Path, own: str, fs: CgroupFs) -> CgroupHost:
+    def _discover_v2(cls, root: Path, own: str, fs: CgroupFs, block: BlockHost) -> CgroupHost:
         base = root / own.lstrip("/")
         available = set(fs.read(base / "cgroup.controllers").split())
         missing = [c for c in V2_CONTROLLERS if c not in available]
         if missing:
             raise _unavailable(f"cgroup v2 controller(s) {', '.join(missing)} not delegated to {base}")
-        enable = " ".join(f"+{c}" for c in V2_CONTROLLERS)
+        wanted = [*V2_CONTROLLERS, *([V2_IO] if V2_IO in available else [])]
+        no_io = "" if V2_IO in available else f"the cgroup v2 {V2_IO} controller is not delegated to {base}"
+        enable = " ".join(f"+{c}" for c in wanted)
         try:
             fs.write(base / "cgroup.subtree_control", enable)
         except OSError as exc:
@@ -231,19 +281,21 @@ class CgroupHost:
             fs.write(pal / "cgroup.subtree_control", enable)
         except OSError as exc:
             raise _unavailable(f"cannot prepare {pal}: {exc}") from exc
-        return cls("v2", {UNIFIED: pal}, fs)
+        return cls("v2", {UNIFIED: pal}, fs, root, no_io, block)
 
     def dirs(self, vm_id: str) -> dict[str, Path]:
         return {ctrl: parent / vm_id for ctrl, parent in self.parents.items()}
 
-    def create(self, vm_id: str, limits: Limits) -> VmCgroup:
-        """The VM's cgroup(s) with every limit written; Unavailable (nothing left) if not."""
+    def create(self, vm_id: str, limits: Limits, disk_dir: Path | None = None) -> VmCgroup:
+        """The VM's cgroup(s) with its CPU, memory and pids limits written (Unavailable,
+        nothing left, if they cannot be), and its IO weight and disk throttle on the device
+        holding ``disk_dir`` where the host has them (else ``skipped`` says why not)."""
         cg = VmCgroup(vm_id, self.dirs(vm_id), fs=self.fs)
         try:
             for d in cg.dirs.values():
                 self.fs.mkdir(d.parent)
                 self.fs.mkdir(d)
-            for limit, (d, knob, value) in self._knobs(cg, limits).items():
+            for limit, (d, knob, value) in self._required(cg, limits).items():
                 self.fs.write(d / knob, value)
                 cg.applied[limit] = f"{knob}={value}"
         except (OSError, Unavailable) as exc:
@@ -251,40 +303,134 @@ class CgroupHost:
             if isinstance(exc, Unavailable):
                 raise
             raise _unavailable(f"VM {vm_id}: {exc}") from exc
+        if disk_dir is not None:  # None: a QEMU without a disk of its own (tools, tests)
+            device, no_device = self.block.device_of(disk_dir)
+            self._optional(cg, IO_WEIGHT, self._io_weight(cg, limits.io_weight, device, no_device))
+            self._optional(cg, DISK_KERNEL, self._throttle(cg, limits.disk, device, no_device))
         return cg
 
-    def _knobs(self, cg: VmCgroup, limits: Limits) -> dict[str, tuple[Path, str, str]]:
+    def limit_disk(self, cg: VmCgroup, disk: DiskLimits, disk_dir: Path) -> None:
+        """New disk limits for a VM that runs already (a claimed pooled VM takes its
+        tenant's); skipped as at ``create`` where the host has no throttle."""
+        cg.applied.pop(DISK_KERNEL, None)
+        cg.skipped.pop(DISK_KERNEL, None)
+        device, no_device = self.block.device_of(disk_dir)
+        self._optional(cg, DISK_KERNEL, self._throttle(cg, disk, device, no_device, clear=True))
+
+    def _optional(self, cg: VmCgroup, limit: str, plan: tuple[list[Knob], str] | str) -> None:
+        """Write an optional limit's knobs (and record its summary), or record why it is
+        skipped. A knob the kernel refuses (a device it does not throttle) skips the limit,
+        it never stops the VM."""
+        if isinstance(plan, str):
+            if plan:
+                cg.skipped[limit] = plan
+            return
+        knobs, summary = plan
+        try:
+            for d, knob, value in knobs:
+                self.fs.write(d / knob, value)
+        except OSError as exc:
+            cg.skipped[limit] = f"the kernel refused {knobs[0][1]}: {exc.strerror or exc}"
+            return
+        if knobs:
+            cg.applied[limit] = summary
+
+    def _required(self, cg: VmCgroup, limits: Limits) -> dict[str, Knob]:
         """limit -> (directory, knob file, value), in the order they are written."""
         d = cg.dirs
         if self.version == "v2":
             u = d[UNIFIED]
-            knobs = {
+            return {
                 "cpu": (u, "cpu.max", f"{limits.cpu_quota_us} {CFS_PERIOD_US}"),
                 "memory": (u, "memory.max", str(limits.memory_bytes)),
                 "pids": (u, "pids.max", str(limits.pids)),
             }
-            io = self._io_knob(u, V2_IO_KNOBS)
-            if io:
-                knobs["io"] = (u, io, f"default {limits.io_weight}")
-            return knobs
-        knobs = {
+        return {
             "cpu period": (d["cpu"], "cpu.cfs_period_us", str(CFS_PERIOD_US)),
             "cpu": (d["cpu"], "cpu.cfs_quota_us", str(limits.cpu_quota_us)),
             "memory": (d["memory"], "memory.limit_in_bytes", str(limits.memory_bytes)),
             "pids": (d["pids"], "pids.max", str(limits.pids)),
         }
-        io = self._io_knob(d["blkio"], V1_IO_KNOBS)
-        if io:
-            knobs["io"] = (d["blkio"], io, str(limits.io_weight))
-        return knobs
 
-    def _io_knob(self, d: Path, knobs: tuple[str, ...]) -> str | None:
-        """The IO weight knob, or None where the kernel has no weight-aware scheduler (the
-        weight is a refinement, not a protection: it is skipped there)."""
-        for knob in knobs:
-            if self.fs.exists(d / knob):
-                return knob
-        return None
+    def _io_dir(self, cg: VmCgroup) -> Path | None:
+        if self.no_io:
+            return None
+        return cg.dirs[UNIFIED] if self.version == "v2" else cg.dirs[V1_IO]
+
+    def _io_weight(
+        self, cg: VmCgroup, weight: int, device: DataDevice | None, no_device: str
+    ) -> tuple[list[Knob], str] | str:
+        """The weight's knob, or why the host has no weight that would work (a knob that
+        exists but whose disk's scheduler ignores it is not written: it would claim a
+        share nobody gives)."""
+        d = self._io_dir(cg)
+        if d is None:
+            return self.no_io
+        knobs = V2_IO_KNOBS if self.version == "v2" else V1_IO_KNOBS
+        present = [(k, hi, honoured) for k, hi, honoured in knobs if self.fs.exists(d / k)]
+        if not present:
+            names = " or ".join(k for k, _, _ in knobs)
+            iocost = " and no blk-iocost" if self.version == "v2" else ""
+            return f"no IO weight knob ({names}): the kernel has no BFQ{iocost}"
+        if device is None:
+            return f"no block device under the data dir ({no_device})"
+        if self.version == "v1" and device.top.kind == "loop":
+            return (
+                f"the data dir is on {device.describe()}: below a loop device the I/O is the loop "
+                "worker's, which cgroup v1 charges to no VM, so no scheduler sees a VM's weight"
+            )
+        disk = device.bottom
+        have = {disk.scheduler} | ({"iocost"} if self.iocost_enabled(disk.dev) else set())
+        for knob, hi, honoured in present:
+            if have & set(honoured):
+                value = max(1, min(weight, hi))
+                text = f"default {value}" if self.version == "v2" else str(value)
+                return [(d, knob, text)], f"{knob}={text} ({disk.name}: {disk.scheduler})"
+        offered = "/".join(disk.schedulers) or disk.scheduler
+        would = "bfq, or blk-iocost enabled in io.cost.qos" if self.version == "v2" else "bfq"
+        return (
+            f"{disk.name} uses the {disk.scheduler} scheduler, which ignores weights (offered: {offered}; "
+            f"{would} would honour them)"
+        )
+
+    def iocost_enabled(self, dev: str) -> bool:
+        """blk-iocost is on for ``dev`` (v2: the root's io.cost.qos says ``enable=1``)."""
+        if self.version != "v2":
+            return False
+        try:
+            text = self.fs.read(self.root / "io.cost.qos")
+        except OSError:
+            return False
+        return any(line.split()[:1] == [dev] and "enable=1" in line.split() for line in text.splitlines())
+
+    def _throttle(
+        self, cg: VmCgroup, disk: DiskLimits, device: DataDevice | None, no_device: str, clear: bool = False
+    ) -> tuple[list[Knob], str] | str:
+        """The throttle's knobs on the device QEMU's I/O is submitted to (blockdev.py), or
+        why there is none; ``clear``: unbounded kinds are written as such (a change)."""
+        if not disk and not clear:
+            return [], ""  # nothing asked: nothing applied, nothing the host lacks
+        d = self._io_dir(cg)
+        if d is None:
+            return self.no_io
+        knob = V2_THROTTLE if self.version == "v2" else V1_THROTTLE
+        if not self.fs.exists(d / knob):
+            return f"no {knob}: the kernel has no blk-throttle (CONFIG_BLK_DEV_THROTTLING)"
+        if device is None:
+            return f"no block device under the data dir ({no_device})"
+        dev = device.top.dev
+        family = "io.max" if self.version == "v2" else "blkio.throttle"
+        summary = f"{disk.describe()} on {device.top.name} ({dev}, {family})"
+        if self.version == "v2":
+            vals = {"rbps": disk.read_bps, "wbps": disk.write_bps, "riops": disk.iops, "wiops": disk.iops}
+            return [(d, knob, f"{dev} " + " ".join(f"{k}={v or 'max'}" for k, v in vals.items()))], summary
+        v1 = {
+            "blkio.throttle.read_bps_device": disk.read_bps,
+            "blkio.throttle.write_bps_device": disk.write_bps,
+            "blkio.throttle.read_iops_device": disk.iops or 0,
+            "blkio.throttle.write_iops_device": disk.iops or 0,
+        }
+        return [(d, k, f"{dev} {v}") for k, v in v1.items() if v or clear], summary
 
     def existing(self, vm_id: str) -> VmCgroup | None:
         """The cgroup a previous manager made for an adopted VM, if any."""
@@ -310,9 +456,9 @@ def host() -> CgroupHost:
     return _host
 
 
-def create_for(vm_id: str, vcpus: int, memory_mib: int) -> VmCgroup:
+def create_for(vm_id: str, vcpus: int, memory_mib: int, disk: DiskLimits, disk_dir: Path) -> VmCgroup:
     """The cgroup a new QEMU goes into (Unavailable: the VM must not start)."""
-    return host().create(vm_id, Limits.for_vm(vcpus, memory_mib))
+    return host().create(vm_id, Limits.for_vm(vcpus, memory_mib, disk), disk_dir)
 
 
 def existing_for(vm_id: str) -> VmCgroup | None:
@@ -334,46 +480,17 @@ def remove_leftover(vm_id: str, timeout_s: float = 2.0) -> bool:
     return bool(dirs)
 
 
-# ------------------------------------------------------------------------- pal doctor
+def report(cg: VmCgroup | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(applied, skipped) limits of a VM's cgroup; None: PAL_CGROUPS=off, every one skipped."""
+    if cg is None:
+        off = f"{OPT_OUT}: {OPT_OUT_LOSS}"
+        return {}, {k: off for k in ("cpu", "memory", "pids", IO_WEIGHT, DISK_KERNEL)}
+    return {k: v for k, v in cg.applied.items() if k != "cpu period"}, dict(cg.skipped)
 
 
-def _block_scheduler(path: Path, depth: int = 0) -> str:
-    """``<device>: <I/O scheduler>`` of the block device holding ``path`` (through loops)."""
-    try:
-        st = os.stat(path)
-        dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve()
-    except OSError:
-        return "unknown device"
-    if (dev / "partition").exists():
-        dev = dev.parent
-    backing = dev / "loop" / "backing_file"
-    if backing.exists() and depth < 3:
-        with contextlib.suppress(OSError):
-            inner = _block_scheduler(Path(backing.read_text().strip()), depth + 1)
-            return f"{dev.name} (loop) on {inner}"
-    try:
-        text = (dev / "queue" / "scheduler").read_text()
-    except OSError:
-        return f"{dev.name}: scheduler unknown"
-    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
-    return f"{dev.name}: {chosen}"
-
-
-def describe(enabled: bool, data_dir: Path) -> str:
-    """What `pal doctor` shows: which limits really hold, found by making a probe cgroup."""
-    if not enabled:
-        return f"off ({OPT_OUT}): VMs run without host CPU, memory, pids or IO limits"
-    try:
-        h = host()
-        probe = h.create(f"doctor-probe-{os.getpid()}", Limits.for_vm(1, 64))
-    except Unavailable as exc:
-        return f"UNAVAILABLE: {exc.message}; VMs will not start"
-    try:
-        knobs = {k: v for k, v in probe.applied.items() if k != "cpu period"}
-    finally:
-        probe.remove(timeout_s=0.5)
-    io = knobs.pop("io", "")
-    held = ", ".join(f"{k} ({v})" for k, v in knobs.items())
-    sched = _block_scheduler(data_dir)
-    effect = "in effect" if sched.endswith(": bfq") else "NO effect here (needs bfq, or io.cost on v2)"
-    return f"{h.version}: {held} hold per VM; io weight ({io}) is set, {effect}: data dir on {sched}"
+def probe(h: CgroupHost, disk: DiskLimits, disk_dir: Path) -> VmCgroup:
+    """What a 1-vCPU VM's cgroup gets on this host, found by making one and removing it
+    (`pal doctor`, the start log): the same code a VM's goes through."""
+    cg = h.create(f"probe-{os.getpid()}", Limits.for_vm(1, 64, disk), disk_dir)
+    cg.remove(timeout_s=0.5)
+    return cg

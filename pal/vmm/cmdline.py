@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from pal.errors import Unavailable
 from pal.vmm.accel import accel_args
+from pal.vmm.disk_limits import DRIVE, DiskLimits
 from pal.vmm.handoff import Handoff
 from pal.vmm.versions import QEMU_BINARY, qemu_supports_sandbox
 
@@ -73,6 +74,7 @@ class VmSpec:
     groups: tuple[int, ...] = ()  # supplementary groups (a shared RAM file's; see jail.py)
     cgroup_limits: bool = True  # host limits required (PAL_CGROUPS); see cgroups.py
     seccomp: bool = True  # QEMU's seccomp filter required (PAL_SECCOMP); see seccomp_args
+    disk_limits: DiskLimits = field(default_factory=DiskLimits)  # QEMU's and the kernel's
     # The NIC's backend: an open tap descriptor QEMU inherits (the manager made it in the
     # VM's network namespace), or None for a NIC wired to nothing (VMM-level tools). The
     # NIC itself is always there: a snapshot only loads into an identical machine.
@@ -110,6 +112,9 @@ class VmSpec:
 
 
 SECCOMP_OPT_OUT = "PAL_SECCOMP=off"
+SECCOMP_OPT_OUT_LOSS = (
+    "QEMU then runs without its syscall filter: a guest that takes over its QEMU reaches the whole kernel API"
+)
 
 
 def seccomp_args(spec: VmSpec) -> list[str]:
@@ -120,7 +125,8 @@ def seccomp_args(spec: VmSpec) -> list[str]:
     if not qemu_supports_sandbox(spec.binary):
         raise Unavailable(
             f"{spec.binary} has no -sandbox (it was built without seccomp): no VM starts without its "
-            f"syscall filter; install a QEMU with seccomp, or set {SECCOMP_OPT_OUT}; see `pal doctor`"
+            f"syscall filter; install a QEMU with seccomp, or set {SECCOMP_OPT_OUT} ({SECCOMP_OPT_OUT_LOSS});"
+            " see `pal doctor`"
         )
     # QEMU is exec'd already as its own uid (no -runas), so set*id can be denied too;
     # migration goes through descriptors we pass, so it never needs to spawn.
@@ -188,9 +194,11 @@ def build_argv(
         # Durability across a host crash is not promised for a live VM's disk.
         # file.locking=off: the fd set's two descriptors are separate open files (see
         # handoff.py); the disk is this VM's alone.
+        # The disk limits (disk_limits.py) are the drive's throttle from its first request.
         "-drive",
-        f"id=root,if=none,file={root},format={spec.disk_format},cache=unsafe,aio=threads,file.locking=off",
-        *("-device", "virtio-blk-device,drive=root"),
+        f"id={DRIVE},if=none,file={root},format={spec.disk_format},cache=unsafe,aio=threads,"
+        f"file.locking=off{spec.disk_limits.drive_options()}",
+        *("-device", f"virtio-blk-device,drive={DRIVE}"),
     ]
     if spec.nic:
         # vhost=off: the in-kernel vhost worker would need /dev/vhost-net and run outside

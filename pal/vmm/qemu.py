@@ -23,17 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
-import functools
 import json
 import os
 import shlex
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
@@ -42,8 +40,11 @@ from pal.guest.protocol import encode_config
 from pal.vmm import cgroups, disks, jail
 from pal.vmm.cgroups import VmCgroup
 from pal.vmm.cmdline import VmSpec, build_argv, seccomp_args
+from pal.vmm.disk_limits import DISK_QEMU, DiskLimits
 from pal.vmm.errors import RunstateError, VmExited, VmmError
 from pal.vmm.handoff import Handoff
+from pal.vmm.runstate import NEXT, Runstate, require
+from pal.vmm.runstate import Runstate as S
 from pal.vmm.versions import qemu_version
 from pal.vmm.vmm_meta import MEMORY_FILE, MEMORY_STREAM, VMM_META, SnapshotArtifacts, misfit, read_vmm_meta
 
@@ -59,54 +60,6 @@ MEM_MODES = ("private", "shared")
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000, 2)
-
-
-class Runstate(enum.Enum):
-    IDLE = "idle"  # constructed; no process yet
-    STARTING = "starting"  # QEMU exec'd, QMP not answering yet
-    INCOMING = "incoming"  # waiting in -incoming defer for load()
-    LOADING = "loading"  # the incoming migration is running
-    RUNNING = "running"  # guest CPUs run
-    PAUSED = "paused"  # guest CPUs stopped (a live pause, after a capture, or before cont on load)
-    CAPTURING = "capturing"  # outgoing migration and file capture of a stopped guest
-    EXITED = "exited"  # the process is gone (terminal)
-
-
-S = Runstate
-# THE table: which runstate may follow which. EXITED may follow any (QEMU can die anytime).
-_NEXT: dict[Runstate, frozenset[Runstate]] = {
-    S.IDLE: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.RUNNING, S.INCOMING, S.PAUSED}),  # PAUSED: an adopted live pause
-    S.INCOMING: frozenset({S.LOADING}),
-    S.LOADING: frozenset({S.PAUSED}),
-    S.RUNNING: frozenset({S.PAUSED}),
-    S.PAUSED: frozenset({S.RUNNING, S.CAPTURING}),
-    S.CAPTURING: frozenset({S.PAUSED}),
-    S.EXITED: frozenset(),
-}
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def require(
-    *states: Runstate,
-) -> Callable[
-    [Callable[Concatenate[QemuVm, _P], Awaitable[_R]]], Callable[Concatenate[QemuVm, _P], Awaitable[_R]]
-]:
-    """Decorator: the call is valid only in ``states`` (checked before any work)."""
-
-    def deco(
-        fn: Callable[Concatenate[QemuVm, _P], Awaitable[_R]],
-    ) -> Callable[Concatenate[QemuVm, _P], Awaitable[_R]]:
-        @functools.wraps(fn)
-        async def wrapper(self: QemuVm, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-            self._check(fn.__name__, states)
-            return await fn(self, *args, **kwargs)
-
-        return wrapper
-
-    return deco
 
 
 class QemuVm:
@@ -140,7 +93,7 @@ class QemuVm:
             self.runstate = new
             self.exited.set()
             return
-        if new not in _NEXT[old]:
+        if new not in NEXT[old]:
             raise RunstateError(
                 f"QEMU of {self.spec.vm_id}: {old.value} -> {new.value} is not a valid change"
             )
@@ -364,9 +317,7 @@ class QemuVm:
         loop.add_reader(pidfd, gone)  # a pidfd turns readable when the process exits
         try:
             if spec.cgroup_limits:  # limits hold for adopted QEMUs too (fail closed)
-                vm.cgroup = cgroups.existing_for(spec.host_id) or cgroups.create_for(
-                    spec.host_id, spec.vcpus, spec.memory_mib
-                )
+                vm.cgroup = cgroups.existing_for(spec.host_id) or vm._new_cgroup()
                 vm.cgroup.add(pid)
             await vm._connect_qmp()
             status = (await vm._qmp_call("query-status")).get("status")
@@ -425,11 +376,7 @@ class QemuVm:
                     raise VmmError(f"{f} must be readable by every uid (0644) for a jailed QEMU")
         seccomp_args(spec)  # fail closed (503) before anything is made for a QEMU without it
         # Fail closed: the limits exist before QEMU does (503 when they cannot).
-        self.cgroup = (
-            await asyncio.to_thread(cgroups.create_for, spec.host_id, spec.vcpus, spec.memory_mib)
-            if spec.cgroup_limits
-            else None
-        )
+        self.cgroup = await asyncio.to_thread(self._new_cgroup) if spec.cgroup_limits else None
         self._log_fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         t0 = time.perf_counter()
         with Handoff() as h:
@@ -459,6 +406,33 @@ class QemuVm:
         await self._connect_qmp()
         self.timings_ms["qmp"] = _ms(t0)
         self._set_state(S.INCOMING if incoming else S.RUNNING)
+
+    def _new_cgroup(self) -> VmCgroup:
+        spec = self.spec
+        return cgroups.create_for(spec.host_id, spec.vcpus, spec.memory_mib, spec.disk_limits, spec.vm_dir)
+
+    async def limit_disk(self, disk: DiskLimits) -> None:
+        """New disk limits for a QEMU that runs already (a claimed pooled VM, a taken
+        pre-started QEMU): QEMU's throttle over QMP, then its cgroup's.
+
+        Prerequisites: QMP connected (INCOMING, RUNNING or PAUSED). Success: both layers
+        bound the drive by ``disk`` (``limits_report`` says which). Failure: VmmError, the
+        previous limits in force.
+        """
+        self._check("limit_disk", (S.INCOMING, S.RUNNING, S.PAUSED))
+        if disk == self.spec.disk_limits:
+            return
+        await self._qmp_call("block_set_io_throttle", disk.qmp_throttle())
+        self.spec = dataclasses.replace(self.spec, disk_limits=disk)
+        if self.cgroup is not None:
+            await asyncio.to_thread(cgroups.host().limit_disk, self.cgroup, disk, self.spec.vm_dir)
+
+    def limits_report(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(applied, skipped): the VM's ``limitsApplied``, its cgroup's and QEMU's own."""
+        applied, skipped = cgroups.report(self.cgroup)
+        if self.spec.disk_limits:
+            applied[DISK_QEMU] = self.spec.disk_limits.describe()
+        return applied, skipped
 
     async def _watch(self) -> None:
         assert self._proc is not None

@@ -61,6 +61,18 @@ type Limits struct {
 	DiskMib        int  `json:"diskMib,omitempty"`        // writable disk in MiB
 	EgressMbps     *int `json:"egressMbps,omitempty"`     // outbound bandwidth cap (nil: none)
 	MaxConnections int  `json:"maxConnections,omitempty"` // concurrent outbound connections
+	// Disk caps (nil: the server's PAL_DISK_* default), at most its PAL_MAX_DISK_* ceiling.
+	DiskReadMibps  *int `json:"diskReadMibps,omitempty"`  // disk read bandwidth, MiB/s
+	DiskWriteMibps *int `json:"diskWriteMibps,omitempty"` // disk write bandwidth, MiB/s
+	DiskIops       *int `json:"diskIops,omitempty"`       // disk operations per second
+}
+
+// LimitsApplied are the host limits a VM's node applied when it last came up: each held
+// one and what holds it ("cpu", "memory", "pids", "ioWeight", "diskKernel", "diskQemu"),
+// and why each skipped one is missing on that host.
+type LimitsApplied struct {
+	Applied map[string]string `json:"applied"`
+	Skipped map[string]string `json:"skipped"`
 }
 
 // WaitPause configures the automatic pause of a VM waiting on the network.
@@ -182,6 +194,8 @@ type VM struct {
 	LifetimeEndsAt string `json:"lifetimeEndsAt,omitempty"`
 	// OnLifetimeEnd is what the lifetime's end does: "delete" or "pause".
 	OnLifetimeEnd string `json:"onLifetimeEnd,omitempty"`
+	// LimitsApplied are its host limits as its node applied them (nil before it first ran).
+	LimitsApplied *LimitsApplied `json:"limitsApplied,omitempty"`
 }
 
 // Network is a VM's egress counters.

@@ -279,3 +279,31 @@ def test_each_qemu_runs_under_its_own_host_limits(pal_server: PalServer, api: ht
     finally:
         api.delete(f"/v1/runtime/vms/{vm_id}")
     assert not any(d.exists() for d in dirs.values()), "the VM's cgroups are removed with it"
+
+
+def test_a_vms_disk_is_bounded_and_its_limits_are_listed(api: httpx.Client) -> None:
+    """limits.disk* hold in the guest (QEMU's throttle, whatever the host's kernel has), and
+    the VM lists which host limits held for it and why any did not (here: no BFQ)."""
+    spec = {"limits": {"diskWriteMibps": 4, "diskIops": 500}}
+    vm = api.post("/v1/runtime/schedule", json=spec).json()
+    vm_id = vm["vmId"]
+    try:
+        assert vm["limits"]["diskWriteMibps"] == 4 and vm["limits"]["diskReadMibps"] == 200, "default"
+        got = api.get(f"/v1/runtime/vms/{vm_id}").json()["limitsApplied"]
+        assert got["applied"]["diskQemu"] == "read 200 MiB/s, write 4 MiB/s, 500 IOPS"
+        assert {"cpu", "memory", "pids"} <= set(got["applied"])
+        for limit in ("ioWeight", "diskKernel"):  # each either held or said why not
+            assert (limit in got["applied"]) != (limit in got["skipped"]), got
+        events = api.get(f"/v1/runtime/vms/{vm_id}/events").json()["events"]
+        came_up = [e for e in events if e["toState"] == "running"]
+        assert came_up[-1]["details"]["limitsApplied"] == got, "the status event lists them too"
+        # 16 MiB of direct writes at 4 MiB/s take 4 s by the guest's clock, less a burst
+        # of a tenth of a second's worth: never faster, however idle the host.
+        line = "dd if=/dev/zero of=/workspace/bound bs=1M count=16 oflag=direct 2>&1 | tail -1"
+        out = api.post(
+            f"/v1/runtime/vms/{vm_id}/exec", json={"command": "/bin/sh", "argv": ["-c", line]}
+        ).json()
+        secs = float(out["stdout"].split(" copied, ")[1].split(" s")[0])
+        assert secs >= 16 / 4 * 0.9, out["stdout"]
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm_id}")

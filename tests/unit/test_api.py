@@ -105,6 +105,10 @@ async def test_schedule_without_a_body_gives_defaults(client: httpx.AsyncClient)
             "diskMib": 2048,
             "egressMbps": None,
             "maxConnections": 256,
+            # the server's disk defaults (PAL_DISK_*), resolved at schedule
+            "diskReadMibps": 200,
+            "diskWriteMibps": 100,
+            "diskIops": 4000,
         }
         assert body["image"] == "default" and body["idleTimeoutSecs"] == 0
         assert body["bootMethod"] == "cold"

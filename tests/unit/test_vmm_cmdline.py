@@ -174,14 +174,3 @@ def test_kernel_args_carry_host_tsc_rate() -> None:
     args = kernel_args("pal.extra=1").split()
     assert f"tsc_early_khz={khz}" in args and f"lpj={4 * khz}" in args
     assert args[-1] == "pal.extra=1" and "panic=-1" in args
-
-
-def test_doctor_says_whether_qemu_runs_under_seccomp(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pal import server
-    from pal.vmm import versions
-
-    monkeypatch.setattr(versions, "qemu_supports_sandbox", lambda binary="": True)
-    assert "seccomp on" in server.jail_summary(seccomp=True)
-    assert "seccomp OFF (PAL_SECCOMP=off)" in server.jail_summary(seccomp=False)
-    monkeypatch.setattr(versions, "qemu_supports_sandbox", lambda binary="": False)
-    assert "no VM starts (or set PAL_SECCOMP=off)" in server.jail_summary(seccomp=True)

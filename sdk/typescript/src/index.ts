@@ -48,6 +48,7 @@ export type {
   Image,
   LifetimeUpdate,
   Limits,
+  LimitsApplied,
   MetricSample,
   PortLink,
   PortLinkRevoked,

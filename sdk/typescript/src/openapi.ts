@@ -1388,6 +1388,41 @@ export interface components {
              * @default 256
              */
             maxConnections?: number;
+            /**
+             * Diskreadmibps
+             * @description disk read bandwidth cap, MiB/s (null: the server's PAL_DISK_READ_MIBPS)
+             */
+            diskReadMibps?: number | null;
+            /**
+             * Diskwritemibps
+             * @description disk write bandwidth cap, MiB/s (null: the server's PAL_DISK_WRITE_MIBPS)
+             */
+            diskWriteMibps?: number | null;
+            /**
+             * Diskiops
+             * @description disk operations per second, reads and writes together (null: the server's PAL_DISK_IOPS)
+             */
+            diskIops?: number | null;
+        };
+        /**
+         * LimitsAppliedOut
+         * @description The host limits the VM's node applied when it last came up (docs/limits.md).
+         */
+        LimitsAppliedOut: {
+            /**
+             * Applied
+             * @description limit -> what holds it: `cpu`, `memory`, `pids` (its cgroup), `ioWeight`, `diskKernel` (the kernel's disk throttle), `diskQemu` (QEMU's)
+             */
+            applied?: {
+                [key: string]: string;
+            };
+            /**
+             * Skipped
+             * @description limit -> why this VM's host does not have it
+             */
+            skipped?: {
+                [key: string]: string;
+            };
         };
         /**
          * LiveState
@@ -2191,6 +2226,8 @@ export interface components {
              * @default delete
              */
             onLifetimeEnd?: string;
+            /** @description the host limits of its last start; null before it first ran */
+            limitsApplied?: components["schemas"]["LimitsAppliedOut"] | null;
         };
         /**
          * WaitPause

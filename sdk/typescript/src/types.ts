@@ -12,6 +12,8 @@ export type Limits = Schemas["Limits"];
 /** The schedule request: image, limits, secrets, idleTimeoutSecs, boot... (all optional). */
 export type AgentSpec = Schemas["AgentSpec"];
 export type Vm = Schemas["VmOut"];
+/** The host limits a VM's node applied when it last came up (`applied`), and why each `skipped` one is missing. */
+export type LimitsApplied = Schemas["LimitsAppliedOut"];
 /** An egress policy: `"none"`, `"open"`, `{ allow: [hosts] }` or `{ deny: [hosts] }`. */
 export type Egress = Schemas["EgressUpdate"]["egress"];
 /** Answer of pause and resume: `{vmId, snapshotId, state}`, and `pause` (its kind) when paused. */
