@@ -606,8 +606,10 @@ def bench_io(
     data_dir: BenchDataDir = None,
     out_dir: Annotated[Path, typer.Option(help="where io.md goes")] = Path("docs/benchmarks"),
 ) -> None:
-    """Disk isolation: a VM's small synchronous writes (p50/p99) beside a VM writing as fast as
-    it can, without per-VM disk limits and with the defaults (docs/benchmarks/io.md)."""
+    """Disk isolation: a VM's small synchronous writes beside a disk hog, with and without limits.
+
+    The quiet VM's p50/p99 write latency alone and beside a VM writing as fast as it can,
+    without per-VM disk limits and with the defaults (docs/benchmarks/io.md)."""
     from pal.bench import io as bench_io_mod
 
     bench_io_mod.main(rounds=rounds, seconds=seconds, data_dir=data_dir, out_dir=out_dir)
