@@ -48,9 +48,11 @@ from pal.config_env import (
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
-# The ports listener (VM ports on origins of their own): beside the API's 8080 and a
-# node RPC's 8081 (a node may run on the same machine).
-DEFAULT_PORTS_PORT = 8082
+# The ports listener (VM ports on origins of their own): the API's port + 2 unless set
+# (8082 beside 8080, and a node RPC's 8081: a node may run on the same machine), so two
+# servers on one machine do not collide; a free port when that one is taken.
+PORTS_PORT_OFFSET = 2
+DEFAULT_PORTS_PORT = 8080 + PORTS_PORT_OFFSET
 FORK_COUNT_CEILING = 1000
 # A VM's disk bounds when its spec asks none: room for any ordinary workload (a package
 # install, a build) while one VM's hog leaves the disk to the others (docs/benchmarks/io.md).
@@ -238,13 +240,15 @@ class Settings(BaseSettings):
         "`https://app.example,...`: browser origins allowed to call the API with a key (the"
         " TypeScript SDK in a web page); no cookies cross origins",
     )
-    ports_port: int = setting(
-        DEFAULT_PORTS_PORT,
+    ports_port: int | None = setting(
+        None,
         "PAL_PORTS_PORT",
         "the ports listener (`--ports-port`): each VM port has an origin of its own there,"
         " `http://{port}-{vmId}.localhost:8082` (docs/ports.md, pal/api/port_origins.py);"
-        " it serves nothing else",
+        " it serves nothing else. Unset: the API's port + 2, or a free port when that one is"
+        " taken (`pal up` prints it)",
         read=read_ports_port,
+        shown="`--port` + 2 (`8082`)",
     )
     ports_domain: str | None = setting(
         None,

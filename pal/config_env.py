@@ -5,7 +5,9 @@ README's Configuration table made from them (``python -m pal.config --markdown``
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import types
 import typing
@@ -269,6 +271,30 @@ class EnvSource(PydanticBaseSettingsSource):
             return {}
         values = {name: read_field(f, _UNSET) for name, f in self.settings_cls.model_fields.items()}
         return {name: v for name, v in values.items() if v is not _UNSET}
+
+
+# -- what a running server uses (GET /v1/operator/host, `pal doctor`) --
+
+_SECRET = re.compile(r"SECRET|TOKEN|PASSWORD|_KEY$")
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def effective(settings: BaseSettings) -> dict[str, Any]:
+    """Each setting's variable and the value in effect, JSON-ready; a secret only says
+    whether it is set, a URL's password is hidden."""
+    out: dict[str, Any] = {}
+    for name, field in type(settings).model_fields.items():
+        var, value = env_of(field).name, getattr(settings, name)
+        if _SECRET.search(var):
+            value = "(set)" if value else None
+        elif isinstance(value, str):
+            value = _URL_PASSWORD.sub(r"\1***@", value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif not isinstance(value, int | float | bool | type(None)):
+            value = json.loads(json.dumps(value, default=str))
+        out[var] = value
+    return out
 
 
 # -- README's table --

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import uvicorn
 
 from pal import operator
 from pal.api.hosts import WILDCARD_HOSTS
-from pal.config import Settings
+from pal.config import PORTS_PORT_OFFSET, Settings
 
 log = logging.getLogger("pal")
 
@@ -183,7 +184,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
 
-    ports_sock = bind_ports_listener(settings, host)  # checked before anything starts
+    ports_sock = bind_ports_listener(settings, host, port)  # checked before anything starts
     prepare_data_dir(settings)
     if not settings.admin_token:
         log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
@@ -217,7 +218,9 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.dashboard.session import load_secret
 
     names = hosts(settings, host, local)
-    app = control_plane_app(scheduler, store, settings, health, load_secret(settings), names)
+    app = control_plane_app(
+        scheduler, store, settings, health, load_secret(settings), names, node_host_checks(settings)
+    )
     served = _serve(app, host, port, ports_sock)
     log.info(
         "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime; %s",
@@ -252,6 +255,20 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         await asyncio.gather(*served.tasks, rpc_task, return_exceptions=True)
         await client.aclose()
         store.close()
+
+
+def node_host_checks(settings: Settings) -> Callable[[], list[dict[str, Any]]]:
+    """`pal doctor`'s host rows as this node sees its host, with the settings it runs with
+    (GET /v1/operator/host): the cgroup layout it discovered and prepared, not a new one."""
+
+    def checks() -> list[dict[str, Any]]:
+        from pal.manager.hostcaps import HostView
+        from pal.ops.doctor import host_checks
+        from pal.vmm import cgroups
+
+        return [c.as_json() for c in host_checks(settings, HostView(cgroup_host=cgroups.host))]
+
+    return checks
 
 
 def _node_health(settings: Settings, client: Any, scheduler: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
@@ -308,10 +325,11 @@ def _serve(app: Any, host: str, port: int, ports_sock: socket.socket) -> _Listen
     return _Listeners(api, ports, tasks, stop)
 
 
-def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
-    """The ports listener's socket (PAL_PORTS_PORT, on the API's address), bound before
-    anything starts so that a port in use (or a PAL_PORTS_DOMAIN naming nothing) is said
-    at once."""
+def bind_ports_listener(settings: Settings, host: str, api_port: int) -> socket.socket:
+    """The ports listener's socket, on the API's address, bound before anything starts so
+    that a port in use (or a PAL_PORTS_DOMAIN naming nothing) is said at once. Its port:
+    PAL_PORTS_PORT (`--ports-port`) when given, else the API's + 2, else (that one taken) a
+    free one the kernel picks; ``settings.ports_port`` is set to it (the VM ports' links)."""
     from pal.api.port_origins import PortsOrigins
 
     try:
@@ -319,13 +337,24 @@ def bind_ports_listener(settings: Settings, host: str) -> socket.socket:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host.strip("[]"), settings.ports_port), family=family)
-    except OSError as exc:
-        raise SystemExit(
-            f"the ports listener cannot listen on {host}:{settings.ports_port}: {exc.strerror or exc} "
-            "(choose another with --ports-port or PAL_PORTS_PORT)"
-        ) from None
+    derived = api_port + PORTS_PORT_OFFSET if api_port + PORTS_PORT_OFFSET <= 65535 else 0
+    tries = [settings.ports_port] if settings.ports_port is not None else [derived, 0]
+    for port in tries:
+        try:
+            sock = socket.create_server((host.strip("[]"), port), family=family)
+        except OSError as exc:
+            if settings.ports_port is None and exc.errno == errno.EADDRINUSE and port:
+                log.warning(
+                    "port %d (the API's + %d) is taken: VM ports get a free one", port, PORTS_PORT_OFFSET
+                )
+                continue
+            raise SystemExit(
+                f"the ports listener cannot listen on {host}:{port}: {exc.strerror or exc} "
+                "(choose another with --ports-port or PAL_PORTS_PORT)"
+            ) from None
+        settings.ports_port = sock.getsockname()[1]
+        return sock
+    raise AssertionError("port 0 always binds or raises")
 
 
 def _ports_line(app: Any, sock: socket.socket) -> str:
@@ -389,7 +418,13 @@ def hosts(settings: Settings, host: str, advertise: str | None) -> Any:
 
 
 def control_plane_app(
-    scheduler: Any, store: Any, settings: Settings, health: Any, secret: bytes, allowed_hosts: Any = None
+    scheduler: Any,
+    store: Any,
+    settings: Settings,
+    health: Any,
+    secret: bytes,
+    allowed_hosts: Any = None,
+    host_checks: Any = None,
 ) -> Any:
     """The control plane's app (`pal up` and every `pal server`): the REST API, operator
     routes and the dashboard, its sessions and port links signed with ``secret`` (replicas
@@ -400,7 +435,15 @@ def control_plane_app(
     from pal.dashboard.app import install_dashboard
     from pal.mcp.http import install_mcp
 
-    app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
+    app = create_app(
+        scheduler,
+        store,
+        settings,
+        health=health,
+        link_secret=secret,
+        hosts=allowed_hosts,
+        host_checks=host_checks,
+    )
     install_dashboard(app, scheduler, store, settings, secret)
     install_mcp(app, lambda key: key_refusal(store, key))  # /mcp: the MCP server (docs/agents.md)
     return app
@@ -417,7 +460,7 @@ async def serve_control_plane(
     from pal.store import Store, redacted
 
     advertise = advertised_url(host, port, advertise)  # checked before anything starts
-    ports_sock = bind_ports_listener(settings, host)
+    ports_sock = bind_ports_listener(settings, host, port)
     # Port links are signed with it: replicas share it (checked before anything starts).
     link_secret = load_secret(settings, replica=True)
     settings.admin_token = operator.server_token(settings, replica=True)

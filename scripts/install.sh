@@ -112,7 +112,23 @@ log "guest image 'default' in $PAL_DATA_DIR (reused when already built)"
 .venv/bin/pal image build default --data-dir "$PAL_DATA_DIR"
 
 if ((UP)); then
-  log "starting pal up"
+  # The ports it will use, as `pal up` derives them (its first log line says what it got).
+  api_port=8080
+  ports_port="${PAL_PORTS_PORT:-}"
+  args=("$@")
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+      --port) api_port="${args[i + 1]:-$api_port}" ;;
+      --port=*) api_port="${args[i]#--port=}" ;;
+      --ports-port) ports_port="${args[i + 1]:-}" ;;
+      --ports-port=*) ports_port="${args[i]#--ports-port=}" ;;
+    esac
+  done
+  if [[ -n "$ports_port" ]]; then
+    log "starting pal up: API on port $api_port, VM ports on $ports_port"
+  else
+    log "starting pal up: API on port $api_port, VM ports on $((api_port + 2)) (a free one it prints if that is taken)"
+  fi
   exec .venv/bin/pal up --data-dir "$PAL_DATA_DIR" "$@"
 fi
 if ((FOR_TESTS)); then

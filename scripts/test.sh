@@ -14,6 +14,19 @@ echo "==> ruff check"
 .venv/bin/ruff check pal tests
 .venv/bin/ruff format --check pal tests
 
+# Before any VM test: one real VM under the settings the suite uses (this environment's
+# PAL_*). A host where no VM can start stops the run here, within two minutes, with the
+# reason and `pal doctor`'s verdict (tests/preflight.py), not test by test.
+vm_tests=1 # the whole suite, or a run naming a test path outside tests/unit
+for arg in "$@"; do
+  [[ "$arg" == tests/* && "$arg" != tests/unit* ]] && { vm_tests=1; break; }
+  [[ "$arg" == tests/unit* ]] && vm_tests=0
+done
+if ((vm_tests)); then
+  echo "==> preflight: one VM under the suite's settings"
+  .venv/bin/python -m tests.preflight
+fi
+
 echo "==> pytest"
 if [[ $# -gt 0 ]]; then
   exec .venv/bin/pytest -q "$@"

@@ -33,13 +33,20 @@ class ApiEnv:
 
 
 def make_api(
-    tmp: Path, *, max_vms: int = 2, health: Any = None, ready: Any = None, hosts: tuple[str, ...] = ()
+    tmp: Path,
+    *,
+    max_vms: int = 2,
+    health: Any = None,
+    ready: Any = None,
+    hosts: tuple[str, ...] = (),
+    host_checks: Any = None,
 ) -> ApiEnv:
-    """``hosts``: names the API answers as besides the loopback ones (PAL_HOSTS)."""
+    """``hosts``: names the API answers as besides the loopback ones (PAL_HOSTS);
+    ``host_checks``: the server's host rows (GET /v1/operator/host; None: it runs no VMs)."""
     env = make_env(tmp, max_vms=max_vms)
     env.settings.hosts = list(hosts)
     _, key_b = env.store.create_tenant("bob", max_vms)
-    app = create_app(env.sched, env.store, env.settings, health=health, ready=ready)
+    app = create_app(env.sched, env.store, env.settings, health=health, ready=ready, host_checks=host_checks)
     return ApiEnv(app, env, env.api_key, key_b)
 
 

@@ -55,6 +55,7 @@ os.environ["PAL_TEST_DATA_DIR"] = str(TEST_DATA_DIR)  # what tests and `pal` rea
 XDIST_GROUPS = {
     "tests/e2e/test_sdk_contract.py": "typescript-sdk",
     "tests/e2e/test_typescript_sdk.py": "typescript-sdk",
+    "tests/e2e/test_readme.py": "typescript-sdk",  # it builds the SDK's dist/ too
     "tests/integration/test_code.py": "code-image",
     "tests/integration/test_pool.py": "code-image",
     "tests/e2e/test_dashboard_code.py": "code-image",
@@ -258,11 +259,17 @@ def copy_default_image(src: Path, dst: Path) -> None:
 
 
 def start_server(
-    run_dir: Path, extra_env: dict[str, str] | None = None, *, share_cache: bool = True
+    run_dir: Path,
+    extra_env: dict[str, str] | None = None,
+    *,
+    share_cache: bool = True,
+    healthy: bool = True,
+    within_s: float = 900,
 ) -> PalServer:
     """A real `pal up` on ``run_dir``. With ``share_cache`` its images and templates are
     symlinks into TEST_DATA_DIR (built once per machine); without, the data dir is the
-    server's alone (see :func:`private_data_dir`)."""
+    server's alone (see :func:`private_data_dir`). Returns once /healthz answers 200 (with
+    ``healthy=False``: once it answers at all) within ``within_s``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for shared in ("images", "templates") if share_cache else ():
         (TEST_DATA_DIR / shared).mkdir(exist_ok=True)
@@ -313,12 +320,12 @@ def start_server(
         ports_port=int((extra_env or {}).get("PAL_PORTS_PORT") or ports_port),
     )
     _STARTED.append(server)
-    deadline = time.time() + 900
+    deadline = time.time() + within_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"pal up exited with {proc.returncode}:\n{server.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(server.url + "/healthz", timeout=2).status_code == 200:
+            if httpx.get(server.url + "/healthz", timeout=2).status_code == 200 or not healthy:
                 return server
         time.sleep(0.3)
     stop_server(server)

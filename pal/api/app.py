@@ -27,7 +27,9 @@ from .errors import document_errors, install_error_handlers
 from .exec_budget import MIB, ExecBudget
 from .forward import forward_to_leader, forwarding_key
 from .health import HealthCheck, announce_ready, health_router
+from .host_report import HostChecks, host_router
 from .hosts import AllowedHosts, HostCheckMiddleware
+from .json_response import JSONResponse
 from .middleware import BodyLimitMiddleware, RequestIdMiddleware
 from .nodes import nodes_router
 from .port_host import create_ports_app
@@ -52,6 +54,7 @@ def create_app(
     link_secret: bytes | None = None,
     ready: HealthCheck | None = None,
     hosts: AllowedHosts | None = None,
+    host_checks: HostChecks | None = None,
 ) -> FastAPI:
     """The REST API over ``scheduler``; ``store`` resolves API keys to tenants.
 
@@ -64,6 +67,8 @@ def create_app(
 
     ``hosts``: the names it answers as (pal/api/hosts.py; default: loopback names and
     ``PAL_HOSTS``). ``settings.admin_token`` is the operator token in effect (pal/operator.py).
+    ``host_checks()``: its host's capabilities as `pal doctor` rows (GET /v1/operator/host;
+    None: a control plane that runs no VMs).
     """
     if ready is None and getattr(scheduler, "nodes", None) is not None:
         ready = _nodes_ready(scheduler, settings)
@@ -75,6 +80,7 @@ def create_app(
         description="Self-hostable microVM sandboxes for AI agents.",
         static_url=DOCS_ASSETS,
         lifespan=_lifespan,
+        default_response_class=JSONResponse,
     )
     app.state.scheduler = scheduler
     app.state.store = store
@@ -112,6 +118,8 @@ def create_app(
     _add_middleware(app, settings, hosts, shared, scheduler, store)
     app.state.health, app.state.ready = health, ready  # for /healthz, /readyz and the lifespan
     app.include_router(health_router)
+    app.state.host_checks = host_checks
+    app.include_router(host_router)
     document_errors(app)
     document_port_proxy(app)
     return app

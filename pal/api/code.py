@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from pal.errors import Unavailable
 from pal.manager.code_models import (
@@ -33,6 +33,7 @@ from .body import require_json
 from .deps import Scheduler, Tenant
 from .errors import error_responses
 from .exec_stream import pumped_sse, sse_frame
+from .json_response import JSONResponse
 
 ContextId = Annotated[str, Path(pattern=CONTEXT_ID_PATTERN, description="a context's id")]
 

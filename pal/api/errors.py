@@ -13,11 +13,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pal.errors import BY_STATUS, InvalidRequest, PalError, public_message
 
+from .json_response import JSONResponse
 from .middleware import current_request_id
 from .models import ErrorOut
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from pal.errors import TooManyRequests
+
+from .json_response import JSONResponse
 
 MIB = 1024 * 1024
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from pal.errors import PalError
 from pal.manager.guest_errors import to_pal_error
@@ -23,6 +23,7 @@ from pal.manager.models import ExecEvent
 
 from .errors import error_response, public_error
 from .exec_budget import ExecBudget, Lease, LeasedJSON
+from .json_response import JSONResponse
 from .models import ExecOut
 
 TIMEOUT_EXIT_CODE = 124

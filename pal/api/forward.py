@@ -422,7 +422,7 @@ async def _refuse(scope: Scope, send: Send, status: int, body: dict[str, Any]) -
     """Refuse a WebSocket handshake with ``status`` and its JSON body where the server can
     (the ASGI denial-response extension), else close with 4000 + status (as ports.py)."""
     if "websocket.http.response" in (scope.get("extensions") or {}):
-        raw = json.dumps(body).encode()
+        raw = json.dumps(body).encode() + b"\n"
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
         await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": raw})
@@ -432,7 +432,7 @@ async def _refuse(scope: Scope, send: Send, status: int, body: dict[str, Any]) -
 
 
 async def _error(send: Send, err: Any) -> None:
-    body = json.dumps(err.to_body()).encode()
+    body = json.dumps(err.to_body()).encode() + b"\n"
     await send(
         {
             "type": "http.response.start",

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
+from .json_response import JSONResponse
 from .models import HealthOut, ReadyOut
 from .operator import is_operator
 

@@ -99,7 +99,7 @@ class HostCheckMiddleware:
         rid = scope.get("state", {}).get("request_id")
         if rid:
             err["requestId"] = rid
-        await _refuse(scope, send, json.dumps({"error": err}).encode())
+        await _refuse(scope, send, json.dumps({"error": err}).encode() + b"\n")
 
 
 async def _refuse(scope: Scope, send: Send, body: bytes) -> None:

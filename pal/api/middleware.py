@@ -138,7 +138,7 @@ async def _error(send: Send, exc: PalError, scope: Scope) -> None:
     err: dict[str, Any] = {"code": exc.code, "message": exc.message}
     if rid:
         err["requestId"] = rid
-    body = json.dumps({"error": err}).encode()
+    body = json.dumps({"error": err}).encode() + b"\n"  # as every JSON answer (json_response.py)
     await send(
         {
             "type": "http.response.start",

@@ -332,6 +332,21 @@ class ImageListOut(_Page):
     images: list[ImageOut]
 
 
+class HostCheckOut(_Out):
+    check: str
+    ok: bool | None = Field(description="false: VMs cannot start for it; null: information")
+    detail: str
+
+
+class HostOut(_Out):
+    """GET /v1/operator/host: what the running server uses (pal/api/host_report.py)."""
+
+    settings: dict[str, Any] = Field(description="each PAL_* variable's value in effect; secrets: `(set)`")
+    checks: list[HostCheckOut] | None = Field(
+        description="its host's capabilities as `pal doctor` shows them; null: it runs no VMs itself"
+    )
+
+
 class HealthOut(_Out):
     """/healthz: ``ok`` for anyone; the operator's token also shows what was checked."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Request
-from fastapi.responses import JSONResponse
 
 from pal.config import Settings
 from pal.errors import Forbidden, Unauthorized
@@ -21,6 +20,7 @@ from pal.manager.models import NodeHeartbeat
 
 from .body import require_json
 from .errors import error_responses
+from .json_response import JSONResponse
 from .operator import require_operator
 
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pal.config import Settings
+from pal.config import DEFAULT_PORTS_PORT, Settings
 
 LOCAL_DOMAIN = "localhost"
 # One DNS label: the port, a dash, the VM id (pal/scheduler: "vm-" + 24 hex).
@@ -46,7 +46,7 @@ class PortsOrigins:
         (naming the setting) for a domain that cannot name hosts."""
         raw = (settings.ports_domain or "").strip()
         if not raw:
-            return cls(LOCAL_DOMAIN, "http", settings.ports_port)
+            return cls(LOCAL_DOMAIN, "http", settings.ports_port or DEFAULT_PORTS_PORT)
         url = urlsplit(raw if "://" in raw else f"https://{raw}")
         domain = (url.hostname or "").rstrip(".").lower()
         if url.scheme not in ("http", "https") or not domain or url.path not in ("", "/"):
@@ -145,7 +145,7 @@ async def _not_a_port(scope: Scope, send: Send, origins: PortsOrigins) -> None:
         "this listener serves VM ports only, at http(s)://{port}-{vmId}."
         f"{origins.domain}: open a port's link (POST /v1/runtime/vms/{{id}}/ports/{{port}}/url)"
     )
-    body = json.dumps({"error": {"code": "NOT_A_PORT", "message": message}}).encode()
+    body = json.dumps({"error": {"code": "NOT_A_PORT", "message": message}}).encode() + b"\n"
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if scope["type"] == "websocket":
         if "websocket.http.response" in (scope.get("extensions") or {}):

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpcore
 from fastapi import APIRouter, Depends, Request, WebSocket
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 from starlette.background import BackgroundTask
 
@@ -43,6 +43,7 @@ from pal.store.store import hash_api_key
 from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
+from .json_response import JSONResponse
 from .port_links import MAX_LINK_SECS, Links, is_link_id
 from .port_listen import listening_stream
 from .port_origins import PortsOrigins

@@ -15,12 +15,13 @@ import base64
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from pal.manager.process_models import ProcessEvent, ProcessOutput
 
 from .errors import public_error
 from .exec_stream import FIRST_EVENT_GRACE_S, pumped_sse, sse_frame
+from .json_response import JSONResponse
 
 Encoding = Literal["text", "base64"]
 Piece = tuple[str, str, int]  # (stream, data, offset after it)

@@ -11,7 +11,6 @@ import base64
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -24,6 +23,7 @@ from .body import read_bounded, require_json
 from .deps import Scheduler, Tenant
 from .errors import error_responses
 from .exec_stream import PROCESS_ID_HEADER, TIMEOUT_EXIT_CODE
+from .json_response import JSONResponse
 from .models import ExecOut
 from .process_output import Encoding, TextOutput, read_view, sse_output
 

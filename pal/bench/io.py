@@ -41,6 +41,7 @@ from typing import Any
 from pal.bench.common import Api, data_dir_lines, load_average, pct, qemu_pid_of, write_report
 from pal.bench.server import measure_on_local_server
 from pal.config import DEFAULT_DISK_IOPS, DEFAULT_DISK_READ_MIBPS, DEFAULT_DISK_WRITE_MIBPS
+from pal.ops.progress import Steps
 from pal.vmm.blockdev import BlockHost
 
 MODES = ("unbounded", "bounded")
@@ -160,18 +161,19 @@ def one_round(api: Api, mode: str, secs: float, res: dict[str, Any], log: Callab
             api.call("DELETE", f"/v1/runtime/vms/{vm}")
 
 
-def measure(api: Api, data_dir: Path, rounds: int, secs: float, log: Callable[[str], None]) -> dict[str, Any]:
+def measure(api: Api, data_dir: Path, rounds: int, secs: float) -> dict[str, Any]:
     keys = ("alone", "beside", "hog_mibps", "dirty_peak_mib", "load")
     res: dict[str, Any] = {m: {k: [] for k in keys} for m in MODES}
     res["failed"] = []
-    for r in range(rounds):
-        for mode in MODES:
-            log(f"round {r + 1}/{rounds}, {mode}")
-            try:
-                one_round(api, mode, secs, res, log)
-            except Exception as exc:  # a round that fails is reported, the others still count
-                res["failed"].append(f"round {r + 1} {mode}: {exc}")
-                log(f"round {r + 1} {mode} failed: {exc}")
+    with Steps("pal bench io") as steps:
+        for r in range(rounds):
+            for i, mode in enumerate(MODES):
+                steps(f"round {r + 1}/{rounds}, {mode}", (r * len(MODES) + i) / (rounds * len(MODES)))
+                try:
+                    one_round(api, mode, secs, res, steps.log)
+                except Exception as exc:  # a round that fails is reported, the others still count
+                    res["failed"].append(f"round {r + 1} {mode}: {exc}")
+                    steps.log(f"round {r + 1} {mode} failed: {exc}")
     device, why = BlockHost().device_of(data_dir)
     res["device"] = device.describe() if device else why
     res["rounds"], res["seconds"] = rounds, secs
@@ -248,7 +250,7 @@ def main(
     rounds: int, seconds: float, data_dir: Path | None, out_dir: Path, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     report = measure_on_local_server(
-        data_dir, lambda api, d: measure(api, d, rounds, seconds, log), extra_env=SERVER_ENV, max_vms=4
+        data_dir, lambda api, d: measure(api, d, rounds, seconds), extra_env=SERVER_ENV, max_vms=4
     )
     report["summary"] = summary(report)
     write_report(out_dir, "io", report, render(report), log)

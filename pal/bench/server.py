@@ -19,6 +19,7 @@ import httpx
 
 from pal.bench.common import Api, report_of
 from pal.localcluster.throwaway import free_port
+from pal.ops.progress import Steps
 from pal.sizes import size_name
 
 # The operator token of the servers this process starts: /healthz names the accelerator
@@ -70,23 +71,27 @@ def local_server(
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 900
-        while time.time() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None:
-                raise RuntimeError("pal up exited")
-            time.sleep(0.5)
-        name = f"bench-{os.getpid()}-{int(time.time())}"
-        out = subprocess.run(
-            [*pal, "tenants", "create", name, "--max-vms", str(max_vms), "--data-dir", str(data_dir)],
-            check=True, capture_output=True, text=True, env=env,
-        )  # fmt: skip
-        # Measure at full speed: the default template is warm (what `pal up` logs as ready).
-        while httpx.get(url + "/readyz", timeout=10).status_code != 200:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("pal up did not become ready (/readyz)")
-            time.sleep(0.05)
+        with Steps(f"pal up for the benchmark ({data_dir})") as steps:
+            steps("starting (image, network, adoption)", 0.1)
+            while time.time() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise RuntimeError("pal up exited")
+                time.sleep(0.5)
+            name = f"bench-{os.getpid()}-{int(time.time())}"
+            out = subprocess.run(
+                [*pal, "tenants", "create", name, "--max-vms", str(max_vms), "--data-dir", str(data_dir)],
+                check=True, capture_output=True, text=True, env=env,
+            )  # fmt: skip
+            # Measure at full speed: the default template is warm (what `pal up` logs as ready).
+            steps("warming the default template (/readyz)", 0.5)
+            while httpx.get(url + "/readyz", timeout=10).status_code != 200:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("pal up did not become ready (/readyz)")
+                time.sleep(0.05)
+            steps("ready", 1.0)
         yield url, json.loads(out.stdout)["apiKey"]
     finally:
         proc.send_signal(signal.SIGTERM)

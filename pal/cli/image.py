@@ -48,39 +48,12 @@ def _with_progress(name: str, fn: Any) -> Any:
 
 
 def _run_progress(name: str, fn: Any) -> Any:
-    with _Progress(name) as progress:
+    from pal.ops.progress import Steps
+
+    with Steps(f"image {name}", err_console) as progress:  # stderr: stdout stays JSON
         result = fn(progress)
         progress("done", 1.0)
     return result
-
-
-class _Progress:
-    """A rich progress bar for the build steps (stderr, so stdout stays JSON)."""
-
-    def __init__(self, name: str) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-        )
-        self.name = name
-        self.task = self.bar.add_task(f"image {name}", total=1.0)
-
-    def __enter__(self) -> _Progress:
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(None, None, None)
-
-    def __call__(self, step: str, fraction: float) -> None:
-        self.bar.update(self.task, description=f"{self.name}: {step}", completed=max(0.0, min(1.0, fraction)))
-
-    def log(self, line: str) -> None:
-        self.bar.console.print(line, markup=False, highlight=False)
 
 
 def _tenant_ids(settings: Any, names: list[str]) -> list[str]:
@@ -149,9 +122,13 @@ def _warm(settings: Any, name: str) -> None:
         finally:
             await client.aclose()
 
-    err_console.print(f"building the warm template of {name} ({size.memory_mib} MiB, {size.vcpus} vCPU)...")
+    from pal.ops.progress import Steps
+
+    title = f"template of {name} ({size.memory_mib} MiB, {size.vcpus} vCPU)"
     try:
-        res = asyncio.run(go())
+        with Steps(title, err_console) as steps:  # the server builds it: boot, ready, snapshot
+            steps("booting a VM of the image and snapshotting it (on the server)", 0.1)
+            res = asyncio.run(go())
     except PalError as exc:
         no_template(exc.message, exc.code)
     if not res.ready:
@@ -241,7 +218,9 @@ def image_build(
     elif recipe(name) is not None:  # Pal's own recipe (code-interpreter): FROM the default image
         result = _with_progress(
             name,
-            lambda progress: build_recipe(settings, name, progress=progress, force=force, tenants=tenants),
+            lambda progress: build_recipe(
+                settings, name, progress=progress, force=force, tenants=tenants, log=progress.log
+            ),
         )
     else:
         result = _with_progress(

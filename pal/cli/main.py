@@ -177,10 +177,12 @@ def doctor(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="the checks as JSON")] = False,
 ) -> None:
-    """Check this host and a running Pal; exits 1 when a check fails.
+    """Check this host and a running Pal; exits 1 only when VMs cannot start.
 
-    QEMU, accelerator, reflinks, cgroups, jail, image, network, snapshots, store, server and
-    runtime manager."""
+    One line per host capability (used; missing, with what it costs and the fix; off, with
+    what that loses), then the image, store, server, runtime manager and pool. With a server
+    up (and the operator's token: root on its host, or PAL_ADMIN_TOKEN) the host lines and
+    settings are the ones the server runs with."""
     import logging
 
     from pal.ops import doctor as doc
@@ -192,7 +194,7 @@ def doctor(
 
     checks = doc.run(server_settings(data_dir), resolve(url, None)[0])
     if as_json:
-        print_json([{"check": c.name, "ok": c.ok, "detail": c.detail} for c in checks])
+        print_json([c.as_json() for c in checks])
     else:
         marks = {True: "ok", False: "FAIL", None: "-"}
         print_table(
@@ -307,22 +309,35 @@ def tenants_create(
     data_dir: DataDir = None,
     database: Database = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the API key")] = False,
+    exist_ok: Annotated[
+        bool,
+        typer.Option(
+            "--exist-ok",
+            help="a tenant of that name gets a new key (its old one is refused at once) and these limits",
+        ),
+    ] = False,
 ) -> None:
-    """Create a tenant and print its API key (shown only once: only a hash is kept)."""
+    """Create a tenant and print its API key (shown only once: only a hash is kept).
+
+    With --exist-ok a script that creates its tenant can run again: the tenant it made the
+    first time gets a new key instead of an error."""
     from datetime import timedelta
 
     ttl = timedelta(days=key_ttl_days) if key_ttl_days is not None else None
-    tenant, key = _with_store(
-        data_dir,
-        database,
-        lambda store: store.create_tenant(
-            name,
-            max_vms,
-            max_paused=_limit(max_paused, "--max-paused"),
-            max_snapshot_bytes=_limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30),
-            key_ttl=ttl,
-        ),
-    )
+    limits = {
+        "max_paused": _limit(max_paused, "--max-paused"),
+        "max_snapshot_bytes": _limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30),
+    }
+
+    def create(store: Any) -> tuple[Any, str]:
+        found = store.tenant_by_name(name) if exist_ok else None
+        if found is None or found.deleting_at is not None:
+            return store.create_tenant(name, max_vms, key_ttl=ttl, **limits)  # type: ignore[no-any-return]
+        key = store.rotate_api_key(found.id, grace=timedelta(0), key_ttl=ttl)
+        given = {k: v for k, v in limits.items() if v is not None}
+        return store.set_tenant_limits(found.id, max_vms=max_vms, **given), key
+
+    tenant, key = _with_store(data_dir, database, create)
     if quiet:
         typer.echo(key)
     else:

@@ -40,6 +40,7 @@ files_app = typer.Typer(
 
 VM_COLUMNS = ["vmId", "state", "image", "createdAt", "snapshotId", "parentVmId", "reason"]
 TIMEOUT_EXIT_CODE = 124  # what the server answers for a command killed at its timeout
+ENDED = ("terminated", "failed")  # states `pal vm ls` shows only with --all: they hold nothing
 
 
 def client() -> Client:
@@ -180,15 +181,15 @@ def egress_cmd(
 @vm_app.command("ls")
 def ls(
     table: Table = False,
-    all_: Annotated[bool, typer.Option("--all", "-a", help="include terminated VMs")] = False,
+    all_: Annotated[bool, typer.Option("--all", "-a", help="include terminated and failed VMs")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM ids")] = False,
     meta: Meta = None,
 ) -> None:
-    """List your VMs, every page (terminated ones only with --all).
+    """List your VMs, every page (terminated and failed ones, which hold nothing, only with --all).
 
     --meta K=V keeps those tagged so (repeat it: all must match)."""
     wanted = parse_pairs(meta, "--meta") if meta else None
-    vms = [v for v in call(lambda: client().runtime.list(wanted)) if all_ or v["state"] != "terminated"]
+    vms = [v for v in call(lambda: client().runtime.list(wanted)) if all_ or v["state"] not in ENDED]
     if quiet:
         for v in vms:
             typer.echo(v["vmId"])

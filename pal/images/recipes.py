@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pal.errors import BackendError
 from pal.images import assemble, builder
-from pal.images.dockerfile import build_dockerfile
+from pal.images.dockerfile import Log, build_dockerfile
 from pal.images.export import export_image
 from pal.images.importer import refresh
 from pal.images.paths import ImageNotFound, ImagePaths, image_dir, load_image, read_meta, write_meta
@@ -67,7 +67,11 @@ def build_recipe(
     progress: Progress | None = None,
     force: bool = False,
     tenants: list[str] | None = None,
+    log: Log | None = None,
 ) -> ImagePaths:
+    """Build recipe image ``name`` on the base image (built first if need be); ``log``
+    gets each line of the build's output (its RUN steps take minutes: they are the
+    progress a person sees)."""
     dockerfile = recipe(name)
     if dockerfile is None:
         raise ImageNotFound(name)
@@ -80,7 +84,7 @@ def build_recipe(
         refresh(settings, kept, progress)
     else:
         builder.build_image(settings, BASE_IMAGE, progress=progress)
-        _build_on_the_base(settings, name, dockerfile, report, progress, tenants)
+        _build_on_the_base(settings, name, dockerfile, report, progress, tenants, log)
     d = image_dir(settings, name)
     meta = read_meta(d) or {}
     meta["recipeHash"] = want
@@ -95,6 +99,7 @@ def _build_on_the_base(
     report: Progress,
     progress: Progress | None,
     tenants: list[str] | None,
+    log: Log | None,
 ) -> None:
     """Export the base image into a staging dir and build ``dockerfile`` FROM it."""
     staging = assemble.new_staging(settings, "recipe-base")  # a dead build's is swept
@@ -103,7 +108,7 @@ def _build_on_the_base(
             report(f"exporting {BASE_IMAGE} as the base", 0.02)
             args = {"BASE": export_image(settings, BASE_IMAGE, at / "base")}
             build_dockerfile(
-                settings, name, dockerfile, dockerfile.parent, progress, build_args=args, tenants=tenants
+                settings, name, dockerfile, dockerfile.parent, progress, log, build_args=args, tenants=tenants
             )
     finally:
         shutil.rmtree(staging, ignore_errors=True)

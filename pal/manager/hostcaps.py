@@ -130,6 +130,16 @@ def _qemu(v: HostView) -> Capability:
 
 def _accelerator(settings: Settings, v: HostView) -> Capability:
     info = v.probe_accel(settings)
+    if info.name == "kvm" and v.euid() == 0 and not _kvm_for_jailed(v.dev / "kvm"):
+        return Capability(
+            "accelerator",
+            "missing",
+            f"kvm ({info.reason}), but {v.dev / 'kvm'} opens for root only",
+            effect="no VM starts: each QEMU runs as its own uid (the jail) and cannot open it",
+            fix=f"give it a group: `chgrp kvm {v.dev / 'kvm'} && chmod 0660 {v.dev / 'kvm'}` (Debian's udev"
+            " rule does), or PAL_ACCEL=tcg (software emulation: many times slower)",
+            stops_vms=True,
+        )
     if info.name == "kvm" or "forced" in info.reason:  # KVM, or TCG by the operator's choice
         return Capability("accelerator", "used", f"{info.name} ({info.reason})")
     return Capability(
@@ -140,6 +150,16 @@ def _accelerator(settings: Settings, v: HostView) -> Capability:
         fix="a host with a working /dev/kvm (bare metal, or nested virtualization turned on); "
         "Pal probes it again when the host kernel or QEMU changes",
     )
+
+
+def _kvm_for_jailed(dev: Path) -> bool:
+    """A QEMU jailed as its own uid can open /dev/kvm: world read-write, or through its
+    group (which the jail adds to each QEMU's groups: pal/vmm/jail.py)."""
+    try:
+        st = dev.stat()
+    except OSError:
+        return False
+    return st.st_mode & 0o006 == 0o006 or (st.st_mode & 0o060 == 0o060 and st.st_gid != 0)
 
 
 def _seccomp(settings: Settings, v: HostView) -> Capability:

@@ -29,6 +29,13 @@ _NEXT_STEP = {
     413: "the content is too large: send it in smaller parts",
     429: "too many processes or requests at once: wait for some to finish (or kill them) and retry",
 }
+# Codes whose next step is not their status's.
+_NEXT_STEP_BY_CODE = {
+    "KERNEL_UNAVAILABLE": "this sandbox's image has no kernel for that language: run the code with "
+    "run_command (e.g. `python3 -c ...`), or create a sandbox of an image with one (code-interpreter)",
+    "CONTEXT_BUSY": "a cell still runs in that context: wait for it, interrupt it, or use another context",
+    "LIVE_PAUSED": "the sandbox is paused: resume it, then call again",
+}
 
 
 def utf8_prefix(data: bytes, limit: int) -> bytes:
@@ -63,7 +70,11 @@ def api_error(exc: PalApiError) -> types.CallToolResult:
     if exc.status == 0:
         what = "check that the Pal server is running and PAL_URL points at it, then retry"
     else:
-        what = _NEXT_STEP.get(exc.status) or "the server could not do it now: retry in a moment"
+        what = (
+            _NEXT_STEP_BY_CODE.get(exc.code)
+            or _NEXT_STEP.get(exc.status)
+            or "the server could not do it now: retry in a moment"
+        )
     return error_result(f"Pal answered {exc.status} {exc.code}: {exc.message}\nWhat to do: {what}.")
 
 

@@ -1,21 +1,29 @@
 """`pal doctor`: what this host gives Pal and whether each part of a running Pal answers.
 
-Host checks (QEMU, accelerator, reflinks, cgroups, image) run here; the store is opened
-read-only (never migrated); the server is asked for /healthz, whose report includes the
-runtime manager's heartbeat. A check is ok, failed, or only informative (``ok=None``).
+Host checks (one per capability: pal/manager/hostcaps.py; the data dir, the image) are the
+running server's when one answers GET /v1/operator/host (its settings, probed by it), else
+made here with this shell's settings; the store is opened read-only (never migrated); the
+server is asked for /healthz, whose report includes the runtime manager's heartbeat. A
+check is ok, failed (VMs cannot start for it: doctor exits 1), or only informative
+(``ok=None``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pal.config import Settings
 from pal.operator import client_token
+
+if TYPE_CHECKING:
+    from pal.manager.hostcaps import HostView
 
 log = logging.getLogger("pal.doctor")
 # Where the operator token comes from (pal/operator.py), said when doctor has none.
@@ -27,6 +35,10 @@ class Check:
     name: str
     ok: bool | None  # None: information, not a pass/fail
     detail: str
+
+    def as_json(self) -> dict[str, Any]:
+        """As `pal doctor --json` and GET /v1/operator/host show it."""
+        return {"check": self.name, "ok": self.ok, "detail": self.detail}
 
 
 def _run(name: str, fn: object) -> Check:
@@ -40,7 +52,7 @@ def _existing(data_dir: Path) -> Path:
     return data_dir if data_dir.exists() else Path("/tmp")
 
 
-def host_checks(settings: Settings) -> list[Check]:
+def host_checks(settings: Settings, view: HostView | None = None) -> list[Check]:
     """One line per host capability (pal/manager/hostcaps.py: used, missing with its
     effect and fix, off, not needed), then the data dir, image and snapshot store."""
     from pal.manager import hostcaps
@@ -55,7 +67,7 @@ def host_checks(settings: Settings) -> list[Check]:
         )
 
     try:
-        caps = [Check(c.name, c.ok, c.line()) for c in hostcaps.report(settings)]
+        caps = [Check(c.name, c.ok, c.line()) for c in hostcaps.report(settings, view)]
     except Exception as exc:
         caps = [Check("host", False, f"{type(exc).__name__}: {exc}")]
     internal = ",".join(settings.egress_allow_internal) or "none"
@@ -156,10 +168,69 @@ def pool_check(settings: Settings, url: str, token: str | None) -> Check:
     )
 
 
+def served_host(url: str, token: str | None) -> dict[str, Any] | None:
+    """The running server's settings and host rows (GET /v1/operator/host), or None when
+    no server answers it (down, no operator token, an older server)."""
+    if not token:
+        return None
+    try:
+        resp = httpx.get(
+            f"{url.rstrip('/')}/v1/operator/host", headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    with contextlib.suppress(ValueError):
+        body = resp.json()
+        if isinstance(body, dict) and isinstance(body.get("settings"), dict):
+            return body
+    return None
+
+
+def settings_check(served: dict[str, Any], mine: Settings) -> Check:
+    """What the server runs with where it differs from this shell's environment."""
+    from pal.config_env import effective
+
+    here = effective(mine)
+    differ = [
+        f"{k}={json.dumps(v)} (this shell: {json.dumps(here.get(k))})"
+        for k, v in served.items()
+        if here.get(k) != v and v != "(set)"
+    ]
+    what = "; ".join(differ) if differ else "the same as this shell's"
+    return Check("settings", None, f"the server's (the lines below are what it uses): {what}")
+
+
+def _as_server(settings: Settings, served: dict[str, Any]) -> Settings:
+    """``settings`` with the server's data dir and pool, for the store and pool checks."""
+    update: dict[str, Any] = {}
+    if served.get("PAL_DATA_DIR"):
+        update["data_dir"] = Path(served["PAL_DATA_DIR"])
+    if isinstance(served.get("PAL_POOL"), list):
+        update["pool"] = tuple((str(k), int(n)) for k, n in served["PAL_POOL"])
+    if isinstance(served.get("PAL_POOL_MEMORY_MIB"), int):
+        update["pool_memory_mib"] = served["PAL_POOL_MEMORY_MIB"]
+    return settings.model_copy(update=update)
+
+
 def run(settings: Settings, url: str) -> list[Check]:
+    """Every check. With a server up that answers the operator, the host rows and the
+    settings are the server's (what its VMs get), not this shell's environment's."""
     token = client_token(settings) or settings.metrics_token
+    served = served_host(url, token)
+    if served is None:
+        host = host_checks(settings)
+    else:
+        host = [settings_check(served["settings"], settings)]
+        settings = _as_server(settings, served["settings"])
+        if served.get("checks") is None:  # a control plane: its nodes run the VMs
+            why = "this server runs no VMs itself: `pal node ls`, and `pal doctor` on each node"
+            host.append(Check("host", None, why))
+        else:
+            host += [Check(str(c["check"]), c.get("ok"), str(c["detail"])) for c in served["checks"]]
     return [
-        *host_checks(settings),
+        *host,
         _run("store", lambda: store_check(settings)),
         *server_checks(url, token),
         _run("pool", lambda: pool_check(settings, url, token)),

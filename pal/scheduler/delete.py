@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from pal import failpoints
 from pal.errors import BackendError
@@ -17,6 +18,7 @@ from pal.scheduler import states
 from pal.scheduler.deps import Deps, as_pal
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.states import Action, VmState
+from pal.scheduler.transition import Audit
 from pal.store import VmRecord
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ class Deleting:
         self.d.own(tenant_id, vm_id)
         return await self.delete_vm(vm_id)
 
-    async def delete_vm(self, vm_id: str) -> VmRecord:
-        """The delete of any VM (the tenant's delete, a removed tenant, a shutdown)."""
+    async def delete_vm(self, vm_id: str, *, audit: Audit | None = None, **fields: Any) -> VmRecord:
+        """The delete of any VM (the tenant's delete, a removed tenant, a shutdown, a
+        lifetime's end). ``audit`` and ``fields`` go with the transition to terminated."""
         d = self.d
         d.telemetry.forget(vm_id)
         async with d.op_lock(vm_id):
@@ -49,7 +52,8 @@ class Deleting:
             if not states.allowed(S(vm.state), A.FINISH_DELETE, vm.marker):
                 to = states.check(vm_id, vm.state, A.DELETE, vm.marker)
                 reason = "deleted" if to == S.TERMINATED else "deleting"
-                vm = await d.transitions.transition(vm_id, A.DELETE, reason=reason)
+                end = {"audit": audit, **fields} if to == S.TERMINATED else {}
+                vm = await d.transitions.transition(vm_id, A.DELETE, reason=reason, **end)
             if vm.state == S.DRAINING:
                 failpoints.hit("delete:draining")
                 try:
@@ -59,7 +63,9 @@ class Deleting:
                     # Stays DRAINING+deleting: a repeated delete or reconciliation retries.
                     raise BackendError(f"stopping VM {vm_id} failed: {as_pal(exc).message}") from exc
                 failpoints.hit("delete:stopped")
-                vm = await d.transitions.transition(vm_id, A.FINISH_DELETE, reason="deleted")
+                vm = await d.transitions.transition(
+                    vm_id, A.FINISH_DELETE, reason="deleted", audit=audit, **fields
+                )
         await self.books.release(vm)
         return vm
 

@@ -8,8 +8,10 @@ long after its schedule, busy or idle, the way ``onLifetimeEnd`` says:
 
 The end is a deadline in the VM's row (``lifetime_ends_at``), never a timer in memory, and
 the leader's sweep (background.py, with the idle sweep) acts on the rows past it: a restart
-or a failover finds them in the store. Each end leaves a ``lifetime_ended`` audit event; a
-VM in a transition (spawning, draining) is taken at the next sweep. ``PUT .../lifetime``
+or a failover finds them in the store. Each end leaves a ``lifetime_ended`` audit event,
+written in the transaction of the VM's last transition (transition.Audit: a client that sees
+it terminated or paused sees the event too); a VM in a transition (spawning, draining) is
+taken at the next sweep. ``PUT .../lifetime``
 moves the deadline (``lifetime_changed`` event). Fork children inherit the source's
 lifetime, counted from the fork.
 """
@@ -26,6 +28,7 @@ from pal.scheduler.delete import Deleting
 from pal.scheduler.deps import Deps
 from pal.scheduler.pause_resume import LIFETIME_REASON, PauseResume
 from pal.scheduler.states import Action, VmState
+from pal.scheduler.transition import Audit
 from pal.spec import LifetimeUpdate
 from pal.store import VmRecord, utcnow
 from pal.store.paging import lifetime_over
@@ -100,40 +103,42 @@ class Lifetimes:
         return ended
 
     async def _end(self, vm: VmRecord) -> bool:
-        """End one VM as its ``onLifetimeEnd`` says; False: not now (in a transition)."""
+        """End one VM as its ``onLifetimeEnd`` says; False: not now (in a transition).
+        The ``lifetime_ended`` event is written with the VM's last transition, so whoever
+        sees it terminated (or paused) by its lifetime sees the event too."""
         d, vm_id = self.d, vm.vm_id
         st = S(vm.state)
+
+        def ended(done: str) -> Audit:
+            details = {"onLifetimeEnd": vm.on_lifetime_end, "action": done, "lifetimeSecs": lifetime_secs(vm)}
+            return Audit(ENDED_EVENT, f"lifetime ended ({vm.on_lifetime_end})", details)
+
         if vm.on_lifetime_end == "delete":
             if not (
                 states.allowed(st, A.DELETE, vm.marker) or states.allowed(st, A.FINISH_DELETE, vm.marker)
             ):
                 return False
-            await self.deleting.delete_vm(vm_id)
+            await self.deleting.delete_vm(vm_id, audit=ended("deleted"), lifetime_ends_at=None)
             done = "deleted"
         else:
             async with d.op_lock(vm_id):
                 vm = d.reload(vm_id)
                 st = S(vm.state)
                 if states.allowed(st, A.PAUSE, vm.marker):
-                    await self.pauses.pause_locked(vm_id, A.PAUSE, reason=LIFETIME_REASON)
+                    await self.pauses.pause_locked(
+                        vm_id, A.PAUSE, reason=LIFETIME_REASON, audit=ended("paused"), lifetime_ends_at=None
+                    )
                     done = "paused"
                 elif st in (S.PAUSED, S.FAILED, S.TERMINATED):
                     done = "none"  # already stopped: it stays as it is
+                    event = ended(done)
+                    with d.store.write() as tx:
+                        tx.update_vm(vm_id, lifetime_ends_at=None)
+                        tx.add_event(
+                            vm_id, vm.tenant_id, event.kind, from_state=st.value, reason=event.reason,
+                            details=event.details,
+                        )  # fmt: skip
                 else:
                     return False
-        with d.store.write() as tx:
-            tx.update_vm(vm_id, lifetime_ends_at=None)
-            tx.add_event(
-                vm_id,
-                vm.tenant_id,
-                ENDED_EVENT,
-                from_state=st.value,
-                reason=f"lifetime ended ({vm.on_lifetime_end})",
-                details={
-                    "onLifetimeEnd": vm.on_lifetime_end,
-                    "action": done,
-                    "lifetimeSecs": lifetime_secs(vm),
-                },
-            )
         log.info("lifetime of VM %s ended: %s", vm_id, done)
         return True

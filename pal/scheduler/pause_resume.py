@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pal import failpoints
 from pal.errors import BackendError, Conflict, InsufficientStorage
@@ -25,6 +25,7 @@ from pal.scheduler.live import LiveOps, live_paused
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState
+from pal.scheduler.transition import Audit
 from pal.scheduler.views import add_counters, add_live_stats
 from pal.spec import PauseRequest
 from pal.store import VmRecord, utcnow
@@ -115,10 +116,13 @@ class PauseResume:
 
     # -- the locked steps ----------------------------------------------------------------------
 
-    async def pause_locked(self, vm_id: str, action: Action, *, reason: str) -> VmRecord:
+    async def pause_locked(
+        self, vm_id: str, action: Action, *, reason: str, audit: Audit | None = None, **fields: Any
+    ) -> VmRecord:
         """A snapshot pause. ``action``: PAUSE (by the operator; never woken) or IDLE_PAUSE
         (woken on demand). running or live-paused -> draining -> paused; on failure back to
-        running (the node kept it) or failed (its QEMU is gone)."""
+        running (the node kept it) or failed (its QEMU is gone). ``audit`` and ``fields``
+        go with the transition to paused."""
         d = self.d
         t0 = time.perf_counter()
         vm = d.reload(vm_id)
@@ -166,6 +170,8 @@ class PauseResume:
             mem_snapshot_id=None,
             egress_stats=add_counters(vm.egress_stats, result.egress_counters),
             live_stats=add_live_stats(vm.live_stats, livePausedMs=live_ms),
+            audit=audit,
+            **fields,
         )
         d.telemetry.pause.labels(by=by).observe(time.perf_counter() - t0)
         d.telemetry.forget(vm_id)

@@ -15,6 +15,8 @@ from pal.errors import NotFound, QuotaExceeded
 from pal.scheduler.states import PAUSE_MARKERS
 from pal.store import VmRecord, WriteTx
 
+NAMED_HOLDERS = 8  # a quota error names the VMs that hold the slots, this many at most
+
 
 def reserve_in(
     tx: WriteTx, tenant_id: str, *, new_vms: Sequence[VmRecord] = (), existing: Sequence[str] = ()
@@ -38,9 +40,13 @@ def reserve_in(
     wanted = len(new_vms) + len(to_flip)
     in_use = tx.count_slots(tenant_id)
     if in_use + wanted > tenant.max_vms:
+        holders = tx.slot_holders(tenant_id, NAMED_HOLDERS)
+        named = ", ".join(f"{vm_id} ({state})" for vm_id, state in holders)
+        more = f" and {in_use - len(holders)} more" if in_use > len(holders) else ""
         raise QuotaExceeded(
             f"tenant {tenant.name!r} is limited to max_vms={tenant.max_vms} concurrent VMs: "
-            f"{in_use} in use, {wanted} more requested"
+            f"{in_use} in use ({named}{more}), {wanted} more requested; delete one, or pause it"
+            " (`pal vm pause`: a snapshot-paused VM holds no slot)"
         )
     for vm in new_vms:
         if vm.tenant_id != tenant_id:

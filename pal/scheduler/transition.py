@@ -17,6 +17,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pal.errors import NotFound, public_message
@@ -26,6 +27,16 @@ from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Audit:
+    """An audit event that comes with a transition, in its transaction: whoever sees the
+    VM's new state sees this event too (a lifetime's end: lifetime.py)."""
+
+    kind: str
+    reason: str | None = None
+    details: dict[str, Any] | None = None
 
 
 def _public_reason(vm_id: str, reason: str | None) -> str | None:
@@ -91,6 +102,7 @@ class Transitioner:
         new_snapshot_bytes: int = 0,
         tenant_limits: bool = True,
         details: dict[str, Any] | None = None,
+        audit: Audit | None = None,
         **fields: Any,
     ) -> VmRecord:
         """Apply ``action`` to ``vm_id``: 409 (:class:`IllegalTransition`) unless the table
@@ -99,7 +111,8 @@ class Transitioner:
         (``new_snapshot_bytes``: about how big the snapshot it takes will be).
         ``tenant_limits=False`` skips the latter two: a server shutdown suspends every VM,
         whatever the limits, rather than lose one. ``fields`` are other columns that
-        change with the state; ``details`` go with its status event (e.g. a spawn's timings)."""
+        change with the state; ``details`` go with its status event (e.g. a spawn's timings);
+        ``audit``: an event written with it (after the status event, in its transaction)."""
         async with self.lock(vm_id):
             with self._store.write() as tx:
                 if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
@@ -107,7 +120,7 @@ class Transitioner:
                     if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
                         quotas.check_pause_in(tx, vm)
                         quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
-                return self._apply(tx, vm_id, action, reason, fields, details)
+                return self._apply(tx, vm_id, action, reason, fields, details, audit)
 
     async def transition_all(
         self, changes: Sequence[tuple[str, dict[str, Any]]], action: Action, *, reason: str | None = None
@@ -135,6 +148,7 @@ class Transitioner:
         reason: str | None,
         fields: dict[str, Any],
         details: dict[str, Any] | None = None,
+        audit: Audit | None = None,
     ) -> VmRecord:
         vm = tx.get_vm(vm_id)
         if vm is None:
@@ -166,6 +180,15 @@ class Transitioner:
             reason=reason,
             details=details,
         )
+        if audit is not None:
+            tx.add_event(
+                vm_id,
+                vm.tenant_id,
+                audit.kind,
+                from_state=frm.value,
+                reason=audit.reason,
+                details=audit.details,
+            )
         if not holds:
             quotas.release_in(tx, vm_id)
         after = tx.get_vm(vm_id)

@@ -78,6 +78,16 @@ class WriteTx:
         q = select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.holds_slot.is_(True))
         return int(self._conn.execute(q).scalar_one())
 
+    def slot_holders(self, tenant_id: str, limit: int) -> list[tuple[str, str]]:
+        """(vm id, state) of the tenant's VMs holding a slot, oldest first, at most ``limit``."""
+        q = (
+            select(vms.c.vm_id, vms.c.state)
+            .where(vms.c.tenant_id == tenant_id, vms.c.holds_slot.is_(True))
+            .order_by(vms.c.created_at, vms.c.vm_id)
+            .limit(limit)
+        )
+        return [(str(r.vm_id), str(r.state)) for r in self._conn.execute(q)]
+
     def count_paused(
         self, tenant_id: str, *, pausing_markers: Collection[str], besides: str | None = None
     ) -> int:

@@ -3,7 +3,7 @@ real `pal up` (real microVMs) by each SDK's own test runner: pytest for Python (
 sdk_contract_py.py), `go vet` + `go test` for Go (sdk/go/contract_test.go) and `node --test`
 for TypeScript (sdk/typescript/contract/). Each runner uses a tenant of its own with the
 file's quota, schedules one VM and forks one child, so the added time stays small. The
-README's Go quick start runs here too."""
+README's Go and TypeScript examples run in tests/e2e/test_readme.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from pal.sdk import Client, PalApiError
 from tests.conftest import REPO, PalServer
 from tests.e2e import sdk_contract_py
-from tests.gosdk import go_env, go_program, readme_go_blocks
+from tests.gosdk import go_env
 
 pytestmark = pytest.mark.vm
 
@@ -90,18 +90,3 @@ def test_typescript_contract(pal_server: PalServer, tenant_key: str) -> None:
     assert counts == {"pass": len(ACTIVE), "fail": 0, "skipped": len(TODO), "cancelled": 0}, out
     for sid in ACTIVE:
         assert re.search(rf"^✔ {re.escape(sid)} \(", out, re.M), f"{sid} did not pass:\n{out}"
-
-
-def test_the_readmes_go_quick_start_runs(pal_server: PalServer, tenant_key: str, tmp_path: Path) -> None:
-    """README.md's Go quick start (the spec's lifecycle snippet in Go), built as a user's own
-    module that requires the SDK, run against the server."""
-    del tenant_key
-    (block,) = [b for b in readme_go_blocks(REPO / "README.md") if b.startswith("package main")]
-    program = go_program(tmp_path, block)
-    env = {"PAL_URL": pal_server.url, "PAL_API_KEY": pal_server.tenant("contract-go-readme", max_vms=4)}
-    out = _run([str(program)], tmp_path, env)
-    lines = out.splitlines()
-    assert lines[0].startswith("snapshot ") and len(lines[0]) > len("snapshot "), out
-    assert lines[1] == "forks: 3", out
-    assert lines[2] == "print('hi') job.py", out
-    assert lines[3:] == ["hi", "exit 0"], out

@@ -142,7 +142,10 @@ async def vms() -> AsyncIterator[list[QemuVm]]:
 
 
 def _spec(workdir: Path, name: str) -> VmSpec:
+    """A VM as the server would make it under the suite's settings (PAL_CGROUPS,
+    PAL_SECCOMP, the accelerator): these tests build QEMUs without a server."""
     vm_dir = workdir / name
+    settings = Settings.from_env(DATA)
     return VmSpec(
         vm_id=name,
         vm_dir=vm_dir,
@@ -150,7 +153,9 @@ def _spec(workdir: Path, name: str) -> VmSpec:
         vcpus=1,
         memory_mib=256,
         disk_path=vm_dir / "disk",
-        accel="tcg" if os.environ.get("PAL_ACCEL", "tcg") != "kvm" else "kvm",
+        accel="kvm" if settings.accel == "kvm" else "tcg",
+        cgroup_limits=settings.cgroups,
+        seccomp=settings.seccomp,
     )
 
 
@@ -185,7 +190,7 @@ def _qemu_without_seccomp(workdir: Path) -> str:
 
 async def test_a_qemu_without_seccomp_starts_no_vm_unless_opted_out(workdir: Path, vms: list[QemuVm]) -> None:
     binary = _qemu_without_seccomp(workdir)
-    refused = dataclasses.replace(_spec(workdir, "no-seccomp"), binary=binary)
+    refused = dataclasses.replace(_spec(workdir, "no-seccomp"), binary=binary, seccomp=True)
     with pytest.raises(Unavailable, match="PAL_SECCOMP=off"):
         await QemuVm.boot(refused)
     assert not refused.pid_path.exists() and not refused.log_path.exists()  # no QEMU was started
@@ -198,7 +203,7 @@ async def test_a_qemu_without_seccomp_starts_no_vm_unless_opted_out(workdir: Pat
     assert vm.pid is not None
     assert b"-sandbox" not in Path(f"/proc/{vm.pid}/cmdline").read_bytes().split(b"\0")
     assert "Seccomp:\t0" in Path(f"/proc/{vm.pid}/status").read_text()
-    sandboxed = await QemuVm.boot(_spec(workdir, "sandboxed"))  # the real QEMU has it: on
+    sandboxed = await QemuVm.boot(dataclasses.replace(_spec(workdir, "sandboxed"), seccomp=True))
     vms.append(sandboxed)
     assert "Seccomp:\t2" in Path(f"/proc/{sandboxed.pid}/status").read_text()
 

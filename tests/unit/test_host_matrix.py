@@ -63,7 +63,7 @@ class Host:
             qemu_sandbox=lambda: True,
             nft_available=lambda: None,
             reflink=lambda _p: True,
-            probe_accel=lambda _s: accel.AccelInfo("kvm", "a probe VM booted under KVM"),
+            probe_accel=lambda _s: accel.AccelInfo("tcg", "/dev/kvm is absent; using TCG"),
             writable=lambda _p: True,
         )
         (tmp / "mountinfo").write_text("")
@@ -324,8 +324,11 @@ def test_accelerator_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     line = {c.name: c for c in hostcaps.report(s, view)}["accelerator"]
     assert line.detail.startswith("tcg (") and "absent" in line.detail and "working /dev/kvm" in line.fix
     assert line.ok is True, "TCG is slower, never a failure"
-    (tmp_path / "kvm").write_text("")
-    monkeypatch.setattr(accel, "KVM_DEVICE", tmp_path / "kvm")
+    kvm = view.dev / "kvm"  # the device, open to its group (as Debian's udev rule makes it)
+    kvm.write_text("")
+    os.chown(kvm, 0, 1000)
+    kvm.chmod(0o660)
+    monkeypatch.setattr(accel, "KVM_DEVICE", kvm)
     (s.images_dir / "default").mkdir(parents=True)
     (s.images_dir / "default" / "vmlinux").write_text("")
     monkeypatch.setattr(accel, "boot_probe", lambda *_a: "KVM internal error while booting the probe VM")
@@ -410,3 +413,19 @@ def test_jail(tmp_path: Path) -> None:
     view.euid = lambda: 1000
     line = {c.name: c for c in hostcaps.report(s, view)}["jail"]
     assert line.state == "missing" and "uid 1000" in line.detail and "root" in line.fix and not line.stops_vms
+
+
+def test_a_kvm_device_only_root_can_open_stops_vms(tmp_path: Path) -> None:
+    """The jail runs each QEMU as its own uid: a /dev/kvm of mode 0600 (as on these hosts)
+    works for the accelerator probe, which runs as root, and for no VM."""
+    view, s = Host().build(tmp_path)
+    view.euid = lambda: 0
+    view.probe_accel = lambda _s: accel.AccelInfo("kvm", "a probe VM booted under KVM")
+    kvm = view.dev / "kvm"
+    kvm.write_text("")
+    kvm.chmod(0o600)
+    line = {c.name: c for c in hostcaps.report(s, view)}["accelerator"]
+    assert line.stops_vms and "chmod 0660" in line.fix and "PAL_ACCEL=tcg" in line.fix
+    os.chown(kvm, 0, 1000)
+    kvm.chmod(0o660)
+    assert {c.name: c for c in hostcaps.report(s, view)}["accelerator"].state == "used"

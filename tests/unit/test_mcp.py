@@ -24,7 +24,7 @@ from pal.mcp.http import install_mcp
 from pal.mcp.resources import URI_TEMPLATE
 from pal.mcp.shaping import DEFAULT_OUTPUT_BYTES, api_error, cut_items, render_output, utf8_prefix
 from pal.mcp.tools import HANDLERS
-from pal.sdk import AsyncClient, NotFoundError
+from pal.sdk import AsyncClient, NotFoundError, PalApiError
 from pal.sdk.code import code_result
 from tests.apienv import ApiEnv, make_api, serve
 
@@ -67,6 +67,10 @@ def test_an_api_error_says_what_happened_and_what_to_do() -> None:
     text = result.content[0].text  # type: ignore[union-attr]
     assert result.is_error
     assert "404 NOT_FOUND: VM vm-x not found" in text and "list_sandboxes" in text
+    # a 409 about the image's kernel is not about the sandbox's state: no "resume" advice
+    no_kernel = api_error(PalApiError(409, "KERNEL_UNAVAILABLE", "no python kernel in this image"))
+    advice = no_kernel.content[0].text  # type: ignore[union-attr]
+    assert "run_command" in advice and "code-interpreter" in advice and "resume" not in advice
 
 
 async def test_an_unreachable_server_is_a_tool_error_that_names_pal_url() -> None:

@@ -350,6 +350,26 @@ def test_the_ports_listener_says_what_is_wrong_before_anything_starts(tmp_path: 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         busy = Settings(data_dir=tmp_path, ports_port=taken.getsockname()[1])
         with pytest.raises(SystemExit, match="--ports-port or PAL_PORTS_PORT"):
-            bind_ports_listener(busy, "127.0.0.1")
+            bind_ports_listener(busy, "127.0.0.1", 8080)  # a port asked for is that port or none
     with pytest.raises(SystemExit, match="PAL_PORTS_DOMAIN"):
-        bind_ports_listener(Settings(data_dir=tmp_path, ports_domain="10.0.0.1"), "127.0.0.1")
+        bind_ports_listener(Settings(data_dir=tmp_path, ports_domain="10.0.0.1"), "127.0.0.1", 8080)
+
+
+def test_the_ports_listener_follows_the_api_port_or_takes_a_free_one(tmp_path: Path) -> None:
+    """Two servers on one machine never collide: unset, the listener is the API's port + 2,
+    and a free port when that one is taken; the VM ports' links name the one it got."""
+    import socket
+
+    from pal.api.port_origins import PortsOrigins
+    from pal.server import bind_ports_listener
+
+    with socket.create_server(("127.0.0.1", 0)) as api:
+        api_port = api.getsockname()[1]  # a port free a moment ago
+    settings = Settings(data_dir=tmp_path)
+    with bind_ports_listener(settings, "127.0.0.1", api_port - 2) as sock:
+        assert sock.getsockname()[1] == settings.ports_port == api_port
+        again = Settings(data_dir=tmp_path)
+        with bind_ports_listener(again, "127.0.0.1", api_port - 2) as other:
+            got = other.getsockname()[1]
+            assert got == again.ports_port and got != api_port
+            assert PortsOrigins.from_settings(again).origin("vm-1", 80).endswith(f":{got}")

@@ -46,6 +46,16 @@ def test_reserve_is_all_or_nothing(store: Store) -> None:
     assert store.count_slots(tenant.id) == 3
 
 
+def test_the_quota_error_names_the_vms_that_hold_the_slots(store: Store) -> None:
+    tenant, _ = store.create_tenant("acme", 10)
+    reserve(store, tenant.id, new_vms=[_vm(f"vm-{i:02}", tenant.id, "running") for i in range(10)])
+    with pytest.raises(QuotaExceeded) as ei:
+        reserve(store, tenant.id, new_vms=[_vm("new", tenant.id)])
+    msg = ei.value.message
+    assert "10 in use (vm-00 (running), vm-01 (running)" in msg and "vm-07 (running) and 2 more)" in msg
+    assert "vm-08" not in msg and "delete one, or pause it" in msg
+
+
 def test_release_happens_exactly_once(store: Store) -> None:
     tenant, _ = store.create_tenant("acme", 1)
     reserve(store, tenant.id, new_vms=[_vm("a", tenant.id)])

@@ -47,6 +47,40 @@ async def test_a_busy_vm_is_deleted_at_its_lifetime_and_not_before(env: SchedEnv
     assert await env.sched.lifetimes.sweep() == []  # once
 
 
+@pytest.mark.parametrize(("on_end", "state"), [("delete", "terminated"), ("pause", "paused")])
+async def test_whoever_sees_the_end_sees_its_event(env: SchedEnv, on_end: str, state: str) -> None:
+    """The lifetime_ended event is written with the VM's last transition: a client that
+    polls until the VM is terminated (or paused) then lists its events finds it (the SDK
+    contract's lifetime scenario once read an empty list there)."""
+    vm_id = await _vm(env, lifetimeSecs=60, onLifetimeEnd=on_end)
+    _overdue(env, vm_id)
+    seen: list[tuple[str, int]] = []
+    write = env.store.write
+
+    def watched() -> object:
+        # each commit that leaves the VM in its end state: how many end events it shows then
+        class Tx:
+            def __enter__(self) -> object:
+                self.cm = write()
+                return self.cm.__enter__()
+
+            def __exit__(self, *exc: object) -> object:
+                out = self.cm.__exit__(*exc)
+                vm = env.store.get_vm(vm_id)
+                if vm is not None and vm.state == state:
+                    seen.append((vm.state, len(_ended(env, vm_id))))
+                return out
+
+        return Tx()
+
+    env.store.write = watched  # type: ignore[method-assign]
+    try:
+        assert await env.sched.lifetimes.sweep() == [vm_id]
+    finally:
+        env.store.write = write  # type: ignore[method-assign]
+    assert seen and seen[0] == (state, 1), seen
+
+
 async def test_pause_pauses_a_running_vm_and_leaves_a_paused_one(env: SchedEnv) -> None:
     vm_id = await _vm(env, lifetimeSecs=60, onLifetimeEnd="pause")
     _overdue(env, vm_id)

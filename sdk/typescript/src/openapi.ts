@@ -665,6 +665,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/operator/host": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The server's effective settings and host capabilities (operator) */
+        get: operations["operator_host_v1_operator_host_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/ports/{port}/{path}": {
         parameters: {
             query?: never;
@@ -1219,6 +1236,36 @@ export interface components {
             ok: boolean;
         } & {
             [key: string]: unknown;
+        };
+        /** HostCheckOut */
+        HostCheckOut: {
+            /** Check */
+            check: string;
+            /**
+             * Ok
+             * @description false: VMs cannot start for it; null: information
+             */
+            ok: boolean | null;
+            /** Detail */
+            detail: string;
+        };
+        /**
+         * HostOut
+         * @description GET /v1/operator/host: what the running server uses (pal/api/host_report.py).
+         */
+        HostOut: {
+            /**
+             * Settings
+             * @description each PAL_* variable's value in effect; secrets: `(set)`
+             */
+            settings: {
+                [key: string]: unknown;
+            };
+            /**
+             * Checks
+             * @description its host's capabilities as `pal doctor` shows them; null: it runs no VMs itself
+             */
+            checks: components["schemas"]["HostCheckOut"][] | null;
         };
         /**
          * ImageInfo
@@ -5836,6 +5883,44 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ReadyOut"];
+                };
+            };
+        };
+    };
+    operator_host_v1_operator_host_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HostOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description this key or client may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
                 };
             };
         };
