@@ -46,6 +46,7 @@ import httpx
 
 from pal.errors import Forbidden, NotLeader, PalError, TooLarge, Unauthorized
 
+from .body import decimal
 from .callers import UNAUTHENTICATED_BODY_MAX
 from .wsrelay import relay
 
@@ -105,9 +106,9 @@ def forwarded_ok(key: bytes, value: str, method: str, path: str, now: float | No
     """``value`` is a replica's signature of this method and path, made recently."""
     version, _, rest = value.partition(".")
     raw_ts, _, mac = rest.partition(".")
-    if version != "v1" or not raw_ts.isdigit():
+    ts = decimal(raw_ts)
+    if version != "v1" or ts is None:
         return False
-    ts = int(raw_ts)
     if abs((time.time() if now is None else now) - ts) > FORWARDED_MAX_AGE_S:
         return False
     return hmac.compare_digest(mac.encode(), _mac(key, method, path, ts).encode())

@@ -39,7 +39,7 @@ from pal.manager.process_models import ProcessEvent
 from pal.manager.tunnel import run_until_one_ends
 from pal.spec import SignalRequest, Terminal
 
-from .body import require_json
+from .body import decimal, json_value, require_json
 from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
 from .port_links import Links
@@ -108,10 +108,10 @@ async def _tenant(state: Any, scope: Any, vm_id: str, pid: int) -> str:
 
 
 def _offset(ws: WebSocket) -> int:
-    raw = ws.query_params.get("from", "0")
-    if not raw.isdigit() or int(raw) > 2**62:
+    offset = decimal(ws.query_params.get("from", "0"))
+    if offset is None or offset > 2**62:
         raise InvalidRequest("from must be an output offset (a non-negative integer)")
-    return int(raw)
+    return offset
 
 
 @attach_router.websocket("/{pid}/attach")
@@ -240,9 +240,9 @@ class _Session:
 
     async def _control(self, text: str) -> None:
         try:
-            msg = json.loads(text)
+            msg = json_value(text, "a text message")
             kind = msg.get("type") if isinstance(msg, dict) else None
-        except ValueError:
+        except InvalidRequest:
             kind = None
         try:
             if kind == "resize":

@@ -3,7 +3,6 @@ buttons, its files and its console."""
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 from collections.abc import Awaitable, Callable
@@ -16,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS
+from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS, json_value
 from pal.api.exec_stream import sse_exec
 from pal.api.paths import check_workspace_path
 from pal.api.ports import port_link
@@ -215,7 +214,7 @@ async def terminal(request: Request, vm_id: str, dash: Dash) -> Response:
 async def exec_(request: Request, dash: Dash, vm_id: str) -> Response:
     s, _ = await dash.mutating(request, "json")
     try:
-        body = json.loads(await request.body() or b"{}")
+        body = json_value(await request.body() or b"{}")
         line = str(body.get("line", "")).strip()
         if not line:
             raise InvalidRequest("type a command")
