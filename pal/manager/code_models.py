@@ -98,3 +98,9 @@ class CodeResult(_Model):
     text: str | None = Field(..., description="the last expression's text/plain, or null")
     error: CodeError | None = Field(..., description="the cell's exception (name, value, traceback), or null")
     timed_out: bool = Field(False, description="the timeout interrupted the cell; the context stays usable")
+    truncated: bool | None = Field(
+        default=None,
+        description="true: the tenant's budget of buffered output on this server (PAL_EXEC_BUFFER_MIB)"
+        " ran out during the cell, and what came past it was not kept (stream the cell with SSE for all);"
+        " absent otherwise",
+    )

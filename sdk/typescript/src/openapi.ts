@@ -955,6 +955,11 @@ export interface components {
              * @default false
              */
             timedOut?: boolean;
+            /**
+             * Truncated
+             * @description true: the tenant's budget of buffered output on this server (PAL_EXEC_BUFFER_MIB) ran out during the cell, and what came past it was not kept (stream the cell with SSE for all); absent otherwise
+             */
+            truncated?: boolean | null;
         };
         /** ContextCreate */
         ContextCreate: {
