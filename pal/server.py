@@ -201,7 +201,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
             rpc_task.result()
         await asyncio.sleep(0.01)
 
-    client = ManagerClient(settings.manager_socket)
+    client = ManagerClient(settings.manager_socket, max_streams=settings.node_max_streams)
     store = Store.open(settings)
     # `pal up` is one machine's everything: a `pal server` sharing its database would run on
     # this machine too, where 127.0.0.1 reaches it.

@@ -112,6 +112,10 @@ class LoopbackStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.closers: list[Any] = []
+
+    def on_close(self, fn: Any) -> None:
+        self.closers.append(fn)
 
     async def read(self, max_bytes: int = 65536) -> bytes:
         return await self.reader.read(max_bytes)
@@ -126,6 +130,9 @@ class LoopbackStream:
 
     async def aclose(self) -> None:
         self.writer.close()
+        closers, self.closers = self.closers, []
+        for fn in closers:
+            fn()
 
 
 class FakeManager:

@@ -77,6 +77,7 @@ from pal.scheduler.reconcile import Reconciler
 from pal.scheduler.schedule import Scheduling
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner
+from pal.scheduler.streams import StreamBudget
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.scheduler.views import ForkChild, ForkResult, OperatorStats
@@ -132,7 +133,8 @@ class Scheduler:
         self.pauses = PauseResume(d, spawner, books, self.live, self.chores.spawn)
         self.forking = Forking(d, spawner, books)
         self.deleting = Deleting(d, books)
-        self.guest = ExecAndFiles(d, Waker(d, self.live.resume, self.pauses.resume_locked))
+        streams = StreamBudget(settings.tenant_max_streams, settings.vm_max_streams)
+        self.guest = ExecAndFiles(d, Waker(d, self.live.resume, self.pauses.resume_locked, streams))
         self.egress_secrets = EgressAndSecrets(d, self.brokering)
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)
