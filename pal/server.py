@@ -394,13 +394,18 @@ def control_plane_app(
     share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
     what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
-    from pal.api.auth import key_refusal
+    from pal.api.auth import key_check
     from pal.dashboard.app import install_dashboard
     from pal.mcp.http import install_mcp
 
     app = create_app(scheduler, store, settings, health=health, link_secret=secret, hosts=allowed_hosts)
     install_dashboard(app, scheduler, store, settings, secret)
-    install_mcp(app, lambda key: key_refusal(store, key))  # /mcp: the MCP server (docs/agents.md)
+    install_mcp(  # /mcp: the MCP server (docs/agents.md)
+        app,
+        lambda key: key_check(store, key),
+        max_per_tenant=settings.tenant_max_streams,
+        cors_origins=tuple(settings.cors_origins),
+    )
     return app
 
 

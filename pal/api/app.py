@@ -28,7 +28,7 @@ from .exec_budget import MIB, ExecBudget
 from .forward import forward_to_leader, forwarding_key
 from .health import HealthCheck, announce_ready, health_router
 from .hosts import AllowedHosts, HostCheckMiddleware
-from .middleware import BodyLimitMiddleware, RequestIdMiddleware
+from .middleware import BodyLimitMiddleware, IdPathMiddleware, RequestIdMiddleware
 from .nodes import nodes_router
 from .port_host import create_ports_app
 from .port_links import Links
@@ -136,6 +136,8 @@ def _add_middleware(
             allow_credentials=False,
             max_age=600,
         )
+    # Before routing or forwarding: an id in the path that is none is 400 (middleware.py).
+    app.add_middleware(IdPathMiddleware)
     # Before anything reads the request or forwards it: a name this server is not is a
     # DNS-rebinding page (pal/api/hosts.py).
     app.add_middleware(HostCheckMiddleware, allowed=hosts or AllowedHosts.for_server(settings))

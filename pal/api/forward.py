@@ -48,6 +48,7 @@ from pal.errors import Forbidden, NotLeader, PalError, TooLarge, Unauthorized
 
 from .body import decimal
 from .callers import UNAUTHENTICATED_BODY_MAX
+from .middleware import deny
 from .wsrelay import relay
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class ForwardToLeader:
             if scope["type"] == "http":
                 await _error(send, err)
             else:
-                await _refuse(scope, send, err.status, err.to_body())
+                await deny(scope, send, err.status, err.to_body())
             return
         if forwarded or self._local(scope) or await self.is_leader():
             await self.app(scope, receive, send)
@@ -357,7 +358,7 @@ class ForwardToLeader:
         try:
             got = await self._to_leader(attempt, what)
         except NotLeader as exc:
-            await _refuse(scope, send, exc.status, exc.to_body())
+            await deny(scope, send, exc.status, exc.to_body())
             return
         except websockets.InvalidStatus as exc:  # the leader refused it: its answer, as it is
             body = exc.response.body or b""
@@ -365,12 +366,12 @@ class ForwardToLeader:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = {"error": {"code": "REFUSED", "message": body.decode(errors="replace")[:200]}}
-            await _refuse(scope, send, exc.response.status_code, parsed)
+            await deny(scope, send, exc.response.status_code, parsed)
             return
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
             log.warning("forwarding %s: the leader stopped answering: %s", what, exc)
             err = _lost_midway()
-            await _refuse(scope, send, err.status, err.to_body())
+            await deny(scope, send, err.status, err.to_body())
             return
         if got is None:
             await self.app(scope, _replay_ws(first, receive), send)
@@ -417,19 +418,6 @@ def _replay_ws(first: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return again
-
-
-async def _refuse(scope: Scope, send: Send, status: int, body: dict[str, Any]) -> None:
-    """Refuse a WebSocket handshake with ``status`` and its JSON body where the server can
-    (the ASGI denial-response extension), else close with 4000 + status (as ports.py)."""
-    if "websocket.http.response" in (scope.get("extensions") or {}):
-        raw = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
-        await send({"type": "websocket.http.response.body", "body": raw})
-        return
-    message = str((body.get("error") or {}).get("message", ""))[:120]
-    await send({"type": "websocket.close", "code": 4000 + status, "reason": message})
 
 
 async def _error(send: Send, err: Any) -> None:

@@ -9,10 +9,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pal.guest import protocol as p
+from pal.ids import CONTEXT_ID_PATTERN as CONTEXT_ID_PATTERN
 from pal.manager.models import WireModel as _Model
 
 Language = Literal["python", "bash"]
-CONTEXT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_TIMEOUT_SECS = 24 * 3600
 MAX_ENV_VARS = 256
 DEFAULT_TIMEOUT_SECS = 300.0  # a cell without timeoutSecs

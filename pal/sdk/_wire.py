@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, TypedDict, Unpack
+from urllib.parse import quote
 
 import httpx
 
@@ -142,6 +143,12 @@ class SseParser:
                 elif name == "data":
                     self._data.append(value)
         return out
+
+
+def seg(value: object) -> str:
+    """``value`` as one path segment, quoted whole: an id holding ``/``, ``?`` or ``#`` stays
+    one segment of the route it was meant for (the server then refuses it as an id)."""
+    return quote(str(value), safe="")
 
 
 def connection_error(exc: httpx.TransportError, url: str) -> PalApiError:
