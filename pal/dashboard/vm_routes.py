@@ -54,11 +54,24 @@ async def state_fragment(request: Request, dash: Dash, vm_id: str) -> Response:
     )
 
 
+TIMELINE_PAGE = 50  # events per page of the timeline, newest first
+
+
 @router.get("/{vm_id}/_timeline")
-async def timeline(request: Request, dash: Dash, vm_id: str) -> Response:
+async def timeline(request: Request, dash: Dash, vm_id: str, before: int | None = None) -> Response:
+    """The newest page of the VM's events (polled), or the page older than ``before`` (the
+    "Older events" button): a VM's log is never loaded whole."""
     s = await dash.session_for(request, "fragment")
-    events = await dash.scheduler.events(s.tenant_id, vm_id)
-    return dash.render(request, "_timeline.html", events=list(reversed(events)))
+    events = await dash.scheduler.events(s.tenant_id, vm_id, before=before, limit=TIMELINE_PAGE + 1)
+    more = events[TIMELINE_PAGE - 1].id if len(events) > TIMELINE_PAGE else None
+    return dash.render(
+        request,
+        "_timeline.html",
+        events=events[:TIMELINE_PAGE],
+        vm_id=vm_id,
+        older=more,
+        first=before is None,
+    )
 
 
 @router.get("/{vm_id}/_snapshots")

@@ -138,7 +138,7 @@ class Scheduler:
         self.egress_secrets = EgressAndSecrets(d, self.brokering)
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)
-        self.audit = ToolAudit(d)
+        self.audit = ToolAudit.of(d)
         self.listing = Listing(d)
         self.lifetimes = Lifetimes(d, self.pauses, self.deleting)
         self.egress_events = EgressEvents(store, self.nodes)
@@ -262,8 +262,11 @@ class Scheduler:
     async def list(self, tenant_id: str) -> builtins.list[VmRecord]:
         return await self.reads.list_vms(tenant_id)
 
-    async def events(self, tenant_id: str, vm_id: str) -> builtins.list[EventRecord]:
-        return await self.reads.events(tenant_id, vm_id)
+    async def events(
+        self, tenant_id: str, vm_id: str, *, before: int | None = None, limit: int = 50
+    ) -> builtins.list[EventRecord]:
+        """The VM's events newest first, a page at a time (older than ``before``)."""
+        return await self.listing.latest_events(tenant_id, vm_id, before=before, limit=limit)
 
     async def record_tool_call(self, tenant_id: str, vm_id: str, details: dict[str, object]) -> None:
         await self.audit.record_tool_call(tenant_id, vm_id, details)

@@ -284,3 +284,33 @@ async def test_the_http_endpoint_checks_the_origin_and_caps_a_tenants_requests(t
                 b = {**accept, "Authorization": f"Bearer {env.key_b}"}
                 assert (await c.post("/mcp", json=body, headers=b)).status_code == 200
             assert (await c.post("/mcp", json=body, headers=a)).status_code == 200, "closing gives it back"
+
+
+async def test_the_audit_log_is_a_ring_per_vm_and_its_route_is_rate_limited(env: ApiEnv) -> None:
+    """The finding: 3,000 audit POSTs in 20 s grew the store tenfold. A tenant writes at most
+    PAL_AUDIT_RATE a second (in bursts of 10 s worth): past it 429 with Retry-After, again
+    once time has passed; each VM keeps its newest PAL_AUDIT_EVENTS_PER_VM."""
+    env.sched.settings.audit_events_per_vm = 10
+    limit = env.sched.sched.audit.limit
+    limit.rate, limit.burst = 1.0, 30.0
+    ok = {"tool": "run_command", "transport": "stdio", "ok": True}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=env.app),
+        base_url="http://localhost",
+        headers={"Authorization": f"Bearer {env.key_a}"},
+    ) as api:
+        vm = (await api.post("/v1/runtime/schedule", json={})).json()["vmId"]
+        codes = [(await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)).status_code for _ in range(40)]
+        assert codes == [200] * 30 + [429] * 10
+        refused = await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)
+        assert refused.json()["error"]["code"] == "RESOURCE_EXHAUSTED" and int(refused.headers["retry-after"]) >= 1
+        bob = {"Authorization": f"Bearer {env.key_b}"}
+        theirs = (await api.post("/v1/runtime/schedule", json={}, headers=bob)).json()["vmId"]
+        assert (await api.post(f"/v1/runtime/vms/{theirs}/audit", json=ok, headers=bob)).status_code == 200
+        env.sched.clock.advance(2.0)
+        assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)).status_code == 200
+        events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    audit = [e for e in events if e["kind"] == "mcp_tool"]
+    assert len(audit) == 10, "the ring keeps the newest 10"
+    assert [e for e in events if e["kind"] != "mcp_tool"], "status events are not the ring's"
+    assert audit == sorted(audit, key=lambda e: e["at"])
