@@ -159,7 +159,7 @@ def test_a_ring_event_keeps_the_newest_of_its_kind_per_vm(tmp_path: Path, db_url
     for vm in ("vm-a", "vm-b"):
         ring = [e.reason for e in store.list_events(vm) if e.kind == "mcp_tool"]
         assert ring == ["7", "8", "9", "10", "11"]
-    assert [e.kind for e in store.list_events("vm-a")][0] == "status", "other kinds stay"
+    assert next(e.kind for e in store.list_events("vm-a")) == "status", "other kinds stay"
 
 
 def test_records_are_their_tables_columns() -> None:
