@@ -136,10 +136,13 @@ class Processes(_wire.RuntimeCalls):
             )
         )
 
-    def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
+    def attach_url(
+        self, vm_id: str, pid: int, expires_in_secs: int = 300, *, read_only: bool = False
+    ) -> dict[str, Any]:
         """A signed link (``{url, expiresAt, linkId}``) that opens the process's WebSocket
-        attach without the API key (a browser's terminal); see ``AsyncProcesses.attach``."""
-        body = {"expiresInSecs": expires_in_secs}
+        attach without the API key (a browser's terminal); ``read_only``: output only, no
+        input. See ``AsyncProcesses.attach``."""
+        body = {"expiresInSecs": expires_in_secs, "readOnly": read_only}
         return dict(
             self._json("POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/attach-url", json=body)
         )
@@ -264,8 +267,10 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
             )
         )
 
-    async def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
-        body = {"expiresInSecs": expires_in_secs}
+    async def attach_url(
+        self, vm_id: str, pid: int, expires_in_secs: int = 300, *, read_only: bool = False
+    ) -> dict[str, Any]:
+        body = {"expiresInSecs": expires_in_secs, "readOnly": read_only}
         return dict(
             await self._json(
                 "POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/attach-url", json=body

@@ -815,6 +815,12 @@ export interface components {
              * @default 300
              */
             expiresInSecs?: number;
+            /**
+             * Readonly
+             * @description true: the link opens the output only (no stdin, signals or resizes)
+             * @default false
+             */
+            readOnly?: boolean;
         };
         /** AuditedOut */
         AuditedOut: {
