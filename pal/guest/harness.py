@@ -111,7 +111,10 @@ class Harness:
         self.token: str | None = None
         self.secrets: dict[str, str] = {}
         self.ca_env: dict[str, str] = {}  # set once the tenant CA is installed
-        self.boot_id = boot_id()
+        # Read (which makes the kernel draw it) only once a tenant's identity is taken,
+        # after the RNG reseed: a template's or a pooled VM's guest never fixes it, so each
+        # VM restored from one draws its own (protocol.py, identify ``own``).
+        self.boot_id = ""
         self.started = time.monotonic()
         self.last_activity_ms = now_ms()
         self._lock = threading.Lock()
@@ -259,6 +262,8 @@ class Harness:
                     log(f"cannot install the brokered-secrets CA: {exc}")
         was = self.vm_id
         self._apply_identity(msg)
+        if msg.get("own") is True and not self.boot_id:
+            self.boot_id = boot_id()
         if self.system and self.vm_id:
             # A forked or template-started guest must not keep its source's name.
             try:

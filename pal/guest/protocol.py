@@ -14,10 +14,14 @@ guest messages (heartbeats).
 
 Host -> guest kinds (``k``):
   identify  {incarnation:int, token:str, vm_id:str, now_ns:int, seed:hex, env:{}, mac:str,
-            ca_pem:str}
+            ca_pem:str, own:bool}
             Takes a new identity (after boot, restore, fork): sets the wall clock, reseeds
             the RNG, replaces the exec token, sets the NIC's MAC, and resets every TCP
-            connection a snapshot froze open (the host side of them is gone). A non-empty
+            connection a snapshot froze open (the host side of them is gone). ``own``: the
+            identity is a tenant's VM's (not a template's or a pooled VM's): only then, after
+            the reseed, does the harness read the kernel's boot_id, which the kernel draws
+            at its first read, so that no snapshot a template or pool restores from has
+            drawn it. A non-empty
             ``ca_pem`` (a VM with brokered secrets) is added to the system trust store and
             named by SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS in every exec.
             Replies ``ok`` {vm_id, incarnation, steps_us, wall_ns} (``wall_ns``: the
