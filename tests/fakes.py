@@ -605,8 +605,14 @@ class FakeManager:
     async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
         self.calls.append(("list_snapshots", vm_id))
         return [
-            SnapshotInfo(snapshot_id=sid, sizes={"mem": 4096}, sealed=True, stored_bytes=self.snapshot_size)
-            for (av, vid, sid), ok in self.snapshots.items()
+            SnapshotInfo(
+                snapshot_id=sid,
+                created_at=f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z",  # in the order taken
+                sizes={"mem": 4096},
+                sealed=True,
+                stored_bytes=self.snapshot_size,
+            )
+            for i, ((av, vid, sid), ok) in enumerate(self.snapshots.items())
             if ok and av == agent_version_id and vid == vm_id
         ]
 

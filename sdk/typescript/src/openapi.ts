@@ -2147,7 +2147,7 @@ export interface components {
             idleTimeoutSecs?: number;
             /**
              * Pausedby
-             * @description `operator`, `idle` or null; only idle-paused VMs wake
+             * @description `operator`, `idle`, `recovery` (its QEMU was lost at a restart: paused from its newest snapshot, see its `recovered` event) or null; only idle-paused VMs wake
              */
             pausedBy?: string | null;
             /**
