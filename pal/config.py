@@ -492,7 +492,10 @@ class Settings(BaseSettings):
         "INFO", "PAL_LOG_LEVEL", "the server's log level", read=lambda _n, raw: raw.upper()
     )
     failpoint: str = setting(
-        "", "PAL_FAILPOINT", "tests only: the server kills itself at this named step (`pal/failpoints.py`)"
+        "",
+        "PAL_FAILPOINT",
+        "tests only: the server kills itself at this named step, or at its n-th hit with"
+        " `name@n` (`pal/failpoints.py`)",
     )
     s3_region: str = setting(
         "us-east-1",
