@@ -24,6 +24,7 @@ import uvicorn
 from pal import operator
 from pal.api.hosts import WILDCARD_HOSTS
 from pal.config import Settings
+from pal.manager.tunnel import MAX_FRAME
 
 log = logging.getLogger("pal")
 
@@ -33,11 +34,17 @@ log = logging.getLogger("pal")
 # a connection at the moment a client sent a request on it; the request was reset, and an
 # exec to a node that was there failed as 503 NODE_UNREACHABLE.
 KEEP_ALIVE_S = 75
+# The largest WebSocket message any of our servers takes (uvicorn's default is 16 MiB): a port
+# tunnel's frame (pal/manager/tunnel.py MAX_FRAME), above an attach's stdin frame (64 KiB). A
+# bigger one closes that socket (1009) before it is buffered.
+WS_MAX_BYTES = MAX_FRAME
 
 
 def http_config(app: Any, **kw: Any) -> uvicorn.Config:
     """uvicorn's config for each of our servers (the API, the ports listener, a node's RPC)."""
-    return uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, **kw)
+    return uvicorn.Config(
+        app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, ws_max_size=WS_MAX_BYTES, **kw
+    )
 
 
 class _Server(uvicorn.Server):
