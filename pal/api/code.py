@@ -129,7 +129,10 @@ async def budgeted_cell(budget: ExecBudget, tenant: str, events: AsyncIterator[C
     except BaseException:
         lease.release()
         raise
-    return LeasedJSON(res.model_dump(mode="json", by_alias=True, exclude_none=True), lease)
+    body = res.model_dump(mode="json", by_alias=True)
+    if body.get("truncated") is None:
+        body.pop("truncated", None)  # absent unless it was cut
+    return LeasedJSON(body, lease)
 
 
 def _frame(ev: CodeEvent) -> bytes:

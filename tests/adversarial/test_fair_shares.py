@@ -33,7 +33,7 @@ pytestmark = pytest.mark.vm
 PER_TENANT, PER_VM = 12, 8
 SLOW_READER_S = 15  # long enough to time execs while the reader is stalled
 ATTEMPTS = 110  # as many readers as the finding's tenant opened (past the old shared pool)
-SAMPLES = 5
+SAMPLES = 7
 DEADLINE_S = 300.0  # a hang guard for each wait (a loaded 2-core host), not a speed bound
 
 

@@ -42,23 +42,28 @@ PLOT = (
 
 
 SSE = {"Accept": "text/event-stream"}
-# A kernel sending error events without end: ~3,000 tracebacks of ~2 KiB, about 6 MB.
+# A kernel sending error events without end: 300 tracebacks of 10,000 characters, 3 MB.
 ERROR_FLOOD = (
     "ip = get_ipython()\n"
-    "for _ in range(3000):\n"
+    "for _ in range(300):\n"
     "    try:\n"
-    "        1 / 0\n"
+    "        raise ZeroDivisionError('x' * 10_000)\n"
     "    except ZeroDivisionError:\n"
     "        ip.showtraceback()"
 )
-FLOOD_BYTES = 3000 * 2048
+FLOOD_BYTES = 300 * 10_000
 # The bound (1 MiB of text and errors + the notes' reserve), as SSE JSON: escaping and event
 # framing at most double it.
 WIRE_BOUND = 2 * (1024 * 1024 + 4096) + 64 * 1024
 RSS_BOUND_MIB = 64  # the server's growth while it folds and streams the flood
+# A display result nested 200 levels deep (past MAX_RESULT_JSON_DEPTH; one nested past the
+# host's parser, the finding's 100,000, is tests/unit/test_code_host_bounds.py's).
 DEEP_RESULT = (
-    "from IPython.display import publish_display_data\n"
-    "publish_display_data({'text/plain': 'deep', 'application/json': '[' * 100000 + ']' * 100000})"
+    "from IPython.display import display\n"
+    "v = 0\n"
+    "for _ in range(200):\n"
+    "    v = [v]\n"
+    "display({'text/plain': 'deep', 'application/json': v}, raw=True)"
 )
 
 
@@ -187,10 +192,10 @@ def test_cells_keep_state_and_return_rich_results(
     with api.stream("POST", f"/v1/runtime/vms/{vm}/code", json={"code": ERROR_FLOOD}, headers=SSE) as r:
         assert r.status_code == 200
         wire = sum(len(chunk) for chunk in r.iter_raw())
-    assert FLOOD_BYTES > 4 * WIRE_BOUND and wire < WIRE_BOUND, wire
+    assert FLOOD_BYTES > WIRE_BOUND and wire < WIRE_BOUND, wire
     assert server_rss_mib(pal_server) - rss0 < RSS_BOUND_MIB
-    # A display result nested past any parser (RecursionError on the host, once: 503 and the
-    # context left busy) is dropped, the result keeps its other types, and the context runs on.
+    # A display result nested too deep to carry loses that type (its others stay), and the
+    # context runs on (the finding: a RecursionError on the host, 503, the context left busy).
     deep = run(api, vm, DEEP_RESULT)
     assert deep["results"] == [{"text/plain": "deep", "isMainResult": False}], deep["results"]
     assert run(api, vm, "x")["text"] == "41"
