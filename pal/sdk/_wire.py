@@ -116,6 +116,10 @@ def to_event(name: str, data: str) -> ExecEvent:
         return ExecEvent(
             type="exit", exit_code=int(payload.get("exitCode", -1)), timed_out=bool(payload.get("timedOut"))
         )
+    if name == "detached":  # the stream ended before the command (a slow reader): it runs on
+        why = str(payload.get("reason") or "detached")
+        msg = f"the output stream was detached ({why}); the command runs on: read its process's output"
+        return ExecEvent(type="detached", code="DETACHED", message=msg)
     return ExecEvent(type="error", code=payload.get("code"), message=payload.get("message"))
 
 
