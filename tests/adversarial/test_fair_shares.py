@@ -28,7 +28,8 @@ import pytest
 
 from tests.conftest import PalServer, scratch_run_dir, start_server, stop_server, wait_template
 
-pytestmark = pytest.mark.vm
+# Times other tenants' calls against their unloaded time: run alone (scripts/test.sh).
+pytestmark = [pytest.mark.vm, pytest.mark.alone]
 
 PER_TENANT, PER_VM = 12, 8
 SLOW_READER_S = 15  # long enough to time execs while the reader is stalled
