@@ -80,9 +80,9 @@ class GuestError(BackendError):
 
 
 class _Inbox:
-    """The replies of one request. ``offer`` never waits: it takes a reply while the inbox
-    holds less than ``window`` bytes plus a line or two (one message is always taken), else
-    refuses it. ``get`` waits for one; after ``close`` it returns what is left, then
+    """The replies of one request. ``offer`` never waits: it takes a stream's reply while the
+    inbox holds less than ``window`` bytes plus a line or two (one message is always taken),
+    a single request's first reply only, and refuses the rest. ``get`` waits for one; after ``close`` it returns what is left, then
     ``_CLOSED``. For a stream it also keeps the credit books: ``owed`` is what the reader
     took and the guest was not told yet."""
 
@@ -104,6 +104,8 @@ class _Inbox:
         """``flow``: a reply the guest's credit covers (protocol.FLOW_KINDS of a stream)."""
         if self._closed:
             return True  # nobody will read it
+        if self.on_slow is None and self._items:
+            return False  # a single request's answer came: more is noise
         if flow:
             self.received += size
         # Output may overshoot its credit by one line; a stream's few other replies (its
