@@ -82,9 +82,9 @@ class GuestError(BackendError):
 class _Inbox:
     """The replies of one request. ``offer`` never waits: it takes a stream's reply while the
     inbox holds less than ``window`` bytes plus a line or two (one message is always taken),
-    a single request's first reply only, and refuses the rest. ``get`` waits for one; after ``close`` it returns what is left, then
-    ``_CLOSED``. For a stream it also keeps the credit books: ``owed`` is what the reader
-    took and the guest was not told yet."""
+    a single request's first reply only, and refuses the rest. ``get`` waits for one; after
+    ``close`` it returns what is left, then ``_CLOSED``. For a stream it also keeps the
+    credit books: ``owed`` is what the reader took and the guest was not told yet."""
 
     def __init__(self, window: int = STREAM_WINDOW, on_slow: str | None = None) -> None:
         self.window = window
