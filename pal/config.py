@@ -390,6 +390,50 @@ class Settings(BaseSettings):
         " `RESOURCE_EXHAUSTED`, a running one is cut (`truncated: true`)",
         lo=1,
     )
+    # -- fair shares of what tenants share (docs/security.md, "Fair shares") --
+    node_max_streams: int = setting(
+        1024,
+        "PAL_NODE_MAX_STREAMS",
+        "long-lived calls (execs, output streams and attaches, long polls, cells, port"
+        " connections) an API server holds open to one node at once, on connections of their"
+        " own (control calls such as heartbeats, spawns, snapshots and stops keep theirs); a"
+        " new one past it is 429 `RESOURCE_EXHAUSTED`",
+        lo=1,
+    )
+    tenant_max_streams: int = setting(
+        128,
+        "PAL_TENANT_MAX_STREAMS",
+        "long-lived calls one tenant may hold at once on an API server (as above); a new one"
+        " past it is 429 `RESOURCE_EXHAUSTED`, so no tenant can take what the others need",
+        lo=1,
+    )
+    vm_max_streams: int = setting(
+        32,
+        "PAL_VM_MAX_STREAMS",
+        "long-lived calls open at once on one VM (as above); past it 429 `RESOURCE_EXHAUSTED`",
+        lo=1,
+    )
+    slow_reader_secs: float = setting(
+        30.0,
+        "PAL_SLOW_READER_SECS",
+        "a reader that takes none of its stream's output for this long, once the guest has sent"
+        " all its stream may send ahead (1 MiB), is detached (`detached {reason: slow-reader}`:"
+        " the process runs on, its output stays in its journal; a cell is interrupted)",
+        lo=1.0,
+    )
+    audit_events_per_vm: int = setting(
+        1000,
+        "PAL_AUDIT_EVENTS_PER_VM",
+        "client audit events (`mcp_tool`) kept per VM: the oldest go as new ones come",
+        lo=10,
+    )
+    audit_rate: float = setting(
+        20.0,
+        "PAL_AUDIT_RATE",
+        "client audit events (`POST .../audit`) a tenant may write per second on an API server,"
+        " in bursts of up to 10 s worth; past it 429 `RESOURCE_EXHAUSTED` with `Retry-After`",
+        lo=0.1,
+    )
     hosts: list[str] = setting(
         [],
         "PAL_HOSTS",
@@ -504,7 +548,10 @@ class Settings(BaseSettings):
         "INFO", "PAL_LOG_LEVEL", "the server's log level", read=lambda _n, raw: raw.upper()
     )
     failpoint: str = setting(
-        "", "PAL_FAILPOINT", "tests only: the server kills itself at this named step (`pal/failpoints.py`)"
+        "",
+        "PAL_FAILPOINT",
+        "tests only: the server kills itself at this named step, or at its n-th hit with"
+        " `name@n` (`pal/failpoints.py`)",
     )
     s3_region: str = setting(
         "us-east-1",

@@ -96,10 +96,22 @@ class UnsupportedMediaType(PalError):
 
 
 class TooManyRequests(PalError):
-    """The tenant holds too much of a shared budget right now (buffered exec output)."""
+    """The tenant holds too much of a shared budget right now (buffered exec output,
+    long-lived calls), or asks too often (``retry_after_s``: when to ask again)."""
 
     status, code = 429, "RESOURCE_EXHAUSTED"
     summary = "the tenant holds its whole budget of this right now"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, status=status)
+        self.retry_after_s = retry_after_s
 
 
 class BackendError(PalError):

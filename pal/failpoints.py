@@ -1,8 +1,9 @@
 """Named crash points for crash-safety tests.
 
 ``PAL_FAILPOINT=<name>`` makes the process SIGKILL itself when it reaches ``hit(name)``,
-exactly like a power cut or an OOM kill at that step. Unset (always, outside tests) it
-costs one dict lookup.
+exactly like a power cut or an OOM kill at that step; ``<name>@<n>`` at its n-th hit (a
+step every spawn passes, in the middle of a fork rather than at the VM made before it).
+Unset (always, outside tests) it costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import signal
 
 from pal.config import armed_failpoint
 
-_ARMED = armed_failpoint()
+_NAME, _, _NTH = armed_failpoint().partition("@")
+_LEFT = [int(_NTH) if _NTH.isascii() and _NTH.isdigit() else 1]  # hits until it fires
 
 
 def hit(name: str) -> None:
-    if _ARMED and _ARMED == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _NAME and _NAME == name:
+        _LEFT[0] -= 1
+        if _LEFT[0] <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -19,6 +19,9 @@ from pydantic import StringConstraints
 from pal.errors import InvalidRequest
 
 ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+# A code context's id (a kernel in the guest; pal/guest/kernels.py): ``default-python``,
+# ``ctx-<hex>``, or a client's own name.
+CONTEXT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _ID_RE = re.compile(ID_PATTERN)
 
 # A safe id, for pydantic models and FastAPI path parameters.

@@ -25,6 +25,7 @@ import uvicorn
 from pal import operator
 from pal.api.hosts import WILDCARD_HOSTS
 from pal.config import PORTS_PORT_OFFSET, Settings
+from pal.manager.tunnel import MAX_FRAME
 
 log = logging.getLogger("pal")
 
@@ -34,11 +35,17 @@ log = logging.getLogger("pal")
 # a connection at the moment a client sent a request on it; the request was reset, and an
 # exec to a node that was there failed as 503 NODE_UNREACHABLE.
 KEEP_ALIVE_S = 75
+# The largest WebSocket message any of our servers takes (uvicorn's default is 16 MiB): a port
+# tunnel's frame (pal/manager/tunnel.py MAX_FRAME), above an attach's stdin frame (64 KiB). A
+# bigger one closes that socket (1009) before it is buffered.
+WS_MAX_BYTES = MAX_FRAME
 
 
 def http_config(app: Any, **kw: Any) -> uvicorn.Config:
     """uvicorn's config for each of our servers (the API, the ports listener, a node's RPC)."""
-    return uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, **kw)
+    return uvicorn.Config(
+        app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S, ws_max_size=WS_MAX_BYTES, **kw
+    )
 
 
 class _Server(uvicorn.Server):
@@ -204,7 +211,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
             rpc_task.result()
         await asyncio.sleep(0.01)
 
-    client = ManagerClient(settings.manager_socket)
+    client = ManagerClient(settings.manager_socket, max_streams=settings.node_max_streams)
     store = Store.open(settings)
     # `pal up` is one machine's everything: a `pal server` sharing its database would run on
     # this machine too, where 127.0.0.1 reaches it.
@@ -431,7 +438,7 @@ def control_plane_app(
     share it), answering for ``allowed_hosts`` (pal/api/hosts.py). A follower forwards
     what it cannot answer itself, dashboard actions included (pal/api/forward.py)."""
     from pal.api.app import create_app
-    from pal.api.auth import key_refusal
+    from pal.api.auth import key_check
     from pal.dashboard.app import install_dashboard
     from pal.mcp.http import install_mcp
 
@@ -445,7 +452,12 @@ def control_plane_app(
         host_checks=host_checks,
     )
     install_dashboard(app, scheduler, store, settings, secret)
-    install_mcp(app, lambda key: key_refusal(store, key))  # /mcp: the MCP server (docs/agents.md)
+    install_mcp(  # /mcp: the MCP server (docs/agents.md)
+        app,
+        lambda key: key_check(store, key),
+        max_per_tenant=settings.tenant_max_streams,
+        cors_origins=tuple(settings.cors_origins),
+    )
     return app
 
 

@@ -112,6 +112,10 @@ class LoopbackStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.closers: list[Any] = []
+
+    def on_close(self, fn: Any) -> None:
+        self.closers.append(fn)
 
     async def read(self, max_bytes: int = 65536) -> bytes:
         return await self.reader.read(max_bytes)
@@ -126,6 +130,9 @@ class LoopbackStream:
 
     async def aclose(self) -> None:
         self.writer.close()
+        closers, self.closers = self.closers, []
+        for fn in closers:
+            fn()
 
 
 class FakeManager:
@@ -598,8 +605,14 @@ class FakeManager:
     async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[SnapshotInfo]:
         self.calls.append(("list_snapshots", vm_id))
         return [
-            SnapshotInfo(snapshot_id=sid, sizes={"mem": 4096}, sealed=True, stored_bytes=self.snapshot_size)
-            for (av, vid, sid), ok in self.snapshots.items()
+            SnapshotInfo(
+                snapshot_id=sid,
+                created_at=f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z",  # in the order taken
+                sizes={"mem": 4096},
+                sealed=True,
+                stored_bytes=self.snapshot_size,
+            )
+            for i, ((av, vid, sid), ok) in enumerate(self.snapshots.items())
             if ok and av == agent_version_id and vid == vm_id
         ]
 

@@ -30,10 +30,10 @@ from .health import HealthCheck, announce_ready, health_router
 from .host_report import HostChecks, host_router
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .json_response import JSONResponse
-from .middleware import BodyLimitMiddleware, RequestIdMiddleware
+from .middleware import BodyLimitMiddleware, IdPathMiddleware, RequestIdMiddleware
 from .nodes import nodes_router
 from .port_host import create_ports_app
-from .port_links import Links
+from .port_links import Links, OpenLinks
 from .port_origins import PortsHostDispatch, PortsOrigins
 from .ports import ports_router
 from .ports_openapi import document_port_proxy
@@ -96,8 +96,9 @@ def create_app(
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)
-    app.state.links = Links(shared, store)  # the dashboard's port form too
-    app.state.attach_links = attach_links(shared, store)  # processes' WebSocket attach
+    opened = OpenLinks()  # the sockets links opened, closed when their link ends
+    app.state.links = Links(shared, store, opened=opened)  # the dashboard's port form too
+    app.state.attach_links = attach_links(shared, store, opened)  # processes' WebSocket attach
     app.include_router(attach_router)
     origins = PortsOrigins.from_settings(settings)
     app.state.port_origins = origins
@@ -144,6 +145,8 @@ def _add_middleware(
             allow_credentials=False,
             max_age=600,
         )
+    # Before routing or forwarding: an id in the path that is none is 400 (middleware.py).
+    app.add_middleware(IdPathMiddleware)
     # Before anything reads the request or forwards it: a name this server is not is a
     # DNS-rebinding page (pal/api/hosts.py).
     app.add_middleware(HostCheckMiddleware, allowed=hosts or AllowedHosts.for_server(settings))

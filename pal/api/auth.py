@@ -64,8 +64,10 @@ async def why_refused(store: Any, api_key: str) -> str:
     return await run_in_threadpool(why, api_key) if why is not None else "invalid API key"
 
 
-async def key_refusal(store: Any, api_key: str) -> str | None:
-    """None when ``api_key`` is a tenant's, else why not (the MCP endpoint's check)."""
-    if await tenant_for_key(store, api_key) is not None:
-        return None
-    return await why_refused(store, api_key)
+async def key_check(store: Any, api_key: str) -> tuple[str | None, str | None]:
+    """``(tenant id, None)`` when ``api_key`` is a tenant's, else ``(None, why not)``: the
+    MCP endpoint's check."""
+    tenant = await tenant_for_key(store, api_key)
+    if tenant is not None:
+        return str(tenant.id), None
+    return None, await why_refused(store, api_key)

@@ -1,9 +1,14 @@
 """Bodies: JSON requests must say they are JSON; file uploads are refused past the files
-limit without buffering more; file downloads say whether they are text."""
+limit without buffering more; file downloads say whether they are text. And the two rules
+for a client's raw text that Python would half-accept: a number is ASCII digits (``"²"``
+passes ``str.isdigit()`` and fails ``int()``), and JSON nested deeper than the parser
+recurses is bad input (400), never a RecursionError (500)."""
 
 from __future__ import annotations
 
 import codecs
+import json
+from typing import Any
 
 from fastapi import Request
 
@@ -11,6 +16,22 @@ from pal.errors import InvalidRequest, TooLarge, UnsupportedMediaType
 from pal.guest.protocol import MAX_FILE_BYTES  # the one definition (the harness enforces it too)
 
 MAX_FILE_WORDS = f"{MAX_FILE_BYTES >> 20} MiB"  # the limit as messages and docs say it
+
+
+def decimal(raw: str) -> int | None:
+    """``raw`` as a non-negative integer when it is ASCII digits only, else None."""
+    if not raw or not raw.isascii() or not raw.isdigit():
+        return None
+    return int(raw)
+
+
+def json_value(raw: str | bytes, what: str = "the body") -> Any:
+    """A client's JSON text decoded, or 400 naming ``what``: malformed, not UTF-8, or
+    nested deeper than the parser can recurse."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InvalidRequest(f"{what} is not valid JSON (or is nested too deeply)") from None
 
 
 def require_json(request: Request) -> None:

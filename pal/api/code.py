@@ -10,6 +10,7 @@ answer carries ``timedOut: true`` with the output so far, and the context stays 
 
 # No `from __future__ import annotations`: FastAPI must resolve the local `Tenant` alias.
 
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -20,6 +21,7 @@ from pal.errors import Unavailable
 from pal.manager.code_models import (
     CONTEXT_ID_PATTERN,
     CodeContext,
+    CodeError,
     CodeEvent,
     CodeRequest,
     CodeResult,
@@ -32,6 +34,7 @@ from pal.manager.code_models import (
 from .body import require_json
 from .deps import Scheduler, Tenant
 from .errors import error_responses
+from .exec_budget import ExecBudget, Lease, LeasedJSON
 from .exec_stream import pumped_sse, sse_frame
 from .json_response import JSONResponse
 
@@ -45,40 +48,92 @@ code_router = APIRouter(
 )
 
 
-def result_of(events: list[CodeEvent]) -> CodeResult:
-    """A cell's events folded into its buffered answer."""
-    out: dict[str, list[str]] = {"stdout": [], "stderr": []}
-    results: list[dict[str, Any]] = []
-    error = None
-    end = events[-1]
-    for ev in events:
+class CellFold:
+    """A cell's events folded into its buffered answer as they arrive (never kept as a list
+    of events), every kind counted against the tenant's budget of buffered output
+    (exec_budget.py): stream text, display results and errors alike. What the budget has
+    no room for is not kept, and the answer says ``truncated``."""
+
+    def __init__(self, lease: Lease | None = None) -> None:
+        self.lease = lease
+        self.out: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self.results: list[dict[str, Any]] = []
+        self.error: CodeError | None = None
+        self.end: CodeEvent | None = None
+        self.cut = False
+
+    def _room(self, n: int) -> int:
+        if self.lease is None or n == 0:
+            return n
+        granted = self.lease.take(n)
+        if granted < n:
+            self.cut = True
+        return granted
+
+    def add(self, ev: CodeEvent) -> bool:
+        """Fold one event in; True once the cell ended (``end``)."""
         if ev.type in ("stdout", "stderr"):
-            out[ev.type].append(ev.text or "")
+            text = ev.text or ""
+            self.out[ev.type].append(text[: self._room(len(text))])
         elif ev.type == "result":
-            results.append({**(ev.data or {}), "isMainResult": bool(ev.is_main_result)})
-        elif ev.type == "error":
-            error = ev.error
-    main = next((r for r in results if r["isMainResult"]), None)
-    text = main.get("text/plain") if main else None
-    return CodeResult(
-        context_id=end.context_id or "",
-        execution_count=end.execution_count,
-        stdout="".join(out["stdout"]),
-        stderr="".join(out["stderr"]),
-        results=results,
-        text=text if isinstance(text, str) else None,
-        error=error,
-        timed_out=bool(end.timed_out),
-    )
+            result = {**(ev.data or {}), "isMainResult": bool(ev.is_main_result)}
+            size = len(json.dumps(result))
+            if self._room(size) == size:
+                self.results.append(result)
+        elif ev.type == "error" and ev.error is not None:
+            e = ev.error
+            size = len(e.name) + len(e.value) + sum(len(x) for x in e.traceback)
+            if self._room(size) == size:
+                self.error = e  # the cell's exception: the last one
+        elif ev.type == "end":
+            self.end = ev
+            return True
+        return False
+
+    def result(self) -> CodeResult:
+        assert self.end is not None
+        main = next((r for r in self.results if r["isMainResult"]), None)
+        text = main.get("text/plain") if main else None
+        return CodeResult(
+            context_id=self.end.context_id or "",
+            execution_count=self.end.execution_count,
+            stdout="".join(self.out["stdout"]),
+            stderr="".join(self.out["stderr"]),
+            results=self.results,
+            text=text if isinstance(text, str) else None,
+            error=self.error,
+            timed_out=bool(self.end.timed_out),
+            truncated=self.cut or None,
+        )
 
 
-async def _buffered(events: AsyncIterator[CodeEvent]) -> CodeResult:
-    got: list[CodeEvent] = []
-    async for ev in events:
-        got.append(ev)
-        if ev.type == "end":
-            return result_of(got)
+async def fold_cell(events: AsyncIterator[CodeEvent], lease: Lease | None = None) -> CodeResult:
+    """A cell's buffered answer (CellFold); its events' iterator is closed either way."""
+    fold = CellFold(lease)
+    try:
+        async for ev in events:
+            if fold.add(ev):
+                return fold.result()
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()
     raise Unavailable("the cell ended without its result", code="GUEST_ERROR")
+
+
+async def budgeted_cell(budget: ExecBudget, tenant: str, events: AsyncIterator[CodeEvent]) -> LeasedJSON:
+    """A buffered cell under ``tenant``'s budget of buffered output: 429 before it runs when
+    the budget is all held; what it holds is counted until the answer is sent."""
+    lease = budget.lease(tenant)
+    try:
+        res = await fold_cell(events, lease)
+    except BaseException:
+        lease.release()
+        raise
+    body = res.model_dump(mode="json", by_alias=True)
+    if body.get("truncated") is None:
+        body.pop("truncated", None)  # absent unless it was cut
+    return LeasedJSON(body, lease)
 
 
 def _frame(ev: CodeEvent) -> bytes:
@@ -115,7 +170,7 @@ async def run_code(
 ) -> Any:
     if "text/event-stream" in request.headers.get("accept", ""):
         return await _sse(lambda: scheduler.run_code(tenant, vm_id, req))
-    return await _buffered(scheduler.run_code(tenant, vm_id, req))
+    return await budgeted_cell(request.app.state.exec_budget, tenant, scheduler.run_code(tenant, vm_id, req))
 
 
 @code_router.post(

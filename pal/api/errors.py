@@ -9,6 +9,7 @@ no host paths, no QEMU log tail (docs/security.md, "Errors").
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -113,6 +114,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PalError)
     async def _pal(_: Request, exc: PalError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        retry = getattr(exc, "retry_after_s", None)
+        if retry is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(retry)))}
         return error_response(exc.status, exc.code, exc.message, headers)
 
     @app.exception_handler(RequestValidationError)

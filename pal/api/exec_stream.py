@@ -99,6 +99,8 @@ async def buffered_exec(events: AsyncIterator[ExecEvent], lease: Lease | None = 
                 return _out(ev.exit_code if ev.exit_code is not None else -1, stdout, stderr, pid)
             elif _is_timeout(ev):
                 return _out(TIMEOUT_EXIT_CODE, stdout, stderr, pid, timed_out=True)
+            elif ev.type == "detached":
+                raise _detached(ev, pid)
             else:
                 raise to_pal_error(ev.code, ev.message, "exec")
     finally:
@@ -123,6 +125,15 @@ async def budgeted_exec(
     return resp
 
 
+def _detached(ev: ExecEvent, pid: int | None) -> PalError:
+    return PalError(
+        f"the exec's output stream was detached ({ev.reason}) before the command ended; it runs on"
+        f" as process {pid}: read its output with GET .../processes/{pid}/output",
+        code="DETACHED",
+        status=503,
+    )
+
+
 def sse_frame(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -136,6 +147,8 @@ def event_frame(ev: ExecEvent) -> bytes:
         return sse_frame("exit", {"exitCode": ev.exit_code if ev.exit_code is not None else -1})
     if _is_timeout(ev):
         return sse_frame("exit", {"exitCode": TIMEOUT_EXIT_CODE, "timedOut": True})
+    if ev.type == "detached":  # the command runs on: its process id came first
+        return sse_frame("detached", {"reason": ev.reason or "detached"})
     err = to_pal_error(ev.code, ev.message, "exec")
     return sse_frame("error", public_error(err.status, err.code, err.message))
 
@@ -261,7 +274,7 @@ async def sse_exec(
         open_events,
         "exec",
         frame=event_frame,
-        ends=lambda ev: ev.type in ("exit", "error"),
+        ends=lambda ev: ev.type in ("exit", "error", "detached"),
         done_frame=sse_frame(
             "error", {"code": "GUEST_ERROR", "message": "exec ended without an exit status"}
         ),

@@ -46,7 +46,9 @@ import httpx
 
 from pal.errors import Forbidden, NotLeader, PalError, TooLarge, Unauthorized
 
+from .body import decimal
 from .callers import UNAUTHENTICATED_BODY_MAX
+from .middleware import deny
 from .wsrelay import relay
 
 log = logging.getLogger(__name__)
@@ -105,9 +107,9 @@ def forwarded_ok(key: bytes, value: str, method: str, path: str, now: float | No
     """``value`` is a replica's signature of this method and path, made recently."""
     version, _, rest = value.partition(".")
     raw_ts, _, mac = rest.partition(".")
-    if version != "v1" or not raw_ts.isdigit():
+    ts = decimal(raw_ts)
+    if version != "v1" or ts is None:
         return False
-    ts = int(raw_ts)
     if abs((time.time() if now is None else now) - ts) > FORWARDED_MAX_AGE_S:
         return False
     return hmac.compare_digest(mac.encode(), _mac(key, method, path, ts).encode())
@@ -178,7 +180,7 @@ class ForwardToLeader:
             if scope["type"] == "http":
                 await _error(send, err)
             else:
-                await _refuse(scope, send, err.status, err.to_body())
+                await deny(scope, send, err.status, err.to_body())
             return
         if forwarded or self._local(scope) or await self.is_leader():
             await self.app(scope, receive, send)
@@ -356,7 +358,7 @@ class ForwardToLeader:
         try:
             got = await self._to_leader(attempt, what)
         except NotLeader as exc:
-            await _refuse(scope, send, exc.status, exc.to_body())
+            await deny(scope, send, exc.status, exc.to_body())
             return
         except websockets.InvalidStatus as exc:  # the leader refused it: its answer, as it is
             body = exc.response.body or b""
@@ -364,12 +366,12 @@ class ForwardToLeader:
                 parsed = json.loads(body)
             except ValueError:
                 parsed = {"error": {"code": "REFUSED", "message": body.decode(errors="replace")[:200]}}
-            await _refuse(scope, send, exc.response.status_code, parsed)
+            await deny(scope, send, exc.response.status_code, parsed)
             return
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
             log.warning("forwarding %s: the leader stopped answering: %s", what, exc)
             err = _lost_midway()
-            await _refuse(scope, send, err.status, err.to_body())
+            await deny(scope, send, err.status, err.to_body())
             return
         if got is None:
             await self.app(scope, _replay_ws(first, receive), send)
@@ -416,19 +418,6 @@ def _replay_ws(first: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return again
-
-
-async def _refuse(scope: Scope, send: Send, status: int, body: dict[str, Any]) -> None:
-    """Refuse a WebSocket handshake with ``status`` and its JSON body where the server can
-    (the ASGI denial-response extension), else close with 4000 + status (as ports.py)."""
-    if "websocket.http.response" in (scope.get("extensions") or {}):
-        raw = json.dumps(body).encode() + b"\n"
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
-        await send({"type": "websocket.http.response.body", "body": raw})
-        return
-    message = str((body.get("error") or {}).get("message", ""))[:120]
-    await send({"type": "websocket.close", "code": 4000 + status, "reason": message})
 
 
 async def _error(send: Send, err: Any) -> None:

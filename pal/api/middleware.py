@@ -1,11 +1,17 @@
-"""ASGI middleware of the API: a request id on every request, and a size limit on every
-request body checked before anything parses it.
+"""ASGI middleware of the API: a request id on every request, a size limit on every
+request body checked before anything parses it, and ids in paths checked before routing.
 
 Request ids: each request gets one (``req-<16 hex>``, or the client's own ``X-Request-Id``
 when it is a short safe token), answered in the ``X-Request-Id`` header and in every error
 body, and put on every log line written while the request runs (``RequestIdFilter``), so
 an error a user reports can be found in the server log. Errors never carry host paths or
 QEMU output: those details stay in the log under that id (errors.py).
+
+Ids in paths (``IdPathMiddleware``): the segment that names a VM (``/v1/runtime/vms/{id}``,
+the dashboard's ``/runtime/{id}``) and a code context (``.../code/contexts/{id}``) must be
+an id (pal/ids.py), checked on the raw path before any route is matched: ``%2F`` in it
+would otherwise become a ``/`` and the request another route (an id pasted into a URL by a
+client: ``vm-1/resume?x=`` must never resume vm-1). Anything else is 400.
 
 Body limit: ``MAX_BODY_BYTES`` for any request body (JSON requests are far smaller; a file
 upload is capped lower by its route). A declared Content-Length over it is refused with 413
@@ -19,12 +25,15 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pal.errors import InvalidRequest, PalError, TooLarge
+from pal.ids import CONTEXT_ID_PATTERN, is_safe_id
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_BODY_BYTES = 2 * 1024 * 1024
@@ -125,6 +134,45 @@ class BodyLimitMiddleware:
         await self.app(scope, counted, send)
 
 
+# (path prefix as raw segments, the id's kind) for each place a path names an id.
+_VM_PREFIXES = ((b"v1", b"runtime", b"vms"), (b"runtime",))
+_CONTEXT = re.compile(CONTEXT_ID_PATTERN)
+
+
+def bad_path_id(raw_path: bytes) -> str | None:
+    """Why ``raw_path`` names an id that is none (None: it names none, or good ones)."""
+    parts = raw_path.split(b"?", 1)[0].split(b"/")[1:]
+    for prefix in _VM_PREFIXES:
+        n = len(prefix)
+        if tuple(parts[:n]) != prefix or len(parts) <= n or not parts[n]:
+            continue
+        vm = unquote(parts[n].decode("latin-1"), errors="replace")
+        if not is_safe_id(vm):
+            return f"invalid VM id {vm[:80]!r}: use 1-128 of [A-Za-z0-9._-], not starting with '.'"
+        rest = parts[n + 1 :]
+        if rest[:2] == [b"code", b"contexts"] and len(rest) > 2 and rest[2]:
+            ctx = unquote(rest[2].decode("latin-1"), errors="replace")
+            if not _CONTEXT.match(ctx) or ctx.endswith("\n"):
+                return f"invalid context id {ctx[:80]!r}"
+    return None
+
+
+class IdPathMiddleware:
+    """Refuses (400) a request whose path names an id that fails the id pattern, before
+    routing (see the module's doc); HTTP and WebSocket alike."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            why = bad_path_id(scope.get("raw_path") or str(scope.get("path", "")).encode())
+            if why is not None:
+                await _error(send, InvalidRequest(why), scope)
+                return
+        await self.app(scope, receive, send)
+
+
 def _header(scope: Scope, name: str) -> str | None:
     key = name.encode()
     for k, v in scope.get("headers", []):
@@ -138,12 +186,26 @@ async def _error(send: Send, exc: PalError, scope: Scope) -> None:
     err: dict[str, Any] = {"code": exc.code, "message": exc.message}
     if rid:
         err["requestId"] = rid
-    body = json.dumps({"error": err}).encode() + b"\n"  # as every JSON answer (json_response.py)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": exc.status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await deny(scope, send, exc.status, {"error": err})
+
+
+async def deny(
+    scope: Mapping[str, Any],
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    status: int,
+    body: dict[str, Any],
+) -> None:
+    """Answer ``status`` with a JSON ``body``: an HTTP response, or the refusal of a
+    WebSocket handshake (the ASGI denial-response extension where the server has it, else
+    a close with 4000 + status)."""
+    raw = json.dumps(body).encode() + b"\n"  # as every JSON answer (json_response.py)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": raw})
+    elif "websocket.http.response" in (scope.get("extensions") or {}):
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": raw})
+    else:
+        message = str((body.get("error") or {}).get("message", ""))[:120]
+        await send({"type": "websocket.close", "code": 4000 + status, "reason": message})

@@ -102,7 +102,9 @@ class VmOut(_Out):
     reason: str | None = None
     idle_timeout_secs: int = 0
     paused_by: str | None = Field(
-        default=None, description="`operator`, `idle` or null; only idle-paused VMs wake"
+        default=None,
+        description="`operator`, `idle`, `recovery` (its QEMU was lost at a restart: paused from its newest"
+        " snapshot, see its `recovered` event) or null; only idle-paused VMs wake",
     )
     boot_method: str | None = Field(
         default=None,

@@ -54,7 +54,7 @@ def decode(kind: str, cursor: str | None) -> Any:
         return None
     try:
         got = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError):
         got = None
     if not (isinstance(got, list) and len(got) == 2 and got[0] == kind and got[1] is not None):
         raise InvalidRequest(f"cursor {cursor[:64]!r} is not a cursor of this {kind} list")

@@ -6,7 +6,9 @@ The guest's page is at home here (its scripts, cookies and service workers live 
 origin no other port, VM, the API or the dashboard shares), so nothing is sandboxed.
 
 Authorisation: the tenant's API key; or a link's ``?palToken=``, which also sets the link
-cookie (host-only, httpOnly) so the browser's later requests carry it; or that cookie.
+cookie (host-only, httpOnly) so the browser's later requests carry it; or that cookie. A
+socket or a streaming response a link (or its cookie) opened ends when the link does
+(port_links.py).
 Because sibling origins (``*.localhost``, ``*.ports.example.com``) may count as one *site*,
 a browser could send a port's cookie along with a request another port's page makes; the
 cookie therefore authorises only a request of the port's own origin, a navigation, or a
@@ -27,7 +29,7 @@ from pal.errors import Forbidden, PalError, Unauthorized
 from .errors import install_error_handlers
 from .forward import forward_to_leader
 from .middleware import RequestIdMiddleware
-from .port_links import Links
+from .port_links import Link, Links
 from .port_origins import PortsOrigins, scope_host
 from .ports import (
     METHODS,
@@ -39,6 +41,7 @@ from .ports import (
     _target,
     check_port,
     client_scheme,
+    close_for,
     cookie_tokens,
     key_tenant,
     link_cookie,
@@ -75,23 +78,27 @@ async def _authorise(
     port: int,
     *,
     websocket: bool = False,
-) -> tuple[str, str | None]:
-    """(tenant, a link token given in the query, to be kept as the cookie)."""
+) -> tuple[str, str | None, Link | None]:
+    """(tenant, a link token given in the query, to be kept as the cookie, the link that
+    opened the request: None for the key). A link, in the query or its cookie, is taken from
+    the same VM's ports' pages or a request without ``Origin`` only."""
     by_key = await key_tenant(store, headers)
     if by_key is not None:
-        return by_key[0], None
+        return by_key[0], None, None
+    if not cookie_use_allowed(headers, vm_id, origins, websocket=websocket):
+        raise Forbidden(
+            "this port's link came with a request of another origin's page: open the "
+            "port itself, or call it from a port of the same VM"
+        )
     _, token = _query_without_token(query)
     if token is not None:
-        return await links.tenant(token, vm_id, port), token
+        link = await links.check(token, vm_id, port)
+        return link.tenant_id, token, link
     tokens = cookie_tokens(headers)
     if not tokens:
         raise Unauthorized(MISSING_CREDENTIALS)
-    if not cookie_use_allowed(headers, vm_id, origins, websocket=websocket):
-        raise Forbidden(
-            "this port's link cookie came with a request of another origin's page: open the "
-            "port itself, or call it from a port of the same VM"
-        )
-    return await links.first_valid(tokens, vm_id, port), None
+    link = await links.first_valid(tokens, vm_id, port)
+    return link.tenant_id, None, link
 
 
 def create_ports_app(
@@ -121,13 +128,25 @@ def create_ports_app(
         scope = request.scope
         vm_id, port = where(scope)
         raw_query = scope.get("query_string") or b""
-        tenant, token = await _authorise(store, links, origins, _header_items(scope), raw_query, vm_id, port)
+        tenant, token, link = await _authorise(
+            store, links, origins, _header_items(scope), raw_query, vm_id, port
+        )
         check_port(port)
         query, _ = _query_without_token(raw_query)
         cookie = link_cookie(token, client_scheme(scope)) if token is not None else None
         target = _target(scope["raw_path"], query, under_prefix=False)
+        opened = None if link is None else (links, link)
         return await proxy_http(
-            scheduler, request, tenant, vm_id, port, target, prefix="", sandbox=False, set_cookie=cookie
+            scheduler,
+            request,
+            tenant,
+            vm_id,
+            port,
+            target,
+            prefix="",
+            sandbox=False,
+            set_cookie=cookie,
+            link=opened,
         )
 
     @app.websocket("/{path:path}")
@@ -137,7 +156,7 @@ def create_ports_app(
         raw_query = scope.get("query_string") or b""
         try:
             vm_id, port = where(scope)
-            tenant, _ = await _authorise(
+            tenant, _, link = await _authorise(
                 store, links, origins, headers, raw_query, vm_id, port, websocket=True
             )
             check_port(port)
@@ -146,9 +165,10 @@ def create_ports_app(
             await _refuse(ws, exc)
             return
         query, _ = _query_without_token(raw_query)
-        await proxy_websocket(
+        session = proxy_websocket(
             ws, stream, headers, _target(scope["raw_path"], query, under_prefix=False), port, ""
         )
+        await links.while_valid(link, session, lambda why: close_for(ws, why))
 
     forward_to_leader(
         app,

@@ -15,8 +15,10 @@ httpcore's (the client half of httpx) over that stream, and the WebSocket one is
 ``websockets`` client's, so nothing here parses HTTP by hand.
 
 Authorisation: the tenant's API key (``Authorization: Bearer``, never forwarded to the
-guest), or a signed link's token (``?palToken=``) bound to one VM and port. No cookie is
-set or read on this origin. An expired, foreign or revoked link is 401.
+guest), or a signed link's token (``?palToken=``) bound to one VM and port, taken only from
+this origin's own pages or a client that sends no ``Origin`` (port_links.py). No cookie is
+set or read on this origin. An expired, foreign or revoked link is 401, and what it opened
+(a WebSocket, a tunnel, a response still streaming) ends with it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 from starlette.background import BackgroundTask
 
-from pal.errors import BadGateway, InvalidRequest, PalError, Unauthorized
+from pal.errors import BadGateway, Forbidden, InvalidRequest, PalError, Unauthorized
 from pal.manager.models import WireModel as _Model
 from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
 from pal.store.store import hash_api_key
@@ -44,7 +46,7 @@ from .auth import tenant_for_key
 from .body import require_json
 from .errors import error_responses
 from .json_response import JSONResponse
-from .port_links import MAX_LINK_SECS, Links, is_link_id
+from .port_links import MAX_LINK_SECS, Link, Links, is_link_id, origin_ok
 from .port_listen import listening_stream
 from .port_origins import PortsOrigins
 from .wsrelay import relay
@@ -340,16 +342,26 @@ ports_router = APIRouter(prefix="/v1/runtime", tags=["ports"])
 
 async def authorise(
     state: Any, headers: list[tuple[bytes, bytes]], query: bytes, vm_id: str, port: int
-) -> str:
-    """The tenant: the key first, else a link's ``?palToken=`` (cookies are not read on
+) -> tuple[str, Link | None]:
+    """The tenant, and the link that opened the request (None: the key). The key first,
+    else a link's ``?palToken=`` from this origin or no browser (cookies are not read on
     the API's origin)."""
     by_key = await key_tenant(state.store, headers)
     if by_key is not None:
-        return by_key[0]
+        return by_key[0], None
     _, token = _query_without_token(query)
     if token is None:
         raise Unauthorized(MISSING_CREDENTIALS)
-    return await state.links.tenant(token, vm_id, port)
+    if not origin_ok(_get(headers, b"origin"), _get(headers, b"host")):
+        raise Forbidden("a port link on this path opens only from this origin's pages, or with no Origin")
+    link = await state.links.check(token, vm_id, port)
+    return link.tenant_id, link
+
+
+async def close_for(ws: WebSocket, why: str) -> None:
+    """Close a socket whose link ended, saying why."""
+    with contextlib.suppress(Exception):
+        await ws.close(1008, why[:120])
 
 
 @ports_router.post(
@@ -390,12 +402,13 @@ async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
     scope = request.scope
     query, _ = _query_without_token(scope.get("query_string") or b"")
     state = request.app.state
-    tenant = await authorise(state, _header_items(scope), scope.get("query_string") or b"", vm_id, port)
+    tenant, link = await authorise(state, _header_items(scope), scope.get("query_string") or b"", vm_id, port)
     check_port(port)
     prefix = PREFIX.format(vm_id=vm_id, port=port)
     target = _target(scope["raw_path"], query)
+    opened = None if link is None else (state.links, link)
     return await proxy_http(
-        state.scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True
+        state.scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True, link=opened
     )
 
 
@@ -404,25 +417,28 @@ async def proxy_ws(ws: WebSocket, vm_id: str, port: int, path: str) -> None:
     scope = ws.scope
     headers = _header_items(scope)
     query, _ = _query_without_token(scope.get("query_string") or b"")
+    state = ws.app.state
     try:
-        tenant = await authorise(ws.app.state, headers, scope.get("query_string") or b"", vm_id, port)
+        tenant, link = await authorise(state, headers, scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        stream = await ws.app.state.scheduler.open_port(tenant, vm_id, port)
+        stream = await state.scheduler.open_port(tenant, vm_id, port)
     except PalError as exc:
         await _refuse(ws, exc)
         return
     prefix = PREFIX.format(vm_id=vm_id, port=port)
-    await proxy_websocket(ws, stream, headers, _target(scope["raw_path"], query), port, prefix)
+    session = proxy_websocket(ws, stream, headers, _target(scope["raw_path"], query), port, prefix)
+    await state.links.while_valid(link, session, lambda why: close_for(ws, why))
 
 
 @ports_router.websocket("/vms/{vm_id}/tunnel/{port}")
 async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
     """A raw TCP stream to the port (manager/tunnel.py's framing): `pal vm port-forward`."""
     headers = _header_items(ws.scope)
+    state = ws.app.state
     try:
-        tenant = await authorise(ws.app.state, headers, ws.scope.get("query_string") or b"", vm_id, port)
+        tenant, link = await authorise(state, headers, ws.scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        stream = await ws.app.state.scheduler.open_port(tenant, vm_id, port)
+        stream = await state.scheduler.open_port(tenant, vm_id, port)
     except PalError as exc:
         await ws.accept()
         await ws.send_text(error_frame(exc))
@@ -433,7 +449,7 @@ async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
     sock, pump = await socket_bridge(stream)
     try:
         reader, writer = await asyncio.open_connection(sock=sock)
-        await serve_stream(ws, reader, writer)
+        await state.links.while_valid(link, serve_stream(ws, reader, writer), lambda why: close_for(ws, why))
     finally:
         pump.cancel()
         with contextlib.suppress(BaseException):
@@ -452,10 +468,12 @@ async def proxy_http(
     prefix: str,
     sandbox: bool,
     set_cookie: bytes | None = None,
+    link: tuple[Links, Link] | None = None,
 ) -> Response:
     """Send the request to the guest's server on ``port`` and stream its answer back.
     ``prefix``: where the port is mounted ("" on its own origin); ``sandbox``: the API's
-    origin (see :func:`_response_headers`); ``set_cookie``: a link cookie to set."""
+    origin (see :func:`_response_headers`); ``set_cookie``: a link cookie to set;
+    ``link``: the link that opened it, and its kind (a response still streaming ends with it)."""
     scope = request.scope
     headers = _header_items(scope)
     client = request.client.host if request.client else ""
@@ -493,8 +511,9 @@ async def proxy_http(
     stack.push_async_callback(resp.aclose)
 
     async def body() -> AsyncIterator[bytes]:
+        chunks: Any = resp.stream if link is None else link[0].cut_when_ended(link[1], resp.stream)  # type: ignore[arg-type]
         try:
-            async for chunk in resp.stream:  # type: ignore[union-attr]
+            async for chunk in chunks:
                 yield chunk
         except (httpcore.NetworkError, httpcore.ProtocolError, OSError) as exc:
             log.info("VM %s port %d: response cut short: %s", vm_id, port, exc)

@@ -18,14 +18,18 @@ never buffered here. A frame over the bound closes the socket (1009).
 Authorisation, as the ports': the API key (``Authorization: Bearer``), or a signed attach
 link's ``?palToken=`` (``POST .../processes/{pid}/attach-url``: short-lived, bound to one
 VM and process, ends with the key it was made with), which a browser can use since it
-cannot set headers on a WebSocket. A follower replica forwards the socket to the leader
-(pal/api/forward.py) like every other WebSocket.
+cannot set headers on a WebSocket. A link is taken only from its own origin (this server's
+pages) or from a client that sends no ``Origin``; a socket it opened closes when it ends
+(revoked, expired, its key rotated: port_links.py); a ``readOnly`` link opens the output
+and refuses every input message (403, said on the socket). A follower replica forwards the
+socket to the leader (pal/api/forward.py) like every other WebSocket.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from typing import Any
@@ -33,17 +37,17 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
-from pal.errors import InvalidRequest, PalError, Unauthorized
+from pal.errors import Forbidden, InvalidRequest, PalError, Unauthorized
 from pal.manager.models import WireModel as _Model
 from pal.manager.process_models import ProcessEvent
 from pal.manager.tunnel import run_until_one_ends
 from pal.spec import SignalRequest, Terminal
 
-from .body import require_json
+from .body import decimal, json_value, require_json
 from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
-from .port_links import Links
-from .ports import TOKEN_PARAM, _header_items, _query_without_token, _refuse, key_tenant, signing_key
+from .port_links import Link, Links, OpenLinks, origin_ok
+from .ports import TOKEN_PARAM, _get, _header_items, _query_without_token, _refuse, key_tenant, signing_key
 
 MAX_INPUT_FRAME = 64 * 1024  # one stdin frame from a client (a paste; the SDK splits more)
 MAX_CONTROL_FRAME = 4096  # one JSON control message
@@ -52,15 +56,18 @@ ATTACH_LINK_DEFAULT_SECS = 300
 ATTACH_PATH = "/v1/runtime/vms/{vm_id}/processes/{pid}/attach"
 
 
-def attach_links(secret: bytes, store: Any) -> Links:
+def attach_links(secret: bytes, store: Any, opened: OpenLinks | None = None) -> Links:
     """Signed attach links: port links' rules (expiry, key rotation, revocation by id),
     their own salt, a process id where a port link has a port."""
-    return Links(secret, store, salt="pal-attach-link-v1", noun="process attach")
+    return Links(secret, store, salt="pal-attach-link-v1", noun="process attach", opened=opened)
 
 
 class AttachUrlRequest(_Model):
     expires_in_secs: int = Field(
         ATTACH_LINK_DEFAULT_SECS, ge=1, le=ATTACH_LINK_MAX_SECS, description="how long the link opens sockets"
+    )
+    read_only: bool = Field(
+        False, description="true: the link opens the output only (no stdin, signals or resizes)"
     )
 
 
@@ -70,9 +77,11 @@ class AttachUrlOut(_Model):
     link_id: str = Field(description="revokes the link: DELETE /v1/runtime/vms/{id}/port-links/{linkId}")
 
 
-def attach_link(links: Links, tenant: str, key_hash: str, vm_id: str, pid: int, secs: int) -> AttachUrlOut:
+def attach_link(
+    links: Links, tenant: str, key_hash: str, vm_id: str, pid: int, secs: int, *, read_only: bool = False
+) -> AttachUrlOut:
     """A signed attach link (its path and query, relative to the server)."""
-    link = links.sign(tenant, vm_id, pid, int(time.time()) + secs, key_hash)
+    link = links.sign(tenant, vm_id, pid, int(time.time()) + secs, key_hash, read_only=read_only)
     url = ATTACH_PATH.format(vm_id=vm_id, pid=pid) + f"?{TOKEN_PARAM}={links.token(link)}"
     return AttachUrlOut(url=url, expires_at=link.expires_at, link_id=link.link_id)
 
@@ -91,27 +100,37 @@ async def attach_url(vm_id: str, pid: int, body: AttachUrlRequest, request: Requ
     state = request.app.state
     tenant, key_hash = await signing_key(request)
     await state.scheduler.get_process(tenant, vm_id, pid)  # 404 for unknown VMs and processes
-    return attach_link(state.attach_links, tenant, key_hash, vm_id, pid, body.expires_in_secs)
+    return attach_link(
+        state.attach_links, tenant, key_hash, vm_id, pid, body.expires_in_secs, read_only=body.read_only
+    )
 
 
-async def _tenant(state: Any, scope: Any, vm_id: str, pid: int) -> str:
-    by_key = await key_tenant(state.store, _header_items(scope))
+async def _who(state: Any, scope: Any, vm_id: str, pid: int) -> tuple[str, Link | None]:
+    """The tenant, and the link that opened the socket (None: the API key)."""
+    headers = _header_items(scope)
+    by_key = await key_tenant(state.store, headers)
     if by_key is not None:
-        return by_key[0]
+        return by_key[0], None
     _, token = _query_without_token(scope.get("query_string") or b"")
     if token is None:
         raise Unauthorized(
             "missing API key: send 'Authorization: Bearer <apiKey>' or open a signed link "
             "(POST .../processes/{pid}/attach-url)"
         )
-    return await state.attach_links.tenant(token, vm_id, pid)
+    cors = tuple(getattr(state.settings, "cors_origins", ()) or ())
+    if not origin_ok(_get(headers, b"origin"), _get(headers, b"host"), lambda o: o.rstrip("/") in cors):
+        raise Forbidden(
+            "an attach link opens only from this server's own pages (or a client that sends no Origin)"
+        )
+    link = await state.attach_links.check(token, vm_id, pid)
+    return link.tenant_id, link
 
 
 def _offset(ws: WebSocket) -> int:
-    raw = ws.query_params.get("from", "0")
-    if not raw.isdigit() or int(raw) > 2**62:
+    offset = decimal(ws.query_params.get("from", "0"))
+    if offset is None or offset > 2**62:
         raise InvalidRequest("from must be an output offset (a non-negative integer)")
-    return int(raw)
+    return offset
 
 
 @attach_router.websocket("/{pid}/attach")
@@ -121,7 +140,7 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
     try:
         if not 1 <= pid <= 2**53:
             raise InvalidRequest("the process id is out of range")
-        tenant = await _tenant(state, ws.scope, vm_id, pid)
+        tenant, link = await _who(state, ws.scope, vm_id, pid)
         offset = _offset(ws)
         # Asked first, however slow the guest: an unknown VM or process, or a VM paused by
         # an operator, is the handshake's answer (404, 409), never a socket that then fails.
@@ -145,8 +164,10 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
         pty = proc.pty.model_dump() if proc.pty is not None else None
         hello = {"type": "attached", "processId": pid, "from": offset, "pty": pty}
         await ws.send_text(json.dumps(hello))
-        session = _Session(ws, scheduler, tenant, vm_id, pid, offset)
-        await session.run(queue, first)
+        session = _Session(
+            ws, scheduler, tenant, vm_id, pid, offset, read_only=link is not None and link.read_only
+        )
+        await state.attach_links.while_valid(link, session.run(queue, first), session.link_ended)
     finally:
         await _stop(task)
 
@@ -154,10 +175,27 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
 class _Session:
     """One attached client: output to it, its input to the process."""
 
-    def __init__(self, ws: WebSocket, scheduler: Any, tenant: str, vm_id: str, pid: int, offset: int) -> None:
+    def __init__(
+        self,
+        ws: WebSocket,
+        scheduler: Any,
+        tenant: str,
+        vm_id: str,
+        pid: int,
+        offset: int,
+        *,
+        read_only: bool,
+    ) -> None:
         self.ws, self.scheduler = ws, scheduler
         self.tenant, self.vm_id, self.pid = tenant, vm_id, pid
         self.offset = offset
+        self.read_only = read_only
+
+    async def link_ended(self, why: str) -> None:
+        """The link that opened this socket ended (revoked, expired, key rotated)."""
+        with contextlib.suppress(Exception):
+            await self._error(401, "UNAUTHENTICATED", why)
+            await self.ws.close(1008, why[:120])
 
     async def run(self, queue: asyncio.Queue[Any], first: Any) -> None:
         await run_until_one_ends(self._output(queue, first), self._input())
@@ -224,6 +262,10 @@ class _Session:
                 await self.ws.close(1009, f"a message may be at most {limit} bytes")
                 return
             try:
+                if self.read_only:
+                    raise Forbidden(
+                        "this attach link is read-only: it opens the output, not stdin or signals"
+                    )
                 if data is not None:
                     await self._stdin(data, eof=False)
                 elif text is not None:
@@ -240,9 +282,9 @@ class _Session:
 
     async def _control(self, text: str) -> None:
         try:
-            msg = json.loads(text)
+            msg = json_value(text, "a text message")
             kind = msg.get("type") if isinstance(msg, dict) else None
-        except ValueError:
+        except InvalidRequest:
             kind = None
         try:
             if kind == "resize":

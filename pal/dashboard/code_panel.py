@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from pal.api.code import result_of
+from pal.api.code import fold_cell
 from pal.errors import InvalidRequest, PalError
 from pal.manager.code_models import CodeRequest
 
@@ -54,17 +54,22 @@ def view(result: dict[str, Any]) -> dict[str, Any]:
 @router.post("/{vm_id}/code")
 async def run_cell(request: Request, vm_id: str, dash: Dash) -> Response:
     s, form = await dash.mutating(request)
+    lease = None
     try:
         req = CodeRequest.model_validate(
             {"code": str(form.get("code") or ""), "language": str(form.get("language") or "python")}
         )
         if not req.code.strip():
             raise InvalidRequest("type a cell to run")
-        events = [ev async for ev in dash.scheduler.run_code(s.tenant_id, vm_id, req)]
+        # Folded as it comes and counted against the tenant's buffered output, as the API's.
+        lease = request.app.state.exec_budget.lease(s.tenant_id)
+        res = await fold_cell(dash.scheduler.run_code(s.tenant_id, vm_id, req), lease)
     except ValidationError:
         return dash.message(request, "Invalid request (400): the language is python or bash", 400)
     except PalError as exc:
         status, words = error_words(exc)
         return dash.message(request, words, status)
-    res = result_of(events)
+    finally:
+        if lease is not None:
+            lease.release()
     return dash.render(request, "_code_result.html", res=res, results=[view(x) for x in res.results])

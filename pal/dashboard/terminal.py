@@ -13,13 +13,13 @@ its layout into such elements, and terminal.js stamps the nonce on them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from pal.api.body import json_value
 from pal.api.process_attach import attach_link
 from pal.errors import InvalidRequest, PalError
 from pal.spec import ProcessStartRequest, Terminal
@@ -54,12 +54,12 @@ async def _shell(scheduler: Any, tenant: str, vm_id: str, size: Terminal) -> int
 
 async def open_terminal(request: Request, scheduler: Any, session: Session, vm_id: str) -> JSONResponse:
     try:
-        body = json.loads(await request.body() or b"{}")
+        body = json_value(await request.body() or b"{}")
         if not isinstance(body, dict):
             raise ValueError
         pid = body.get("processId")
         size = None if pid is not None else Terminal(cols=body.get("cols", 80), rows=body.get("rows", 24))
-    except (ValueError, ValidationError):
+    except (ValueError, ValidationError, InvalidRequest):
         raise InvalidRequest('send {"cols": C, "rows": R} or {"processId": N}') from None
     tenant = session.tenant_id
     if size is not None:

@@ -3,7 +3,6 @@ buttons, its files and its console."""
 
 from __future__ import annotations
 
-import json
 import posixpath
 import re
 from collections.abc import Awaitable, Callable
@@ -16,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS
+from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS, json_value
 from pal.api.exec_stream import sse_exec
 from pal.api.paths import check_workspace_path
 from pal.api.ports import port_link
@@ -55,11 +54,24 @@ async def state_fragment(request: Request, dash: Dash, vm_id: str) -> Response:
     )
 
 
+TIMELINE_PAGE = 50  # events per page of the timeline, newest first
+
+
 @router.get("/{vm_id}/_timeline")
-async def timeline(request: Request, dash: Dash, vm_id: str) -> Response:
+async def timeline(request: Request, dash: Dash, vm_id: str, before: int | None = None) -> Response:
+    """The newest page of the VM's events (polled), or the page older than ``before`` (the
+    "Older events" button): a VM's log is never loaded whole."""
     s = await dash.session_for(request, "fragment")
-    events = await dash.scheduler.events(s.tenant_id, vm_id)
-    return dash.render(request, "_timeline.html", events=list(reversed(events)))
+    events = await dash.scheduler.events(s.tenant_id, vm_id, before=before, limit=TIMELINE_PAGE + 1)
+    more = events[TIMELINE_PAGE - 1].id if len(events) > TIMELINE_PAGE else None
+    return dash.render(
+        request,
+        "_timeline.html",
+        events=events[:TIMELINE_PAGE],
+        vm_id=vm_id,
+        older=more,
+        first=before is None,
+    )
 
 
 @router.get("/{vm_id}/_snapshots")
@@ -215,7 +227,7 @@ async def terminal(request: Request, vm_id: str, dash: Dash) -> Response:
 async def exec_(request: Request, dash: Dash, vm_id: str) -> Response:
     s, _ = await dash.mutating(request, "json")
     try:
-        body = json.loads(await request.body() or b"{}")
+        body = json_value(await request.body() or b"{}")
         line = str(body.get("line", "")).strip()
         if not line:
             raise InvalidRequest("type a command")

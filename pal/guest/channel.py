@@ -34,6 +34,10 @@ class Channel:
     def send(self, msg: P.Message, data: bytes | None = None) -> bool:
         return self._write(P.encode(msg, data))
 
+    def send_line(self, line: bytes) -> bool:
+        """One encoded line (protocol.encode), written whole."""
+        return self._write(line)
+
     def _write(self, line: bytes) -> bool:
         view = memoryview(line)
         with self._wlock:
@@ -117,3 +121,73 @@ class Channel:
             if len(buf) > P.MAX_LINE_BYTES:
                 buf.clear()
                 skipping = True
+
+
+class Credit:
+    """One stream's flow control (protocol.py, "Flow control"): the bytes it may still
+    send; a sender waits while there are none, until the host grants more or the stream
+    (or the connection) ends."""
+
+    def __init__(self, window: int) -> None:
+        self.left = window
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> bool:
+        """Wait for credit, then spend ``n``; False when the stream ended meanwhile."""
+        with self.cond:
+            while self.left <= 0 and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                return False
+            self.left -= n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.left += n
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class Credits:
+    """The credits of a connection's streams, by request id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_rid: dict[int, Credit] = {}
+
+    def open(self, rid: int, window: object) -> None:
+        """A stream request with ``window`` (an int above 0) is flow-controlled; without
+        one (an older host) it is not."""
+        if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+            with self._lock:
+                self._by_rid[rid] = Credit(window)
+
+    def get(self, rid: int) -> Credit | None:
+        with self._lock:
+            return self._by_rid.get(rid)
+
+    def give(self, rid: object, n: object) -> None:
+        if isinstance(rid, int) and isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            credit = self.get(rid)
+            if credit is not None:
+                credit.give(n)
+
+    def close(self, rid: object) -> None:
+        """The stream ended (or was detached or cancelled): a sender waiting gives up."""
+        if isinstance(rid, int):
+            with self._lock:
+                credit = self._by_rid.pop(rid, None)
+            if credit is not None:
+                credit.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            credits, self._by_rid = list(self._by_rid.values()), {}
+        for credit in credits:
+            credit.close()

@@ -23,7 +23,7 @@ from typing import Any
 
 from pal.guest import netsetup, portrelay, system
 from pal.guest import protocol as P
-from pal.guest.channel import Channel
+from pal.guest.channel import Channel, Credits
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
 from pal.guest.coderequests import CodeRequests
 from pal.guest.errors import ERRNO_CODES, ExecError
@@ -111,10 +111,14 @@ class Harness:
         self.token: str | None = None
         self.secrets: dict[str, str] = {}
         self.ca_env: dict[str, str] = {}  # set once the tenant CA is installed
-        self.boot_id = boot_id()
+        # Read (which makes the kernel draw it) only once a tenant's identity is taken,
+        # after the RNG reseed: a template's or a pooled VM's guest never fixes it, so each
+        # VM restored from one draws its own (protocol.py, identify ``own``).
+        self.boot_id = ""
         self.started = time.monotonic()
         self.last_activity_ms = now_ms()
         self._lock = threading.Lock()
+        self.credits = Credits()  # each stream's flow control (protocol.py)
         self.processes = ProcessRequests(ProcessTable(self.children), self._reply)
         self.kernels = Kernels(self.children)
         self.code = CodeRequests(self.kernels, self._reply, self._context_spec)
@@ -137,10 +141,17 @@ class Harness:
     def _connected(self) -> None:
         # Request ids belong to one connection: the streams of the last one are over.
         self.processes.connection_lost()
+        self.credits.close_all()
         self.send_heartbeat()
 
     def _reply(self, rid: int, kind: str, data: bytes | None = None, **fields: Any) -> bool:
-        return self.channel.send({"id": rid, "k": kind, **fields}, data)
+        """One reply; a stream's output (protocol.FLOW_KINDS) waits for its credit first.
+        False: not sent (the host went away, or the stream ended while it waited)."""
+        line = P.encode({"id": rid, "k": kind, **fields}, data)
+        credit = self.credits.get(rid) if kind in P.FLOW_KINDS else None
+        if credit is not None and not credit.take(len(line)):
+            return False
+        return self.channel.send_line(line)
 
     def _dispatch(self, msg: P.Message) -> None:
         rid, kind = msg.get("id"), msg.get("k")
@@ -154,10 +165,16 @@ class Harness:
             self._clock(rid, msg)
         elif kind == P.K_PROBE:
             self._reply(rid, P.K_OK, result=probe())
+        elif kind == P.K_CREDIT:
+            self.credits.give(msg.get("target"), msg.get("n"))
         elif kind == P.K_CANCEL and self.kernels.cancel(msg.get("target")):
+            self.credits.close(msg.get("target"))
             self._reply(rid, P.K_OK, result={"target": msg.get("target")})
         elif kind in (P.K_CANCEL, P.K_DETACH):
-            self.processes.cancel(rid, msg.get("target"), kill=kind == P.K_CANCEL)
+            reason = msg.get("reason")
+            why = reason if isinstance(reason, str) and 0 < len(reason) <= 32 else "detached"
+            self.processes.cancel(rid, msg.get("target"), kill=kind == P.K_CANCEL, reason=why)
+            self.credits.close(msg.get("target"))  # after: a waiting sender then sees why
         elif kind in TOKEN_KINDS:
             # Checked here, in arrival order, so nothing sent after an identify can slip
             # through with the old token.
@@ -166,6 +183,8 @@ class Harness:
             if not token or msg.get("tok") != token:
                 self._reply(rid, P.K_ERR, code=P.ERR_AUTH, msg="invalid or stale token")
                 return
+            if kind in P.STREAM_KINDS:  # before any credit for it can arrive
+                self.credits.open(rid, msg.get("window"))
             threading.Thread(target=self._handle, args=(rid, kind, msg), daemon=True).start()
         else:
             self._reply(rid, P.K_ERR, code=P.ERR_INVAL, msg=f"unknown request kind {kind!r}")
@@ -199,6 +218,7 @@ class Harness:
         except Exception as exc:
             self._reply(rid, P.K_ERR, code=P.ERR_IO, msg=f"internal error: {exc!r}")
         finally:
+            self.credits.close(rid)
             self._touch()
 
     # -- identity and heartbeats
@@ -242,6 +262,8 @@ class Harness:
                     log(f"cannot install the brokered-secrets CA: {exc}")
         was = self.vm_id
         self._apply_identity(msg)
+        if msg.get("own") is True and not self.boot_id:
+            self.boot_id = boot_id()
         if self.system and self.vm_id:
             # A forked or template-started guest must not keep its source's name.
             try:

@@ -296,45 +296,61 @@ class Kernels:
 
 
 class CellBound:
-    """One cell's events, checked and bounded before they go to the host."""
+    """One cell's events, checked and bounded before they go to the host: stream text and
+    error events together within MAX_CELL_STREAM_CHARS (each event with its overhead:
+    protocol.cell_event_chars), display results within MAX_CELL_RESULTS and
+    MAX_CELL_RESULT_BYTES. What is past a bound is dropped, and said once (a note from
+    CELL_NOTE_RESERVE). The host counts the same way (pal/manager/code.py)."""
 
     def __init__(self, emit: Emit) -> None:
         self.emit = emit
-        self.stream_chars = 0
+        self.chars = 0  # of stream and error events sent, notes included
         self.result_bytes = 0
         self.results = 0
-        self.cut_stream = self.cut_results = False
+        self.cut_text = self.cut_results = False
 
     def note(self, text: str) -> None:
-        self.emit({"t": "stream", "name": "stderr", "text": f"[pal: {text}]\n"})
+        line = f"[pal: {text}]\n"
+        cost = P.cell_event_chars(line)
+        if self.chars + cost <= P.MAX_CELL_STREAM_CHARS + P.CELL_NOTE_RESERVE:
+            self.chars += cost
+            self.emit({"t": "stream", "name": "stderr", "text": line})
+
+    def _text_over(self) -> None:
+        if not self.cut_text:
+            self.cut_text = True
+            self.note(f"output and errors cut at {P.MAX_CELL_STREAM_CHARS} characters")
+
+    def _results_over(self, why: str) -> None:
+        if not self.cut_results:
+            self.cut_results = True
+            self.note(why)
 
     def forward(self, ev: P.Message) -> None:
         t = ev.get("t")
         if t == "stream" and ev.get("name") in ("stdout", "stderr") and isinstance(ev.get("text"), str):
             text = ev["text"]
-            room = P.MAX_CELL_STREAM_CHARS - self.stream_chars
-            if room <= 0:
-                if not self.cut_stream:
-                    self.cut_stream = True
-                    self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
-                return
-            self.stream_chars += min(len(text), room)
-            for i in range(0, min(len(text), room), P.STREAM_EVENT_CHARS):
-                piece = text[i : min(i + P.STREAM_EVENT_CHARS, room)]
+            for i in range(0, max(len(text), 1), P.STREAM_EVENT_CHARS):
+                room = P.MAX_CELL_STREAM_CHARS - self.chars - P.CELL_EVENT_OVERHEAD
+                if room <= 0:
+                    self._text_over()
+                    return
+                piece = text[i : i + min(P.STREAM_EVENT_CHARS, room)]
+                if not piece:
+                    return
+                self.chars += P.cell_event_chars(piece)
                 self.emit({"t": "stream", "name": ev["name"], "text": piece})
-            if len(text) > room:
-                self.cut_stream = True
-                self.note(f"output cut at {P.MAX_CELL_STREAM_CHARS} characters")
+                if len(piece) < min(P.STREAM_EVENT_CHARS, len(text) - i):
+                    self._text_over()
+                    return
         elif t == "result" and isinstance(ev.get("data"), dict):
             data = {k: v for k, v in ev["data"].items() if k in P.CODE_MIMES and isinstance(v, str)}
             size = len(json.dumps(data))
             if size > P.MAX_RESULT_BYTES:
-                self.note(f"a display result of {size} bytes was dropped (at most {P.MAX_RESULT_BYTES})")
+                self._results_over(f"display results over {P.MAX_RESULT_BYTES} bytes each were dropped")
                 return
             if self.results >= P.MAX_CELL_RESULTS or self.result_bytes + size > P.MAX_CELL_RESULT_BYTES:
-                if not self.cut_results:
-                    self.cut_results = True
-                    self.note("display results dropped: the cell's results are over Pal's bound")
+                self._results_over("display results dropped: the cell's results are over Pal's bound")
                 return
             self.results += 1
             self.result_bytes += size
@@ -344,6 +360,14 @@ class CellBound:
             tb = ev.get("traceback")
             tb = [str(x)[:10_000] for x in tb[:200]] if isinstance(tb, list) else []
             name, value = str(ev.get("name"))[:200], str(ev.get("value"))[:10_000]
+            cost = P.cell_event_chars(name, value, *tb)
+            if self.chars + cost > P.MAX_CELL_STREAM_CHARS:
+                tb, value = [], value[:1000]  # the error without its traceback, if that fits
+                cost = P.cell_event_chars(name, value)
+                if self.chars + cost > P.MAX_CELL_STREAM_CHARS:
+                    self._text_over()
+                    return
+            self.chars += cost
             self.emit({"t": "error", "name": name, "value": value, "traceback": tb})
 
 

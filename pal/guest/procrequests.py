@@ -93,10 +93,14 @@ class ProcessRequests:
                 proc.detach(att, "channel")
             while not att.stopped and not done:
                 gap, records, done = proc.next_output(att, 4 * CHUNK)
-                if gap and not self.reply(rid, P.K_GAP, n=gap):
-                    return
-                if not all(self.reply(rid, P.K_OUT, d, fd=fd, o=off + len(d)) for off, fd, d in records):
-                    return  # the host went away: the stream is over, the process is not
+                sent = (not gap or self.reply(rid, P.K_GAP, n=gap)) and all(
+                    self.reply(rid, P.K_OUT, d, fd=fd, o=off + len(d)) for off, fd, d in records
+                )
+                if not sent:
+                    done = False
+                    if not att.stopped:  # the host went away: the stream is over, the process is not
+                        proc.detach(att, "channel")
+                    # else detached while it waited for credit: said below, with the reason
         finally:
             proc.detach(att, att.reason or "ended")
             with self._lock:  # gone before the last reply: a late cancel finds no stream
@@ -113,9 +117,9 @@ class ProcessRequests:
         else:
             self.reply(rid, P.K_EXIT, code=code, timed_out=timed_out, pid=proc.id)
 
-    def cancel(self, rid: int, target: Any, *, kill: bool) -> None:
+    def cancel(self, rid: int, target: Any, *, kill: bool, reason: str = "detached") -> None:
         """``cancel``: an exec's process is killed, an attach only detached; ``detach``:
-        the stream ends, the process runs on."""
+        the stream ends (with ``reason``), the process runs on."""
         with self._lock:
             stream = self._streams.get(target) if isinstance(target, int) else None
         if stream is None:
@@ -125,7 +129,7 @@ class ProcessRequests:
         if kill and kill_on_cancel:
             kill_group(proc.os_pid)  # its stream ends with the exit, as before
         else:
-            proc.detach(att, "detached")
+            proc.detach(att, reason)
         self.reply(rid, P.K_OK, result={"target": target})
 
     def connection_lost(self) -> None:

@@ -14,10 +14,14 @@ guest messages (heartbeats).
 
 Host -> guest kinds (``k``):
   identify  {incarnation:int, token:str, vm_id:str, now_ns:int, seed:hex, env:{}, mac:str,
-            ca_pem:str}
+            ca_pem:str, own:bool}
             Takes a new identity (after boot, restore, fork): sets the wall clock, reseeds
             the RNG, replaces the exec token, sets the NIC's MAC, and resets every TCP
-            connection a snapshot froze open (the host side of them is gone). A non-empty
+            connection a snapshot froze open (the host side of them is gone). ``own``: the
+            identity is a tenant's VM's (not a template's or a pooled VM's): only then, after
+            the reseed, does the harness read the kernel's boot_id, which the kernel draws
+            at its first read, so that no snapshot a template or pool restores from has
+            drawn it. A non-empty
             ``ca_pem`` (a VM with brokered secrets) is added to the system trust store and
             named by SSL_CERT_FILE, REQUESTS_CA_BUNDLE, NODE_EXTRA_CA_CERTS in every exec.
             Replies ``ok`` {vm_id, incarnation, steps_us, wall_ns} (``wall_ns``: the
@@ -29,8 +33,20 @@ Host -> guest kinds (``k``):
             with ``pread``/``pattach`` by that pid.
   cancel    {target:int}  kill the exec whose request id is ``target`` (an attach stream
             is only detached).
-  detach    {target:int}  end the exec or attach stream ``target`` without touching its
-            process: the stream ends with ``ok`` {detached: true}.
+  detach    {target:int, reason:str?}  end the exec or attach stream ``target`` without
+            touching its process: the stream ends with ``ok`` {detached: true, reason}
+            (``reason``: the host's, e.g. ``slow-reader``, else ``detached``).
+  credit    {target:int, n:int}  flow control: the host has taken ``n`` more bytes of stream
+            ``target``'s replies (no answer).
+
+  Flow control (credits). A stream request (``exec``, ``pattach``, ``crun``) may carry
+  ``window:int``: the wire bytes (whole lines) of its ``out``, ``gap`` and ``cev`` replies
+  the guest may send ahead of the host's reader. The guest sends one such reply only while
+  its credit is above zero (it may overshoot by that one line) and waits otherwise; each
+  ``credit`` message adds ``n``. The stream's first and last replies (``started``,
+  ``exit``, ``err``, ``ok``) and everything outside streams (heartbeats, single answers) are
+  never held back. So one stream whose reader is slow holds only its own sender, never the
+  channel: the host reads on, and heartbeats and other requests' answers get through.
 
   Processes (every command is one; ``pid`` is the harness's own id, stable across
   snapshots and forks; output is one journal of byte offsets shared by fd 1 and 2):
@@ -94,7 +110,7 @@ Guest -> host kinds:
   ok        {result:{...}} (+ data for ``read``)
   err       {code: one of ERR_*, msg:str}
 
-Requests other than identify/ping/cancel/detach/clock/probe must carry ``tok`` equal to the current
+Requests other than identify/ping/cancel/detach/credit/clock/probe must carry ``tok`` equal to the current
 incarnation's token; otherwise the harness answers ``err`` with ERR_AUTH. A restored VM
 therefore refuses anything presenting a token frozen into its snapshot.
 """
@@ -120,7 +136,13 @@ MAX_TAG_CHARS = 256  # a process's tag
 # Code contexts (kernels.py): per VM, and per cell (the host checks them again).
 MAX_CODE_CONTEXTS = 8
 MAX_CODE_CHARS = 1024 * 1024  # one cell's source
-MAX_CELL_STREAM_CHARS = 1024 * 1024  # stdout + stderr text of one cell
+MAX_CELL_STREAM_CHARS = 1024 * 1024  # stdout + stderr text and error events of one cell
+# Every stream or error event of a cell counts this many characters besides its text (so a
+# flood of tiny or empty ones is bounded too); Pal's own notes ("output cut ...") come out
+# of a reserve past the bound. The guest and the host count alike (cell_event_chars).
+CELL_EVENT_OVERHEAD = 64
+CELL_NOTE_RESERVE = 4096
+MAX_RESULT_JSON_DEPTH = 64  # an application/json result nested deeper is dropped
 MAX_CELL_RESULTS = 64  # display results of one cell
 MAX_RESULT_BYTES = 1024 * 1024  # one result's JSON (a PNG is base64): one host line holds it
 MAX_CELL_RESULT_BYTES = 8 * 1024 * 1024  # all of one cell's results
@@ -165,6 +187,7 @@ K_PRESIZE = "presize"
 K_PWAIT = "pwait"
 K_PDELETE = "pdelete"
 K_DETACH = "detach"
+K_CREDIT = "credit"
 # Code contexts (kernels.py).
 K_CNEW = "cnew"
 K_CLIST = "clist"
@@ -175,6 +198,11 @@ K_CEV = "cev"
 # Guest -> host, inside an exec or pattach stream.
 K_STARTED = "started"
 K_GAP = "gap"
+
+# Flow control: the replies a stream's credit holds back, and the host's default window.
+FLOW_KINDS = frozenset({K_OUT, K_GAP, K_CEV})
+STREAM_KINDS = frozenset({K_EXEC, K_PATTACH, K_CRUN})
+STREAM_WINDOW = 1024 * 1024
 
 # Error codes carried in ``err`` replies; the host maps them to HTTP statuses.
 ERR_AUTH = "EAUTH"  # wrong or stale token
@@ -192,6 +220,12 @@ ERR_LIMIT = "ELIMIT"  # too many processes (or code contexts)
 ERR_NOKERNEL = "ENOKERNEL"  # the image cannot run this language's kernel (no Jupyter)
 
 Message = dict[str, Any]
+
+
+def cell_event_chars(*texts: str) -> int:
+    """What one cell event costs of MAX_CELL_STREAM_CHARS: its texts (a stream's text, or
+    an error's name, value and traceback lines) and CELL_EVENT_OVERHEAD."""
+    return CELL_EVENT_OVERHEAD + sum(len(x) for x in texts)
 
 
 def encode(msg: Message, data: bytes | None = None) -> bytes:

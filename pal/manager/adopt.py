@@ -1,7 +1,16 @@
 """Adoption after a crash or restart of the manager: the QEMUs a previous manager of this
 data dir left running are taken over from their state files (vm.VmRegistry.write_state),
-so a restart of the control plane never kills the sandboxes. A VM that cannot be adopted
-is killed; the scheduler's reconciliation then settles its state."""
+so a restart of the control plane never kills the sandboxes.
+
+- The guest's answer is awaited in CPU time, not wall time (``ADOPT_HEARTBEAT_S`` of an
+  uncontended CPU: pal/vmm/host_cpu.py), as identify does: a guest starved by a loaded
+  host is slow, not gone.
+- A VM that cannot be adopted is killed, found by what its QEMU's command line names (its
+  slot dir), whatever its state file says or lacks (a QEMU started just before the crash has
+  none yet); then every QEMU left under this data dir's ``vms/`` that no adopted VM owns is
+  killed too. No QEMU is ever left running without an owner.
+- The scheduler's reconciliation then settles the VM's state: a VM whose QEMU is gone but
+  that has a complete snapshot is paused from it, never failed (pal/scheduler/reconcile.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +20,13 @@ import json
 import logging
 import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pal.config import Settings
-from pal.errors import BackendError
+from pal.errors import BackendError, GuestTimeout
 from pal.ids import is_safe_id
 from pal.images.paths import ImagePaths, image_for_restore
 from pal.manager.channel import HarnessChannel
@@ -27,10 +37,14 @@ from pal.snapshots.layout import SnapshotRef
 from pal.spec import WaitPause, egress_from_json
 from pal.vmm import cgroups
 from pal.vmm.handoff import qemu_opt
+from pal.vmm.host_cpu import LoadSampler, Stretch
 from pal.vmm.jail import Jail, real_uid
 from pal.vmm.qemu import QemuVm, VmSpec
 
 log = logging.getLogger(__name__)
+
+ADOPT_HEARTBEAT_S = 5.0  # seconds of an uncontended CPU for an adopted guest to heartbeat
+STRETCH_SLICE_S = 0.25  # how often that wait looks at the host's load
 
 
 @dataclass
@@ -43,6 +57,7 @@ class AdoptDeps:
     jail: Jail
     net: VmNetworking
     forks: ForkMemory
+    load: LoadSampler  # the guest's answer is awaited in CPU time
 
 
 class Adopter:
@@ -68,15 +83,26 @@ class Adopter:
                 self.d.registry.slots.assign(lv.vm_id, lv.slot)
                 adopted.append(lv.vm_id)
                 continue
-            if _kill_leftover(vm_dir):
+            if await asyncio.to_thread(_kill_all, _qemus_labelled(f"{vm_dir}/")):
                 killed.append(vm_dir.name)
-            if self.d.settings.cgroups and is_safe_id(vm_dir.name):  # its QEMU is gone: so are its limits
-                await asyncio.to_thread(cgroups.remove_leftover, vm_dir.name)
+            await self._forget_slot(vm_dir.name)
             shutil.rmtree(vm_dir, ignore_errors=True)
+        # Whatever is left under vms/ that nobody adopted (its dir gone, or made meanwhile).
+        owned = {lv.qemu.pid for lv in self.d.registry.vms.values()}
+        for pid, slot in _qemus_labelled(f"{root}/").items():
+            if pid not in owned and await asyncio.to_thread(_kill_all, {pid: slot}):
+                log.warning("killed QEMU %d of slot %s: no VM of this node owns it", pid, slot)
+                killed.append(slot)
+                await self._forget_slot(slot)
         await self.d.forks.adopted(
             lv.mem_snapshot_id for lv in self.d.registry.vms.values() if lv.mem_snapshot_id
         )
         return adopted, killed
+
+    async def _forget_slot(self, slot: str) -> None:
+        """Its QEMU is gone: so are its limits (its namespace goes at settle)."""
+        if self.d.settings.cgroups and is_safe_id(slot):
+            await asyncio.to_thread(cgroups.remove_leftover, slot)
 
     def _spec(
         self, st: dict[str, Any], vm_dir: Path, image: ImagePaths, run_as: tuple[int, int] | None
@@ -137,7 +163,17 @@ class Adopter:
             mem_share=bool(st["memShare"]),
             keep_paused=live is not None,
         )
-        channel = await _reconnect(qemu, spec.vm_id, int(st["incarnation"]), paused=live is not None)
+        channel = HarnessChannel(qemu.agent_socket, spec.vm_id, self.d.settings.slow_reader_secs)
+        try:
+            await channel.connect(timeout=2)
+            if live is None:
+                # The harness heartbeats as soon as it sees the new connection (a
+                # live-paused one when it runs again: it is silent until then).
+                await _heard(channel, qemu, int(st["incarnation"]), Stretch(ADOPT_HEARTBEAT_S, self.d.load))
+        except BaseException:
+            await channel.close()
+            await qemu.kill()
+            raise
         mem_ref = None
         if st.get("memRef"):
             av, src, snap = st["memRef"]
@@ -168,29 +204,50 @@ class Adopter:
         )
 
 
-async def _reconnect(qemu: QemuVm, vm_id: str, incarnation: int, *, paused: bool) -> HarnessChannel:
-    """The adopted guest's channel, heard from (a live-paused one is not: it is silent)."""
-    channel = HarnessChannel(qemu.agent_socket, vm_id)
-    try:
-        await channel.connect(timeout=2)
-        if not paused:
-            # The harness heartbeats as soon as it sees the new connection (a
-            # live-paused one when it runs again).
-            await channel.wait_heartbeat(incarnation, timeout=5)
-    except BaseException:
-        await channel.close()
-        await qemu.kill()
-        raise
-    return channel
+async def _heard(channel: HarnessChannel, qemu: QemuVm, incarnation: int, budget: Stretch) -> None:
+    """Wait until the guest heartbeats as ``incarnation``, for ``budget`` of CPU time."""
+    while True:
+        if qemu.exited.is_set():
+            raise BackendError(f"VM {channel.vm_id}: its QEMU exited during adoption")
+        try:
+            await channel.wait_heartbeat(incarnation, timeout=STRETCH_SLICE_S)
+            return
+        except GuestTimeout:
+            if budget.expired:
+                why = f"harness did not report incarnation {incarnation} in {budget.describe()}"
+                raise GuestTimeout(f"VM {channel.vm_id}: {why}") from None
 
 
-def _kill_leftover(vm_dir: Path) -> bool:
-    with contextlib.suppress(OSError, ValueError):
-        pid = int((vm_dir / "qemu.pid").read_text().strip())
-        if _is_qemu_of(pid, vm_dir, None):
-            os.killpg(pid, 9)
-            return True
-    return False
+def _qemus_labelled(label: str) -> dict[int, str]:
+    """The QEMUs (pid -> slot, from their ``-name``) whose command line names a file under
+    ``label`` (a slot dir, or the whole ``vms/``: handoff.py labels every file it passes)."""
+    needle = b"opaque=" + qemu_opt(label).encode()  # the label of a path: not any substring
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isascii() or not d.name.isdigit():
+            continue
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not args or b"qemu-system" not in args[0] or not any(needle in a for a in args):
+            continue
+        name = next((a for a in args if a.startswith(b"pal-")), b"")
+        found[int(d.name)] = name.split(b",", 1)[0].decode("latin-1", "replace").removeprefix("pal-")
+    return found
+
+
+def _kill_all(pids: dict[int, str]) -> bool:
+    """SIGKILL each (and its process group), and reap what can be reaped; True if any."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:  # our children (a previous manager's are init's): reaped, not zombies
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+    return bool(pids)
 
 
 def _is_qemu_of(pid: int, vm_dir: Path, uid: int | None) -> bool:

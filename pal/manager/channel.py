@@ -10,10 +10,19 @@ The guest is hostile, so (docs/security.md, "The guest channel"):
   and a guest that keeps sending such lines loses its channel. Nothing a guest sends can
   raise out of the reader: the worst outcome is that *this* channel ends;
 - lines are at most ``MAX_GUEST_LINE_BYTES``; a longer one is discarded as it streams in;
-- each request's inbox is bounded (``INBOX_BYTES``); while it is full the reader stops
-  reading the guest's socket, so a guest flooding output into a slow consumer is throttled
-  by its own socket instead of growing the server's memory. A request that ends closes its
-  inbox, which releases the reader;
+- the reader never waits for a consumer: each stream has flow control (protocol.py,
+  "Flow control"): the guest may send ``STREAM_WINDOW`` bytes ahead of the stream's reader,
+  and the host grants more as the reader takes them. So a slow reader holds back only its
+  own stream in the guest (its process slows, its output stays in the journal), while
+  heartbeats and every other request's answers get through. An inbox holds at most its
+  window and one line; a guest that sends past its credit (or a harness too old for
+  credits) has that stream detached and the excess dropped;
+- a reader that takes nothing from a stream whose credit is used up for ``slow_reader_s``
+  is detached from it (``detach {reason: slow-reader}``; a cell is interrupted): the
+  stream ends for its reader after what it held, with ``ok {detached, reason:
+  "slow-reader"}``, and the process runs on, its output in the journal for a reattach;
+- a stalled stream is not the guest talking: only heartbeats (and identify) count as
+  hearing from it (``last_heard``);
 - the reader yields to the event loop after every line, so one busy guest cannot starve
   the other VMs' channels or the API;
 - a write the guest does not take within ``SEND_TIMEOUT_S`` ends the channel (a half
@@ -43,7 +52,10 @@ log = logging.getLogger(__name__)
 
 _CLOSED = object()  # inbox sentinel: the channel (or the request) went away
 
-INBOX_BYTES = 1 << 20  # wire bytes one request may have waiting (16 exec output chunks)
+STREAM_WINDOW = p.STREAM_WINDOW  # wire bytes a stream's guest may send ahead of its reader
+CREDIT_STEP = STREAM_WINDOW // 4  # credit goes back to the guest in steps of at least this
+SLOW_READER_S = 30.0  # a reader that takes nothing for this long, with the credit used up
+SLOW_READER = "slow-reader"
 SEND_TIMEOUT_S = 30.0  # a guest that takes no input for this long has lost its channel
 REPLY_TIMEOUT_S = 30.0  # a request's default wait for its answer
 # A guest sending more undecodable or malformed lines than this within the window is not
@@ -68,31 +80,56 @@ class GuestError(BackendError):
 
 
 class _Inbox:
-    """The replies of one request, at most ``max_bytes`` of them waiting (one message is
-    always accepted). ``put`` waits while full; ``close`` releases everyone; ``get`` after
-    close returns what is left, then ``_CLOSED``."""
+    """The replies of one request. ``offer`` never waits: it takes a stream's reply while the
+    inbox holds less than ``window`` bytes plus a line or two (one message is always taken),
+    a single request's first reply only, and refuses the rest. ``get`` waits for one; after
+    ``close`` it returns what is left, then ``_CLOSED``. For a stream it also keeps the
+    credit books: ``owed`` is what the reader took and the guest was not told yet."""
 
-    def __init__(self, max_bytes: int = INBOX_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._items: collections.deque[tuple[Any, int]] = collections.deque()
+    def __init__(self, window: int = STREAM_WINDOW, on_slow: str | None = None) -> None:
+        self.window = window
+        self.on_slow = on_slow  # a stream: what a slow reader sends the guest (detach, cancel)
+        self._items: collections.deque[tuple[Any, int, bool]] = collections.deque()
         self._bytes = 0
         self._closed = False
         self._readable = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self.received = 0  # bytes of flow-controlled replies received
+        self.granted = window  # credit given to the guest so far
+        self.owed = 0
+        self.last_get = time.monotonic()
+        self.watch: asyncio.TimerHandle | None = None  # the slow-reader check, when armed
+        self.slow = False  # detached for a slow reader (or for a guest past its credit)
 
-    def full(self, size: int) -> bool:
-        return bool(self._items) and self._bytes + size > self.max_bytes
-
-    async def put(self, item: Any, size: int) -> None:
-        while not self._closed and self.full(size):
-            self._writable.clear()
-            await self._writable.wait()
+    def offer(self, item: Any, size: int, flow: bool) -> bool:
+        """``flow``: a reply the guest's credit covers (protocol.FLOW_KINDS of a stream)."""
         if self._closed:
-            return  # nobody will read it
-        self._items.append((item, size))
+            return True  # nobody will read it
+        if self.on_slow is None and self._items:
+            return False  # a single request's answer came: more is noise
+        if flow:
+            self.received += size
+        # Output may overshoot its credit by one line; a stream's few other replies (its
+        # start and end) by one more.
+        limit = self.window + gi.MAX_GUEST_LINE_BYTES * (1 if flow else 2)
+        if self._items and self._bytes + size > limit:
+            return False
+        self._put(item, size, flow)
+        return True
+
+    def _put(self, item: Any, size: int, flow: bool) -> None:
+        self._items.append((item, size, flow))
         self._bytes += size
         self._readable.set()
+
+    def end_with(self, item: Any) -> None:
+        """Queue ``item`` as the last reply (whatever the bound) and take no more."""
+        if not self._closed:
+            self._put(item, 0, False)
+            self._closed = True
+
+    def exhausted(self) -> bool:
+        """The guest has used its credit: it waits for the reader."""
+        return self.received >= self.granted
 
     async def get(self) -> Any:
         while not self._items:
@@ -100,15 +137,19 @@ class _Inbox:
                 return _CLOSED
             self._readable.clear()
             await self._readable.wait()
-        item, size = self._items.popleft()
+        item, size, flow = self._items.popleft()
         self._bytes -= size
-        self._writable.set()
+        if flow:
+            self.owed += size
+        self.last_get = time.monotonic()
         return item
 
     def close(self) -> None:
         self._closed = True
         self._readable.set()
-        self._writable.set()
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
 
 
 def _decode(line: bytes) -> Any:
@@ -124,9 +165,10 @@ def _decode(line: bytes) -> Any:
 
 
 class HarnessChannel:
-    def __init__(self, socket_path: Path, vm_id: str) -> None:
+    def __init__(self, socket_path: Path, vm_id: str, slow_reader_s: float = SLOW_READER_S) -> None:
         self.socket_path = socket_path
         self.vm_id = vm_id
+        self.slow_reader_s = slow_reader_s
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
@@ -137,9 +179,7 @@ class HarnessChannel:
         self.heartbeat: dict[str, Any] | None = None
         self.heartbeat_at = 0.0  # host monotonic time of the latest heartbeat
         self.first_line_at = 0.0  # host monotonic time the guest first said anything (restore timing)
-        # Host monotonic time since when the reader waits for a full inbox to drain (the
-        # guest is talking, we are not listening), else None.
-        self.stalled_since: float | None = None
+        self.slow_readers = 0  # streams detached for a slow reader (or a guest past its credit)
         self.violations = 0  # malformed lines dropped, over the channel's life
         self._recent: collections.deque[float] = collections.deque()
         self._hb_cond = asyncio.Condition()
@@ -167,11 +207,9 @@ class HarnessChannel:
         self.heartbeat_at = time.monotonic()
 
     def last_heard(self) -> float:
-        """Host monotonic time the guest was last heard from: its latest heartbeat, or now
-        while the reader is held back by a full inbox (the guest is talking; its heartbeats
-        wait behind the output we are not reading yet). 0.0: never."""
-        if self.stalled_since is not None and not self.closed.is_set():
-            return time.monotonic()
+        """Host monotonic time the guest was last heard from: its latest heartbeat (or an
+        identify answer). 0.0: never. Output waiting for a slow reader is not hearing from
+        it: the reader never stalls on it, so heartbeats arrive on time or not at all."""
         return self.heartbeat_at
 
     def _violation(self, what: str) -> bool:
@@ -218,12 +256,7 @@ class HarnessChannel:
                 else:
                     inbox = self._pending.get(rid)
                     if inbox is not None:  # else: a late reply to a request that ended
-                        if inbox.full(len(line)):
-                            self.stalled_since = time.monotonic()
-                        try:
-                            await inbox.put(msg, len(line))
-                        finally:
-                            self.stalled_since = None
+                        self._deliver(rid, inbox, msg, len(line))
                 # Fairness: a guest that keeps its socket full must not hold the loop.
                 await asyncio.sleep(0)
             if len(self._recent) > MAX_VIOLATIONS:
@@ -245,6 +278,56 @@ class HarnessChannel:
                 async with self._hb_cond:
                     self._hb_cond.notify_all()
 
+    def _deliver(self, rid: int, inbox: _Inbox, msg: p.Message, size: int) -> None:
+        """Into its inbox, never waiting (see the module's doc)."""
+        flow = inbox.on_slow is not None and msg["k"] in p.FLOW_KINDS
+        if not inbox.offer(msg, size, flow):
+            if inbox.on_slow is not None:  # past its credit: an old or hostile harness
+                self._detach_slow(rid, inbox, "sent past its credit")
+            return  # a second answer to a single request: noise
+        if flow and inbox.exhausted() and inbox.watch is None:
+            self._watch(rid, inbox, self.slow_reader_s)
+
+    def _watch(self, rid: int, inbox: _Inbox, delay: float) -> None:
+        inbox.watch = asyncio.get_running_loop().call_later(delay, self._check_slow, rid, inbox)
+
+    def _check_slow(self, rid: int, inbox: _Inbox) -> None:
+        inbox.watch = None
+        if self._pending.get(rid) is not inbox or inbox.slow or not inbox.exhausted():
+            return
+        idle = time.monotonic() - inbox.last_get
+        if idle < self.slow_reader_s:
+            self._watch(rid, inbox, self.slow_reader_s - idle)
+            return
+        self._detach_slow(rid, inbox, f"its reader took nothing for {idle:.0f}s")
+
+    def _detach_slow(self, rid: int, inbox: _Inbox, why: str) -> None:
+        """End the stream for its reader (after what it holds) and tell the guest: a
+        process's stream is detached (its output stays in the journal), a cell interrupted."""
+        if inbox.slow:
+            return
+        inbox.slow = True
+        self.slow_readers += 1
+        log.info("channel %s: stream %d detached (%s): %s", self.vm_id, rid, SLOW_READER, why)
+        inbox.end_with({"k": p.K_OK, "id": rid, "result": {"detached": True, "reason": SLOW_READER}})
+        assert inbox.on_slow is not None
+        self._post_nowait({"k": inbox.on_slow, "target": rid, "reason": SLOW_READER})
+
+    def _post_nowait(self, msg: p.Message) -> None:
+        """A small control message (credit, detach) written without waiting: it is never
+        held behind a consumer, and its bytes are few (one per CREDIT_STEP taken)."""
+        if self._writer is None or self.closed.is_set():
+            return
+        with contextlib.suppress(Exception):
+            self._writer.write(p.encode({**msg, "id": next(self._ids)}))
+
+    def _grant(self, rid: int, inbox: _Inbox) -> None:
+        """Return what the reader took to the guest, in steps of CREDIT_STEP."""
+        if inbox.on_slow is not None and inbox.owed >= CREDIT_STEP and not inbox.slow:
+            n, inbox.owed = inbox.owed, 0
+            inbox.granted += n
+            self._post_nowait({"k": p.K_CREDIT, "target": rid, "n": n})
+
     async def _send(self, msg: p.Message, data: bytes | None = None) -> None:
         if self._writer is None or self.closed.is_set():
             raise ChannelClosed(f"VM {self.vm_id}: guest channel is closed")
@@ -263,11 +346,11 @@ class HarnessChannel:
             except (ConnectionError, OSError) as exc:
                 raise ChannelClosed(f"VM {self.vm_id}: guest channel broke: {exc}") from exc
 
-    def _open_inbox(self) -> tuple[int, _Inbox]:
+    def _open_inbox(self, on_slow: str | None = None) -> tuple[int, _Inbox]:
         if self.closed.is_set():
             raise ChannelClosed(f"VM {self.vm_id}: guest channel is closed")
         rid = next(self._ids)
-        inbox = _Inbox()
+        inbox = _Inbox(on_slow=on_slow)
         self._pending[rid] = inbox
         return rid, inbox
 
@@ -322,16 +405,17 @@ class HarnessChannel:
             await replies.aclose()
 
     async def start_stream(
-        self, msg: p.Message, abandon: str = p.K_CANCEL
+        self, msg: p.Message, abandon: str = p.K_CANCEL, on_slow: str = p.K_DETACH
     ) -> AsyncGenerator[p.Message, None]:
         """:meth:`stream` in two steps: send the request now, and return the iterator of
         its replies (which the caller must iterate or ``aclose``). The caller knows the
         request is in the guest's channel when this returns (live pause orders by it).
         ``abandon``: what an early close sends the guest (``cancel`` kills an exec's
-        command, ``detach`` only ends the stream)."""
-        rid, inbox = self._open_inbox()
+        command, ``detach`` only ends the stream); ``on_slow``: what a slow reader's does
+        (``detach``: the process runs on; ``cancel``: a cell is interrupted)."""
+        rid, inbox = self._open_inbox(on_slow)
         try:
-            await self._send({**msg, "id": rid})
+            await self._send({**msg, "id": rid, "window": inbox.window})
         except BaseException:
             self._close_inbox(rid)
             raise
@@ -342,6 +426,7 @@ class HarnessChannel:
         try:
             while True:
                 reply = await inbox.get()
+                self._grant(rid, inbox)
                 if reply is _CLOSED:
                     finished = True
                     raise ChannelClosed(f"VM {self.vm_id}: guest channel closed during exec")

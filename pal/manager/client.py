@@ -15,7 +15,14 @@ import httpx
 
 from pal.errors import Unavailable, from_wire
 from pal.manager.client_code import CodeCalls
-from pal.manager.client_http import UNREACHABLE, NodeHttp
+from pal.manager.client_http import (
+    CONTROL_CONNECTIONS,
+    CONTROL_POOL_WAIT_S,
+    DEFAULT_MAX_STREAMS,
+    UNREACHABLE,
+    NodeHttp,
+    StreamSlots,
+)
 from pal.manager.client_processes import ProcessCalls
 from pal.manager.models import (
     BrokeredSet,
@@ -50,21 +57,28 @@ from pal.spec import ExecRequest
 
 TUNNEL_OPEN_TIMEOUT_S = 30.0  # the node's connect to the guest has its own 10 s bound
 
-# Spawns include a cold boot under TCG; snapshots include checksumming.
-LONG_TIMEOUT = httpx.Timeout(300.0, connect=5.0)
-SPAWN_TIMEOUT = httpx.Timeout(None, connect=5.0)
+# Spawns include a cold boot under TCG; snapshots include checksumming. No call waits for
+# a free connection longer than CONTROL_POOL_WAIT_S (client_http.py).
+LONG_TIMEOUT = httpx.Timeout(300.0, connect=5.0, pool=CONTROL_POOL_WAIT_S)
+SPAWN_TIMEOUT = httpx.Timeout(None, connect=5.0, pool=CONTROL_POOL_WAIT_S)
 # A heartbeat is a read of the node's books: a node that takes longer is as good as silent
 # (reconciliation must not hang on it).
-HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
+HEARTBEAT_TIMEOUT = httpx.Timeout(15.0, connect=5.0, pool=CONTROL_POOL_WAIT_S)
 
 
 class ManagerClient(ProcessCalls, CodeCalls, NodeHttp):
     """``ManagerClient(socket)``: the embedded node's root-only unix socket.
     ``ManagerClient(url=..., token=...)``: a remote node over HTTP, every request carrying
-    the node's token (``Authorization: Bearer``; pal/manager/auth.py)."""
+    the node's token (``Authorization: Bearer``; pal/manager/auth.py). ``max_streams``: the
+    node's budget of long-lived calls (client_http.py)."""
 
     def __init__(
-        self, socket_path: Path | None = None, *, url: str | None = None, token: str | None = None
+        self,
+        socket_path: Path | None = None,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        max_streams: int = DEFAULT_MAX_STREAMS,
     ) -> None:
         if (socket_path is None) == (url is None):
             raise ValueError("ManagerClient needs exactly one of a unix socket path or a URL")
@@ -72,16 +86,25 @@ class ManagerClient(ProcessCalls, CodeCalls, NodeHttp):
         self.url = url
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._auth_headers = dict(headers)
-        transport = httpx.AsyncHTTPTransport(uds=str(socket_path)) if socket_path is not None else None
-        self._http = httpx.AsyncClient(
-            transport=transport,
-            base_url=url or "http://manager",
+        self.slots = StreamSlots(max_streams)
+        self._http = self._client(headers, httpx.Limits(max_connections=CONTROL_CONNECTIONS))
+        # Grows with the streams open, up to their budget (one connection each).
+        self._streams = self._client(
+            headers, httpx.Limits(max_connections=max_streams, max_keepalive_connections=32)
+        )
+
+    def _client(self, headers: dict[str, str], limits: httpx.Limits) -> httpx.AsyncClient:
+        uds = str(self.socket_path) if self.socket_path is not None else None
+        return httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=uds, limits=limits),
+            base_url=self.url or "http://manager",
             timeout=LONG_TIMEOUT,
             headers=headers,
         )
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._streams.aclose()
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         # No read timeout: a spawn waits its turn for free CPU on the node, as long as the
@@ -112,6 +135,7 @@ class ManagerClient(ProcessCalls, CodeCalls, NodeHttp):
         return None if raw is None else LiveState.model_validate(raw)
 
     async def notices(self, after: int, epoch: str, wait_s: float) -> Notices:
+        # The control plane's own long poll (one per node, bounded by wait_s): a control call.
         resp = await self._call(
             "GET",
             "/notices",
@@ -132,9 +156,19 @@ class ManagerClient(ProcessCalls, CodeCalls, NodeHttp):
                 yield ev
 
     async def open_port(self, vm_id: str, port: int) -> TunnelStream:
+        path = f"/vms/{vm_id}/ports/{port}"
+        self.slots.take()  # a tunnel is long-lived: given back when it closes
+        try:
+            stream = await self._open_tunnel(path)
+        except BaseException:
+            self.slots.give()
+            raise
+        stream.on_close(self.slots.give)
+        return stream
+
+    async def _open_tunnel(self, path: str) -> TunnelStream:
         from websockets.asyncio.client import connect, unix_connect
 
-        path = f"/vms/{vm_id}/ports/{port}"
         opts: dict[str, Any] = {
             "max_size": MAX_FRAME,
             "compression": None,

@@ -23,7 +23,8 @@ class CodeCalls(NodeHttp):
                 yield CodeEvent.model_validate(raw)
 
     async def create_context(self, vm_id: str, req: ContextCreate) -> CodeContext:
-        resp = await self._call("POST", f"/vms/{vm_id}/code/contexts", json=self._body(req))
+        # A kernel's start may take minutes under TCG: long-lived.
+        resp = await self._long("POST", f"/vms/{vm_id}/code/contexts", json=self._body(req))
         return CodeContext.model_validate(resp.json())
 
     async def list_contexts(self, vm_id: str) -> list[CodeContext]:

@@ -35,7 +35,8 @@ class ProcessCalls(NodeHttp):
     async def read_output(
         self, vm_id: str, pid: int, start: int, max_bytes: int, wait_ms: int
     ) -> ProcessOutput:
-        resp = await self._call(
+        call = self._long if wait_ms > 0 else self._call  # a long poll is long-lived
+        resp = await call(
             "GET",
             f"/vms/{vm_id}/processes/{pid}/output",
             params={"from": start, "maxBytes": max_bytes, "waitMs": wait_ms},
@@ -56,7 +57,8 @@ class ProcessCalls(NodeHttp):
         await self._call("POST", f"/vms/{vm_id}/processes/{pid}/resize", json=size.model_dump())
 
     async def wait_process(self, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo:
-        resp = await self._call(
+        call = self._long if timeout_ms > 0 else self._call
+        resp = await call(
             "POST",
             f"/vms/{vm_id}/processes/{pid}/wait",
             params={"timeoutMs": timeout_ms},

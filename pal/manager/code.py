@@ -12,7 +12,6 @@ the harness's kernels (pal/guest/kernels.py), under the rules of exec and proces
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -75,17 +74,33 @@ def context(raw: object) -> CodeContext:
 
 
 class CellBound:
-    """The host's bound on one cell's events (the guest's, checked again)."""
+    """The host's bound on one cell's events: the guest's (pal/guest/kernels.py), counted
+    the same way and checked again. Stream text and error events share
+    MAX_CELL_STREAM_CHARS (+ the notes' reserve), each event with its overhead
+    (protocol.cell_event_chars); results MAX_CELL_RESULTS and MAX_CELL_RESULT_BYTES; an
+    ``application/json`` result must parse within MAX_RESULT_JSON_DEPTH. Past a bound an
+    event is dropped (a guest that honours the bound never gets there)."""
+
+    TEXT_LIMIT = p.MAX_CELL_STREAM_CHARS + p.CELL_NOTE_RESERVE
 
     def __init__(self) -> None:
         self.chars = self.result_bytes = self.results = 0
+        self.dropped = 0
+
+    def _fits(self, cost: int) -> bool:
+        if self.chars + cost > self.TEXT_LIMIT:
+            self.dropped += 1
+            return False
+        self.chars += cost
+        return True
 
     def event(self, ev: dict[str, Any]) -> CodeEvent | None:
         t = ev.get("t")
         if t == "stream" and ev.get("name") in ("stdout", "stderr") and isinstance(ev.get("text"), str):
-            text = ev["text"][: max(0, p.MAX_CELL_STREAM_CHARS + 1024 - self.chars)]  # + its notes
-            self.chars += len(text)
-            return CodeEvent(type=ev["name"], text=_plain(text, len(text))) if text else None
+            text = _plain(ev["text"], p.STREAM_EVENT_CHARS)
+            if not text or not self._fits(p.cell_event_chars(text)):
+                return None
+            return CodeEvent(type=ev["name"], text=text)
         if t == "result" and isinstance(ev.get("mime"), dict):
             return self._result(ev["mime"], ev.get("main") is True)
         if t == "error":
@@ -93,6 +108,8 @@ class CellBound:
             lines = raw[:200] if isinstance(raw, list) else []
             tb = [_ANSI.sub("", _plain(x, 10_000)) for x in lines]
             name, value = _plain(ev.get("name"), 200), _plain(ev.get("value"), 10_000)
+            if not self._fits(p.cell_event_chars(name, value, *tb)):
+                return None
             return CodeEvent(type="error", error=CodeError(name=name, value=value, traceback=tb))
         return None
 
@@ -107,13 +124,25 @@ class CellBound:
         self.results += 1
         self.result_bytes += size
         if not data or self.results > p.MAX_CELL_RESULTS or self.result_bytes > p.MAX_CELL_RESULT_BYTES:
+            self.dropped += 1
             return None
         if "application/json" in data:
-            try:
-                data["application/json"] = json.loads(data["application/json"])
-            except ValueError:
-                del data["application/json"]
+            parsed = gi.nested_json(data["application/json"], p.MAX_RESULT_JSON_DEPTH)
+            if parsed is None:
+                del data["application/json"]  # not JSON, or nested too deep to carry
+                if not data:
+                    return None
+            else:
+                data["application/json"] = parsed
         return CodeEvent(type="result", data=data, is_main_result=main)
+
+
+SLOW_READER_CODE = "SLOW_READER"
+
+
+def _detached(reply: p.Message) -> bool:
+    res = reply.get("result")
+    return isinstance(res, dict) and res.get("detached") is True
 
 
 def _end(res: object) -> CodeEvent:
@@ -146,7 +175,8 @@ class GuestCode:
             "timeout": req.timeout_secs or DEFAULT_TIMEOUT_SECS,
         }
         bound = CellBound()
-        async with lv.exec_in_flight(msg) as replies:
+        # A reader that stops taking the cell's events interrupts it (channel.py).
+        async with lv.exec_in_flight(msg, on_slow=p.K_CANCEL) as replies:
             async for reply in replies:
                 kind = reply["k"]
                 if kind == p.K_CEV:
@@ -156,6 +186,12 @@ class GuestCode:
                 elif kind == p.K_ERR:
                     code, message = gi.error(reply)
                     raise _error(GuestError(code, message))
+                elif kind == p.K_OK and _detached(reply):
+                    raise Unavailable(
+                        f"VM {vm_id}: the cell's reader took none of its events for too long: the cell"
+                        " was interrupted (read a streamed cell as it comes)",
+                        code=SLOW_READER_CODE,
+                    )
                 elif kind == p.K_OK:
                     try:
                         yield _end(reply.get("result"))

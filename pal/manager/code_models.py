@@ -9,10 +9,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pal.guest import protocol as p
+from pal.ids import CONTEXT_ID_PATTERN as CONTEXT_ID_PATTERN
 from pal.manager.models import WireModel as _Model
 
 Language = Literal["python", "bash"]
-CONTEXT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_TIMEOUT_SECS = 24 * 3600
 MAX_ENV_VARS = 256
 DEFAULT_TIMEOUT_SECS = 300.0  # a cell without timeoutSecs
@@ -98,3 +98,9 @@ class CodeResult(_Model):
     text: str | None = Field(..., description="the last expression's text/plain, or null")
     error: CodeError | None = Field(..., description="the cell's exception (name, value, traceback), or null")
     timed_out: bool = Field(False, description="the timeout interrupted the cell; the context stays usable")
+    truncated: bool | None = Field(
+        default=None,
+        description="true: the tenant's budget of buffered output on this server (PAL_EXEC_BUFFER_MIB)"
+        " ran out during the cell, and what came past it was not kept (stream the cell with SSE for all);"
+        " absent otherwise",
+    )

@@ -127,6 +127,10 @@ async def _exec_events(lv: LiveVm, replies: AsyncIterator[p.Message]) -> AsyncIt
         elif kind == p.K_ERR:
             code, message = gi.error(reply)
             yield ExecEvent(type="error", code=code, message=message)
+        elif kind == p.K_OK:  # detached (channel.py: a slow reader); the process runs on
+            res = reply.get("result")
+            why = res.get("reason") if isinstance(res, dict) else None
+            yield ExecEvent(type="detached", reason=gi.text(why, 32) if why else "detached")
 
 
 def _bad_reply(vm_id: str, kind: str, exc: gi.BadReply) -> PalError:

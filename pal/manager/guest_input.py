@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import re
 from typing import Any
@@ -82,6 +83,25 @@ def integer(value: object, lo: int, hi: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         return None
     return value
+
+
+def nested_json(raw: str, max_depth: int) -> Any:
+    """The JSON value of ``raw`` when it parses and nests at most ``max_depth`` arrays and
+    objects deep, else None (as for ``null`` itself). Too deep for the parser (a
+    RecursionError) is too deep."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    level, depth = [value], 0
+    while True:
+        containers = [v for v in level if isinstance(v, dict | list)]
+        if not containers:
+            return value
+        depth += 1
+        if depth > max_depth:
+            return None
+        level = [x for v in containers for x in (v.values() if isinstance(v, dict) else v)]
 
 
 def route(msg: object) -> tuple[int, str] | None:

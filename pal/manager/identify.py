@@ -28,9 +28,11 @@ class Identity:
     env: dict[str, str] = field(default_factory=dict)
     mac: str = ""
     ca: str = ""  # PEM of the tenant CA (brokered secrets), else ""
+    own: bool = True  # a tenant's VM (False: a template's or a pooled VM's; protocol.py)
 
     def message(self, hb_interval: float) -> p.Message:
         return {
+            "own": self.own,
             "ca_pem": self.ca,
             "mac": self.mac,
             "k": p.K_IDENTIFY,

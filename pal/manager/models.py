@@ -351,11 +351,13 @@ class ExecEvent(StreamError):
     """One line of the exec NDJSON stream; mirrors the API's SSE events."""
 
     # ``process``: the first event, naming the exec's process (``process_id``), whose output
-    # stays readable by that id (pal/manager/processes.py).
-    type: Literal["process", "stdout", "stderr", "exit", "error"]
+    # stays readable by that id (pal/manager/processes.py). ``detached``: the stream ended
+    # before the command did (``reason``: slow-reader); the process runs on.
+    type: Literal["process", "stdout", "stderr", "exit", "error", "detached"]
     process_id: int | None = None
     data: str | None = None
     exit_code: int | None = None
+    reason: str | None = None
 
 
 class FileList(_Model):

@@ -71,7 +71,9 @@ def brokered_of(req: SpawnRequest) -> Brokered:
 
 def identity_of(req: SpawnRequest, mac: str) -> Identity:
     ca = req.tenant_ca.cert if req.tenant_ca and req.brokered else ""
-    return Identity(req.vm_id, req.incarnation, req.token, req.env, mac, ca)
+    # A template's or a pool's VM has no tenant: it must not fix what each VM restored from
+    # it should draw for itself (the kernel's boot_id).
+    return Identity(req.vm_id, req.incarnation, req.token, req.env, mac, ca, own=bool(req.tenant_id))
 
 
 def continued_timings(

@@ -118,7 +118,9 @@ class NodeRuntime:
         self.code = GuestCode(reg)  # code contexts, the same way (rpc_code.py)
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
-        self.adopter = Adopter(AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks))
+        self.adopter = Adopter(
+            AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks, gate.sampler)
+        )
         self.reports = NodeReports(
             ReportDeps(self.me, settings, store, reg, lambda: self.templates, self, gate.sampler)
         )

@@ -347,9 +347,9 @@ class Spawner:
         """The guest answers on its channel and takes its identity (identify.py)."""
         assert s.qemu is not None and s.src is not None
         t_vmm = time.perf_counter()
-        s.channel = HarnessChannel(s.qemu.agent_socket, s.req.vm_id)
-        await s.channel.connect()
         settings = self.d.settings
+        s.channel = HarnessChannel(s.qemu.agent_socket, s.req.vm_id, settings.slow_reader_secs)
+        await s.channel.connect()
         cold = s.src.method == "cold"
         timeout = COLD_BOOT_TIMEOUT_S if cold else settings.harness_ready_timeout_ms / 1000
         who = identity_of(s.req, self.d.net.new_mac())

@@ -131,6 +131,7 @@ class TunnelStream:
         self.route = route
         self._buf = b""
         self._eof = False
+        self._closers: list[Callable[[], None]] = []  # called once, at the first aclose
 
     async def read(self, max_bytes: int = FRAME_BYTES) -> bytes:
         """Up to ``max_bytes``; b"" at the end of the stream."""
@@ -159,9 +160,18 @@ class TunnelStream:
     async def write_eof(self) -> None:
         await self.ws.send(EOF)
 
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs when the stream is closed (what it held is given back)."""
+        self._closers.append(fn)
+
     async def aclose(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.ws.close()
+        closers, self._closers = self._closers, []
+        try:
+            with contextlib.suppress(Exception):
+                await self.ws.close()
+        finally:
+            for fn in closers:
+                fn()
 
 
 async def open_tunnel(ws: Any) -> TunnelStream:

@@ -166,19 +166,20 @@ class LiveVm:
 
     @contextlib.asynccontextmanager
     async def exec_in_flight(
-        self, msg: p.Message, abandon: str = p.K_CANCEL
+        self, msg: p.Message, abandon: str = p.K_CANCEL, on_slow: str = p.K_DETACH
     ) -> AsyncIterator[AsyncGenerator[p.Message, None]]:
         """The guest's replies to a streaming request (an exec, a cell, a process's output),
         counted as an exec in flight while they last (the VM stays awake). Sent under the
         VM's operation lock: a live pause comes either before (this answers 409
         LIVE_PAUSED, which the scheduler turns into a wake) or after the request is in the
-        guest's channel (and its probe, behind it, sees the exec)."""
+        guest's channel (and its probe, behind it, sees the exec). ``abandon``, ``on_slow``:
+        what an early close and a slow reader send the guest (channel.start_stream)."""
         async with self.op_lock:
             require_running(self)
             self.active_execs += 1
             self.touch()
             try:
-                replies = await self.channel.start_stream(msg, abandon=abandon)
+                replies = await self.channel.start_stream(msg, abandon=abandon, on_slow=on_slow)
             except BaseException:
                 self.active_execs -= 1
                 raise

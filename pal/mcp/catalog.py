@@ -9,6 +9,7 @@ from typing import Any
 import mcp_types as types
 
 from pal import sizes
+from pal.ids import ID_PATTERN
 
 from . import code_tool
 from .shaping import DEFAULT_OUTPUT_BYTES, MAX_OUTPUT_BYTES
@@ -18,7 +19,9 @@ MAX_YIELD_MS = 60_000  # the API's longest wait (exec's yieldAfterMs, a process 
 DEFAULT_READ_WAIT_MS = 10_000  # read_process_output waits this long for new output by default
 MAX_FORK_COUNT = 10  # per call: each child is a whole VM
 
-_VM = {"type": "string", "description": "the sandbox's id (vmId), e.g. vm-3f2a…"}
+# Ids have the API's pattern: anything else is refused before a tool runs (an id is never
+# pasted into a URL it could change: `vm-1/resume?x=` is no id).
+_VM = {"type": "string", "pattern": ID_PATTERN, "description": "the sandbox's id (vmId), e.g. vm-3f2a…"}
 _PID = {"type": "integer", "minimum": 1, "description": "the process id that run_command returned"}
 _MAX_BYTES = {
     "type": "integer",

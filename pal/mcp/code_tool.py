@@ -9,6 +9,7 @@ from typing import Any
 
 import mcp_types as types
 
+from pal.ids import CONTEXT_ID_PATTERN
 from pal.sdk import AsyncClient
 from pal.sdk.code import CodeResult
 
@@ -22,6 +23,7 @@ SCHEMA_PROPS: dict[str, Any] = {
     "language": {"type": "string", "enum": ["python", "bash"], "description": 'default "python"'},
     "contextId": {
         "type": "string",
+        "pattern": CONTEXT_ID_PATTERN,
         "description": "a context (kernel) of the sandbox; default: its default context of that language",
     },
     "timeoutSecs": {

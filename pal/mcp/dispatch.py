@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any, Literal
+from urllib.parse import quote
 
 import jsonschema
 import mcp_types as types
 
+from pal.ids import is_safe_id
 from pal.sdk import AsyncClient, PalApiError
 
 from .catalog import SCHEMAS
@@ -45,8 +47,10 @@ async def call_tool(
         outcome = await HANDLERS[name](client, args)
     except PalApiError as exc:
         vm = args.get("vmId")
-        # A VM that is not the caller's (or not there) has no log to write to.
-        vms: tuple[str, ...] = (vm,) if isinstance(vm, str) and exc.status not in (0, 401, 404) else ()
+        # A VM that is not the caller's (or not there) has no log to write to; the schema
+        # checked its id already, and it is checked again before it goes into a path.
+        failed_on = isinstance(vm, str) and is_safe_id(vm) and exc.status not in (0, 401, 404)
+        vms: tuple[str, ...] = (vm,) if failed_on and isinstance(vm, str) else ()
         await audit(client, name, vms, transport, False, exc)
         return api_error(exc)
     await audit(client, name, outcome.vms, transport, not outcome.result.is_error, None)
@@ -67,7 +71,9 @@ async def audit(
     if exc is not None:
         body.update(status=exc.status, code=re.sub(r"[^A-Z0-9_]", "_", exc.code.upper())[:64] or "ERROR")
     for vm in vms:
+        if not is_safe_id(vm):
+            continue  # never pasted into a path: the one route an audit calls is its VM's audit
         try:
-            await client.request("POST", f"/v1/runtime/vms/{vm}/audit", json=body)
+            await client.request("POST", f"/v1/runtime/vms/{quote(vm, safe='')}/audit", json=body)
         except PalApiError as err:  # the call itself is done: its answer still goes back
             log.warning("could not audit the %s call on %s: %s", name, vm, err)

@@ -7,6 +7,12 @@ leader forwarding as any API request.
 
 Stateless: each request stands alone (no session to pin to a replica, nothing to keep in
 memory between calls), which is all the tools need.
+
+Shared fairly (docs/security.md, "Fair shares"): a tenant holds at most
+``max_per_tenant`` requests here at once (an idle ``GET /mcp`` stream counts, as a tool
+call does); past it 429. And, as the MCP specification asks, a request whose ``Origin``
+is neither this server's own (the ``Host`` it was sent to) nor one of ``PAL_CORS_ORIGINS``
+is refused (403): a web page elsewhere never drives these tools.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from mcp.server.context import ServerRequestContext
@@ -30,8 +37,8 @@ MCP_PATH = "/mcp"
 INTERNAL_URL = "http://127.0.0.1"
 TOOL_CALL_TIMEOUT_S = 120.0  # above the longest wait a tool asks for (60 s)
 
-# The reason a key is refused (None: it is a tenant's key).
-KeyCheck = Callable[[str], Awaitable[str | None]]
+# (the key's tenant id, None), or (None, why the key is refused).
+KeyCheck = Callable[[str], Awaitable[tuple[str | None, str | None]]]
 
 
 def bearer_key(headers: Any) -> str | None:
@@ -43,9 +50,19 @@ class McpEndpoint:
     """The ASGI app at ``/mcp``. ``app``: the control plane's app the tools call (with the
     caller's key); ``check_key``: the API's key check, so a wrong key is a 401 here too."""
 
-    def __init__(self, app: ASGIApp, check_key: KeyCheck) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        check_key: KeyCheck,
+        *,
+        max_per_tenant: int = 128,
+        cors_origins: tuple[str, ...] = (),
+    ) -> None:
         self._app = app
         self._check_key = check_key
+        self.max_per_tenant = max_per_tenant
+        self.cors_origins = {o.rstrip("/") for o in cors_origins}
+        self.held: dict[str, int] = {}
         server = build_server(self._client, "http")
         self.manager = StreamableHTTPSessionManager(app=server, stateless=True, json_response=True)
 
@@ -65,33 +82,62 @@ class McpEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        key = bearer_key(headers)
-        why = "missing API key: send 'Authorization: Bearer <apiKey>'" if key is None else None
-        if key is not None:
-            why = await self._check_key(key)
-        if why is not None:
-            await _unauthorized(send, why)
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_ok(origin, headers.get("host", "")):
+            msg = (
+                f"Origin {origin[:100]!r} may not use this MCP endpoint (its own origin or PAL_CORS_ORIGINS)"
+            )
+            await _answer(send, 403, "FORBIDDEN", msg)
             return
-        await self.manager.handle_request(scope, receive, send)
+        key = bearer_key(headers)
+        tenant: str | None = None
+        why: str | None = "missing API key: send 'Authorization: Bearer <apiKey>'"
+        if key is not None:
+            tenant, why = await self._check_key(key)
+        if tenant is None:
+            await _answer(send, 401, "UNAUTHENTICATED", why or "invalid API key")
+            return
+        held = self.held.get(tenant, 0)
+        if held >= self.max_per_tenant:
+            msg = (
+                f"this tenant already holds {held} requests on /mcp, its budget (PAL_TENANT_MAX_STREAMS="
+                f"{self.max_per_tenant}): close idle streams, or retry when calls have ended"
+            )
+            await _answer(send, 429, "RESOURCE_EXHAUSTED", msg)
+            return
+        self.held[tenant] = held + 1
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        finally:
+            left = self.held.get(tenant, 1) - 1
+            if left > 0:
+                self.held[tenant] = left
+            else:
+                self.held.pop(tenant, None)
+
+    def _origin_ok(self, origin: str, host: str) -> bool:
+        """Same origin (a page this server served: its host is the one the request went
+        to, which the Host check vouches for), or a listed one."""
+        return urlsplit(origin).netloc.lower() == host.lower() or origin.rstrip("/") in self.cors_origins
 
 
-async def _unauthorized(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"code": "UNAUTHENTICATED", "message": message}}).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b"Bearer"),
-    ]
-    await send({"type": "http.response.start", "status": 401, "headers": headers})
+async def _answer(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-def install_mcp(app: Any, check_key: KeyCheck) -> McpEndpoint:
+def install_mcp(
+    app: Any, check_key: KeyCheck, *, max_per_tenant: int = 128, cors_origins: tuple[str, ...] = ()
+) -> McpEndpoint:
     """Serve ``/mcp`` on the control plane's FastAPI ``app`` (outside its OpenAPI document),
     its session manager running for the app's lifetime."""
     from starlette.routing import Route
 
-    endpoint = McpEndpoint(app, check_key)
+    endpoint = McpEndpoint(app, check_key, max_per_tenant=max_per_tenant, cors_origins=cors_origins)
     app.router.routes.append(Route(MCP_PATH, endpoint=endpoint, methods=["GET", "POST", "DELETE"]))
     inner = app.router.lifespan_context
 

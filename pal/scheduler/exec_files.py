@@ -3,7 +3,9 @@ node. THE room for what talks to the guest: background processes (journals, stdi
 signals, PTYs; issue 22) and code contexts (issue 26) go here, each the same way:
 
 1. ``async with self.waker.request(tenant_id, vm_id)``: the tenant's VM, running (woken if
-   it was paused automatically), counted in flight while the call lasts (wake.py);
+   it was paused automatically), counted in flight while the call lasts (wake.py); a
+   long-lived call (a stream, a long poll, a cell, a port connection) says ``long=True``
+   and holds one of the tenant's and the VM's slots meanwhile (429 past them: streams.py);
 2. ``await self.waker.woken_call(tenant_id, vm_id, lambda n: n.<rpc>(vm_id, ...))``: the
    node's RPC (pal/manager/api.py), retried after a wake if an automatic live pause came
    between;
@@ -57,7 +59,7 @@ class ExecAndFiles:
     async def exec_stream(self, tenant_id: str, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Errors (404/409/402) are raised on the first ``__anext__``, before any event."""
         t0 = time.perf_counter()
-        async with self.waker.request(tenant_id, vm_id):
+        async with self.waker.request(tenant_id, vm_id, long=True):
             opened = await self._woken_stream(tenant_id, vm_id, lambda n: n.exec_stream(vm_id, req))
             if opened is None:
                 return
@@ -93,7 +95,7 @@ class ExecAndFiles:
     async def run_code(self, tenant_id: str, vm_id: str, req: CodeRequest) -> AsyncIterator[CodeEvent]:
         """A cell's events; errors (404/409/400/429) are raised on the first ``__anext__``."""
         d = self.d
-        async with self.waker.request(tenant_id, vm_id):
+        async with self.waker.request(tenant_id, vm_id, long=True):
             for attempt in range(WAKE_RETRIES + 1):
                 events = d.node(d.reload(vm_id)).run_code(vm_id, req)
                 try:
@@ -111,7 +113,8 @@ class ExecAndFiles:
                 return
 
     async def create_context(self, tenant_id: str, vm_id: str, req: ContextCreate) -> CodeContext:
-        return await self._files_call(tenant_id, vm_id, lambda n: n.create_context(vm_id, req))
+        # A kernel's start takes seconds to minutes: long-lived.
+        return await self._files_call(tenant_id, vm_id, lambda n: n.create_context(vm_id, req), long=True)
 
     async def list_contexts(self, tenant_id: str, vm_id: str) -> list[CodeContext]:
         return await self._files_call(tenant_id, vm_id, lambda n: n.list_contexts(vm_id))
@@ -133,7 +136,7 @@ class ExecAndFiles:
         idle sweeper leaves the VM alone meanwhile; bytes moved count as activity on the
         node. Failure: 400 (port), 404, 409, 502 when nothing listens on the port."""
         _check_port(port)
-        async with self.waker.request(tenant_id, vm_id):
+        async with self.waker.request(tenant_id, vm_id, long=True):
             stream = await self.waker.woken_call(tenant_id, vm_id, lambda n: n.open_port(vm_id, port))
             try:
                 yield stream
@@ -143,17 +146,31 @@ class ExecAndFiles:
     async def open_port(self, tenant_id: str, vm_id: str, port: int) -> TunnelStream:
         """The same for long-lived streams (WebSockets, port-forward): in flight only while
         it opens, so an open but silent stream does not keep the VM awake; the bytes it
-        moves count as activity. The caller closes the stream."""
+        moves count as activity. It holds one of the tenant's and the VM's slots until the
+        caller closes it."""
         _check_port(port)
-        async with self.waker.request(tenant_id, vm_id):
-            return await self.waker.woken_call(tenant_id, vm_id, lambda n: n.open_port(vm_id, port))
+        self.d.own(tenant_id, vm_id)  # 404 before 429
+        give = self.waker.streams.take(tenant_id, vm_id)
+        try:
+            async with self.waker.request(tenant_id, vm_id):
+                stream = await self.waker.woken_call(tenant_id, vm_id, lambda n: n.open_port(vm_id, port))
+        except BaseException:
+            give()
+            raise
+        stream.on_close(give)
+        return stream
 
     # -- files ---------------------------------------------------------------------------------
 
     async def _files_call(
-        self, tenant_id: str, vm_id: str, call: Callable[[RuntimeManager], Awaitable[R]]
+        self,
+        tenant_id: str,
+        vm_id: str,
+        call: Callable[[RuntimeManager], Awaitable[R]],
+        *,
+        long: bool = False,
     ) -> R:
-        async with self.waker.request(tenant_id, vm_id):
+        async with self.waker.request(tenant_id, vm_id, long=long):
             return await self.waker.woken_call(tenant_id, vm_id, call)
 
     async def list_files(self, tenant_id: str, vm_id: str, path: str) -> FileList:
@@ -190,7 +207,7 @@ class ExecAndFiles:
         self, tenant_id: str, vm_id: str, pid: int, start: int, max_bytes: int, wait_ms: int
     ) -> ProcessOutput:
         return await self._files_call(
-            tenant_id, vm_id, lambda n: n.read_output(vm_id, pid, start, max_bytes, wait_ms)
+            tenant_id, vm_id, lambda n: n.read_output(vm_id, pid, start, max_bytes, wait_ms), long=wait_ms > 0
         )
 
     async def write_stdin(self, tenant_id: str, vm_id: str, pid: int, data: bytes, eof: bool) -> StdinWritten:
@@ -203,7 +220,9 @@ class ExecAndFiles:
         await self._files_call(tenant_id, vm_id, lambda n: n.resize_process(vm_id, pid, size))
 
     async def wait_process(self, tenant_id: str, vm_id: str, pid: int, timeout_ms: int) -> ProcessInfo:
-        return await self._files_call(tenant_id, vm_id, lambda n: n.wait_process(vm_id, pid, timeout_ms))
+        return await self._files_call(
+            tenant_id, vm_id, lambda n: n.wait_process(vm_id, pid, timeout_ms), long=timeout_ms > 0
+        )
 
     async def attach_process(
         self, tenant_id: str, vm_id: str, pid: int, start: int
@@ -212,7 +231,7 @@ class ExecAndFiles:
         raised on the first ``__anext__``, before any event, like an exec's. The stream ends
         with ``exit``, or with ``detached`` (never a made-up exit) when the VM stopped
         running or its node went away; the reader reattaches from the last offset."""
-        async with self.waker.request(tenant_id, vm_id):
+        async with self.waker.request(tenant_id, vm_id, long=True):
             opened = await self._woken_stream(tenant_id, vm_id, lambda n: n.attach_process(vm_id, pid, start))
             if opened is None:
                 return

@@ -10,7 +10,7 @@ from datetime import datetime
 from pal.scheduler.deps import Deps
 from pal.scheduler.reads import TERMINATED_VISIBLE
 from pal.store import EventRecord, VmRecord, utcnow
-from pal.store.paging import event_page, vm_page
+from pal.store.paging import event_page, latest_events, vm_page
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,10 @@ class Listing:
     async def events(self, tenant_id: str, vm_id: str, *, after: int | None, limit: int) -> list[EventRecord]:
         self.d.own(tenant_id, vm_id)
         return event_page(self.d.store, vm_id, after=after, limit=limit)
+
+    async def latest_events(
+        self, tenant_id: str, vm_id: str, *, before: int | None, limit: int
+    ) -> list[EventRecord]:
+        """Newest first, a page at a time (the dashboard's timeline)."""
+        self.d.own(tenant_id, vm_id)
+        return latest_events(self.d.store, vm_id, before=before, limit=limit)

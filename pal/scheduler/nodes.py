@@ -94,7 +94,11 @@ class NodePool:
             return cached[1]
         if not self.settings.cluster_secret:
             raise Unavailable("PAL_CLUSTER_SECRET is not set: cannot authenticate to remote nodes")
-        client = ManagerClient(url=rec.url, token=node_token(self.settings.cluster_secret, node_id))
+        client = ManagerClient(
+            url=rec.url,
+            token=node_token(self.settings.cluster_secret, node_id),
+            max_streams=self.settings.node_max_streams,
+        )
         if cached is not None:
             asyncio.get_running_loop().create_task(cached[1].aclose())
         self._remote[node_id] = (rec.url, client)

@@ -23,7 +23,7 @@ from pal.scheduler.deps import Deps, as_pal
 from pal.scheduler.spawning import Spawner
 from pal.scheduler.states import VmState, has_live_qemu
 from pal.scheduler.views import NodeReport, OperatorStats, add_counters
-from pal.store import EventRecord, NodeRecord, VmRecord, utcnow
+from pal.store import NodeRecord, VmRecord, utcnow
 
 log = logging.getLogger(__name__)
 S = VmState
@@ -54,10 +54,6 @@ class Reads:
             for vm in self.d.store.list_vms(tenant_id=tenant_id)
             if not (vm.state == S.TERMINATED and vm.updated_at < cutoff)
         ]
-
-    async def events(self, tenant_id: str, vm_id: str) -> list[EventRecord]:
-        self.d.own(tenant_id, vm_id)
-        return self.d.store.list_events(vm_id)
 
     async def network(self, vm: VmRecord) -> dict[str, int]:
         """The VM's network counters over its life (the node's live ones while it has a

@@ -4,7 +4,11 @@ Every fix goes through the one transition function.
 
 - ``reconcile_all`` runs whenever a replica becomes leader (the previous one may have died
   in the middle of anything). The VMs of a node that does not answer are settled when it
-  answers again (``reconcile_unanswered``, every tick) or by node-loss detection.
+  answers again (``reconcile_unanswered``, every tick) or by node-loss detection. A live VM
+  (running, or live-paused) whose QEMU its node no longer has (it could not be adopted
+  after a restart) is recovered from its newest complete snapshot when it has one: paused
+  from it (``pausedBy: recovery``), resumable, with a ``recovered`` event saying why and
+  from when; only a VM with no snapshot to come back to fails.
 - ``reconcile_light`` runs every sweep: it fails live VMs (running or live-paused) whose
   QEMU is gone and settles live pauses the row and the node disagree on.
 - ``lose_silent_nodes`` (every tick): a node silent for ``PAL_NODE_LOST_AFTER`` (30 s) has
@@ -54,6 +58,8 @@ LIVE_ACTION = {"operator": A.LIVE_PAUSE, "idle": A.IDLE_LIVE_PAUSE, "wait": A.WA
 
 STALE_HEARTBEATS = 6  # heartbeat periods without one before a harness counts as gone (5 s x 6)
 NODE_LOST_REASON = "node lost"
+RECOVERED_EVENT = "recovered"
+RECOVERY = "recovery"  # pausedBy of a VM recovered from its snapshot
 LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
 
 
@@ -151,6 +157,9 @@ class Reconciler:
         if is_live_paused(state, vm.marker):
             if live:  # a stale incarnation is running: it is not the VM we think it is
                 await self.d.stop_quietly(vm)
+            recovered = await self._recover(vm, "its QEMU was gone after a restart (it was live-paused)")
+            if recovered is not None:
+                return recovered
             await t.transition(vid, A.LOSE, reason="its QEMU is gone (it was live-paused)")
             return "live-paused but gone -> failed"
         if state == S.DRAINING and vm.marker == Marker.DELETING:
@@ -191,6 +200,9 @@ class Reconciler:
         if state == S.RUNNING and not _alive(alive, vm):
             if live:  # a stale incarnation is running: it is not the VM we think it is
                 await self.d.stop_quietly(vm)
+            recovered = await self._recover(vm, "its QEMU was gone after a restart")
+            if recovered is not None:
+                return recovered
             await t.transition(vid, A.LOSE, reason="QEMU exited")
             return "running but gone -> failed"
         if state == S.PAUSED:
@@ -204,6 +216,36 @@ class Reconciler:
         if state in (S.FAILED, S.TERMINATED) and live:
             await self.d.stop_quietly(vm)
             return f"stray QEMU of a {state.value} VM stopped"
+        return None
+
+    async def _recover(self, vm: VmRecord, why: str) -> str | None:
+        """A live VM whose QEMU is gone: paused from its newest complete snapshot on its
+        node (resumable; ``pausedBy: recovery``; a ``recovered`` event names the snapshot and
+        when it was taken: what came after it is lost). None when it has none (or its node
+        cannot tell): the caller fails it."""
+        if not vm.agent_version_id:
+            return None
+        try:
+            snaps = await self.d.node(vm).list_snapshots(vm.agent_version_id, vm.vm_id)
+        except Exception as exc:
+            log.warning("snapshots of %s unknown: %s", vm.vm_id, exc)
+            return None
+        for snap in sorted(snaps, key=lambda x: x.created_at or "", reverse=True):
+            if await self._snapshot_complete(vm, snap.snapshot_id) is not True:
+                continue
+            taken = snap.created_at or "an unknown time"
+            reason = f"{why}: paused from its newest snapshot {snap.snapshot_id} (taken {taken}); resume it"
+            await self.d.transitions.transition(
+                vm.vm_id,
+                A.RECOVER,
+                reason=reason,
+                snapshot_id=snap.snapshot_id,
+                paused_by=RECOVERY,
+                paused_at=utcnow(),
+            )
+            details = {"snapshotId": snap.snapshot_id, "takenAt": snap.created_at}
+            self.d.store.add_event(vm.vm_id, vm.tenant_id, RECOVERED_EVENT, reason=reason, details=details)
+            return f"QEMU gone -> paused from snapshot {snap.snapshot_id} ({taken})"
         return None
 
     async def _fix_pause(self, vm: VmRecord, live: bool) -> str | None:

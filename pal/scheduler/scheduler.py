@@ -77,6 +77,7 @@ from pal.scheduler.reconcile import Reconciler
 from pal.scheduler.schedule import Scheduling
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner
+from pal.scheduler.streams import StreamBudget
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.scheduler.views import ForkChild, ForkResult, OperatorStats
@@ -132,11 +133,12 @@ class Scheduler:
         self.pauses = PauseResume(d, spawner, books, self.live, self.chores.spawn)
         self.forking = Forking(d, spawner, books)
         self.deleting = Deleting(d, books)
-        self.guest = ExecAndFiles(d, Waker(d, self.live.resume, self.pauses.resume_locked))
+        streams = StreamBudget(settings.tenant_max_streams, settings.vm_max_streams)
+        self.guest = ExecAndFiles(d, Waker(d, self.live.resume, self.pauses.resume_locked, streams))
         self.egress_secrets = EgressAndSecrets(d, self.brokering)
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)
-        self.audit = ToolAudit(d)
+        self.audit = ToolAudit.of(d)
         self.listing = Listing(d)
         self.lifetimes = Lifetimes(d, self.pauses, self.deleting)
         self.egress_events = EgressEvents(store, self.nodes)
@@ -260,8 +262,11 @@ class Scheduler:
     async def list(self, tenant_id: str) -> builtins.list[VmRecord]:
         return await self.reads.list_vms(tenant_id)
 
-    async def events(self, tenant_id: str, vm_id: str) -> builtins.list[EventRecord]:
-        return await self.reads.events(tenant_id, vm_id)
+    async def events(
+        self, tenant_id: str, vm_id: str, *, before: int | None = None, limit: int = 50
+    ) -> builtins.list[EventRecord]:
+        """The VM's events newest first, a page at a time (older than ``before``)."""
+        return await self.listing.latest_events(tenant_id, vm_id, before=before, limit=limit)
 
     async def record_tool_call(self, tenant_id: str, vm_id: str, details: dict[str, object]) -> None:
         await self.audit.record_tool_call(tenant_id, vm_id, details)

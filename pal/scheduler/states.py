@@ -78,6 +78,9 @@ class Action(StrEnum):
     WAIT_PAUSE = "wait pause"
     LIVE_RESUME = "live resume"  # the same QEMU continues (operator, or a wake)
     LOSE = "lose"  # the VM is gone (QEMU died, harness silent, snapshot missing)
+    # Its QEMU is gone (not adopted after a restart) but a complete snapshot of it is not:
+    # paused from that snapshot, resumable, never failed (reconcile.py).
+    RECOVER = "recover"
     # Actions that need a state and leave it as it is.
     EXEC = "exec"  # exec and file requests
     FORK_FROM = "fork from"  # the source of a fork
@@ -155,6 +158,19 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(S.PAUSED, A.DELETE, S.DRAINING, "delete of a paused VM (snapshots released)", marker=M.DELETING),
     Rule(S.PAUSED, A.LOSE, S.FAILED, "its snapshot is gone or corrupt (reconciliation)"),
+    Rule(
+        S.RUNNING,
+        A.RECOVER,
+        S.PAUSED,
+        "its QEMU could not be adopted after a restart: paused from its newest complete snapshot",
+    ),
+    Rule(
+        S.PAUSED,
+        A.RECOVER,
+        S.PAUSED,
+        "a live-paused VM whose QEMU could not be adopted: paused from its newest complete snapshot",
+        during=LIVE_MARKERS,
+    ),
     Rule(S.FAILED, A.DELETE, S.DRAINING, "delete of a failed VM", marker=M.DELETING),
     Rule(S.SPAWNING, A.DELETE, S.DRAINING, "delete during spawn", marker=M.DELETING),
     # live pause (docs/live-pause.md): same QEMU, vCPUs stopped; no in-between state,

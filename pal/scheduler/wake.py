@@ -18,6 +18,7 @@ from pal.scheduler import states
 from pal.scheduler.deps import Deps
 from pal.scheduler.live import is_live_paused_error
 from pal.scheduler.states import AUTO_LIVE_MARKERS, Action, VmState
+from pal.scheduler.streams import StreamBudget
 from pal.store import VmRecord
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Waker:
     d: Deps
     live_resume: LiveResume
     snapshot_resume: SnapshotResume
+    streams: StreamBudget  # long-lived calls per tenant and per VM (streams.py)
 
     async def ensure_running(self, tenant_id: str, vm_id: str) -> None:
         """Prerequisites: the tenant's VM (404). Success: running (EXEC allowed), after a
@@ -69,20 +71,23 @@ class Waker:
             states.check(vm_id, vm.state, A.EXEC, vm.marker, hint=hint)
 
     @contextlib.asynccontextmanager
-    async def request(self, tenant_id: str, vm_id: str) -> AsyncIterator[None]:
-        """A running VM for the duration of the context, counted in flight."""
+    async def request(self, tenant_id: str, vm_id: str, *, long: bool = False) -> AsyncIterator[None]:
+        """A running VM for the duration of the context, counted in flight. ``long``: a
+        long-lived call, which holds one of the tenant's and the VM's slots meanwhile (429
+        when either has none left: streams.py)."""
         # Ownership first: a request naming another tenant's VM is 404 and leaves no trace
         # on it (no in-flight count, no activity stamp that would keep it awake).
         self.d.own(tenant_id, vm_id)
-        # Counted in flight before ensure_running, so the sweeper cannot suspend it between.
-        self.d.locks.enter(vm_id)
-        try:
-            await self.ensure_running(tenant_id, vm_id)
-            self._stamp(vm_id)
-            yield
-        finally:
-            self.d.locks.leave(vm_id)
-            self._stamp(vm_id)
+        with self.streams.lease(tenant_id, vm_id) if long else contextlib.nullcontext():
+            # Counted in flight before ensure_running, so the sweeper cannot suspend it between.
+            self.d.locks.enter(vm_id)
+            try:
+                await self.ensure_running(tenant_id, vm_id)
+                self._stamp(vm_id)
+                yield
+            finally:
+                self.d.locks.leave(vm_id)
+                self._stamp(vm_id)
 
     def _stamp(self, vm_id: str) -> None:
         # Best effort: a store that cannot write (disk full) must not fail the request; the

@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, TypedDict, Unpack
+from urllib.parse import quote
 
 import httpx
 
@@ -115,6 +116,10 @@ def to_event(name: str, data: str) -> ExecEvent:
         return ExecEvent(
             type="exit", exit_code=int(payload.get("exitCode", -1)), timed_out=bool(payload.get("timedOut"))
         )
+    if name == "detached":  # the stream ended before the command (a slow reader): it runs on
+        why = str(payload.get("reason") or "detached")
+        msg = f"the output stream was detached ({why}); the command runs on: read its process's output"
+        return ExecEvent(type="detached", code="DETACHED", message=msg)
     return ExecEvent(type="error", code=payload.get("code"), message=payload.get("message"))
 
 
@@ -142,6 +147,12 @@ class SseParser:
                 elif name == "data":
                     self._data.append(value)
         return out
+
+
+def seg(value: object) -> str:
+    """``value`` as one path segment, quoted whole: an id holding ``/``, ``?`` or ``#`` stays
+    one segment of the route it was meant for (the server then refuses it as an id)."""
+    return quote(str(value), safe="")
 
 
 def connection_error(exc: httpx.TransportError, url: str) -> PalApiError:

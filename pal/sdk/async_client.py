@@ -79,7 +79,7 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
         return dict(await self._json("POST", "/schedule", json=spec))
 
     async def get(self, vm_id: str) -> dict[str, Any]:
-        return dict(await self._json("GET", f"/vms/{vm_id}"))
+        return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}"))
 
     async def list(
         self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
@@ -107,24 +107,24 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
     ) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.set_lifetime`."""
         body = _pages.lifetime_body(lifetime_secs, extend_secs, on_lifetime_end)
-        return dict(await self._json("PUT", f"/vms/{vm_id}/lifetime", json=body))
+        return dict(await self._json("PUT", f"/vms/{_wire.seg(vm_id)}/lifetime", json=body))
 
     async def extend_lifetime(self, vm_id: str, secs: int) -> dict[str, Any]:
         """The VM's lifetime ends ``secs`` later. Returns the VM."""
         return await self.set_lifetime(vm_id, extend_secs=secs)
 
     async def delete(self, vm_id: str) -> dict[str, Any]:
-        return dict(await self._json("DELETE", f"/vms/{vm_id}"))
+        return dict(await self._json("DELETE", f"/vms/{_wire.seg(vm_id)}"))
 
     async def pause(self, vm_id: str, mode: str = "snapshot", *, offload: bool = False) -> dict[str, Any]:
         """``mode="snapshot"`` (default: snapshot and stop, frees the slot) or ``"live"``
         (vCPUs stopped in place, connections kept; ``offload`` also hands the RAM back).
         Resume continues either kind."""
         body = None if mode == "snapshot" and not offload else {"mode": mode, "offload": offload}
-        return dict(await self._json("POST", f"/vms/{vm_id}/pause", json=body))
+        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/pause", json=body))
 
     async def resume(self, vm_id: str) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/resume"))
+        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/resume"))
 
     async def run_code(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
         """Run a cell in the VM's kernel (``language`` python or bash; ``context``: a context
@@ -132,37 +132,43 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
         return await self.code.run(vm_id, code, **opts)
 
     async def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))
+        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json={"count": count}))
 
     async def exec(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
     ) -> ExecResult:
         body = _wire.exec_body(command, argv, **opts)
         timeout = _wire.exec_timeout(self._c.timeout)
-        return _wire.exec_result(await self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout))
+        return _wire.exec_result(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/exec", json=body, timeout=timeout)
+        )
 
     async def exec_stream(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
     ) -> AsyncGenerator[ExecEvent, None]:
         """Yield stdout/stderr events as the command produces them, then `exit` or `error`."""
         body = _wire.exec_body(command, argv, **opts)
-        async with self._sse("POST", f"/vms/{vm_id}/exec", json=body) as lines:
+        async with self._sse("POST", f"/vms/{_wire.seg(vm_id)}/exec", json=body) as lines:
             parser = _wire.SseParser()
             async for line in lines:
                 for ev in parser.feed([line]):
                     yield ev
 
     async def list_files(self, vm_id: str, path: str = "") -> dict[str, Any]:
-        return dict(await self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))
+        return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}/files", params={"path": path}))
 
     async def read_file(self, vm_id: str, path: str) -> FileText:
         """The file as text (UTF-8); ``UnicodeDecodeError`` if it is not text."""
-        resp = await self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        resp = await self._c.request(
+            "GET", f"/v1/runtime/vms/{_wire.seg(vm_id)}/files/content", params={"path": path}
+        )
         return _wire.file_text(resp, path)
 
     async def read_file_bytes(self, vm_id: str, path: str) -> FileBytes:
         """The file's bytes, exactly as stored (any content)."""
-        resp = await self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        resp = await self._c.request(
+            "GET", f"/v1/runtime/vms/{_wire.seg(vm_id)}/files/content", params={"path": path}
+        )
         return _wire.file_bytes(resp)
 
     async def write_file(self, vm_id: str, path: str, content: str | bytes) -> dict[str, Any]:
@@ -172,7 +178,7 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
         return dict(
             await self._json(
                 "PUT",
-                f"/vms/{vm_id}/files/content",
+                f"/vms/{_wire.seg(vm_id)}/files/content",
                 params={"path": path},
                 content=data,
                 headers={"Content-Type": "application/octet-stream"},
@@ -181,45 +187,53 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
 
     async def delete_file(self, vm_id: str, path: str) -> dict[str, Any]:
         """Remove a file or symlink (not a directory)."""
-        return dict(await self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
+        return dict(
+            await self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/files/content", params={"path": path})
+        )
 
     async def events(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
         return [e async for e in self.iter_events(vm_id, page_size=page_size)]
 
     def iter_events(self, vm_id: str, *, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
         async def fetch(q: dict[str, Any]) -> Any:
-            return await self._json("GET", f"/vms/{vm_id}/events", params=q)
+            return await self._json("GET", f"/vms/{_wire.seg(vm_id)}/events", params=q)
 
         return _pages.aiterate(fetch, "events", _pages.params(page_size))
 
     async def metrics(self, vm_id: str) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.metrics`."""
-        return dict(await self._json("GET", f"/vms/{vm_id}/metrics"))
+        return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}/metrics"))
 
     async def snapshots(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
         return [x async for x in self.iter_snapshots(vm_id, page_size=page_size)]
 
     def iter_snapshots(self, vm_id: str, *, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
         async def fetch(q: dict[str, Any]) -> Any:
-            return await self._json("GET", f"/vms/{vm_id}/snapshots", params=q)
+            return await self._json("GET", f"/vms/{_wire.seg(vm_id)}/snapshots", params=q)
 
         return _pages.aiterate(fetch, "snapshots", _pages.params(page_size))
 
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.port_url`."""
         body = {"expiresInSecs": expires_in_secs}
-        return dict(await self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+        return dict(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/ports/{_wire.seg(port)}/url", json=body)
+        )
 
     async def revoke_port_url(self, vm_id: str, link_id: str) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.revoke_port_url`."""
-        return dict(await self._json("DELETE", f"/vms/{vm_id}/port-links/{link_id}"))
+        return dict(await self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/port-links/{_wire.seg(link_id)}"))
 
     async def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
         """A brokered secret's new value; the VM's next request carries it (the guest, which
         holds only the placeholder, is not touched). ``{name, applied}``."""
-        return dict(await self._json("PUT", f"/vms/{vm_id}/secrets/{name}", json={"value": value}))
+        return dict(
+            await self._json(
+                "PUT", f"/vms/{_wire.seg(vm_id)}/secrets/{_wire.seg(name)}", json={"value": value}
+            )
+        )
 
     async def set_egress(self, vm_id: str, egress: str | dict[str, builtins.list[str]]) -> dict[str, Any]:
         """Change the egress policy (`"none"`, `"open"`, `{"allow": [...]}` or `{"deny": [...]}`);
         a running VM applies it to its next connection. Returns the VM."""
-        return dict(await self._json("PUT", f"/vms/{vm_id}/egress", json={"egress": egress}))
+        return dict(await self._json("PUT", f"/vms/{_wire.seg(vm_id)}/egress", json={"egress": egress}))

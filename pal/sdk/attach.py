@@ -38,7 +38,7 @@ class AttachEvent:
 def attach_url(base_url: str, vm_id: str, pid: int, offset: int = 0) -> str:
     scheme, rest = base_url.split("://", 1)
     ws = "wss" if scheme == "https" else "ws"
-    return f"{ws}://{rest.rstrip('/')}/v1/runtime/vms/{vm_id}/processes/{pid}/attach?from={offset}"
+    return f"{ws}://{rest.rstrip('/')}/v1/runtime/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/attach?from={offset}"
 
 
 class Attachment:

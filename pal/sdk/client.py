@@ -76,7 +76,7 @@ class Runtime(_wire.RuntimeCalls):
         return dict(self._json("POST", "/schedule", json=spec))
 
     def get(self, vm_id: str) -> dict[str, Any]:
-        return dict(self._json("GET", f"/vms/{vm_id}"))
+        return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}"))
 
     def list(
         self, metadata: dict[str, str] | None = None, *, page_size: int | None = None
@@ -103,24 +103,24 @@ class Runtime(_wire.RuntimeCalls):
         (``extend_secs`` past its current end); ``on_lifetime_end``: ``pause`` or ``delete``.
         Returns the VM."""
         body = _pages.lifetime_body(lifetime_secs, extend_secs, on_lifetime_end)
-        return dict(self._json("PUT", f"/vms/{vm_id}/lifetime", json=body))
+        return dict(self._json("PUT", f"/vms/{_wire.seg(vm_id)}/lifetime", json=body))
 
     def extend_lifetime(self, vm_id: str, secs: int) -> dict[str, Any]:
         """The VM's lifetime ends ``secs`` later. Returns the VM."""
         return self.set_lifetime(vm_id, extend_secs=secs)
 
     def delete(self, vm_id: str) -> dict[str, Any]:
-        return dict(self._json("DELETE", f"/vms/{vm_id}"))
+        return dict(self._json("DELETE", f"/vms/{_wire.seg(vm_id)}"))
 
     def pause(self, vm_id: str, mode: str = "snapshot", *, offload: bool = False) -> dict[str, Any]:
         """``mode="snapshot"`` (default: snapshot and stop, frees the slot) or ``"live"``
         (vCPUs stopped in place, connections kept; ``offload`` also hands the RAM back).
         Resume continues either kind."""
         body = None if mode == "snapshot" and not offload else {"mode": mode, "offload": offload}
-        return dict(self._json("POST", f"/vms/{vm_id}/pause", json=body))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/pause", json=body))
 
     def resume(self, vm_id: str) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{vm_id}/resume"))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/resume"))
 
     def run_code(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
         """Run a cell in the VM's kernel (``language`` python or bash; ``context``: a context
@@ -128,14 +128,16 @@ class Runtime(_wire.RuntimeCalls):
         return self.code.run(vm_id, code, **opts)
 
     def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{vm_id}/fork", json={"count": count}))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json={"count": count}))
 
     def exec(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
     ) -> ExecResult:
         body = _wire.exec_body(command, argv, **opts)
         timeout = _wire.exec_timeout(self._c.timeout)
-        return _wire.exec_result(self._json("POST", f"/vms/{vm_id}/exec", json=body, timeout=timeout))
+        return _wire.exec_result(
+            self._json("POST", f"/vms/{_wire.seg(vm_id)}/exec", json=body, timeout=timeout)
+        )
 
     def exec_stream(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
@@ -144,22 +146,26 @@ class Runtime(_wire.RuntimeCalls):
         ``close()`` (or leaving a ``with contextlib.closing(...)``) closes the connection early,
         which stops the command in the guest."""
         body = _wire.exec_body(command, argv, **opts)
-        with self._sse("POST", f"/vms/{vm_id}/exec", json=body) as lines:
+        with self._sse("POST", f"/vms/{_wire.seg(vm_id)}/exec", json=body) as lines:
             parser = _wire.SseParser()
             for line in lines:
                 yield from parser.feed([line])
 
     def list_files(self, vm_id: str, path: str = "") -> dict[str, Any]:
-        return dict(self._json("GET", f"/vms/{vm_id}/files", params={"path": path}))
+        return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}/files", params={"path": path}))
 
     def read_file(self, vm_id: str, path: str) -> FileText:
         """The file as text (UTF-8); ``UnicodeDecodeError`` if it is not text."""
-        resp = self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        resp = self._c.request(
+            "GET", f"/v1/runtime/vms/{_wire.seg(vm_id)}/files/content", params={"path": path}
+        )
         return _wire.file_text(resp, path)
 
     def read_file_bytes(self, vm_id: str, path: str) -> FileBytes:
         """The file's bytes, exactly as stored (any content)."""
-        resp = self._c.request("GET", f"/v1/runtime/vms/{vm_id}/files/content", params={"path": path})
+        resp = self._c.request(
+            "GET", f"/v1/runtime/vms/{_wire.seg(vm_id)}/files/content", params={"path": path}
+        )
         return _wire.file_bytes(resp)
 
     def write_file(self, vm_id: str, path: str, content: str | bytes) -> dict[str, Any]:
@@ -169,7 +175,7 @@ class Runtime(_wire.RuntimeCalls):
         return dict(
             self._json(
                 "PUT",
-                f"/vms/{vm_id}/files/content",
+                f"/vms/{_wire.seg(vm_id)}/files/content",
                 params={"path": path},
                 content=data,
                 headers={"Content-Type": "application/octet-stream"},
@@ -178,27 +184,27 @@ class Runtime(_wire.RuntimeCalls):
 
     def delete_file(self, vm_id: str, path: str) -> dict[str, Any]:
         """Remove a file or symlink (not a directory)."""
-        return dict(self._json("DELETE", f"/vms/{vm_id}/files/content", params={"path": path}))
+        return dict(self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/files/content", params={"path": path}))
 
     def events(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
         return list(self.iter_events(vm_id, page_size=page_size))
 
     def iter_events(self, vm_id: str, *, page_size: int | None = None) -> Iterator[dict[str, Any]]:
         """The VM's status and audit events, oldest first, a page at a time."""
-        fetch = lambda q: self._json("GET", f"/vms/{vm_id}/events", params=q)  # noqa: E731
+        fetch = lambda q: self._json("GET", f"/vms/{_wire.seg(vm_id)}/events", params=q)  # noqa: E731
         return _pages.iterate(fetch, "events", _pages.params(page_size))
 
     def metrics(self, vm_id: str) -> dict[str, Any]:
         """CPU %, host RSS/PSS, guest memory, disk and network samples of the last 15
         minutes (one every 5 s): ``{vmId, intervalSecs, live, samples: [{t, cpuPct, ...}]}``."""
-        return dict(self._json("GET", f"/vms/{vm_id}/metrics"))
+        return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}/metrics"))
 
     def snapshots(self, vm_id: str, *, page_size: int | None = None) -> builtins.list[dict[str, Any]]:
         """The VM's snapshots kept on its node, with artifact sizes."""
         return list(self.iter_snapshots(vm_id, page_size=page_size))
 
     def iter_snapshots(self, vm_id: str, *, page_size: int | None = None) -> Iterator[dict[str, Any]]:
-        fetch = lambda q: self._json("GET", f"/vms/{vm_id}/snapshots", params=q)  # noqa: E731
+        fetch = lambda q: self._json("GET", f"/vms/{_wire.seg(vm_id)}/snapshots", params=q)  # noqa: E731
         return _pages.iterate(fetch, "snapshots", _pages.params(page_size))
 
     def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
@@ -206,19 +212,21 @@ class Runtime(_wire.RuntimeCalls):
         (``{url, expiresAt, linkId}``), without the API key, until it expires or is revoked;
         bound to this VM and port."""
         body = {"expiresInSecs": expires_in_secs}
-        return dict(self._json("POST", f"/vms/{vm_id}/ports/{port}/url", json=body))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/ports/{_wire.seg(port)}/url", json=body))
 
     def revoke_port_url(self, vm_id: str, link_id: str) -> dict[str, Any]:
         """Revoke a link ``port_url`` made (its ``linkId``): it opens nothing from now on.
         ``pal tenants rotate-key`` ends all of the tenant's links at once."""
-        return dict(self._json("DELETE", f"/vms/{vm_id}/port-links/{link_id}"))
+        return dict(self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/port-links/{_wire.seg(link_id)}"))
 
     def rotate_secret(self, vm_id: str, name: str, value: str) -> dict[str, Any]:
         """A brokered secret's new value; the VM's next request carries it (the guest, which
         holds only the placeholder, is not touched). ``{name, applied}``."""
-        return dict(self._json("PUT", f"/vms/{vm_id}/secrets/{name}", json={"value": value}))
+        return dict(
+            self._json("PUT", f"/vms/{_wire.seg(vm_id)}/secrets/{_wire.seg(name)}", json={"value": value})
+        )
 
     def set_egress(self, vm_id: str, egress: str | dict[str, builtins.list[str]]) -> dict[str, Any]:
         """Change the egress policy (`"none"`, `"open"`, `{"allow": [...]}` or `{"deny": [...]}`);
         a running VM applies it to its next connection. Returns the VM."""
-        return dict(self._json("PUT", f"/vms/{vm_id}/egress", json={"egress": egress}))
+        return dict(self._json("PUT", f"/vms/{_wire.seg(vm_id)}/egress", json={"egress": egress}))

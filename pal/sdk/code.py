@@ -117,23 +117,25 @@ class Code(_wire.RuntimeCalls):
     def run(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
         body = code_body(code, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
-        return code_result(self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
+        return code_result(self._json("POST", f"/vms/{_wire.seg(vm_id)}/code", json=body, timeout=timeout))
 
     def create_context(
         self, vm_id: str, language: str = "python", **opts: Unpack[ContextOptions]
     ) -> dict[str, Any]:
         body = context_body(language, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
-        return dict(self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/code/contexts", json=body, timeout=timeout))
 
     def list_contexts(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list(self._json("GET", f"/vms/{vm_id}/code/contexts")["contexts"])
+        return list(self._json("GET", f"/vms/{_wire.seg(vm_id)}/code/contexts")["contexts"])
 
     def delete_context(self, vm_id: str, context: str) -> dict[str, Any]:
-        return dict(self._json("DELETE", f"/vms/{vm_id}/code/contexts/{context}"))
+        return dict(self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/code/contexts/{_wire.seg(context)}"))
 
     def interrupt(self, vm_id: str, context: str) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{vm_id}/code/contexts/{context}/interrupt"))
+        return dict(
+            self._json("POST", f"/vms/{_wire.seg(vm_id)}/code/contexts/{_wire.seg(context)}/interrupt")
+        )
 
 
 class AsyncCode(_wire.AsyncRuntimeCalls):
@@ -142,20 +144,26 @@ class AsyncCode(_wire.AsyncRuntimeCalls):
     async def run(self, vm_id: str, code: str, **opts: Unpack[CodeOptions]) -> CodeResult:
         body = code_body(code, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
-        return code_result(await self._json("POST", f"/vms/{vm_id}/code", json=body, timeout=timeout))
+        return code_result(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/code", json=body, timeout=timeout)
+        )
 
     async def create_context(
         self, vm_id: str, language: str = "python", **opts: Unpack[ContextOptions]
     ) -> dict[str, Any]:
         body = context_body(language, **opts)
         timeout = _CELL_TIMEOUT(self._c.timeout)
-        return dict(await self._json("POST", f"/vms/{vm_id}/code/contexts", json=body, timeout=timeout))
+        return dict(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/code/contexts", json=body, timeout=timeout)
+        )
 
     async def list_contexts(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", f"/vms/{vm_id}/code/contexts"))["contexts"])
+        return list((await self._json("GET", f"/vms/{_wire.seg(vm_id)}/code/contexts"))["contexts"])
 
     async def delete_context(self, vm_id: str, context: str) -> dict[str, Any]:
-        return dict(await self._json("DELETE", f"/vms/{vm_id}/code/contexts/{context}"))
+        return dict(await self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/code/contexts/{_wire.seg(context)}"))
 
     async def interrupt(self, vm_id: str, context: str) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/code/contexts/{context}/interrupt"))
+        return dict(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/code/contexts/{_wire.seg(context)}/interrupt")
+        )

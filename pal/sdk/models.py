@@ -35,7 +35,8 @@ class OutputEvent:
 @dataclass(frozen=True)
 class ExecEvent:
     """One streamed exec event: `process` (process_id, first), `stdout`/`stderr` (data),
-    `exit` (exit_code) or `error`."""
+    `exit` (exit_code), `error`, or `detached` (the stream ended before the command, which
+    runs on: its process's output is read on by process_id)."""
 
     type: str
     data: str | None = None

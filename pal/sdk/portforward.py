@@ -24,7 +24,7 @@ FRAME = 64 * 1024
 def tunnel_url(base_url: str, vm_id: str, port: int) -> str:
     scheme, rest = base_url.split("://", 1)
     ws = "wss" if scheme == "https" else "ws"
-    return f"{ws}://{rest.rstrip('/')}/v1/runtime/vms/{vm_id}/tunnel/{port}"
+    return f"{ws}://{rest.rstrip('/')}/v1/runtime/vms/{_wire.seg(vm_id)}/tunnel/{_wire.seg(port)}"
 
 
 async def open_tunnel(base_url: str, api_key: str | None, vm_id: str, port: int) -> Any:

@@ -40,7 +40,11 @@ class Processes(_wire.RuntimeCalls):
     ) -> dict[str, Any]:
         """Start ``command``; ``opts``: env, cwd, timeout_secs, user, stdin (bool), pty
         ((cols, rows) or {cols, rows}), tag, keep_awake, journal_bytes. The process."""
-        return dict(self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts)))
+        return dict(
+            self._json(
+                "POST", f"/vms/{_wire.seg(vm_id)}/processes", json=pw.start_body(command, argv, **opts)
+            )
+        )
 
     def terminal(
         self, vm_id: str, command: str = "/bin/sh", argv: Argv = None, **opts: Unpack[pw.TerminalOptions]
@@ -50,17 +54,22 @@ class Processes(_wire.RuntimeCalls):
         return Terminal(self, vm_id, self.start(vm_id, command, argv, **pw.terminal_options(opts)))
 
     def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list(self._json("GET", f"/vms/{vm_id}/processes")["processes"])
+        return list(self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes")["processes"])
 
     def get(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(self._json("GET", f"/vms/{vm_id}/processes/{pid}"))
+        return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
 
     def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         """One read from ``offset``: ``{from, next, gap, output: [{stream, data: bytes}], process}``."""
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}
         timeout = httpx.Timeout(self._c.timeout + wait_ms / 1000)
         return _read_result(
-            self._json("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params, timeout=timeout)
+            self._json(
+                "GET",
+                f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/output",
+                params=params,
+                timeout=timeout,
+            )
         )
 
     def output(
@@ -83,7 +92,9 @@ class Processes(_wire.RuntimeCalls):
 
     def _attach(self, vm_id: str, pid: int, offset: int) -> Iterator[OutputEvent]:
         params = {"from": offset, "encoding": "base64"}
-        with self._sse("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params) as lines:
+        with self._sse(
+            "GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/output", params=params
+        ) as lines:
             sse = pw.SseLines()
             for line in lines:
                 got = sse.feed(line)
@@ -96,31 +107,49 @@ class Processes(_wire.RuntimeCalls):
         parts = pw.StdinParts(data, eof)
         while True:
             part, params = parts.next_part()
-            body = self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part)
+            body = self._json(
+                "POST",
+                f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stdin",
+                params=params,
+                content=part,
+            )
             if parts.taken(body):
                 return
 
     def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin/close"))
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stdin/close"))
 
     def signal(self, vm_id: str, pid: int, signal: str = "INT") -> dict[str, Any]:
         """To its whole process group: INT, TERM, KILL, HUP, QUIT, USR1, USR2, STOP, CONT, WINCH."""
-        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/signal", json={"signal": signal}))
+        return dict(
+            self._json(
+                "POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/signal", json={"signal": signal}
+            )
+        )
 
     def resize(self, vm_id: str, pid: int, cols: int, rows: int) -> dict[str, Any]:
         return dict(
-            self._json("POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows})
+            self._json(
+                "POST",
+                f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/resize",
+                json={"cols": cols, "rows": rows},
+            )
         )
 
-    def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
+    def attach_url(
+        self, vm_id: str, pid: int, expires_in_secs: int = 300, *, read_only: bool = False
+    ) -> dict[str, Any]:
         """A signed link (``{url, expiresAt, linkId}``) that opens the process's WebSocket
-        attach without the API key (a browser's terminal); see ``AsyncProcesses.attach``."""
-        body = {"expiresInSecs": expires_in_secs}
-        return dict(self._json("POST", f"/vms/{vm_id}/processes/{pid}/attach-url", json=body))
+        attach without the API key (a browser's terminal); ``read_only``: output only, no
+        input. See ``AsyncProcesses.attach``."""
+        body = {"expiresInSecs": expires_in_secs, "readOnly": read_only}
+        return dict(
+            self._json("POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/attach-url", json=body)
+        )
 
     def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
         """Kill it (its group) and forget it."""
-        return dict(self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))
+        return dict(self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
 
     def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
         """The process once it exited, or as it is at ``timeout_secs`` (None: no limit)."""
@@ -129,7 +158,12 @@ class Processes(_wire.RuntimeCalls):
             poll = polls.next_poll()
             params, timeout = {"timeoutSecs": poll}, httpx.Timeout(self._c.timeout + poll)
             proc = dict(
-                self._json("POST", f"/vms/{vm_id}/processes/{pid}/wait", params=params, timeout=timeout)
+                self._json(
+                    "POST",
+                    f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/wait",
+                    params=params,
+                    timeout=timeout,
+                )
             )
             if polls.done(proc):
                 return proc
@@ -142,7 +176,9 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
         self, vm_id: str, command: str, argv: Argv = None, **opts: Unpack[pw.ProcessOptions]
     ) -> dict[str, Any]:
         return dict(
-            await self._json("POST", f"/vms/{vm_id}/processes", json=pw.start_body(command, argv, **opts))
+            await self._json(
+                "POST", f"/vms/{_wire.seg(vm_id)}/processes", json=pw.start_body(command, argv, **opts)
+            )
         )
 
     async def terminal(
@@ -152,15 +188,20 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
         return AsyncTerminal(self, vm_id, proc)
 
     async def list(self, vm_id: str) -> builtins.list[dict[str, Any]]:
-        return list((await self._json("GET", f"/vms/{vm_id}/processes"))["processes"])
+        return list((await self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes"))["processes"])
 
     async def get(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("GET", f"/vms/{vm_id}/processes/{pid}"))
+        return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
 
     async def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}
         timeout = httpx.Timeout(self._c.timeout + wait_ms / 1000)
-        body = await self._json("GET", f"/vms/{vm_id}/processes/{pid}/output", params=params, timeout=timeout)
+        body = await self._json(
+            "GET",
+            f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/output",
+            params=params,
+            timeout=timeout,
+        )
         return _read_result(body)
 
     async def output(
@@ -181,7 +222,7 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
                 await asyncio.sleep(reattach.next_backoff())
 
     async def _attach(self, vm_id: str, pid: int, offset: int) -> AsyncIterator[OutputEvent]:
-        url = f"/v1/runtime/vms/{vm_id}/processes/{pid}/output"
+        url = f"/v1/runtime/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/output"
         async with _wire.asse_lines(
             self._c, "GET", url, params={"from": offset, "encoding": "base64"}
         ) as lines:
@@ -197,27 +238,44 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
         while True:
             part, params = parts.next_part()
             body = await self._json(
-                "POST", f"/vms/{vm_id}/processes/{pid}/stdin", params=params, content=part
+                "POST",
+                f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stdin",
+                params=params,
+                content=part,
             )
             if parts.taken(body):
                 return
 
     async def close_stdin(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/stdin/close"))
+        return dict(
+            await self._json("POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stdin/close")
+        )
 
     async def signal(self, vm_id: str, pid: int, signal: str = "INT") -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/signal", json={"signal": signal}))
+        return dict(
+            await self._json(
+                "POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/signal", json={"signal": signal}
+            )
+        )
 
     async def resize(self, vm_id: str, pid: int, cols: int, rows: int) -> dict[str, Any]:
         return dict(
             await self._json(
-                "POST", f"/vms/{vm_id}/processes/{pid}/resize", json={"cols": cols, "rows": rows}
+                "POST",
+                f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/resize",
+                json={"cols": cols, "rows": rows},
             )
         )
 
-    async def attach_url(self, vm_id: str, pid: int, expires_in_secs: int = 300) -> dict[str, Any]:
-        body = {"expiresInSecs": expires_in_secs}
-        return dict(await self._json("POST", f"/vms/{vm_id}/processes/{pid}/attach-url", json=body))
+    async def attach_url(
+        self, vm_id: str, pid: int, expires_in_secs: int = 300, *, read_only: bool = False
+    ) -> dict[str, Any]:
+        body = {"expiresInSecs": expires_in_secs, "readOnly": read_only}
+        return dict(
+            await self._json(
+                "POST", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/attach-url", json=body
+            )
+        )
 
     async def attach(self, vm_id: str, pid: int, offset: int = 0) -> Attachment:
         """The process over a WebSocket from ``offset``: output bytes as they come, stdin,
@@ -225,7 +283,7 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
         return await open_attach(self._c.base_url, self._c.api_key, vm_id, pid, offset)
 
     async def kill(self, vm_id: str, pid: int) -> dict[str, Any]:
-        return dict(await self._json("DELETE", f"/vms/{vm_id}/processes/{pid}"))
+        return dict(await self._json("DELETE", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
 
     async def wait(self, vm_id: str, pid: int, timeout_secs: float | None = None) -> dict[str, Any]:
         polls = pw.WaitPolls(timeout_secs)
@@ -233,7 +291,12 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
             poll = polls.next_poll()
             params, timeout = {"timeoutSecs": poll}, httpx.Timeout(self._c.timeout + poll)
             proc = dict(
-                await self._json("POST", f"/vms/{vm_id}/processes/{pid}/wait", params=params, timeout=timeout)
+                await self._json(
+                    "POST",
+                    f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/wait",
+                    params=params,
+                    timeout=timeout,
+                )
             )
             if polls.done(proc):
                 return proc

@@ -51,6 +51,16 @@ def event_page(store: Store, vm_id: str, *, after: int | None, limit: int) -> li
     return [event_from_row(r) for r in rows]
 
 
+def latest_events(store: Store, vm_id: str, *, before: int | None, limit: int) -> list[EventRecord]:
+    """Up to ``limit`` of the VM's events, newest first, older than the event ``before``."""
+    q = select(events).where(events.c.vm_id == vm_id)
+    if before is not None:
+        q = q.where(events.c.id < before)
+    with store._read() as conn:
+        rows = conn.execute(q.order_by(events.c.id.desc()).limit(limit)).all()
+    return [event_from_row(r) for r in rows]
+
+
 def lifetime_over(store: Store, now: datetime) -> list[VmRecord]:
     """VMs not terminated whose lifetime ended by ``now``, the most overdue first."""
     q = select(vms).where(vms.c.lifetime_ends_at.is_not(None), vms.c.lifetime_ends_at <= now)

@@ -482,6 +482,13 @@ class Store:
         with self.write() as tx:
             tx.add_event(vm_id, tenant_id, kind, **kw)
 
+    def add_ring_event(self, vm_id: str, tenant_id: str, kind: str, keep: int, **kw: Any) -> None:
+        """An event of a kind kept as a ring per VM (clients' audit events): the newest
+        ``keep`` stay, in the same transaction."""
+        with self.write() as tx:
+            tx.add_event(vm_id, tenant_id, kind, **kw)
+            tx.trim_events(vm_id, kind, keep)
+
     def list_events(self, vm_id: str) -> list[EventRecord]:
         with self._read() as conn:
             rows = conn.execute(select(events).where(events.c.vm_id == vm_id).order_by(events.c.id)).all()

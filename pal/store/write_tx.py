@@ -9,7 +9,7 @@ from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
 from pal.store.records import EventRecord, Tenant, VmRecord
 from pal.store.tables import events, tenants, vms
@@ -177,3 +177,16 @@ class WriteTx:
                 details=details,
             )
         )
+
+    def trim_events(self, vm_id: str, kind: str, keep: int) -> int:
+        """Keep only the newest ``keep`` events of ``kind`` of the VM (a ring); how many went."""
+        cutoff = (
+            select(events.c.id)
+            .where(events.c.vm_id == vm_id, events.c.kind == kind)
+            .order_by(events.c.id.desc())
+            .offset(keep)
+            .limit(1)
+            .scalar_subquery()
+        )
+        q = delete(events).where(events.c.vm_id == vm_id, events.c.kind == kind, events.c.id <= cutoff)
+        return int(self._conn.execute(q).rowcount or 0)

@@ -213,9 +213,11 @@ def build_argv(
             f"id=cfg,if=none,file={cfg},format=raw,readonly=on,file.locking=off",
             *("-device", "virtio-blk-device,drive=cfg"),
         ]
-    # No -device vmgenid: the Debian cloud kernel is built without CONFIG_VMGENID, so the
-    # guest would never see a new generation id; the harness reseeds its RNG from the
-    # `identify` seed after every restore/fork instead.
+    # No -device vmgenid: QEMU 7.2 takes the device on microvm but never describes it to
+    # the guest (microvm's ACPI tables have no VMGENID device; only pc/q35 build one), and
+    # the Debian cloud kernel has no CONFIG_VMGENID either. The harness reseeds the kernel
+    # RNG from `identify`'s host seed and forces a CRNG reseed (RNDRESEEDCRNG) after every
+    # restore, fork and pool claim instead (docs/security.md, "What restored VMs share").
     qmp = h.listener(spec.qmp_socket)
     argv += ["-chardev", f"socket,id=qmp,fd={qmp},server=on,wait=off", "-mon", "chardev=qmp,mode=control"]
     argv += seccomp_args(spec)

@@ -58,6 +58,13 @@ func TestRequestsCarryKeyUserAgentAndEscapedIDs(t *testing.T) {
 	if got.URL.EscapedPath() != "/v1/runtime/vms/a%2Fb" {
 		t.Fatalf("path %q", got.URL.EscapedPath())
 	}
+	// Text pasted into an id stays in its one segment: the server refuses it as an id.
+	if _, err := c.Runtime.Get(context.Background(), "a/resume?x=#y"); err != nil {
+		t.Fatalf("get: %v", err)
+	}
+	if got.URL.EscapedPath() != "/v1/runtime/vms/a%2Fresume%3Fx=%23y" || got.URL.RawQuery != "" {
+		t.Fatalf("path %q query %q", got.URL.EscapedPath(), got.URL.RawQuery)
+	}
 	if _, err := c.Runtime.Get(context.Background(), ""); !errors.Is(err, ErrBadRequest) {
 		t.Fatalf("an empty id must be refused before any request: %v", err)
 	}

@@ -49,8 +49,10 @@ DEADLINE_S = 300.0  # hang guard for each wait (a loaded 2-core host)
 @pytest.fixture(scope="module")
 def server() -> Iterator[PalServer]:
     with scratch_run_dir("hostile") as run_dir:
-        # Heartbeats every second: a guest whose channel ended is found silent in 6 s.
-        srv = start_server(run_dir, {"PAL_HEARTBEAT_INTERVAL": "1"})
+        # Heartbeats every second: a guest whose channel ended is found silent in 6 s. The
+        # flood's reader holds on unread for the whole of step 1, however slow the host: no
+        # slow-reader detach meanwhile (tests/adversarial/test_fair_shares.py has that).
+        srv = start_server(run_dir, {"PAL_HEARTBEAT_INTERVAL": "1", "PAL_SLOW_READER_SECS": "3600"})
         try:
             yield srv
         finally:

@@ -4,6 +4,12 @@ the states are true, the slots exact, and no QEMU, file, snapshot, namespace, ga
 registration or cgroup is left orphaned (tests/leaks.py); the VM is then used as its state
 says it can be (its files and memory intact), deleted, and nothing of it is left.
 
+The fork path is killed at each of its steps, idle and under load (CPU hogs on every core
+through the restart: the finding was a source failed at a load of 7-9, its healthy QEMU
+killed by a 5 s wall-clock wait at adoption): its source is never failed, it runs on (or,
+if its QEMU could not be kept, comes back paused from its newest snapshot), and a child's
+QEMU started just before the kill, with no state file yet, is not left running.
+
 ``PAL_FAILPOINT`` (pal/failpoints.py) makes the process SIGKILL itself at the named step,
 exactly like an OOM kill at that instant. The QEMUs and the egress gateway outlive it, as
 they would.
@@ -12,6 +18,9 @@ they would.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,14 +56,15 @@ class Case:
     # the states the VM the operation was on (a fork's source) may truthfully be in after
     # the restart
     states: frozenset[str]
+    load: bool = False  # CPU hogs on every core from the kill through the restart's checks
 
     @property
     def id(self) -> str:
-        return f"{self.op}-{self.failpoint}"
+        return f"{self.op}-{self.failpoint}" + ("-load" if self.load else "")
 
 
-def case(op: str, failpoint: str, *states: str) -> Case:
-    return Case(op, failpoint, frozenset(states))
+def case(op: str, failpoint: str, *states: str, load: bool = False) -> Case:
+    return Case(op, failpoint, frozenset(states), load)
 
 
 CASES = [
@@ -75,8 +85,17 @@ CASES = [
     case("resume", "resume:spawned", "running", "paused"),
     case("fork", "fork:reserved", "running"),  # children's rows and slots, no snapshot
     case("fork", "manager:captured", "running"),  # the source's vCPUs stopped for the capture
+    case("fork", "manager:committed", "running"),  # committed, the source not continued yet
     case("fork", "fork:snapshotted", "running"),
+    # The 2nd QEMU booted (the 1st was the source's): a child's, no state file to adopt it by.
+    case("fork", "manager:booted@2", "running"),
     case("fork", "fork:spawned", "running"),  # children up, their coming up not committed
+    # Under load: adopted and running, or (its QEMU not kept) paused from its newest
+    # snapshot: never failed.
+    *(
+        case("fork", fp, "running", "paused", load=True)
+        for fp in ("manager:committed", "fork:snapshotted", "manager:booted@2", "fork:spawned")
+    ),
     case("delete", "delete:draining", "terminated"),  # marked, QEMU not stopped
     case("delete", "delete:stopped", "terminated"),  # QEMU stopped, not marked terminated
 ]
@@ -86,6 +105,21 @@ CASES = [
 def run_dir(warm_template: None) -> Iterator[Path]:
     with scratch_run_dir("kill") as d:
         yield d
+
+
+@contextlib.contextmanager
+def cpu_hogs(on: bool) -> Iterator[None]:
+    """Two busy processes per core while the context lasts (``on``), as a loaded host."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1) if on else 0)
+    ]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def killed(server: PalServer, call: Callable[[], Any] | None = None) -> None:
@@ -164,15 +198,21 @@ def test_server_killed_at_a_failpoint_recovers_to_a_true_state(run_dir: Path, ca
             }
             killed(server, calls[case.op])
 
-    server = start_server(run_dir)  # same data dir, no failpoint
-    try:
+    with cpu_hogs(case.load):
+        server = start_server(run_dir)  # same data dir, no failpoint
         with server.client(key, timeout=120) as c:
             vms = c.get("/v1/runtime/vms").json()["vms"]
+            got = state(c, vms[0]["vmId"] if case.op == "schedule" else vm)
+    try:
+        with server.client(key, timeout=120) as c:
             if case.op == "schedule":
                 assert len(vms) == 1, vms
                 vm = vms[0]["vmId"]
-            got = state(c, vm)
             assert got["state"] in case.states, got
+            if got["state"] == "paused" and case.op == "fork":  # its QEMU was not kept
+                assert got["pausedBy"] == "recovery", got
+                events = c.get(f"/v1/runtime/vms/{vm}/events").json()["events"]
+                assert "recovered" in [e["kind"] for e in events], events
             if case.op == "idle":  # settle where the sweeper takes it: suspended again
                 got = await_state(c, vm, "paused")
             settled(run_dir)

@@ -13,6 +13,7 @@ import json
 import struct
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +39,40 @@ PLOT = (
     "set_matplotlib_formats('png', bbox_inches=None)\n"
     "import matplotlib.pyplot as plt\nplt.figure(figsize=(4, 3), dpi=50)\nplt.plot([1, 3])\nplt.show()"
 )
+
+
+SSE = {"Accept": "text/event-stream"}
+# A kernel sending error events without end: 300 tracebacks of 10,000 characters, 3 MB.
+ERROR_FLOOD = (
+    "ip = get_ipython()\n"
+    "for _ in range(300):\n"
+    "    try:\n"
+    "        raise ZeroDivisionError('x' * 10_000)\n"
+    "    except ZeroDivisionError:\n"
+    "        ip.showtraceback()"
+)
+FLOOD_BYTES = 300 * 10_000
+# The bound (1 MiB of text and errors + the notes' reserve), as SSE JSON: escaping and event
+# framing at most double it.
+WIRE_BOUND = 2 * (1024 * 1024 + 4096) + 64 * 1024
+RSS_BOUND_MIB = 64  # the server's growth while it folds and streams the flood
+# A display result nested 200 levels deep (past MAX_RESULT_JSON_DEPTH; one nested past the
+# host's parser, the finding's 100,000, is tests/unit/test_code_host_bounds.py's).
+DEEP_RESULT = (
+    "from IPython.display import display\n"
+    "v = 0\n"
+    "for _ in range(200):\n"
+    "    v = [v]\n"
+    "display({'text/plain': 'deep', 'application/json': v}, raw=True)"
+)
+
+
+def server_rss_mib(server: PalServer) -> float:
+    """The server process's resident memory (its QEMUs are the guests')."""
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +113,9 @@ def code_vm(api: httpx.Client, code_image: str) -> Iterator[str]:
         api.delete(f"/v1/runtime/vms/{vm}")
 
 
-def test_cells_keep_state_and_return_rich_results(api: httpx.Client, code_vm: str) -> None:
+def test_cells_keep_state_and_return_rich_results(
+    pal_server: PalServer, api: httpx.Client, code_vm: str
+) -> None:
     vm = code_vm
     first = run(api, vm, "x = 41")
     assert first["contextId"] == "default-python" and first["error"] is None and first["text"] is None
@@ -144,6 +181,24 @@ def test_cells_keep_state_and_return_rich_results(api: httpx.Client, code_vm: st
     finally:
         for child in children:
             api.delete(f"/v1/runtime/vms/{child}")
+
+    # Error events count in the cell's bound (the finding: a cell printing tracebacks in a
+    # loop grew the server by 230 MiB and streamed 260 MB): buffered, the answer holds the
+    # bound's worth and says it was cut; streamed, the wire carries no more than the bound.
+    rss0 = server_rss_mib(pal_server)
+    flood = run(api, vm, ERROR_FLOOD)
+    assert flood["error"] is not None and "output and errors cut" in flood["stderr"], flood["stderr"][-300:]
+    wire = 0
+    with api.stream("POST", f"/v1/runtime/vms/{vm}/code", json={"code": ERROR_FLOOD}, headers=SSE) as r:
+        assert r.status_code == 200
+        wire = sum(len(chunk) for chunk in r.iter_raw())
+    assert FLOOD_BYTES > WIRE_BOUND and wire < WIRE_BOUND, wire
+    assert server_rss_mib(pal_server) - rss0 < RSS_BOUND_MIB
+    # A display result nested too deep to carry loses that type (its others stay), and the
+    # context runs on (the finding: a RecursionError on the host, 503, the context left busy).
+    deep = run(api, vm, DEEP_RESULT)
+    assert deep["results"] == [{"text/plain": "deep", "isMainResult": False}], deep["results"]
+    assert run(api, vm, "x")["text"] == "41"
 
 
 def sse(c: httpx.Client, vm: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

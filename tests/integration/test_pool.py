@@ -101,17 +101,19 @@ def test_a_schedule_claims_a_pooled_vm_with_a_fresh_identity_and_the_pool_refill
                 out = sh(
                     c,
                     vm,
-                    "hostname; cat /sys/class/net/eth0/address; head -c 32 /dev/urandom | od -An -tx1;"
-                    " echo $WHO",
+                    "hostname; cat /sys/class/net/eth0/address /proc/sys/kernel/random/boot_id;"
+                    " head -c 32 /dev/urandom | od -An -tx1; echo $WHO",
                 )
-                host, mac, *rng, who = out.split("\n")[:-1]
+                host, mac, boot, *rng, who = out.split("\n")[:-1]
                 assert host == vm[:63] and who == f"tenant-{n}"
-                seen[vm] = (mac, "".join(rng))
+                seen[vm] = (mac, boot, "".join(rng))
                 # A token of its own, not the pooled VM's.
                 assert vm_states(run_dir)[slots[vm]]["token"] != tokens[slots[vm]]
                 assert_guest_clock_is_the_hosts(lambda vm=vm: float(sh(c, vm, "date +%s.%N")))
-            (mac_a, rng_a), (mac_b, rng_b) = seen.values()
-            assert mac_a != mac_b and rng_a != rng_b
+            # Nothing of the template's boot state is shared that a restore can redraw: the
+            # kernel's boot_id is drawn by each claim (docs/security.md, "What restored VMs share").
+            (mac_a, boot_a, rng_a), (mac_b, boot_b, rng_b) = seen.values()
+            assert mac_a != mac_b and rng_a != rng_b and boot_a != boot_b
             assert pool_metric(server, "claims") == 2
             # The pool refills with new VMs (never the claimed ones: they are the tenant's).
             refilled = wait_pool_ready(server, 2, not_among=set(pooled))

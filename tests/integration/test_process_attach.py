@@ -159,6 +159,7 @@ def test_who_may_attach(pal_server: PalServer, tenant_key: str, shared: Any) -> 
     assert refused(other) == 404  # another tenant's VM: as if it did not exist
     assert refused(tenant_key, pid_=999_999) == 404
     assert refused(tenant_key, "from=-1") == 400
+    assert refused(tenant_key, "from=%C2%B2") == 400  # a digit to str.isdigit(), not to int()
     assert refused(tenant_key, "from=99999999") == 400  # past the output's end
 
     # a signed link opens this process, and only it
@@ -179,6 +180,50 @@ def test_who_may_attach(pal_server: PalServer, tenant_key: str, shared: Any) -> 
         assert api2.post(f"{procs(vm)}/{pid}/attach-url", json={}).status_code == 404
     for p in (pid, other_pid):
         api.delete(f"{procs(vm)}/{p}")
+
+
+def test_a_link_ends_its_socket_opens_only_from_its_origin_and_may_be_read_only(
+    pal_server: PalServer, shared: Any
+) -> None:
+    """The finding: after ``DELETE .../port-links/{id}`` answered 200, stdin sent through the
+    socket the link had opened still reached ``cat``. Now the socket ends with the link; a
+    link from another origin's page is 403; a read-only link watches and types nothing."""
+    api, vm = shared
+    pid = start(api, vm, "cat", stdin=True)
+
+    def link(**body: Any) -> tuple[str, str]:
+        r = api.post(f"{procs(vm)}/{pid}/attach-url", json={"expiresInSecs": 300, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["url"].partition("?")[2], r.json()["linkId"]
+
+    query, link_id = link()
+    with pytest.raises(InvalidStatus) as foreign:
+        connect(ws_url(pal_server, vm, pid, query), origin="http://evil.example", open_timeout=RECV_S)  # type: ignore[arg-type]
+    assert foreign.value.response.status_code == 403
+    with attach(pal_server, vm, pid, None, query) as ws:
+        screen = Screen(ws)
+        ws.send(b"before\n")
+        screen.until(b"before\n")
+        assert api.delete(f"/v1/runtime/vms/{vm}/port-links/{link_id}").status_code == 200
+        with pytest.raises(ConnectionClosed):
+            while True:
+                notice = screen.pump()
+                if notice is not None:
+                    assert notice["type"] == "error" and notice["status"] == 401, notice
+        assert ws.close_code == 1008
+    watch, _ = link(readOnly=True)
+    with attach(pal_server, vm, pid, None, watch) as ws:
+        ws.send(b"typed\n")
+        notice = Screen(ws).pump()
+        while notice is None:
+            notice = Screen(ws).pump()
+        assert notice["type"] == "error" and notice["status"] == 403, notice
+    with attach(pal_server, vm, pid, api.headers["Authorization"].split()[1]) as ws:
+        screen = Screen(ws)
+        ws.send(b"after\n")
+        out = screen.until(b"after\n")
+        assert b"typed" not in out, "the read-only link's input reached the process"
+    api.delete(f"{procs(vm)}/{pid}")
 
 
 def test_a_pause_ends_the_socket_with_detached_and_a_reattach_goes_on(

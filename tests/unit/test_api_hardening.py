@@ -190,3 +190,37 @@ async def test_cors_only_for_the_operators_origins(tmp_path: Path) -> None:
         assert (allow == origin) is granted, (origins, origin, allow)
         assert (pre.headers.get("access-control-allow-origin") == origin) is granted
         assert "access-control-allow-credentials" not in got.headers
+
+
+async def test_an_id_in_a_path_that_is_none_is_400_before_routing(client: httpx.AsyncClient) -> None:
+    """An id pasted into a URL (``%2F`` is a ``/`` once decoded, which would make it another
+    route) is refused as an id before any route runs, whatever the route; real ids are not."""
+    vm = await _vm(client)
+    await client.post(f"/v1/runtime/vms/{vm}/pause")
+    for path in (
+        f"/v1/runtime/vms/{vm}%2Fresume",
+        f"/v1/runtime/vms/{vm}%2Fresume%3Fx%3D/audit",
+        "/v1/runtime/vms/..%2F..%2Fetc",
+        "/v1/runtime/vms/.hidden",
+        "/v1/runtime/vms/vm%00x/events",
+        f"/v1/runtime/vms/{vm}/code/contexts/a%2Fb/interrupt",
+        "/runtime/vm%2F..%2Flogout",
+    ):
+        resp = await client.post(path, json={})
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["code"] == "INVALID_ARGUMENT"
+    assert (await client.get(f"/v1/runtime/vms/{vm}")).json()["state"] == "paused"
+    assert (await client.get(f"/v1/runtime/vms/{vm}/events")).status_code == 200
+    # A guest path through the ports proxy may hold anything: it is the guest's, not an id.
+    assert (await client.get(f"/v1/runtime/vms/{vm}/ports/8000/a%2Fb")).status_code != 400
+
+
+def test_a_websocket_naming_an_id_that_is_none_is_refused(env: ApiEnv) -> None:
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    with TestClient(env.app, base_url="http://localhost") as tc:
+        headers = {"Authorization": f"Bearer {env.key_a}", "Host": "localhost"}
+        with pytest.raises(WebSocketDenialResponse) as info:
+            with tc.websocket_connect("/v1/runtime/vms/vm%2F1/processes/1/attach", headers=headers):
+                pass
+        assert info.value.status_code == 400 and "invalid VM id" in info.value.text

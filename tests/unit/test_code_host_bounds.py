@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from pal.api.code import result_of
+from pal.api.code import CellFold
+from pal.api.exec_budget import ExecBudget
 from pal.guest import protocol as p
 from pal.manager import guest_input as gi
 from pal.manager.channel import GuestError
@@ -21,7 +22,41 @@ def test_stream_text_is_bounded_across_events() -> None:
     for _ in range(40):
         ev = bound.event({"t": "stream", "name": "stdout", "text": "a" * 100_000})
         got += len(ev.text or "") if ev else 0
-    assert got <= p.MAX_CELL_STREAM_CHARS + 1024
+    assert got <= p.MAX_CELL_STREAM_CHARS + p.CELL_NOTE_RESERVE
+
+
+def test_errors_count_in_the_same_bound_as_text() -> None:
+    """A guest flooding error events (a kernel calling showtraceback() in a loop, or root
+    writing into the driver's pipe) gets no further than one flooding text: errors, text
+    and empty events all count, each with its overhead."""
+    bound = CellBound()
+    sent = kept = 0
+    flood = {"t": "error", "name": "E", "value": "v" * 100, "traceback": ["line"] * 20}
+    for _ in range(100_000):
+        ev = bound.event(flood)
+        sent += 1
+        if ev is not None:
+            assert ev.error is not None
+            kept += p.cell_event_chars(ev.error.name, ev.error.value, *ev.error.traceback)
+    assert kept <= p.MAX_CELL_STREAM_CHARS + p.CELL_NOTE_RESERVE and bound.dropped > 0
+    assert bound.event({"t": "stream", "name": "stdout", "text": "x" * 500}) is None, "text shares the bound"
+    tiny = CellBound()
+    kept_tiny = sum(tiny.event({"t": "error", "name": "", "value": ""}) is not None for _ in range(100_000))
+    assert kept_tiny <= (p.MAX_CELL_STREAM_CHARS + p.CELL_NOTE_RESERVE) // p.CELL_EVENT_OVERHEAD
+
+
+def test_a_result_nested_too_deep_is_dropped_not_raised() -> None:
+    """JSON nested 100,000 levels (RecursionError in json.loads) or past the depth bound
+    is not carried: the result keeps its other types, or is dropped; nothing raises."""
+    bound = CellBound()
+    deep = "[" * 100_000 + "]" * 100_000
+    assert bound.event({"t": "result", "mime": {"application/json": deep}}) is None
+    mid = "[" * (p.MAX_RESULT_JSON_DEPTH + 1) + "]" * (p.MAX_RESULT_JSON_DEPTH + 1)
+    ev = bound.event({"t": "result", "mime": {"application/json": mid, "text/plain": "[[...]]"}})
+    assert ev is not None and ev.data == {"text/plain": "[[...]]"}
+    ok = "[" * p.MAX_RESULT_JSON_DEPTH + "]" * p.MAX_RESULT_JSON_DEPTH
+    ev = bound.event({"t": "result", "mime": {"application/json": ok}})
+    assert ev is not None and "application/json" in (ev.data or {})
 
 
 def test_results_are_filtered_and_bounded() -> None:
@@ -75,12 +110,38 @@ def test_the_buffered_answer_folds_the_events() -> None:
         bound.event({"t": "result", "mime": {"text/plain": "42"}, "main": True}),
         _end({"context_id": "default-python", "execution_count": 3, "timed_out": False}),
     ]
-    res = result_of([e for e in events if e is not None])
+    fold = CellFold()
+    assert [fold.add(e) for e in events if e is not None] == [False, False, False, True]
+    res = fold.result()
     assert res.text == "42" and res.stdout == "hi\n" and res.execution_count == 3
+    assert res.truncated is None
     assert res.results == [
         {"image/png": "iVBO", "isMainResult": False},
         {"text/plain": "42", "isMainResult": True},
     ]
+
+
+def test_the_buffered_answer_charges_every_kind_to_the_tenants_budget() -> None:
+    """Text, results and errors all count against the tenant's buffered output; past it
+    nothing more is kept, the answer says truncated, and the budget comes back on release."""
+    budget = ExecBudget(4096)
+    lease = budget.lease("t")
+    fold = CellFold(lease)
+    bound = CellBound()
+    err = {"t": "error", "name": "E", "value": "v" * 500, "traceback": ["x" * 100] * 5}
+    for _ in range(50):
+        ev = bound.event(err)
+        assert ev is not None
+        fold.add(ev)
+    assert budget.held["t"] <= 4096 and fold.cut
+    ev = bound.event({"t": "stream", "name": "stdout", "text": "late"})
+    assert ev is not None
+    fold.add(ev)
+    fold.add(_end({"context_id": "default-python", "execution_count": 1}))
+    res = fold.result()
+    assert res.truncated is True and res.stdout == "" and res.error is not None
+    lease.release()
+    assert "t" not in budget.held
 
 
 def test_the_channel_routes_code_events_and_their_error_code() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from pal.api.app import create_app
 from pal.dashboard.app import install_dashboard
+from pal.spec import AgentSpec
 from tests.fakes import SchedEnv, make_env
 
 
@@ -283,3 +284,30 @@ async def test_the_terminal_needs_csrf_and_pages_admit_only_their_own_style_nonc
         src = re.search(rf'"(/runtime/static/vendor/xterm-[0-9.]+/{name})"', page.text)
         assert src, name
         assert (await c.get(src.group(1))).status_code == 200
+
+
+async def test_the_timeline_comes_a_page_at_a_time_newest_first(
+    env: tuple[SchedEnv, httpx.AsyncClient, str],
+) -> None:
+    """A VM's log is never loaded whole: the polled fragment is its newest page, with a
+    button for the page before it, and so on to the first event."""
+    e, c, key = env
+    await _sign_in(c, key)
+    tenant = e.store.tenant_by_api_key(key)
+    assert tenant is not None
+    vm = (await e.sched.schedule(tenant.id, AgentSpec()))[0].vm_id
+    for i in range(120):
+        e.store.add_event(vm, tenant.id, "mcp_tool", reason=f"call {i:03d}")
+    seen: list[str] = []
+    url, first = f"/runtime/{vm}/_timeline", True
+    while True:
+        page = (await c.get(url)).text
+        reasons = re.findall(r"call (\d{3})", page)
+        assert len(reasons) <= 50 and reasons == sorted(reasons, reverse=True)
+        seen += reasons
+        more = re.search(r'hx-get="(/runtime/[^"]+_timeline\?before=\d+)"', page)
+        if more is None:
+            break
+        assert ('hx-target="#timeline-older"' in page) is first
+        url, first = more.group(1), False
+    assert seen == [f"{i:03d}" for i in reversed(range(120))]

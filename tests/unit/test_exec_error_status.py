@@ -39,7 +39,10 @@ class _Node:
 def _client(node: _Node) -> ManagerClient:
     client = ManagerClient(url="http://node")
     app = create_rpc_app(node)  # type: ignore[arg-type]
-    client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
+    for pool in ("_http", "_streams"):  # control calls and streams alike
+        setattr(
+            client, pool, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
+        )
     return client
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pal.guest import protocol as p
-from pal.guest.kernels import Kernels
+from pal.guest.kernels import CellBound, Kernels
 from tests.harnesshost import TOKEN, Host
 
 
@@ -68,8 +68,26 @@ def test_bad_requests_and_context_bound(host: Host) -> None:
 def test_output_is_bounded(host: Host) -> None:
     evs, end = run(host, f"head -c {p.MAX_CELL_STREAM_CHARS * 2} /dev/zero | tr '\\0' a", language="bash")
     assert end["k"] == p.K_OK
-    assert len(text(evs)) == p.MAX_CELL_STREAM_CHARS
-    assert "output cut" in text(evs, "stderr")
+    out = [e for e in evs if e["t"] == "stream" and e["name"] == "stdout"]
+    # Each event counts its overhead besides its text (protocol.cell_event_chars).
+    assert len(text(evs)) == p.MAX_CELL_STREAM_CHARS - p.CELL_EVENT_OVERHEAD * len(out)
+    assert "output and errors cut" in text(evs, "stderr")
+
+
+def test_error_events_count_in_the_bound() -> None:
+    """A kernel sending error events without end (showtraceback() in a loop) sends no more
+    than the bound of text, said once; the host counts the same (pal/manager/code.py)."""
+    sent: list[p.Message] = []
+    bound = CellBound(lambda ev: sent.append(ev) or True)
+    for _ in range(50_000):
+        bound.forward(
+            {"t": "error", "name": "ZeroDivisionError", "value": "x" * 50, "traceback": ["tb"] * 10}
+        )
+    errors = [e for e in sent if e["t"] == "error"]
+    cost = sum(p.cell_event_chars(e["name"], e["value"], *e["traceback"]) for e in errors)
+    notes = [e for e in sent if e["t"] == "stream"]
+    assert cost <= p.MAX_CELL_STREAM_CHARS < cost + 200 and len(notes) == 1
+    assert sum(p.cell_event_chars(e["text"]) for e in notes) <= p.CELL_NOTE_RESERVE
 
 
 def test_python_without_jupyter_is_enokernel(host: Host) -> None:

@@ -271,3 +271,46 @@ def test_a_process_does_not_inherit_the_harness_ignoring_signals(
     ignored = int(out.split()[1], 16)
     for sig in sigs:
         assert not ignored & (1 << (sig - 1)), (sig, out)
+
+
+def test_a_stream_sends_only_what_its_credit_allows_and_a_detach_names_why(host: Host) -> None:
+    """Flow control (protocol.py): an exec of ``yes`` with a window sends about the window,
+    then waits (the process is held back, its output kept) while the channel answers other
+    requests; a credit lets more through; the host's detach (a slow reader) ends the stream
+    with its reason and leaves the process running, its output in the journal."""
+    window = 300_000
+    rid = host.send(p.K_EXEC, tok=TOKEN, argv=["yes"], window=window)
+    got = 0
+
+    def take_until_quiet() -> int:
+        """Output bytes on the wire until the harness has stopped at its credit (it sent
+        some, then nothing more across three pings, which it answers meanwhile)."""
+        n, quiet = 0, 0
+        while quiet < 3:
+            ping = host.send(p.K_PING)  # answered even while the stream waits
+            for m in host.replies(ping):
+                assert m["k"] == p.K_OK
+            pending = [m for m in host.pending if m["id"] == rid]
+            host.pending = [m for m in host.pending if m["id"] != rid]
+            n += sum(len(p.encode(m)) for m in pending if m["k"] in p.FLOW_KINDS)
+            for m in pending:
+                if m["k"] == p.K_STARTED:
+                    host.started[rid] = m["pid"]
+            quiet = quiet + 1 if n and not pending else 0
+            time.sleep(0.05)
+        return n
+
+    line = processes.CHUNK * 4 // 3 + 200  # one output line: the most a sender overshoots
+    got = take_until_quiet()
+    assert window <= got <= window + line, got
+    host.send(p.K_CREDIT, target=rid, n=100_000)
+    more = take_until_quiet()
+    assert window + 100_000 <= got + more <= window + 100_000 + line
+    host.send(p.K_DETACH, target=rid, reason="slow-reader")
+    end = list(host.replies(rid))[-1]
+    assert end["k"] == p.K_OK and end["result"]["detached"] is True
+    assert end["result"]["reason"] == "slow-reader"
+    pid = host.started[rid]
+    proc = call(host, p.K_PGET, pid=pid)["result"]["process"]
+    assert proc["running"] and proc["journal"]["end"] > got + more
+    call(host, p.K_PSIGNAL, pid=pid, signal="KILL")

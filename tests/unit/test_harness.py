@@ -433,3 +433,14 @@ def test_ticker_waits_for_its_interval_or_a_poke() -> None:
     assert time.monotonic() - started >= 0.04
     t.poke()
     assert t.wait(30) is True  # a poke ends the wait at once
+
+
+def test_boot_id_is_read_only_once_a_tenants_identity_is_taken(host: Host) -> None:
+    """The kernel draws boot_id at its first read: a template's or a pooled VM's guest never
+    reads it (so every VM restored from one draws its own, after its RNG reseed); a
+    tenant's identity (``own``) does, once."""
+    host.call(p.K_IDENTIFY, incarnation=1, token=TOKEN, vm_id="pool-1", own=False)
+    assert host.next_heartbeat()["boot_id"] == ""
+    host.call(p.K_IDENTIFY, incarnation=2, token=TOKEN, vm_id="vm-1", own=True)
+    kernel = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert host.next_heartbeat()["boot_id"] == kernel

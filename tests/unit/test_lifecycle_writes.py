@@ -141,8 +141,14 @@ async def test_every_action_writes_lifecycle_columns_only_through_the_transition
     [_ async for _ in s.exec_stream(t, c, ExecRequest(command="true"))]
     await s.pause(t, c, PauseRequest(mode="live"))
     await s.pause(t, c)  # a snapshot pause of a live-paused VM
+    d = (await s.schedule(t, AgentSpec()))[0].vm_id
+    await s.pause(t, d)
+    await s.resume(t, d)  # it has a snapshot to come back to
     env.manager.kill(res.forks[1].vm_id)
-    await s.reconciler.reconcile_all()  # finishes the delete, loses the dead fork
+    env.manager.kill(d)
+    # finishes the delete, loses the dead fork, recovers d from its snapshot
+    await s.reconciler.reconcile_all()
+    await s.delete(t, d)
     await s.delete(t, b)
     await s.delete(t, a)
     await s.delete(t, c)

@@ -185,10 +185,154 @@ def _out_line(rid: int, size: int) -> bytes:
     return (json.dumps({"id": rid, "k": "out", "fd": 1, "data": data}) + "\n").encode()
 
 
-async def test_output_flood_into_a_slow_consumer_stops_reading_the_guest(tmp_path: Path) -> None:
-    """The guest writes 64 MiB of output as fast as it can while nobody consumes the exec
-    stream: the host holds at most its inbox and one reader buffer, and the guest's writes
-    block. Once consumed, all of it arrives, in order."""
+class CreditGuest:
+    """A guest that honours its credits (protocol.py, "Flow control") over a real socket:
+    it writes ``lines`` output lines of ``chunk`` bytes to the first stream it is asked for,
+    each only while its credit is above zero, answers pings, and records what the host
+    sent it (credits, detaches)."""
+
+    def __init__(self, path: Path, chunk: int, lines: int) -> None:
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(str(path))
+        self.srv.listen(1)
+        self.chunk, self.lines = chunk, lines
+        self.got: list[dict[str, Any]] = []
+        self.cond = threading.Condition()
+        self.credit = 0
+        self.rid = 0
+        self.sent = 0
+        self.ended = threading.Event()
+
+    def serve(self) -> None:
+        self.conn, _ = self.srv.accept()
+        threading.Thread(target=self._write, daemon=True).start()
+        buf = b""
+        while True:
+            try:
+                data = self.conn.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                with self.cond:
+                    self.ended.set()
+                    self.cond.notify_all()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    self._handle(json.loads(line))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        with self.cond:
+            self.got.append(msg)
+            if msg["k"] == p.K_EXEC:
+                self.rid, self.credit = msg["id"], msg["window"]
+            elif msg["k"] == p.K_CREDIT and msg["target"] == self.rid:
+                self.credit += msg["n"]
+            elif msg["k"] in (p.K_DETACH, p.K_CANCEL):
+                self.ended.set()
+            self.cond.notify_all()
+        if msg["k"] == p.K_PING:
+            self._send({"id": msg["id"], "k": "ok", "result": {}})
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.sendall(json.dumps(msg).encode() + b"\n")
+
+    def _write(self) -> None:
+        line_for = None
+        while self.sent < self.lines:
+            with self.cond:
+                while (self.credit <= 0 or not self.rid) and not self.ended.is_set():
+                    self.cond.wait()
+                if self.ended.is_set():
+                    break
+                line_for = line_for or _out_line(self.rid, self.chunk)
+                self.credit -= len(line_for)
+            with contextlib.suppress(OSError):
+                self.conn.sendall(line_for)
+            self.sent += 1
+            if self.sent % 8 == 0:  # the harness's heartbeats go out between output lines
+                self._send({"id": 0, "k": "hb", "incarnation": 1, "vm_id": "vm-credit"})
+        if not self.ended.is_set():
+            self._send({"id": self.rid, "k": "exit", "code": 0, "timed_out": False})
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        with self.cond:
+            return [m for m in self.got if m["k"] == kind]
+
+
+async def _credit_pair(
+    tmp_path: Path, chunk: int, lines: int, **kw: Any
+) -> tuple[HarnessChannel, CreditGuest]:
+    guest = CreditGuest(tmp_path / "agent.sock", chunk, lines)
+    threading.Thread(target=guest.serve, daemon=True).start()
+    chan = HarnessChannel(guest.srv.getsockname(), "vm-credit", **kw)
+    await chan.connect()
+    return chan, guest
+
+
+async def test_credits_hold_a_stream_to_its_window_and_everything_arrives(tmp_path: Path) -> None:
+    """16 MiB through a reader slower than the guest: the guest sends only what its credit
+    allows, the host never holds more than the window (and a line), and every byte arrives
+    in order, with no detach."""
+    chunk, lines = 60_000, 280
+    chan, guest = await _credit_pair(tmp_path, chunk, lines)
+    stream = chan.stream({"k": p.K_EXEC, "argv": ["yes"]})
+    got = 0
+    try:
+        while True:
+            ev = await asyncio.wait_for(stream.__anext__(), 30)
+            if ev["k"] == p.K_EXIT:
+                break
+            got += len(p.payload(ev))
+            inbox = chan._pending[guest.rid]
+            assert inbox._bytes <= ch.STREAM_WINDOW + gi.MAX_GUEST_LINE_BYTES
+            assert inbox.received - inbox.granted <= gi.MAX_GUEST_LINE_BYTES, "the guest kept to its credit"
+            if got % (chunk * 20) == 0:
+                await asyncio.sleep(0.05)  # a slow reader
+        assert got == chunk * lines and chan.slow_readers == 0
+        assert guest.kinds(p.K_CREDIT) and not guest.kinds(p.K_DETACH)
+    finally:
+        await stream.aclose()
+        await chan.close()
+
+
+async def test_a_stalled_reader_is_detached_and_the_channel_answers_meanwhile(tmp_path: Path) -> None:
+    """The reader of a stream stops taking its output (an SSE client that stopped reading):
+    the guest stops at its credit, heartbeats and another request's answer still get
+    through, the stall does not count as hearing from the guest, and after slow_reader_s
+    the guest is told to detach the stream; the reader then gets what was held and
+    ``detached {reason: slow-reader}``."""
+    chan, guest = await _credit_pair(tmp_path, 60_000, 10_000, slow_reader_s=1.0)
+    stream = chan.stream({"k": p.K_EXEC, "argv": ["yes"]})
+    try:
+        first = await asyncio.wait_for(stream.__anext__(), 30)  # then the reader stalls
+        assert first["k"] == p.K_OUT
+        await until(lambda: chan._pending[guest.rid].exhausted(), timeout=30)
+        stalled_at = chan.last_heard()
+        reply, _ = await chan.request({"k": p.K_PING}, timeout=10)
+        assert reply["k"] == "ok", "another request answers while the stream is stalled"
+        assert chan.last_heard() == stalled_at, "a stalled stream is not the guest talking"
+        await until(lambda: guest.kinds(p.K_DETACH), timeout=30)
+        (detach,) = guest.kinds(p.K_DETACH)
+        assert detach["target"] == guest.rid and detach["reason"] == ch.SLOW_READER
+        assert guest.sent * 60_000 < 3 * ch.STREAM_WINDOW, "the guest stopped at its credit"
+        rest = [ev async for ev in stream]
+        assert rest[-1]["k"] == p.K_OK and rest[-1]["result"] == {"detached": True, "reason": ch.SLOW_READER}
+        assert {ev["k"] for ev in rest[:-1]} <= {p.K_OUT} and chan.slow_readers == 1
+        assert not chan.closed.is_set()
+    finally:
+        await stream.aclose()
+        await chan.close()
+
+
+async def test_a_guest_flooding_past_its_credit_is_cut_off_that_stream_and_read_on(tmp_path: Path) -> None:
+    """A guest that ignores its credit (a hostile one, or a harness from before credits)
+    and writes 64 MiB as fast as it can while nobody consumes: the host keeps reading (the
+    guest's writes all go through, its heartbeats arrive), holds at most the window, drops
+    the rest, and detaches that stream."""
     path = tmp_path / "agent.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(path))
@@ -197,6 +341,7 @@ async def test_output_flood_into_a_slow_consumer_stops_reading_the_guest(tmp_pat
     await chan.connect()
     conn, _ = await asyncio.to_thread(srv.accept)
     chunk, lines = 60_000, 1100  # ~64 MiB on the wire
+    beats = 0
 
     def read_request() -> dict[str, Any]:
         buf = b""
@@ -205,36 +350,39 @@ async def test_output_flood_into_a_slow_consumer_stops_reading_the_guest(tmp_pat
         return dict(json.loads(next(x for x in buf.split(b"\n") if x.strip())))
 
     def flood(rid: int) -> None:
+        nonlocal beats
         line = _out_line(rid, chunk)
+        hb = json.dumps({"id": 0, "k": "hb", "incarnation": 1}).encode() + b"\n"
         with contextlib.suppress(OSError):
-            for _ in range(lines):
-                conn.sendall(line)  # blocks while the host does not read
+            for i in range(lines):
+                conn.sendall(line)
+                if i % 100 == 99:
+                    conn.sendall(hb)
+                    beats += 1
 
     stream = chan.stream({"k": p.K_EXEC, "argv": ["yes"]})
     first = asyncio.create_task(stream.__anext__())
     req = await asyncio.to_thread(read_request)
+    assert req["window"] == ch.STREAM_WINDOW
     flooder = threading.Thread(target=flood, args=(req["id"],), daemon=True)
     flooder.start()
     try:
-        got = len(p.payload(await asyncio.wait_for(first, 10)))
-        await until(lambda: chan.stalled_since is not None, timeout=60)
+        await asyncio.wait_for(first, 10)
+        await asyncio.to_thread(flooder.join, 120)
+        assert not flooder.is_alive(), "the host stopped reading the guest"
+        await until(lambda: chan.heartbeat is not None and chan.heartbeat_at > 0)
         inbox = chan._pending[req["id"]]
-        assert inbox._bytes <= ch.INBOX_BYTES + gi.MAX_GUEST_LINE_BYTES
+        assert inbox._bytes <= ch.STREAM_WINDOW + 2 * gi.MAX_GUEST_LINE_BYTES and inbox.slow
         assert chan._reader is not None and len(chan._reader._buffer) <= 3 * gi.MAX_GUEST_LINE_BYTES
-        assert flooder.is_alive(), "the guest could write everything: the host kept reading"
-        now = time.monotonic()
-        assert chan.last_heard() >= now, "a stalled guest still counts as heard from"
-        while got < chunk * lines:  # consuming drains it and the guest writes on
-            ev = await asyncio.wait_for(stream.__anext__(), 30)
-            assert ev["k"] == "out"
-            got += len(p.payload(ev))
-        assert got == chunk * lines and not chan.closed.is_set()
+        detach = await asyncio.to_thread(read_request)
+        assert detach["k"] == p.K_DETACH and detach["reason"] == ch.SLOW_READER
+        rest = [ev async for ev in stream]
+        assert rest[-1]["result"]["reason"] == ch.SLOW_READER and not chan.closed.is_set()
     finally:
         await stream.aclose()
         await chan.close()
         conn.close()
         srv.close()
-        flooder.join(30)
 
 
 async def test_an_exec_without_timeout_ends_when_the_channel_closes_even_when_its_inbox_is_full(
@@ -245,9 +393,9 @@ async def test_an_exec_without_timeout_ends_when_the_channel_closes_even_when_it
     first = asyncio.create_task(stream.__anext__())
     req = await guest.next_request()
     line = _out_line(req["id"], 60_000)
-    writer = asyncio.create_task(guest.send(line * 64))  # more than the inbox takes
+    writer = asyncio.create_task(guest.send(line * 14))  # the whole window, within its overshoot
     await asyncio.wait_for(first, 10)
-    await until(lambda: chan.stalled_since is not None)
+    await until(lambda: chan._pending[req["id"]].exhausted())
     await chan.close()  # what stopping the VM does
     with pytest.raises(ChannelClosed):
         async for _ in stream:

@@ -5,6 +5,7 @@ official ``mcp`` client (tests/integration/test_mcp.py drives both transports on
 from __future__ import annotations
 
 import base64
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from pal.api.auth import key_refusal
+from pal.api.auth import key_check
 from pal.mcp.catalog import SCHEMAS, TOOLS
 from pal.mcp.code_tool import MAX_IMAGES, shape
 from pal.mcp.dispatch import call_tool, check_arguments
@@ -84,7 +85,7 @@ async def test_an_unreachable_server_is_a_tool_error_that_names_pal_url() -> Non
 @pytest.fixture
 def env(tmp_path: Path) -> ApiEnv:
     env = make_api(tmp_path)
-    install_mcp(env.app, lambda key: key_refusal(env.sched.store, key))
+    install_mcp(env.app, lambda key: key_check(env.sched.store, key))
     return env
 
 
@@ -224,3 +225,97 @@ def test_run_code_results_are_shaped_for_a_model() -> None:
     assert len(images) == MAX_IMAGES and base64.b64decode(images[0].data) == png
     assert out.content[-1].text == "[1 more images left out]"
     assert out.structured_content["images"] == MAX_IMAGES + 1 and not out.is_error
+
+
+async def test_an_id_that_is_none_never_reaches_a_route(env: ApiEnv) -> None:
+    """The finding: ``get_sandbox {"vmId": "<vm>/resume?x="}`` (a read-only tool) made its
+    failure audit POST ``.../vms/<vm>/resume?x=/audit`` and resumed a paused VM. The tool
+    schemas carry the id pattern, so such an id runs nothing; a tool that fails on a real
+    id calls its own route and that VM's audit route, nothing else."""
+    seen: list[str] = []
+    app_transport = httpx.ASGITransport(app=env.app)
+
+    class Recording(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(f"{request.method} {request.url.raw_path.decode()}")
+            return await app_transport.handle_async_request(request)
+
+    http = httpx.AsyncClient(transport=Recording(), base_url="http://localhost")
+    async with AsyncClient("http://localhost", env.key_a, 30, http_client=http) as client:
+        vm = (await client.runtime.schedule())["vmId"]
+        await client.runtime.pause(vm)
+        seen.clear()
+        for tool in ("get_sandbox", "resume_sandbox", "run_command", "read_file"):
+            args: dict[str, Any] = {"vmId": f"{vm}/resume?x=", "command": "true", "path": "f"}
+            args = {k: v for k, v in args.items() if k in SCHEMAS[tool]["properties"]}
+            res = await call_tool(client, tool, args, "stdio")
+            assert res.is_error and "vmId" in res.content[0].text  # type: ignore[union-attr]
+        assert seen == [], "an id that fails the pattern reaches no route"
+        assert (await client.runtime.get(vm))["state"] == "paused"
+        seen.clear()
+        res = await call_tool(client, "run_command", {"vmId": vm, "command": "true"}, "stdio")
+        assert res.is_error  # 409: paused by its owner
+        assert seen == [f"POST /v1/runtime/vms/{vm}/processes", f"POST /v1/runtime/vms/{vm}/audit"]
+        # The SDK itself quotes what it puts in a path: the API refuses it as an id (400),
+        # before any route, even for a route the pasted text names.
+        with pytest.raises(Exception, match="invalid VM id"):
+            await client.runtime.get(f"{vm}/resume?x=")
+        assert seen[-1] == f"GET /v1/runtime/vms/{vm}%2Fresume%3Fx%3D"
+        assert (await client.runtime.get(vm))["state"] == "paused"
+
+
+async def test_the_http_endpoint_checks_the_origin_and_caps_a_tenants_requests(tmp_path: Path) -> None:
+    """MCP asks servers to validate Origin: a page elsewhere is 403, the server's own origin
+    is not. A tenant holds at most its budget of requests at once (an idle GET stream
+    counts): past it 429, while another tenant is not held back."""
+    env = make_api(tmp_path)
+    install_mcp(env.app, lambda key: key_check(env.sched.store, key), max_per_tenant=2)
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    with serve(env.app) as url:
+        a = {**accept, "Authorization": f"Bearer {env.key_a}"}
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            r = await c.post("/mcp", json=body, headers={**a, "Origin": "http://evil.example"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "FORBIDDEN"
+            own = {**a, "Origin": url}
+            assert (await c.post("/mcp", json=body, headers=own)).status_code == 200
+            async with contextlib.AsyncExitStack() as held:
+                for _ in range(2):
+                    idle = await held.enter_async_context(c.stream("GET", "/mcp", headers=a))
+                    assert idle.status_code == 200
+                r = await c.post("/mcp", json=body, headers=a)
+                assert r.status_code == 429 and "PAL_TENANT_MAX_STREAMS=2" in r.json()["error"]["message"]
+                b = {**accept, "Authorization": f"Bearer {env.key_b}"}
+                assert (await c.post("/mcp", json=body, headers=b)).status_code == 200
+            assert (await c.post("/mcp", json=body, headers=a)).status_code == 200, "closing gives it back"
+
+
+async def test_the_audit_log_is_a_ring_per_vm_and_its_route_is_rate_limited(env: ApiEnv) -> None:
+    """The finding: 3,000 audit POSTs in 20 s grew the store tenfold. A tenant writes at most
+    PAL_AUDIT_RATE a second (in bursts of 10 s worth): past it 429 with Retry-After, again
+    once time has passed; each VM keeps its newest PAL_AUDIT_EVENTS_PER_VM."""
+    env.sched.settings.audit_events_per_vm = 10
+    limit = env.sched.sched.audit.limit
+    limit.rate, limit.burst = 1.0, 30.0
+    ok = {"tool": "run_command", "transport": "stdio", "ok": True}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=env.app),
+        base_url="http://localhost",
+        headers={"Authorization": f"Bearer {env.key_a}"},
+    ) as api:
+        vm = (await api.post("/v1/runtime/schedule", json={})).json()["vmId"]
+        codes = [(await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)).status_code for _ in range(40)]
+        assert codes == [200] * 30 + [429] * 10
+        refused = await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)
+        assert refused.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
+        assert int(refused.headers["retry-after"]) >= 1
+        bob = {"Authorization": f"Bearer {env.key_b}"}
+        theirs = (await api.post("/v1/runtime/schedule", json={}, headers=bob)).json()["vmId"]
+        assert (await api.post(f"/v1/runtime/vms/{theirs}/audit", json=ok, headers=bob)).status_code == 200
+        env.sched.clock.advance(2.0)
+        assert (await api.post(f"/v1/runtime/vms/{vm}/audit", json=ok)).status_code == 200
+        events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
+    audit = [e for e in events if e["kind"] == "mcp_tool"]
+    assert len(audit) == 10, "the ring keeps the newest 10"
+    assert [e for e in events if e["kind"] != "mcp_tool"], "status events are not the ring's"
+    assert audit == sorted(audit, key=lambda e: e["at"])

@@ -255,6 +255,9 @@ async def test_a_port_request_that_meets_a_pause_under_way_wakes_the_vm_and_open
     class Stream:
         closed = False
 
+        def on_close(self, fn: object) -> None:
+            pass
+
         async def aclose(self) -> None:
             self.closed = True
 

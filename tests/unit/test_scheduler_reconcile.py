@@ -17,7 +17,7 @@ import pytest
 from pal.scheduler import quotas
 from pal.scheduler.scheduler import Scheduler
 from pal.scheduler.states import Action, Marker, VmState
-from pal.spec import AgentSpec
+from pal.spec import AgentSpec, PauseRequest
 from pal.store import VmRecord
 from tests.fakes import AGENT_VERSION, Crash, FakeVm, SchedEnv, crash_at, make_env
 
@@ -228,6 +228,37 @@ async def test_running_whose_qemu_died_ends_failed(env: SchedEnv) -> None:
     await _restart(env)
     vm = _vm(env, vm_id)
     assert vm.state == S.FAILED and vm.reason == "QEMU exited" and not vm.holds_slot
+
+
+async def test_a_vm_whose_qemu_is_gone_comes_back_paused_from_its_newest_snapshot(env: SchedEnv) -> None:
+    """A live VM whose QEMU could not be adopted after a restart, with a complete snapshot
+    (here: a fork's, taken a moment before the crash), is paused from its newest one and
+    resumable, never failed; an event says why and from when."""
+    vm_id = await _running(env)
+    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.resume(env.tenant_id, vm_id)
+    fork = await env.sched.fork(env.tenant_id, vm_id, 1)  # the newest snapshot
+    env.manager.kill(vm_id)
+    _, fixes = await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.PAUSED and vm.paused_by == "recovery" and vm.snapshot_id == fork.snapshot_id
+    assert not vm.holds_slot and any("paused from snapshot" in f for f in fixes)
+    (ev,) = [e for e in env.store.list_events(vm_id) if e.kind == "recovered"]
+    assert ev.details is not None and ev.details["snapshotId"] == fork.snapshot_id
+    assert ev.reason is not None and "resume it" in ev.reason
+    resumed = await env.sched.resume(env.tenant_id, vm_id)
+    assert resumed.state == S.RUNNING and ("spawn", vm_id) in env.manager.calls
+
+
+async def test_a_live_paused_vm_whose_qemu_is_gone_comes_back_from_its_snapshot(env: SchedEnv) -> None:
+    vm_id = await _running(env)
+    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live"))
+    env.manager.kill(vm_id)
+    await _restart(env)
+    vm = _vm(env, vm_id)
+    assert vm.state == S.PAUSED and vm.marker == "" and vm.paused_by == "recovery"
 
 
 async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:

@@ -228,3 +228,15 @@ async def test_async_send_stdin_resends_what_the_server_did_not_take() -> None:
     async with AsyncClient("http://pal.test", "k", http_client=http) as c:
         await c.runtime.processes.send_stdin("vm1", 7, data, eof=True)
     _check_stdin_writes(data, taken, seen)
+
+
+def test_a_detached_exec_stream_is_its_own_event() -> None:
+    """A streamed exec whose reader fell behind ends with ``detached`` (the command runs on):
+    the API's frame and the SDK's event say so, never a made-up exit or a bare error."""
+    from pal.api.exec_stream import event_frame
+    from pal.manager.models import ExecEvent as NodeEvent
+    from pal.sdk._wire import SseParser
+
+    frame = event_frame(NodeEvent(type="detached", reason="slow-reader")).decode()
+    (ev,) = SseParser().feed(frame.split("\n"))
+    assert ev.type == "detached" and ev.code == "DETACHED" and "slow-reader" in (ev.message or "")

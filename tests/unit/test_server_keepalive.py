@@ -15,3 +15,13 @@ def test_a_server_keeps_idle_connections_past_an_httpx_clients_reuse_window() ->
     assert client_reuse_s is not None
     cfg = http_config(Starlette(), lifespan="off")
     assert cfg.timeout_keep_alive >= 10 * client_reuse_s, cfg.timeout_keep_alive
+
+
+def test_a_websocket_message_past_the_largest_frame_is_refused_by_every_server() -> None:
+    """uvicorn's own default takes 16 MiB messages; ours take the largest frame any route
+    uses (a port tunnel's), so a client cannot make a server buffer more before a route
+    even sees it."""
+    from pal.manager.tunnel import MAX_FRAME
+
+    cfg = http_config(Starlette(), lifespan="off")
+    assert cfg.ws_max_size == MAX_FRAME == 1024 * 1024

@@ -36,6 +36,8 @@ EXPECTED: dict[tuple[VmState | None, Action], tuple[VmState, set[Marker] | None]
     (S.DRAINING, A.LOSE): (S.FAILED, PAUSING),
     (S.PAUSED, A.DELETE): (S.DRAINING, None),
     (S.PAUSED, A.LOSE): (S.FAILED, None),
+    (S.RUNNING, A.RECOVER): (S.PAUSED, None),
+    (S.PAUSED, A.RECOVER): (S.PAUSED, LIVE),
     (S.FAILED, A.DELETE): (S.DRAINING, None),
     (S.SPAWNING, A.DELETE): (S.DRAINING, None),
     # live pause

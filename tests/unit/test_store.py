@@ -149,6 +149,19 @@ def test_events_are_listed_in_order(tmp_path: Path, db_url: str) -> None:
     ]
 
 
+def test_a_ring_event_keeps_the_newest_of_its_kind_per_vm(tmp_path: Path, db_url: str) -> None:
+    store = Store.open(Settings(data_dir=tmp_path, database_url=db_url))
+    tenant, _ = store.create_tenant("acme", 5)
+    store.add_event("vm-a", tenant.id, "status", to_state="running")
+    for i in range(12):
+        store.add_ring_event("vm-a", tenant.id, "mcp_tool", 5, reason=str(i))
+        store.add_ring_event("vm-b", tenant.id, "mcp_tool", 5, reason=str(i))
+    for vm in ("vm-a", "vm-b"):
+        ring = [e.reason for e in store.list_events(vm) if e.kind == "mcp_tool"]
+        assert ring == ["7", "8", "9", "10", "11"]
+    assert next(e.kind for e in store.list_events("vm-a")) == "status", "other kinds stay"
+
+
 def test_records_are_their_tables_columns() -> None:
     """A VM field is declared in records.py and tables.py (+ a migration); rows are read
     into records by these names."""

@@ -832,6 +832,12 @@ export interface components {
              * @default 300
              */
             expiresInSecs?: number;
+            /**
+             * Readonly
+             * @description true: the link opens the output only (no stdin, signals or resizes)
+             * @default false
+             */
+            readOnly?: boolean;
         };
         /** AuditedOut */
         AuditedOut: {
@@ -972,6 +978,11 @@ export interface components {
              * @default false
              */
             timedOut?: boolean;
+            /**
+             * Truncated
+             * @description true: the tenant's budget of buffered output on this server (PAL_EXEC_BUFFER_MIB) ran out during the cell, and what came past it was not kept (stream the cell with SSE for all); absent otherwise
+             */
+            truncated?: boolean | null;
         };
         /** ContextCreate */
         ContextCreate: {
@@ -2218,7 +2229,7 @@ export interface components {
             idleTimeoutSecs?: number;
             /**
              * Pausedby
-             * @description `operator`, `idle` or null; only idle-paused VMs wake
+             * @description `operator`, `idle`, `recovery` (its QEMU was lost at a restart: paused from its newest snapshot, see its `recovered` event) or null; only idle-paused VMs wake
              */
             pausedBy?: string | null;
             /**

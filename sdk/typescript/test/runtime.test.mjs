@@ -58,6 +58,12 @@ describe("Pal TypeScript SDK against a real server", () => {
     for (const id of made) await client.runtime.delete(id).catch(() => undefined);
   });
 
+  test("an id is one path segment: text pasted into it is refused as an id, never another route", async () => {
+    await expectError(client.runtime.get(`${vmId}/resume?x=`), BadRequestError, 400, "INVALID_ARGUMENT");
+    await expectError(client.runtime.pause(`${vmId}/../${vmId}`), BadRequestError, 400, "INVALID_ARGUMENT");
+    assert.equal((await client.runtime.get(vmId)).vmId, vmId);
+  });
+
   test("get and list", async () => {
     const vm = await client.runtime.get(vmId);
     assert.equal(vm.vmId, vmId);
