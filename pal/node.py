@@ -12,7 +12,6 @@ service, drain it first (`pal node drain`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 
@@ -21,8 +20,8 @@ import httpx
 from pal.api.callers import NODE_HEADER
 from pal.config import Settings
 from pal.errors import InvalidRequest
-from pal.manager.models import HeartbeatAck
 from pal.server import Node, _logging, _Server, ensure_image, http_config, prepare_data_dir, secure_umask
+from pal.wire.models import HeartbeatAck
 
 log = logging.getLogger("pal.node")
 
@@ -42,7 +41,7 @@ class Heartbeats:
         self.last_ack: HeartbeatAck | None = None
 
     async def send_once(self) -> HeartbeatAck | None:
-        hb = await self.node.runtime.heartbeat()
+        hb = await self.node.runtime.reports.heartbeat()
         body = hb.model_dump(by_alias=True, mode="json")
         for i in range(len(self.servers)):
             url = self.servers[(self._next + i) % len(self.servers)]
@@ -98,14 +97,12 @@ async def serve_node(
     prepare_data_dir(settings)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
-    node.runtime.url = advertise or f"http://{host}:{port}"
-    await node.runtime.start_network()  # the egress gateway (or the one a previous run left)
-    adopted, killed = await node.runtime.adopt_all()
-    await node.runtime.settle_network()
+    node.runtime.me.url = advertise or f"http://{host}:{port}"  # where the control plane reaches it
+    adopted, killed = await node.runtime.start()  # the egress gateway (or the one a previous run left)
     if adopted or killed:
         log.warning("VMs left by a previous run: adopted %s, killed %s", adopted, killed)
-    sampler = asyncio.create_task(node.runtime.run_sampler(), name="vm-metrics")
-    app = create_rpc_app(node.runtime, token=settings.node_token)
+    sampler = asyncio.create_task(node.runtime.sampler.run(), name="vm-metrics")
+    app = create_rpc_app(node.runtime.handlers(), token=settings.node_token)
     rpc = _Server(http_config(app, host=host, port=port, lifespan="off"))
     rpc_task = asyncio.create_task(rpc.serve(), name="node-rpc")
     while not rpc.started:
@@ -120,22 +117,17 @@ async def serve_node(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("Pal node %s on %s (data dir %s, accel %s)", node.runtime.node_id, node.runtime.url,
+    log.info("Pal node %s on %s (data dir %s, accel %s)", node.runtime.me.node_id, node.runtime.me.url,
              settings.data_dir, node.accel.name)  # fmt: skip
     try:
         await asyncio.wait({rpc_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         beat_task.cancel()
         sampler.cancel()
-        node.runtime.notices_board.close()
         rpc.should_exit = True
         await asyncio.gather(rpc_task, beat_task, sampler, return_exceptions=True)
         await beats.aclose()
-        # VMs (and the egress gateway carrying their connections) keep running: the next
-        # start of this node adopts them.
-        for lv in list(node.runtime.vms.values()):
-            with contextlib.suppress(Exception):
-                await lv.channel.close()
+        await node.runtime.detach()  # its VMs keep running: the next start adopts them
         await asyncio.to_thread(node.store.close)
 
 

@@ -17,7 +17,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import uvicorn
@@ -25,7 +25,11 @@ import uvicorn
 from pal import operator
 from pal.api.hosts import WILDCARD_HOSTS
 from pal.config import PORTS_PORT_OFFSET, Settings
-from pal.manager.tunnel import MAX_FRAME
+from pal.wire.tunnel import MAX_FRAME
+
+if TYPE_CHECKING:
+    from pal.scheduler.scheduler import Scheduler
+    from pal.wire.handlers import NodeCalls
 
 log = logging.getLogger("pal")
 
@@ -115,7 +119,8 @@ class Node:
         from pal.manager.rpc import create_rpc_app
 
         sock = rpc_socket.bind(self.settings.manager_socket)
-        cfg = http_config(create_rpc_app(self.runtime), lifespan="off", http=rpc_socket.PeerCheckedProtocol)
+        app = create_rpc_app(self.runtime.handlers())
+        cfg = http_config(app, lifespan="off", http=rpc_socket.PeerCheckedProtocol)
         return _Server(cfg), sock
 
     def warm_default_template(self) -> None:
@@ -132,7 +137,7 @@ class Node:
             self.runtime.templates.prune({i.agent_version_id for i in list_images(self.settings)})
             image = load_image(self.settings, "default")
             self.runtime.templates.ensure_in_background(
-                self.runtime, image, size_name(size.memory_mib, size.vcpus, size.disk_mib)
+                self.runtime.template_host, image, size_name(size.memory_mib, size.vcpus, size.disk_mib)
             )
 
 
@@ -187,7 +192,7 @@ def remove_image(settings: Settings, name: str) -> None:
 
 
 async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -> None:
-    from pal.manager.client import ManagerClient
+    from pal.scheduler.node_client import HttpNode
     from pal.scheduler.scheduler import Scheduler
     from pal.store import Store
 
@@ -198,12 +203,10 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     settings.admin_token = operator.server_token(settings, replica=False)
     await asyncio.to_thread(ensure_image, settings)
     node = Node(settings)
-    await node.runtime.start_network()
-    adopted, killed = await node.runtime.adopt_all()
-    await node.runtime.settle_network()
+    adopted, killed = await node.runtime.start()
     if adopted or killed:
         log.warning("VMs left by a previous run: adopted %s, killed %s", adopted, killed)
-    sampler = asyncio.create_task(node.runtime.run_sampler(), name="vm-metrics")
+    sampler = asyncio.create_task(node.runtime.sampler.run(), name="vm-metrics")
     rpc, rpc_sock = node.rpc_server()
     rpc_task = asyncio.create_task(rpc.serve(sockets=[rpc_sock]), name="manager-rpc")
     while not rpc.started:
@@ -211,7 +214,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
             rpc_task.result()
         await asyncio.sleep(0.01)
 
-    client = ManagerClient(settings.manager_socket, max_streams=settings.node_max_streams)
+    client = HttpNode(settings.manager_socket, max_streams=settings.node_max_streams)
     store = Store.open(settings)
     # `pal up` is one machine's everything: a `pal server` sharing its database would run on
     # this machine too, where 127.0.0.1 reaches it.
@@ -251,13 +254,11 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         log.info("stopping: running VMs are suspended (they wake on their next request), the rest stopped")
         served.exit()
         with contextlib.suppress(Exception):
-            await scheduler.shutdown_vms()
+            await scheduler.draining.shutdown_vms()
         await scheduler.close()
         sampler.cancel()
-        await node.runtime.stop_all()
-        await node.runtime.net.gateway.stop()
+        await node.runtime.shutdown()
         await asyncio.to_thread(node.store.close)
-        node.runtime.notices_board.close()
         rpc.should_exit = True
         await asyncio.gather(*served.tasks, rpc_task, return_exceptions=True)
         await client.aclose()
@@ -278,7 +279,9 @@ def node_host_checks(settings: Settings) -> Callable[[], list[dict[str, Any]]]:
     return checks
 
 
-def _node_health(settings: Settings, client: Any, scheduler: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+def _node_health(
+    settings: Settings, client: NodeCalls, scheduler: Scheduler
+) -> Callable[[], Awaitable[dict[str, Any]]]:
     """/healthz of `pal up`: the default image, cgroups and seccomp usable, the node answering."""
 
     async def health() -> dict[str, Any]:
@@ -292,7 +295,10 @@ def _node_health(settings: Settings, client: Any, scheduler: Any) -> Callable[[]
             cgroups.host()  # fail closed: no VM can start without its limits
         if settings.seccomp and not qemu_supports_sandbox():
             raise Unavailable("QEMU has no -sandbox (seccomp): no VM can start; see `pal doctor`")
-        hb = await client.heartbeat()
+        from pal.wire import verbs
+        from pal.wire.models import Empty
+
+        hb = await client.call(verbs.HEARTBEAT, Empty())
         return {"ok": True, "accel": hb.accel, "vms": len(hb.vms), **await role(scheduler)}
 
     return health
@@ -405,8 +411,8 @@ def leadership(settings: Settings, store: Any, host: str, port: int, advertise: 
     return LeaseLeader(store, advertised_url(host, port, advertise), ttl_s=settings.leader_lease_s)
 
 
-async def role(scheduler: Any) -> dict[str, Any]:
-    leads = await scheduler.is_leader()
+async def role(scheduler: Scheduler) -> dict[str, Any]:
+    leads = await scheduler.leader.is_leader()
     out: dict[str, Any] = {"role": "leader" if leads else "follower"}
     token = getattr(scheduler.leader, "token", None)
     if leads and token is not None:
@@ -425,7 +431,7 @@ def hosts(settings: Settings, host: str, advertise: str | None) -> Any:
 
 
 def control_plane_app(
-    scheduler: Any,
+    scheduler: Scheduler,
     store: Any,
     settings: Settings,
     health: Any,
@@ -483,7 +489,7 @@ async def serve_control_plane(
     await scheduler.start()
 
     async def health() -> dict[str, Any]:
-        nodes = scheduler.node_views()
+        nodes = scheduler.reads.node_views()
         return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
 
     app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))

@@ -1,9 +1,13 @@
-"""In-memory test doubles. ``FakeManager`` implements pal.manager.api.RuntimeManager."""
+"""In-memory test doubles. ``FakeManager`` is a node in memory: it serves the node RPC's
+verbs (pal/wire/verbs.py) from a handler table as a real node does, and the scheduler
+reaches it through :class:`InProcessNode`, which makes every request and answer travel
+by the wire's encoding (pal/wire/http.py) without a socket."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shlex
 import threading
 from collections.abc import AsyncIterator
@@ -16,44 +20,60 @@ from pal.config import Settings
 from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.channel import HarnessChannel
-from pal.manager.models import (
+from pal.manager.vm import LiveVm
+from pal.scheduler.scheduler import Scheduler
+from pal.spec import ExecRequest
+from pal.store import Store
+from pal.wire import http
+from pal.wire import verbs as v
+from pal.wire.code import ContextDeleted, ContextInterrupted, ContextList
+from pal.wire.handlers import Handlers
+from pal.wire.models import (
     BrokeredSet,
+    BrokeredSetResult,
+    EgressCounters,
     EgressEvent,
     EgressEvents,
     EgressSet,
     EgressSetResult,
     ExecEvent,
+    FileContent,
     FileDeleted,
     FileList,
     FileWritten,
     ImageInfo,
+    ImageList,
     LivePauseRequest,
     LivePauseResult,
     LiveResumeResult,
     LiveState,
+    LiveStatus,
     MetricSample,
     NodeCapacity,
     NodeHeartbeat,
     NodeStats,
     Notice,
     Notices,
+    SnapshotDeleted,
     SnapshotInfo,
+    SnapshotList,
     SnapshotOwners,
     SnapshotRequest,
     SnapshotResult,
+    SnapshotsDeleted,
     SnapshotStatus,
     SpawnRequest,
     SpawnResult,
+    Stopped,
+    Uploaded,
     VmActivity,
     VmMetrics,
     WarmRequest,
     WarmResult,
     WarmTemplate,
 )
-from pal.manager.vm import LiveVm
-from pal.scheduler.scheduler import Scheduler
-from pal.spec import ExecRequest
-from pal.store import Store
+from pal.wire.processes import ProcessList, Resized, SignalSent
+from pal.wire.verbs import Call, Stream, Tunnel
 
 AGENT_VERSION = "default-0123456789ab"
 
@@ -135,7 +155,59 @@ class LoopbackStream:
             fn()
 
 
-class FakeManager:
+class InProcessNode:
+    """A node living in this process, reached as the control plane reaches one (it
+    implements :class:`pal.wire.handlers.NodeCalls`): each request and answer is encoded and
+    decoded by the wire's rule, so a model that cannot travel fails here as it would over
+    HTTP; errors come as the handler raised them. A subclass says what it serves
+    (:meth:`handlers`)."""
+
+    _table: Handlers | None = None
+
+    def handlers(self) -> Handlers:
+        raise NotImplementedError
+
+    @property
+    def table(self) -> Handlers:
+        if self._table is None:
+            self._table = self.handlers()
+        return self._table
+
+    async def call(self, verb: Call[Any, Any], req: Any) -> Any:
+        ans = await self.table.call_fn(verb)(travel(verb, req))
+        body, _, headers = http.encode_answer(ans)
+        return http.decode_answer(verb, headers, body)
+
+    async def stream(self, verb: Stream[Any, Any], req: Any) -> AsyncIterator[Any]:
+        events = self.table.stream_fn(verb)(travel(verb, req))
+        try:
+            async for ev in events:
+                yield http.decode_event(verb, http.event_line(ev).decode())
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def open(self, verb: Tunnel[Any], req: Any) -> Any:
+        conn = await self.table.tunnel_fn(verb)(travel(verb, req))
+        return LoopbackStream(conn.reader, conn.writer)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def travel(verb: Any, req: Any) -> Any:
+    """``req`` as the node decodes it from what the client encodes (pal/wire/http.py)."""
+    out = http.encode_request(verb, req)
+    dumped = req.model_dump(by_alias=True, mode="json", exclude={http.raw_field(type(req))} - {None})
+    path = {n: str(dumped[n]) for n in http.path_names(verb.path)}
+    query: list[tuple[str, str]] = []
+    for key, value in out.params.items():
+        for one in value if isinstance(value, list) else [value]:
+            query.append((key, str(one).lower() if isinstance(one, bool) else str(one)))
+    body = out.content if out.content is not None else json.dumps(out.json).encode() if out.json else b""
+    return http.decode_request(verb, path, query, body)
+
+
+class FakeManager(InProcessNode):
     """A node in memory: ``alive`` VMs, ``snapshots`` (key -> complete), scripted failures.
 
     ``fail(call, exc, vm_id=..., times=..., kill=...)`` makes the next ``times`` matching
@@ -632,6 +704,118 @@ class FakeManager:
     async def snapshot_owners(self) -> SnapshotOwners:
         self.calls.append(("snapshot_owners", ""))
         return SnapshotOwners(vms=sorted({(av, vid) for (av, vid, _) in self.snapshots}))
+
+    # -- the verbs it serves: each bound to the method of its name above, looked up when
+    #    called (a test may replace one) -------------------------------------------------
+
+    def handlers(self) -> Handlers:
+        h = Handlers()
+
+        async def stop(r: Any) -> Stopped:
+            await self.stop(r.vm_id, r.incarnation)
+            return Stopped(vm_id=r.vm_id, stopped=True)
+
+        async def live_status(r: Any) -> LiveStatus:
+            return LiveStatus(live=await self.live_status(r.vm_id))
+
+        async def read_file(r: Any) -> FileContent:
+            data, truncated = await self.read_file(r.vm_id, r.path)
+            return FileContent(data=data, truncated=truncated)
+
+        async def set_brokered(r: Any) -> BrokeredSetResult:
+            await self.set_brokered(r.vm_id, r)
+            return BrokeredSetResult(vm_id=r.vm_id, rules=len(r.brokered))
+
+        async def egress_counters(r: Any) -> EgressCounters:
+            return EgressCounters(counters=await self.egress_counters(r.vm_id))
+
+        async def images(_: Any) -> ImageList:
+            return ImageList(images=await self.images())
+
+        async def snapshots(r: Any) -> SnapshotList:
+            return SnapshotList(snapshots=await self.list_snapshots(r.agent_version_id, r.vm_id))
+
+        async def delete_vm_snapshots(r: Any) -> SnapshotsDeleted:
+            return SnapshotsDeleted(
+                deleted=await self.delete_vm_snapshots(r.agent_version_id, r.vm_id, r.keep)
+            )
+
+        async def uploaded(r: Any) -> Uploaded:
+            await self.ensure_uploaded(r.agent_version_id, r.vm_id, r.snapshot_id)
+            return Uploaded(uploaded=True)
+
+        async def deleted(r: Any) -> SnapshotDeleted:
+            await self.delete_snapshot(r.agent_version_id, r.vm_id, r.snapshot_id)
+            return SnapshotDeleted(deleted=True)
+
+        async def processes(r: Any) -> ProcessList:
+            return ProcessList(processes=await self.list_processes(r.vm_id))
+
+        async def signal(r: Any) -> SignalSent:
+            await self.signal_process(r.vm_id, r.pid, r)
+            return SignalSent(process_id=r.pid, signal=r.signal)
+
+        async def resize(r: Any) -> Resized:
+            await self.resize_process(r.vm_id, r.pid, r)
+            return Resized(process_id=r.pid, cols=r.cols, rows=r.rows)
+
+        async def contexts(r: Any) -> ContextList:
+            return ContextList(contexts=await self.list_contexts(r.vm_id))
+
+        async def delete_context(r: Any) -> ContextDeleted:
+            await self.delete_context(r.vm_id, r.context_id)
+            return ContextDeleted(context_id=r.context_id)
+
+        async def interrupt(r: Any) -> ContextInterrupted:
+            done = await self.interrupt_context(r.vm_id, r.context_id)
+            return ContextInterrupted(context_id=r.context_id, interrupted=done)
+
+        h.on(v.SPAWN, lambda r: self.spawn(r))
+        h.on(v.STOP, stop)
+        h.on(v.SNAPSHOT, lambda r: self.snapshot(r.vm_id, r))
+        h.on(v.LIVE_PAUSE, lambda r: self.live_pause(r.vm_id, r))
+        h.on(v.LIVE_RESUME, lambda r: self.live_resume(r.vm_id))
+        h.on(v.LIVE_STATUS, live_status)
+        h.on(v.NOTICES, lambda r: self.notices(r.after, r.epoch, r.wait_s))
+        h.on(v.WARM, lambda r: self.warm(r))
+        h.on(v.HEARTBEAT, lambda _: self.heartbeat())
+        h.on(v.IMAGES, images)
+        h.on(v.VM_METRICS, lambda r: self.vm_metrics(r.vm_id))
+        h.on(v.STATS, lambda _: self.stats())
+        h.on(v.SET_EGRESS, lambda r: self.set_egress(r.vm_id, r))
+        h.on(v.SET_BROKERED, set_brokered)
+        h.on(v.EGRESS_COUNTERS, egress_counters)
+        h.on(v.EGRESS_EVENTS, lambda r: self.egress_events(r.after, r.epoch))
+        h.on(v.SNAPSHOT_OWNERS, lambda _: self.snapshot_owners())
+        h.on(v.LIST_SNAPSHOTS, snapshots)
+        h.on(v.DELETE_VM_SNAPSHOTS, delete_vm_snapshots)
+        h.on(v.SNAPSHOT_STATUS, lambda r: self.snapshot_status(r.agent_version_id, r.vm_id, r.snapshot_id))
+        h.on(v.ENSURE_UPLOADED, uploaded)
+        h.on(v.DELETE_SNAPSHOT, deleted)
+        h.on_stream(v.EXEC, lambda r: self.exec_stream(r.vm_id, r))
+        h.on(v.LIST_FILES, lambda r: self.list_files(r.vm_id, r.path))
+        h.on(v.READ_FILE, read_file)
+        h.on(v.WRITE_FILE, lambda r: self.write_file(r.vm_id, r.path, r.data))
+        h.on(v.DELETE_FILE, lambda r: self.delete_file(r.vm_id, r.path))
+        h.on(v.START_PROCESS, lambda r: self.start_process(r.vm_id, r))
+        h.on(v.LIST_PROCESSES, processes)
+        h.on(v.GET_PROCESS, lambda r: self.get_process(r.vm_id, r.pid))
+        h.on(v.DELETE_PROCESS, lambda r: self.delete_process(r.vm_id, r.pid))
+        h.on(v.READ_OUTPUT, lambda r: self.read_output(r.vm_id, r.pid, r.start, r.max_bytes, r.wait_ms))
+        h.on_stream(v.ATTACH_PROCESS, lambda r: self.attach_process(r.vm_id, r.pid, r.start))
+        h.on(v.WRITE_STDIN, lambda r: self.write_stdin(r.vm_id, r.pid, r.data, r.eof))
+        h.on(v.SIGNAL_PROCESS, signal)
+        h.on(v.RESIZE_PROCESS, resize)
+        h.on(v.WAIT_PROCESS, lambda r: self.wait_process(r.vm_id, r.pid, r.timeout_ms))
+        h.on_stream(v.RUN_CODE, lambda r: self.run_code(r.vm_id, r))
+        h.on(v.CREATE_CONTEXT, lambda r: self.create_context(r.vm_id, r))
+        h.on(v.LIST_CONTEXTS, contexts)
+        h.on(v.DELETE_CONTEXT, delete_context)
+        h.on(v.INTERRUPT_CONTEXT, interrupt)
+        return h
+
+    async def open(self, verb: Tunnel[Any], req: Any) -> Any:
+        return await self.open_port(req.vm_id, req.port)  # a stream to its stand-in guest server
 
 
 class FakeClock:

@@ -19,6 +19,7 @@ from fastapi_offline import FastAPIOffline
 
 import pal
 from pal.config import Settings
+from pal.scheduler.scheduler import Scheduler
 
 from .audit import audit_router
 from .callers import Callers
@@ -47,7 +48,7 @@ DOCS_ASSETS = "/docs-assets"
 
 
 def create_app(
-    scheduler: Any,
+    scheduler: Scheduler | None,
     store: Any,
     settings: Settings,
     health: HealthCheck | None = None,
@@ -70,7 +71,7 @@ def create_app(
     ``host_checks()``: its host's capabilities as `pal doctor` rows (GET /v1/operator/host;
     None: a control plane that runs no VMs).
     """
-    if ready is None and getattr(scheduler, "nodes", None) is not None:
+    if ready is None and scheduler is not None:
         ready = _nodes_ready(scheduler, settings)
     # /docs (Swagger UI) and /redoc with their assets served from the fastapi-offline
     # package: no CDN, so they work on machines without Internet access.
@@ -104,8 +105,8 @@ def create_app(
     app.state.port_origins = origins
     app.include_router(ports_router)  # its handlers find links and origins on app.state
     app.include_router(images_router)
-    app.include_router(metrics_router(scheduler, settings))
-    app.include_router(nodes_router(scheduler, settings))
+    app.include_router(metrics_router(settings))
+    app.include_router(nodes_router(settings))
     # Followers forward what they cannot answer from the store (pal/api/forward.py).
     # X-Pal-Forwarded is signed with the secret the replicas share (port links' too).
     forward_to_leader(
@@ -127,7 +128,12 @@ def create_app(
 
 
 def _add_middleware(
-    app: FastAPI, settings: Settings, hosts: AllowedHosts | None, shared: bytes, scheduler: Any, store: Any
+    app: FastAPI,
+    settings: Settings,
+    hosts: AllowedHosts | None,
+    shared: bytes,
+    scheduler: Scheduler | None,
+    store: Any,
 ) -> None:
     """The middleware stack, innermost first (Starlette runs the last added outermost)."""
     links, origins = app.state.links, app.state.port_origins
@@ -166,7 +172,7 @@ def _add_middleware(
     app.add_middleware(PortsHostDispatch, ports_app=app.state.ports_app, origins=origins)
 
 
-def _nodes_ready(scheduler: Any, settings: Settings) -> HealthCheck:
+def _nodes_ready(scheduler: Scheduler, settings: Settings) -> HealthCheck:
     """The default readiness: pal/scheduler/readiness.py on ``scheduler``'s nodes."""
 
     async def ready() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pydantic.alias_generators import to_camel
 from pal.scheduler.audit import MCP_TOOL_EVENT
 
 from .body import require_json
-from .deps import Scheduler, Tenant
+from .deps import SchedulerOf, Tenant
 from .errors import error_responses
 
 
@@ -52,10 +52,10 @@ audit_router = APIRouter(prefix="/v1/runtime", tags=["runtime"], responses=error
 )
 async def audit(
     tenant: Tenant,
-    scheduler: Scheduler,
+    scheduler: SchedulerOf,
     vm_id: str,
     body: ToolCallAudit,
 ) -> AuditedOut:
     details = body.model_dump(by_alias=True, exclude_none=True)
-    await scheduler.record_tool_call(tenant, vm_id, details)
+    await scheduler.audit.record_tool_call(tenant, vm_id, details)
     return AuditedOut(vm_id=vm_id, kind=MCP_TOOL_EVENT)

@@ -24,7 +24,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import Scope
 
 from pal.config import Settings
-from pal.manager.auth import node_token
+from pal.wire.auth import node_token
 
 from .auth import tenant_for_key
 

@@ -18,21 +18,26 @@ from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import StreamingResponse
 
 from pal.errors import Unavailable
-from pal.manager.code_models import (
+from pal.wire import verbs
+from pal.wire.code import (
     CONTEXT_ID_PATTERN,
     CodeContext,
     CodeError,
     CodeEvent,
     CodeRequest,
     CodeResult,
+    CodeRun,
     ContextCreate,
     ContextDeleted,
     ContextInterrupted,
     ContextList,
+    ContextNew,
+    ContextRef,
 )
+from pal.wire.models import VmRef, on_vm
 
 from .body import require_json
-from .deps import Scheduler, Tenant
+from .deps import Guest, Tenant
 from .errors import error_responses
 from .exec_budget import ExecBudget, Lease, LeasedJSON
 from .exec_stream import pumped_sse, sse_frame
@@ -165,12 +170,13 @@ async def _sse(open_events: Any) -> StreamingResponse | JSONResponse:
     dependencies=[Depends(require_json)],
     responses={200: {"content": {"text/event-stream": {}}}, **error_responses(415)},
 )
-async def run_code(
-    tenant: Tenant, scheduler: Scheduler, vm_id: str, req: CodeRequest, request: Request
-) -> Any:
+async def run_code(tenant: Tenant, guest: Guest, vm_id: str, req: CodeRequest, request: Request) -> Any:
+    cell = on_vm(CodeRun, vm_id, req)
     if "text/event-stream" in request.headers.get("accept", ""):
-        return await _sse(lambda: scheduler.run_code(tenant, vm_id, req))
-    return await budgeted_cell(request.app.state.exec_budget, tenant, scheduler.run_code(tenant, vm_id, req))
+        return await _sse(lambda: guest.stream(tenant, verbs.RUN_CODE, cell))
+    return await budgeted_cell(
+        request.app.state.exec_budget, tenant, guest.stream(tenant, verbs.RUN_CODE, cell)
+    )
 
 
 @code_router.post(
@@ -181,19 +187,18 @@ async def run_code(
     dependencies=[Depends(require_json)],
     responses=error_responses(415),
 )
-async def create_context(tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ContextCreate) -> CodeContext:
-    return await scheduler.create_context(tenant, vm_id, req)  # type: ignore[no-any-return]
+async def create_context(tenant: Tenant, guest: Guest, vm_id: str, req: ContextCreate) -> CodeContext:
+    return await guest.call(tenant, verbs.CREATE_CONTEXT, on_vm(ContextNew, vm_id, req))
 
 
 @code_router.get("/contexts", response_model=ContextList, summary="The VM's code contexts")
-async def list_contexts(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> ContextList:
-    return ContextList(contexts=await scheduler.list_contexts(tenant, vm_id))
+async def list_contexts(tenant: Tenant, guest: Guest, vm_id: str) -> ContextList:
+    return await guest.call(tenant, verbs.LIST_CONTEXTS, VmRef(vm_id=vm_id))
 
 
 @code_router.delete("/contexts/{ctx}", response_model=ContextDeleted, summary="Stop a context's kernel")
-async def delete_context(tenant: Tenant, scheduler: Scheduler, vm_id: str, ctx: ContextId) -> ContextDeleted:
-    await scheduler.delete_context(tenant, vm_id, ctx)
-    return ContextDeleted(context_id=ctx)
+async def delete_context(tenant: Tenant, guest: Guest, vm_id: str, ctx: ContextId) -> ContextDeleted:
+    return await guest.call(tenant, verbs.DELETE_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))
 
 
 @code_router.post(
@@ -201,8 +206,5 @@ async def delete_context(tenant: Tenant, scheduler: Scheduler, vm_id: str, ctx: 
     response_model=ContextInterrupted,
     summary="Interrupt the cell running in a context (KeyboardInterrupt; the context stays)",
 )
-async def interrupt_context(
-    tenant: Tenant, scheduler: Scheduler, vm_id: str, ctx: ContextId
-) -> ContextInterrupted:
-    interrupted = await scheduler.interrupt_context(tenant, vm_id, ctx)
-    return ContextInterrupted(context_id=ctx, interrupted=interrupted)
+async def interrupt_context(tenant: Tenant, guest: Guest, vm_id: str, ctx: ContextId) -> ContextInterrupted:
+    return await guest.call(tenant, verbs.INTERRUPT_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))

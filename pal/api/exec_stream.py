@@ -18,8 +18,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from pal.errors import PalError
-from pal.manager.guest_errors import to_pal_error
-from pal.manager.models import ExecEvent
+from pal.wire.guest_errors import to_pal_error
+from pal.wire.models import ExecEvent
 
 from .errors import error_response, public_error
 from .exec_budget import ExecBudget, Lease, LeasedJSON

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pal.errors import Forbidden, NotLeader, PalError, TooLarge, Unauthorized
+from pal.scheduler.scheduler import Scheduler
 
 from .body import decimal
 from .callers import UNAUTHENTICATED_BODY_MAX
@@ -434,7 +435,7 @@ async def _error(send: Send, err: Any) -> None:
 
 def forward_to_leader(
     app: Any,
-    scheduler: Any,
+    scheduler: Scheduler | None,
     *,
     failover_s: float,
     key: bytes,
@@ -443,9 +444,9 @@ def forward_to_leader(
 ) -> None:
     """Put :class:`ForwardToLeader` on ``app`` when ``scheduler`` runs under a leadership
     (a replica of ``pal server``); ``pal up``'s single process has none."""
-    leader = getattr(scheduler, "leader", None)
-    if leader is None:
+    if scheduler is None:
         return
+    leader = scheduler.leader
     app.add_middleware(
         ForwardToLeader,
         is_leader=leader.is_leader,

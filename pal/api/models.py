@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
-from pal.manager.models import MetricFigures
 from pal.scheduler.lifetime import lifetime_secs
 from pal.spec import Egress, Limits, WaitPause
 from pal.store import VmRecord
+from pal.wire.models import MetricFigures
 
 
 class _Out(BaseModel):

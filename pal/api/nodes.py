@@ -15,16 +15,17 @@ from fastapi import APIRouter, Body, Depends, Request
 
 from pal.config import Settings
 from pal.errors import Forbidden, Unauthorized
-from pal.manager.auth import bearer_matches, node_token
-from pal.manager.models import NodeHeartbeat
+from pal.wire.auth import bearer_matches, node_token
+from pal.wire.models import NodeHeartbeat
 
 from .body import require_json
+from .deps import scheduler_of
 from .errors import error_responses
 from .json_response import JSONResponse
 from .operator import require_operator
 
 
-def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
+def nodes_router(settings: Settings) -> APIRouter:
     r = APIRouter(prefix="/v1/nodes", tags=["nodes"], responses=error_responses(400, 401, 403, 413))
 
     @r.post(
@@ -40,13 +41,13 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
             request.headers.get("authorization"), node_token(settings.cluster_secret, hb.node_id)
         ):
             raise Unauthorized(f"wrong or missing node token for node {hb.node_id}")
-        ack = await scheduler.node_heartbeat(hb)
+        ack = await scheduler_of(request.app.state).reconciler.node_heartbeat(hb)
         return JSONResponse(ack.model_dump(by_alias=True, mode="json"))
 
     @r.get("", summary="Nodes, their capacity and health (operator)")
     async def list_nodes(request: Request) -> JSONResponse:
         require_operator(request, settings)
-        return JSONResponse({"nodes": scheduler.node_views()})
+        return JSONResponse({"nodes": scheduler_of(request.app.state).reads.node_views()})
 
     @r.post(
         "/{node_id}/drain",
@@ -57,7 +58,9 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
     async def drain(node_id: str, request: Request, body: dict[str, Any] | None = Body(None)) -> JSONResponse:
         require_operator(request, settings)
         migrate = bool((body or {}).get("migrate", False))
-        return JSONResponse(await scheduler.drain_node(node_id, migrate=migrate))
+        return JSONResponse(
+            await scheduler_of(request.app.state).draining.drain_node(node_id, migrate=migrate)
+        )
 
     @r.post(
         "/{node_id}/activate",
@@ -66,6 +69,6 @@ def nodes_router(scheduler: Any, settings: Settings) -> APIRouter:
     )
     async def activate(node_id: str, request: Request) -> JSONResponse:
         require_operator(request, settings)
-        return JSONResponse(await scheduler.set_node_active(node_id))
+        return JSONResponse(await scheduler_of(request.app.state).draining.set_node_active(node_id))
 
     return r

@@ -25,7 +25,10 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 
 from pal.errors import Forbidden, PalError, Unauthorized
+from pal.scheduler.scheduler import Scheduler
+from pal.wire.models import PortOpen
 
+from .deps import scheduler_of
 from .errors import install_error_handlers
 from .forward import forward_to_leader
 from .middleware import RequestIdMiddleware
@@ -101,8 +104,32 @@ async def _authorise(
     return link.tenant_id, None, link
 
 
+async def _port_websocket(
+    ws: WebSocket, store: Any, links: Links, origins: PortsOrigins, where: Callable[[Any], tuple[str, int]]
+) -> None:
+    """A WebSocket to a VM's port on its own origin (the cookie or link that opens it)."""
+    scope = ws.scope
+    headers = _header_items(scope)
+    raw_query = scope.get("query_string") or b""
+    try:
+        vm_id, port = where(scope)
+        tenant, _, link = await _authorise(
+            store, links, origins, headers, raw_query, vm_id, port, websocket=True
+        )
+        check_port(port)
+        stream = await scheduler_of(ws.app.state).guest.open_port(tenant, PortOpen(vm_id=vm_id, port=port))
+    except PalError as exc:
+        await _refuse(ws, exc)
+        return
+    query, _ = _query_without_token(raw_query)
+    session = proxy_websocket(
+        ws, stream, headers, _target(scope["raw_path"], query, under_prefix=False), port, ""
+    )
+    await links.while_valid(link, session, lambda why: close_for(ws, why))
+
+
 def create_ports_app(
-    scheduler: Any,
+    scheduler: Scheduler | None,
     store: Any,
     links: Links,
     origins: PortsOrigins,
@@ -115,6 +142,7 @@ def create_ports_app(
     listener for requests whose Host names a port). A follower forwards to the leader, as
     the API does, with the Host kept: it names the port."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.scheduler = scheduler
     install_error_handlers(app)
 
     def where(scope: Any) -> tuple[str, int]:
@@ -136,8 +164,9 @@ def create_ports_app(
         cookie = link_cookie(token, client_scheme(scope)) if token is not None else None
         target = _target(scope["raw_path"], query, under_prefix=False)
         opened = None if link is None else (links, link)
+        sched = scheduler_of(request.app.state)
         return await proxy_http(
-            scheduler,
+            sched,
             request,
             tenant,
             vm_id,
@@ -151,24 +180,7 @@ def create_ports_app(
 
     @app.websocket("/{path:path}")
     async def proxy_ws(ws: WebSocket, path: str) -> None:
-        scope = ws.scope
-        headers = _header_items(scope)
-        raw_query = scope.get("query_string") or b""
-        try:
-            vm_id, port = where(scope)
-            tenant, _, link = await _authorise(
-                store, links, origins, headers, raw_query, vm_id, port, websocket=True
-            )
-            check_port(port)
-            stream = await scheduler.open_port(tenant, vm_id, port)
-        except PalError as exc:
-            await _refuse(ws, exc)
-            return
-        query, _ = _query_without_token(raw_query)
-        session = proxy_websocket(
-            ws, stream, headers, _target(scope["raw_path"], query, under_prefix=False), port, ""
-        )
-        await links.while_valid(link, session, lambda why: close_for(ws, why))
+        await _port_websocket(ws, store, links, origins, where)
 
     forward_to_leader(
         app,

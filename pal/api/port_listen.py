@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from pal.errors import PalError
-from pal.manager.tunnel import TunnelStream
+from pal.wire.tunnel import TunnelStream
 
 # A server just started in the guest (`setsid server &`, then a request) takes a moment to
 # bind under TCG; answering 502 at once made every script race it. So the proxy retries

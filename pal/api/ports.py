@@ -38,12 +38,15 @@ from pydantic import Field
 from starlette.background import BackgroundTask
 
 from pal.errors import BadGateway, Forbidden, InvalidRequest, PalError, Unauthorized
-from pal.manager.models import WireModel as _Model
-from pal.manager.tunnel import TunnelStream, error_frame, serve_stream, status_frame
+from pal.scheduler.scheduler import Scheduler
 from pal.store.store import hash_api_key
+from pal.wire.models import PortOpen
+from pal.wire.models import WireModel as _Model
+from pal.wire.tunnel import TunnelStream, error_frame, serve_stream, status_frame
 
 from .auth import tenant_for_key
 from .body import require_json
+from .deps import scheduler_of
 from .errors import error_responses
 from .json_response import JSONResponse
 from .port_links import MAX_LINK_SECS, Link, Links, is_link_id, origin_ok
@@ -375,7 +378,7 @@ async def port_url(vm_id: str, port: int, body: PortUrlRequest, request: Request
     state = request.app.state
     tenant, key_hash = await signing_key(request)
     check_port(port)
-    await state.scheduler.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
+    await scheduler_of(state).reads.get(tenant, vm_id)  # 404 for unknown and other tenants' VMs
     return port_link(state.links, state.port_origins, tenant, key_hash, vm_id, port, body.expires_in_secs)
 
 
@@ -392,7 +395,7 @@ async def revoke_link(vm_id: str, link_id: str, request: Request) -> PortLinkRev
         raise Unauthorized("revoking a link needs the API key: send 'Authorization: Bearer <apiKey>'")
     if not is_link_id(link_id):
         raise InvalidRequest(f"{link_id[:40]!r} is not a link id (POST .../ports/{{port}}/url gives linkId)")
-    await state.scheduler.get(by_key[0], vm_id)  # 404 for unknown and other tenants' VMs
+    await scheduler_of(state).reads.get(by_key[0], vm_id)  # 404 for unknown and other tenants' VMs
     await state.links.revoke(by_key[0], link_id)
     return PortLinkRevokedOut(link_id=link_id, revoked=True)
 
@@ -408,7 +411,7 @@ async def proxy(vm_id: str, port: int, path: str, request: Request) -> Response:
     target = _target(scope["raw_path"], query)
     opened = None if link is None else (state.links, link)
     return await proxy_http(
-        state.scheduler, request, tenant, vm_id, port, target, prefix=prefix, sandbox=True, link=opened
+        scheduler_of(state), request, tenant, vm_id, port, target, prefix=prefix, sandbox=True, link=opened
     )
 
 
@@ -421,7 +424,7 @@ async def proxy_ws(ws: WebSocket, vm_id: str, port: int, path: str) -> None:
     try:
         tenant, link = await authorise(state, headers, scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        stream = await state.scheduler.open_port(tenant, vm_id, port)
+        stream = await scheduler_of(state).guest.open_port(tenant, PortOpen(vm_id=vm_id, port=port))
     except PalError as exc:
         await _refuse(ws, exc)
         return
@@ -438,7 +441,7 @@ async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
     try:
         tenant, link = await authorise(state, headers, ws.scope.get("query_string") or b"", vm_id, port)
         check_port(port)
-        stream = await state.scheduler.open_port(tenant, vm_id, port)
+        stream = await scheduler_of(state).guest.open_port(tenant, PortOpen(vm_id=vm_id, port=port))
     except PalError as exc:
         await ws.accept()
         await ws.send_text(error_frame(exc))
@@ -458,7 +461,7 @@ async def tunnel(ws: WebSocket, vm_id: str, port: int) -> None:
 
 
 async def proxy_http(
-    scheduler: Any,
+    scheduler: Scheduler,
     request: Request,
     tenant: str,
     vm_id: str,
@@ -485,7 +488,8 @@ async def proxy_http(
 
     stack = contextlib.AsyncExitStack()
     try:
-        stream = await listening_stream(stack, lambda: scheduler.port_stream(tenant, vm_id, port))
+        at = PortOpen(vm_id=vm_id, port=port)
+        stream = await listening_stream(stack, lambda: scheduler.guest.port_stream(tenant, at))
         conn = httpcore.AsyncHTTP11Connection(
             origin=httpcore.Origin(b"http", b"guest", port), stream=_NetworkStream(stream)
         )

@@ -38,12 +38,15 @@ from fastapi import APIRouter, Depends, Request, WebSocket, WebSocketDisconnect
 from pydantic import Field, ValidationError
 
 from pal.errors import Forbidden, InvalidRequest, PalError, Unauthorized
-from pal.manager.models import WireModel as _Model
-from pal.manager.process_models import ProcessEvent
-from pal.manager.tunnel import run_until_one_ends
+from pal.scheduler.wake import ResolvedVm
 from pal.spec import SignalRequest, Terminal
+from pal.wire import verbs
+from pal.wire.models import WireModel as _Model
+from pal.wire.processes import AttachFrom, ProcessEvent, ProcessRef, ProcessResize, ProcessSignal, StdinWrite
+from pal.wire.tunnel import run_until_one_ends
 
 from .body import decimal, json_value, require_json
+from .deps import scheduler_of
 from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
 from .port_links import Link, Links, OpenLinks, origin_ok
@@ -99,7 +102,8 @@ attach_router = APIRouter(prefix="/v1/runtime/vms/{vm_id}/processes", tags=["pro
 async def attach_url(vm_id: str, pid: int, body: AttachUrlRequest, request: Request) -> AttachUrlOut:
     state = request.app.state
     tenant, key_hash = await signing_key(request)
-    await state.scheduler.get_process(tenant, vm_id, pid)  # 404 for unknown VMs and processes
+    # 404 for unknown VMs and processes
+    await scheduler_of(state).guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
     return attach_link(
         state.attach_links, tenant, key_hash, vm_id, pid, body.expires_in_secs, read_only=body.read_only
     )
@@ -136,7 +140,7 @@ def _offset(ws: WebSocket) -> int:
 @attach_router.websocket("/{pid}/attach")
 async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
     state = ws.app.state
-    scheduler = state.scheduler
+    guest = scheduler_of(state).guest
     try:
         if not 1 <= pid <= 2**53:
             raise InvalidRequest("the process id is out of range")
@@ -144,13 +148,14 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
         offset = _offset(ws)
         # Asked first, however slow the guest: an unknown VM or process, or a VM paused by
         # an operator, is the handshake's answer (404, 409), never a socket that then fails.
-        proc = await scheduler.get_process(tenant, vm_id, pid)
+        proc = await guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
         if offset > proc.journal.end:
             raise InvalidRequest(f"from={offset} is past the output's end ({proc.journal.end})")
     except PalError as exc:
         await _refuse(ws, exc)
         return
-    queue, task = start_pump(lambda: scheduler.attach_process(tenant, vm_id, pid, offset), "attach")
+    at = AttachFrom(vm_id=vm_id, pid=pid, start=offset)
+    queue, task = start_pump(lambda: guest.attach(tenant, at), "attach")
     try:
         first: Any = await asyncio.wait_for(queue.get(), timeout=FIRST_EVENT_GRACE_S)
     except TimeoutError:
@@ -164,10 +169,19 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
         pty = proc.pty.model_dump() if proc.pty is not None else None
         hello = {"type": "attached", "processId": pid, "from": offset, "pty": pty}
         await ws.send_text(json.dumps(hello))
-        session = _Session(
-            ws, scheduler, tenant, vm_id, pid, offset, read_only=link is not None and link.read_only
-        )
-        await state.attach_links.while_valid(link, session.run(queue, first), session.link_ended)
+        # The client's input goes straight to the VM's node, resolved once for the session
+        # (not a wake and two store writes per frame); a live pause meanwhile wakes it.
+        async with guest.resolve(tenant, vm_id) as vm:
+            session = _Session(ws, vm, pid, offset, read_only=link is not None and link.read_only)
+            await state.attach_links.while_valid(link, session.run(queue, first), session.link_ended)
+    except PalError as exc:  # the VM went away between the handshake and the session
+        with contextlib.suppress(Exception):
+            await ws.send_text(
+                json.dumps(
+                    {"type": "error", "status": exc.status, **public_error(exc.status, exc.code, exc.message)}
+                )
+            )
+            await ws.close(1011)
     finally:
         await _stop(task)
 
@@ -175,19 +189,8 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
 class _Session:
     """One attached client: output to it, its input to the process."""
 
-    def __init__(
-        self,
-        ws: WebSocket,
-        scheduler: Any,
-        tenant: str,
-        vm_id: str,
-        pid: int,
-        offset: int,
-        *,
-        read_only: bool,
-    ) -> None:
-        self.ws, self.scheduler = ws, scheduler
-        self.tenant, self.vm_id, self.pid = tenant, vm_id, pid
+    def __init__(self, ws: WebSocket, vm: ResolvedVm, pid: int, offset: int, *, read_only: bool) -> None:
+        self.ws, self.vm, self.pid = ws, vm, pid
         self.offset = offset
         self.read_only = read_only
 
@@ -275,7 +278,8 @@ class _Session:
 
     async def _stdin(self, data: bytes, eof: bool) -> None:
         while True:
-            res = await self.scheduler.write_stdin(self.tenant, self.vm_id, self.pid, data, eof)
+            req = StdinWrite(vm_id=self.vm.vm_id, pid=self.pid, data=data, eof=eof)
+            res = await self.vm.call(verbs.WRITE_STDIN, req)
             data = data[res.written :]
             if not data:
                 return
@@ -289,10 +293,12 @@ class _Session:
         try:
             if kind == "resize":
                 size = Terminal.model_validate({"cols": msg.get("cols"), "rows": msg.get("rows")})
-                await self.scheduler.resize_process(self.tenant, self.vm_id, self.pid, size)
+                resize = ProcessResize(vm_id=self.vm.vm_id, pid=self.pid, cols=size.cols, rows=size.rows)
+                await self.vm.call(verbs.RESIZE_PROCESS, resize)
             elif kind == "signal":
                 req = SignalRequest.model_validate({"signal": msg.get("signal")})
-                await self.scheduler.signal_process(self.tenant, self.vm_id, self.pid, req)
+                sent = ProcessSignal(vm_id=self.vm.vm_id, pid=self.pid, signal=req.signal)
+                await self.vm.call(verbs.SIGNAL_PROCESS, sent)
             elif kind == "eof":
                 await self._stdin(b"", eof=True)
             else:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
-from pal.manager.process_models import ProcessEvent, ProcessOutput
+from pal.wire.processes import ProcessEvent, ProcessOutput
 
 from .errors import public_error
 from .exec_stream import FIRST_EVENT_GRACE_S, pumped_sse, sse_frame

@@ -1,6 +1,6 @@
 """The /v1/runtime/vms/{id}/processes routes (docs/processes.md): thin adapters from HTTP
-to the Scheduler's process calls, and exec's yield mode (``yieldAfterMs``), which is a
-process started, waited for a while, and read.
+to the process verbs of the node RPC (through the scheduler's guest calls), and exec's
+yield mode (``yieldAfterMs``), which is a process started, waited for a while, and read.
 
 Every route is authenticated; another tenant's VM is 404 (the scheduler's rule).
 """
@@ -15,12 +15,30 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from pal.errors import InvalidRequest
-from pal.manager.process_models import ProcessDeleted, ProcessInfo, ProcessList, StdinWritten
-from pal.manager.processes import MAX_READ_BYTES, MAX_STDIN_BYTES, MAX_WAIT_MS
+from pal.scheduler.guest import GuestCalls
 from pal.spec import ExecRequest, ProcessStartRequest, SignalRequest, Terminal
+from pal.wire import verbs
+from pal.wire.models import VmRef, on_vm
+from pal.wire.processes import (
+    MAX_READ_BYTES,
+    MAX_STDIN_BYTES,
+    MAX_WAIT_MS,
+    AttachFrom,
+    OutputRead,
+    ProcessDeleted,
+    ProcessInfo,
+    ProcessList,
+    ProcessRef,
+    ProcessResize,
+    ProcessSignal,
+    ProcessStart,
+    ProcessWait,
+    StdinWrite,
+    StdinWritten,
+)
 
 from .body import read_bounded, require_json
-from .deps import Scheduler, Tenant
+from .deps import Guest, Tenant
 from .errors import error_responses
 from .exec_stream import PROCESS_ID_HEADER, TIMEOUT_EXIT_CODE
 from .json_response import JSONResponse
@@ -90,29 +108,27 @@ processes_router = APIRouter(
     dependencies=[Depends(require_json)],
     responses=error_responses(415),
 )
-async def start_process(
-    tenant: Tenant, scheduler: Scheduler, vm_id: str, req: ProcessStartRequest
-) -> ProcessInfo:
-    return await scheduler.start_process(tenant, vm_id, req)  # type: ignore[no-any-return]
+async def start_process(tenant: Tenant, guest: Guest, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
+    return await guest.call(tenant, verbs.START_PROCESS, on_vm(ProcessStart, vm_id, req))
 
 
 @processes_router.get(
     "", response_model=ProcessList, summary="The VM's processes, running and recently exited"
 )
-async def list_processes(tenant: Tenant, scheduler: Scheduler, vm_id: str) -> ProcessList:
-    return ProcessList(processes=await scheduler.list_processes(tenant, vm_id))
+async def list_processes(tenant: Tenant, guest: Guest, vm_id: str) -> ProcessList:
+    return await guest.call(tenant, verbs.LIST_PROCESSES, VmRef(vm_id=vm_id))
 
 
 @processes_router.get("/{pid}", response_model=ProcessInfo)
-async def get_process(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> ProcessInfo:
-    return await scheduler.get_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
+async def get_process(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> ProcessInfo:
+    return await guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
 
 
 @processes_router.delete(
     "/{pid}", response_model=ProcessDeleted, summary="Kill the process (its group) and forget it"
 )
-async def delete_process(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> ProcessDeleted:
-    return await scheduler.delete_process(tenant, vm_id, pid)  # type: ignore[no-any-return]
+async def delete_process(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> ProcessDeleted:
+    return await guest.call(tenant, verbs.DELETE_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
 
 
 @processes_router.get(
@@ -125,7 +141,7 @@ async def delete_process(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: 
 )
 async def output(
     tenant: Tenant,
-    scheduler: Scheduler,
+    guest: Guest,
     vm_id: str,
     pid: Pid,
     request: Request,
@@ -137,8 +153,10 @@ async def output(
 ) -> Any:
     if "text/event-stream" in request.headers.get("accept", ""):
         offset = _resume_offset(last_event_id, start)
-        return await sse_output(lambda: scheduler.attach_process(tenant, vm_id, pid, offset), encoding)
-    res = await scheduler.read_output(tenant, vm_id, pid, start, max_bytes, wait_ms)
+        at = AttachFrom(vm_id=vm_id, pid=pid, start=offset)
+        return await sse_output(lambda: guest.attach(tenant, at), encoding)
+    read = OutputRead(vm_id=vm_id, pid=pid, start=start, max_bytes=max_bytes, wait_ms=wait_ms)
+    res = await guest.call(tenant, verbs.READ_OUTPUT, read)
     return JSONResponse(read_view(res, encoding))
 
 
@@ -150,15 +168,15 @@ async def output(
     responses=error_responses(413),
 )
 async def write_stdin(
-    tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, request: Request, eof: bool = False
+    tenant: Tenant, guest: Guest, vm_id: str, pid: Pid, request: Request, eof: bool = False
 ) -> StdinWritten:
     data = await read_bounded(request, MAX_STDIN_BYTES)
-    return await scheduler.write_stdin(tenant, vm_id, pid, data, eof)  # type: ignore[no-any-return]
+    return await guest.call(tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, data=data, eof=eof))
 
 
 @processes_router.post("/{pid}/stdin/close", response_model=StdinWritten, summary="Close its stdin")
-async def close_stdin(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid) -> StdinWritten:
-    return await scheduler.write_stdin(tenant, vm_id, pid, b"", True)  # type: ignore[no-any-return]
+async def close_stdin(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> StdinWritten:
+    return await guest.call(tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, eof=True))
 
 
 @processes_router.post(
@@ -167,8 +185,9 @@ async def close_stdin(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid
     summary="Send a signal to its process group",
     dependencies=[Depends(require_json)],
 )
-async def signal(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, req: SignalRequest) -> SignalOut:
-    await scheduler.signal_process(tenant, vm_id, pid, req)
+async def signal(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid, req: SignalRequest) -> SignalOut:
+    sent = ProcessSignal(vm_id=vm_id, pid=pid, signal=req.signal)
+    await guest.call(tenant, verbs.SIGNAL_PROCESS, sent)
     return SignalOut(process_id=pid, signal=req.signal)
 
 
@@ -178,37 +197,42 @@ async def signal(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, req
     summary="Resize its terminal",
     dependencies=[Depends(require_json)],
 )
-async def resize(tenant: Tenant, scheduler: Scheduler, vm_id: str, pid: Pid, req: Terminal) -> ResizeOut:
-    await scheduler.resize_process(tenant, vm_id, pid, req)
+async def resize(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid, req: Terminal) -> ResizeOut:
+    await guest.call(
+        tenant, verbs.RESIZE_PROCESS, ProcessResize(vm_id=vm_id, pid=pid, cols=req.cols, rows=req.rows)
+    )
     return ResizeOut(process_id=pid, cols=req.cols, rows=req.rows)
 
 
 @processes_router.post("/{pid}/wait", response_model=ProcessInfo, summary="Wait for it to exit (long poll)")
 async def wait(
     tenant: Tenant,
-    scheduler: Scheduler,
+    guest: Guest,
     vm_id: str,
     pid: Pid,
     timeout_secs: Annotated[float, Query(alias="timeoutSecs", ge=0, le=MAX_WAIT_SECS)] = 30,
 ) -> ProcessInfo:
-    return await scheduler.wait_process(tenant, vm_id, pid, int(timeout_secs * 1000))  # type: ignore[no-any-return]
+    waited = ProcessWait(vm_id=vm_id, pid=pid, timeout_ms=int(timeout_secs * 1000))
+    return await guest.call(tenant, verbs.WAIT_PROCESS, waited)
 
 
-async def yield_exec(scheduler: Any, tenant: str, vm_id: str, req: ExecRequest) -> JSONResponse:
+async def yield_exec(guest: GuestCalls, tenant: str, vm_id: str, req: ExecRequest) -> JSONResponse:
     """``yieldAfterMs``: the whole result when the command ends within it; else
     ``{processId, running: true, stdout, stderr, next}`` (the output so far, at most
     YIELD_OUTPUT_MAX bytes) with the command still running."""
-    start = ProcessStartRequest.model_validate(req.model_dump(exclude={"yield_after_ms"}))
-    proc = await scheduler.start_process(tenant, vm_id, start)
+    start = ProcessStart.model_validate({**req.model_dump(exclude={"yield_after_ms"}), "vm_id": vm_id})
+    proc = await guest.call(tenant, verbs.START_PROCESS, start)
     pid = proc.process_id
-    info = await scheduler.wait_process(tenant, vm_id, pid, req.yield_after_ms or 0)
+    waited = ProcessWait(vm_id=vm_id, pid=pid, timeout_ms=req.yield_after_ms or 0)
+    info = await guest.call(tenant, verbs.WAIT_PROCESS, waited)
     text = TextOutput()
     parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
     nxt, taken = 0, 0
     while True:
-        res = await scheduler.read_output(
-            tenant, vm_id, pid, nxt, min(MAX_READ_BYTES, YIELD_OUTPUT_MAX - taken), 0
+        read = OutputRead(
+            vm_id=vm_id, pid=pid, start=nxt, max_bytes=min(MAX_READ_BYTES, YIELD_OUTPUT_MAX - taken)
         )
+        res = await guest.call(tenant, verbs.READ_OUTPUT, read)
         for chunk in res.chunks:
             data = base64.b64decode(chunk.data)
             taken += len(data)

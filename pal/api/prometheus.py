@@ -28,7 +28,6 @@ Exposed (besides the scheduler's latency histograms, see ``pal.scheduler.telemet
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -38,6 +37,7 @@ from prometheus_client.registry import Collector
 from pal.config import Settings
 from pal.scheduler.views import OperatorStats
 
+from .deps import scheduler_of
 from .operator import require_metrics_reader
 
 # The warm pool's and the pre-started QEMUs' gauges (``pal_<field>``), each a NodeStats field.
@@ -106,13 +106,14 @@ class _StatsCollector(Collector):
         yield from (up, info, live, snap, s3q, seals, *held.values())
 
 
-def metrics_router(scheduler: Any, settings: Settings) -> APIRouter:
+def metrics_router(settings: Settings) -> APIRouter:
     r = APIRouter()
 
     @r.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
         require_metrics_reader(request, settings)
-        stats = await scheduler.operator_stats()
+        scheduler = scheduler_of(request.app.state)
+        stats = await scheduler.reads.operator_stats()
         scrape = CollectorRegistry(auto_describe=False)
         scrape.register(_StatsCollector(stats))
         body = generate_latest(scheduler.telemetry.registry) + generate_latest(scrape)

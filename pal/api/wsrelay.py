@@ -10,7 +10,7 @@ from typing import Any
 
 import websockets
 
-from pal.manager.tunnel import run_until_one_ends
+from pal.wire.tunnel import run_until_one_ends
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[Any], Awaitable[None]]

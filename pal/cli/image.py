@@ -99,9 +99,10 @@ def _warm(settings: Any, name: str) -> None:
     ``--warm`` was asked for, so a template that is not built is a failure (exit 1), said
     once: the image itself is installed, and its template is built on first schedule."""
     from pal.errors import PalError
-    from pal.manager.client import ManagerClient
-    from pal.manager.models import WarmRequest
+    from pal.scheduler.node_client import HttpNode
     from pal.spec import Limits
+    from pal.wire import verbs
+    from pal.wire.models import WarmRequest
 
     def no_template(why: str, code: str) -> NoReturn:
         fail(
@@ -116,9 +117,9 @@ def _warm(settings: Any, name: str) -> None:
     req = WarmRequest(image=name, memory_mib=size.memory_mib, vcpus=size.vcpus, disk_mib=size.disk_mib)
 
     async def go() -> Any:
-        client = ManagerClient(settings.manager_socket)
+        client = HttpNode(settings.manager_socket)
         try:
-            return await client.warm(req)
+            return await client.call(verbs.WARM, req)
         finally:
             await client.aclose()
 

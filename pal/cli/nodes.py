@@ -136,7 +136,7 @@ def activate(node_id: Annotated[str, typer.Argument(help="node id")]) -> None:
 def token(node_id: Annotated[str, typer.Argument(help="node id (its --name)")]) -> None:
     """Print NODE's token (derived from PAL_CLUSTER_SECRET); give it to that node as PAL_NODE_TOKEN."""
     from pal.config import Settings
-    from pal.manager.auth import node_token
+    from pal.wire.auth import node_token
 
     secret = Settings.from_env().cluster_secret
     if not secret:

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from pal.config import Settings
+from pal.scheduler.scheduler import Scheduler
 
 from . import code_panel, routes, vm_routes
 from .context import Dashboard, Refused, SignInRequired, refused, sign_in_required
@@ -17,7 +18,7 @@ STATIC = Path(__file__).parent / "static"
 
 
 def install_dashboard(
-    app: FastAPI, scheduler: Any, store: Any, settings: Settings, secret: bytes | None = None
+    app: FastAPI, scheduler: Scheduler, store: Any, settings: Settings, secret: bytes | None = None
 ) -> None:
     """``secret`` signs the session cookies (default: session.load_secret). Replicas pass the
     one they share, so a session opened on one works on all. On a follower every dashboard

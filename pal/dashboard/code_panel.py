@@ -19,7 +19,9 @@ from pydantic import ValidationError
 
 from pal.api.code import fold_cell
 from pal.errors import InvalidRequest, PalError
-from pal.manager.code_models import CodeRequest
+from pal.wire import verbs
+from pal.wire.code import CodeRequest, CodeRun
+from pal.wire.models import on_vm
 
 from .context import Dash, error_words
 
@@ -63,7 +65,8 @@ async def run_cell(request: Request, vm_id: str, dash: Dash) -> Response:
             raise InvalidRequest("type a cell to run")
         # Folded as it comes and counted against the tenant's buffered output, as the API's.
         lease = request.app.state.exec_budget.lease(s.tenant_id)
-        res = await fold_cell(dash.scheduler.run_code(s.tenant_id, vm_id, req), lease)
+        cell = on_vm(CodeRun, vm_id, req)
+        res = await fold_cell(dash.scheduler.guest.stream(s.tenant_id, verbs.RUN_CODE, cell), lease)
     except ValidationError:
         return dash.message(request, "Invalid request (400): the language is python or bash", 400)
     except PalError as exc:

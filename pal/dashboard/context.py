@@ -23,6 +23,7 @@ from pal.api.body import MAX_FILE_BYTES, MAX_FILE_WORDS
 from pal.config import Settings
 from pal.errors import PalError, TooLarge
 from pal.scheduler import states
+from pal.scheduler.scheduler import Scheduler
 from pal.scheduler.states import Action, VmState
 
 from .session import CSRF_FIELD, CSRF_HEADER, Session, Sessions, csrf_ok, load_secret
@@ -124,7 +125,9 @@ def error_words(exc: PalError) -> tuple[int, str]:
 class Dashboard:
     """One app's dashboard: built by install_dashboard, kept on ``app.state.dashboard``."""
 
-    def __init__(self, scheduler: Any, store: Any, settings: Settings, secret: bytes | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, store: Any, settings: Settings, secret: bytes | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.store = store
         self.settings = settings

@@ -80,14 +80,14 @@ async def logout(request: Request, dash: Dash) -> Response:
 @router.get("")
 async def list_page(request: Request, dash: Dash, state: str = "active", q: str = "") -> Response:
     s = await dash.session_for(request, "page")
-    vms = _filtered(await dash.scheduler.list(s.tenant_id), state, q)
+    vms = _filtered(await dash.scheduler.reads.list_vms(s.tenant_id), state, q)
     return dash.render(request, "list.html", vms=vms, state=state, q=q)
 
 
 @router.get("/_rows")
 async def list_rows(request: Request, dash: Dash, state: str = "active", q: str = "") -> Response:
     s = await dash.session_for(request, "fragment")
-    vms = _filtered(await dash.scheduler.list(s.tenant_id), state, q)
+    vms = _filtered(await dash.scheduler.reads.list_vms(s.tenant_id), state, q)
     return dash.render(request, "_rows.html", vms=vms)
 
 
@@ -105,7 +105,7 @@ async def schedule(request: Request, dash: Dash) -> Response:
             spec = AgentSpec.model_validate(body)
         except (ValueError, ValidationError) as exc:
             raise InvalidRequest(f"check the numbers: {exc}") from None
-        vm, how = await dash.scheduler.schedule(s.tenant_id, spec)
+        vm, how = await dash.scheduler.scheduling.schedule(s.tenant_id, spec)
         return f"Scheduled {vm.vm_id} ({vm.state}, {how} boot)."
 
     return await dash.attempt(request, act, trigger="vmsChanged")

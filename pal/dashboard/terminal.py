@@ -13,8 +13,6 @@ its layout into such elements, and terminal.js stamps the nonce on them.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -22,7 +20,11 @@ from pydantic import ValidationError
 from pal.api.body import json_value
 from pal.api.process_attach import attach_link
 from pal.errors import InvalidRequest, PalError
-from pal.spec import ProcessStartRequest, Terminal
+from pal.scheduler.guest import GuestCalls
+from pal.spec import Terminal
+from pal.wire import verbs
+from pal.wire.models import VmRef
+from pal.wire.processes import ProcessRef, ProcessStart
 
 from .session import Session
 
@@ -37,22 +39,24 @@ def with_style_nonce(headers: dict[str, str], nonce: str) -> dict[str, str]:
     return {**headers, "Content-Security-Policy": csp}
 
 
-async def _shell(scheduler: Any, tenant: str, vm_id: str, size: Terminal) -> int:
+async def _shell(guest: GuestCalls, tenant: str, vm_id: str, size: Terminal) -> int:
     """The running shell this dashboard started in the VM, else a new one."""
-    for proc in reversed(await scheduler.list_processes(tenant, vm_id)):
+    for proc in reversed((await guest.call(tenant, verbs.LIST_PROCESSES, VmRef(vm_id=vm_id))).processes):
         if proc.running and proc.tag == TAG and proc.pty is not None:
             return int(proc.process_id)
     for i, (exe, args) in enumerate(SHELLS):
-        req = ProcessStartRequest.model_validate({"command": exe, "argv": args, "pty": size, "tag": TAG})
+        req = ProcessStart.model_validate(
+            {"vm_id": vm_id, "command": exe, "argv": args, "pty": size, "tag": TAG}
+        )
         try:
-            return int((await scheduler.start_process(tenant, vm_id, req)).process_id)
+            return int((await guest.call(tenant, verbs.START_PROCESS, req)).process_id)
         except PalError as exc:
             if exc.code != "EXECUTABLE_NOT_FOUND" or i == len(SHELLS) - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-async def open_terminal(request: Request, scheduler: Any, session: Session, vm_id: str) -> JSONResponse:
+async def open_terminal(request: Request, guest: GuestCalls, session: Session, vm_id: str) -> JSONResponse:
     try:
         body = json_value(await request.body() or b"{}")
         if not isinstance(body, dict):
@@ -63,10 +67,10 @@ async def open_terminal(request: Request, scheduler: Any, session: Session, vm_i
         raise InvalidRequest('send {"cols": C, "rows": R} or {"processId": N}') from None
     tenant = session.tenant_id
     if size is not None:
-        pid = await _shell(scheduler, tenant, vm_id, size)
+        pid = await _shell(guest, tenant, vm_id, size)
     elif not isinstance(pid, int) or isinstance(pid, bool):
         raise InvalidRequest("processId must be a number")
     else:
-        await scheduler.get_process(tenant, vm_id, pid)  # 404 for unknown ones
+        await guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))  # 404 for unknown ones
     link = attach_link(request.app.state.attach_links, tenant, session.key_hash, vm_id, pid, LINK_SECS)
     return JSONResponse({"processId": pid, "url": link.url}, headers={"Cache-Control": "no-store"})

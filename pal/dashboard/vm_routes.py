@@ -7,7 +7,6 @@ import posixpath
 import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
@@ -20,7 +19,10 @@ from pal.api.exec_stream import sse_exec
 from pal.api.paths import check_workspace_path
 from pal.api.ports import port_link
 from pal.errors import InvalidRequest, PalError, TooLarge
+from pal.scheduler.scheduler import Scheduler
 from pal.spec import ExecRequest
+from pal.wire import verbs
+from pal.wire.models import ExecCall, FileRef, FilesAt, FileWrite, on_vm
 
 from .context import PORT_LINK_SECS, Dash, buttons_for, error_words
 from .terminal import open_terminal
@@ -35,20 +37,20 @@ router = APIRouter(prefix="/runtime", include_in_schema=False)
 async def detail_page(request: Request, dash: Dash, vm_id: str) -> Response:
     s = await dash.session_for(request, "page")
     try:
-        vm = await dash.scheduler.get(s.tenant_id, vm_id)
+        vm = await dash.scheduler.reads.get(s.tenant_id, vm_id)
     except PalError as exc:
         status, words = error_words(exc)
         return dash.render(request, "error.html", status=status, text=words)
-    network = await dash.scheduler.network(vm)
+    network = await dash.scheduler.reads.network(vm)
     return dash.render(request, "detail.html", vm=vm, network=network, buttons=buttons_for(vm))
 
 
 @router.get("/{vm_id}/_state")
 async def state_fragment(request: Request, dash: Dash, vm_id: str) -> Response:
     s = await dash.session_for(request, "fragment")
-    vm = await dash.scheduler.get(s.tenant_id, vm_id)
-    children = [v for v in await dash.scheduler.list(s.tenant_id) if v.parent_vm_id == vm_id]
-    network = await dash.scheduler.network(vm)
+    vm = await dash.scheduler.reads.get(s.tenant_id, vm_id)
+    children = [v for v in await dash.scheduler.reads.list_vms(s.tenant_id) if v.parent_vm_id == vm_id]
+    network = await dash.scheduler.reads.network(vm)
     return dash.render(
         request, "_state.html", vm=vm, children=children, network=network, buttons=buttons_for(vm)
     )
@@ -62,7 +64,9 @@ async def timeline(request: Request, dash: Dash, vm_id: str, before: int | None 
     """The newest page of the VM's events (polled), or the page older than ``before`` (the
     "Older events" button): a VM's log is never loaded whole."""
     s = await dash.session_for(request, "fragment")
-    events = await dash.scheduler.events(s.tenant_id, vm_id, before=before, limit=TIMELINE_PAGE + 1)
+    events = await dash.scheduler.listing.latest_events(
+        s.tenant_id, vm_id, before=before, limit=TIMELINE_PAGE + 1
+    )
     more = events[TIMELINE_PAGE - 1].id if len(events) > TIMELINE_PAGE else None
     return dash.render(
         request,
@@ -78,7 +82,7 @@ async def timeline(request: Request, dash: Dash, vm_id: str, before: int | None 
 async def snapshots(request: Request, dash: Dash, vm_id: str) -> Response:
     s = await dash.session_for(request, "fragment")
     try:
-        snaps = await dash.scheduler.snapshots(s.tenant_id, vm_id)
+        snaps = await dash.scheduler.reads.snapshots(s.tenant_id, vm_id)
     except PalError as exc:
         return dash.message(request, error_words(exc)[1], 200)
     return dash.render(request, "_snapshots.html", snapshots=list(reversed(snaps)))
@@ -87,7 +91,7 @@ async def snapshots(request: Request, dash: Dash, vm_id: str) -> Response:
 @router.get("/{vm_id}/metrics.json")
 async def metrics(request: Request, dash: Dash, vm_id: str) -> Response:
     s = await dash.session_for(request, "json")
-    m = await dash.scheduler.metrics(s.tenant_id, vm_id)
+    m = await dash.scheduler.reads.metrics(s.tenant_id, vm_id)
     return JSONResponse(m.model_dump(by_alias=True, mode="json"), headers={"Cache-Control": "no-store"})
 
 
@@ -100,7 +104,7 @@ async def fork(request: Request, dash: Dash, vm_id: str) -> Response:
             count = int(form.get("count") or 1)
         except ValueError:
             raise InvalidRequest("the fork count must be a whole number") from None
-        res = await dash.scheduler.fork(s.tenant_id, vm_id, count)
+        res = await dash.scheduler.forking.fork(s.tenant_id, vm_id, count)
         parts = [f"{c.vm_id} {c.state}" + (f" ({c.error})" if c.error else "") for c in res.forks]
         return f"Forked {len(res.forks)}: " + ", ".join(parts) + "."
 
@@ -117,7 +121,7 @@ async def open_port(request: Request, dash: Dash, vm_id: str) -> Response:
     except ValueError:
         return dash.message(request, error_words(InvalidRequest("give a port from 1 to 65535"))[1], 400)
     try:
-        await dash.scheduler.get(s.tenant_id, vm_id)  # 404 for unknown and other tenants' VMs
+        await dash.scheduler.reads.get(s.tenant_id, vm_id)  # 404 for unknown and other tenants' VMs
     except PalError as exc:
         status, words = error_words(exc)
         return dash.message(request, words, status)
@@ -135,7 +139,9 @@ async def files(request: Request, dash: Dash, vm_id: str, path: str = "") -> Res
     s = await dash.session_for(request, "fragment")
     try:
         checked = check_workspace_path(path, required=False)
-        listing = await dash.scheduler.list_files(s.tenant_id, vm_id, checked)
+        listing = await dash.scheduler.guest.call(
+            s.tenant_id, verbs.LIST_FILES, FilesAt(vm_id=vm_id, path=checked)
+        )
     except PalError as exc:
         status, words = error_words(exc)
         return dash.message(request, words, status)
@@ -157,9 +163,9 @@ async def files(request: Request, dash: Dash, vm_id: str, path: str = "") -> Res
 async def view_file(request: Request, dash: Dash, vm_id: str, path: str) -> Response:
     s = await dash.session_for(request, "fragment")
     try:
-        data, truncated = await dash.scheduler.read_file(
-            s.tenant_id, vm_id, check_workspace_path(path, required=True)
-        )
+        at = FileRef(vm_id=vm_id, path=check_workspace_path(path, required=True))
+        got = await dash.scheduler.guest.call(s.tenant_id, verbs.READ_FILE, at)
+        data, truncated = got.data, got.truncated
     except PalError as exc:
         status, words = error_words(exc)
         return dash.message(request, words, status)
@@ -176,9 +182,9 @@ async def view_file(request: Request, dash: Dash, vm_id: str, path: str) -> Resp
 @router.get("/{vm_id}/files/download")
 async def download(request: Request, dash: Dash, vm_id: str, path: str) -> Response:
     s = await dash.session_for(request, "page")
-    data, truncated = await dash.scheduler.read_file(
-        s.tenant_id, vm_id, check_workspace_path(path, required=True)
-    )
+    at = FileRef(vm_id=vm_id, path=check_workspace_path(path, required=True))
+    got = await dash.scheduler.guest.call(s.tenant_id, verbs.READ_FILE, at)
+    data, truncated = got.data, got.truncated
     name = re.sub(r"[^A-Za-z0-9._-]", "_", posixpath.basename(path)) or "file"
     headers = {
         "Content-Disposition": f"attachment; filename=\"{name}\"; filename*=UTF-8''{quote(name)}",
@@ -204,7 +210,9 @@ async def upload(request: Request, dash: Dash, vm_id: str) -> Response:
         folder = str(form.get("dir") or "").strip("/")
         name = posixpath.basename(upload.filename.replace("\\", "/"))
         target = check_workspace_path(posixpath.join(folder, name) if folder else name, required=True)
-        res = await dash.scheduler.write_file(s.tenant_id, vm_id, target, data)
+        res = await dash.scheduler.guest.call(
+            s.tenant_id, verbs.WRITE_FILE, FileWrite(vm_id=vm_id, path=target, data=data)
+        )
         return f"Uploaded {res.path} ({res.bytes_written} bytes)."
 
     try:
@@ -217,7 +225,7 @@ async def upload(request: Request, dash: Dash, vm_id: str) -> Response:
 @router.post("/{vm_id}/terminal")
 async def terminal(request: Request, vm_id: str, dash: Dash) -> Response:
     s, _ = await dash.mutating(request, "json")
-    return await open_terminal(request, dash.scheduler, s, vm_id)
+    return await open_terminal(request, dash.scheduler.guest, s, vm_id)
 
 
 # -- exec console --------------------------------------------------------------------------
@@ -235,26 +243,35 @@ async def exec_(request: Request, dash: Dash, vm_id: str) -> Response:
     except (ValueError, AttributeError, ValidationError):
         raise InvalidRequest('send {"line": "<shell command>"}') from None
     # The REST API's SSE path: same events, same errors, same cancel-on-disconnect.
-    return await sse_exec(lambda: dash.scheduler.exec_stream(s.tenant_id, vm_id, req))
+    call = on_vm(ExecCall, vm_id, req)
+    return await sse_exec(lambda: dash.scheduler.guest.exec_stream(s.tenant_id, call))
 
 
-# Pause, Resume, Delete: a button each, the scheduler's call of that name, and what to
-# say after it.
-def simple_action(name: str, done: Callable[[Any], str]) -> Callable[..., Awaitable[Response]]:
+# Pause, Resume, Delete: a button each, the scheduler's operation, and what to say after it.
+Act = Callable[[Scheduler, str, str], Awaitable[str]]
+
+
+async def _pause(sched: Scheduler, tenant: str, vm_id: str) -> str:
+    return f"Paused: snapshot {(await sched.pauses.pause(tenant, vm_id)).vm.snapshot_id}."
+
+
+async def _resume(sched: Scheduler, tenant: str, vm_id: str) -> str:
+    return f"Resumed ({(await sched.pauses.resume(tenant, vm_id)).state})."
+
+
+async def _delete(sched: Scheduler, tenant: str, vm_id: str) -> str:
+    return f"Deleted ({(await sched.deleting.delete(tenant, vm_id)).state})."
+
+
+def simple_action(act: Act) -> Callable[..., Awaitable[Response]]:
     async def route(request: Request, vm_id: str, dash: Dash) -> Response:
         s, _ = await dash.mutating(request)
-
-        async def act() -> str:
-            return done(await getattr(dash.scheduler, name)(s.tenant_id, vm_id))
-
-        return await dash.attempt(request, act, trigger="vmChanged")
+        return await dash.attempt(
+            request, lambda: act(dash.scheduler, s.tenant_id, vm_id), trigger="vmChanged"
+        )
 
     return route
 
 
-for name, done in (
-    ("pause", lambda v: f"Paused: snapshot {v.snapshot_id}."),
-    ("resume", lambda v: f"Resumed ({v.state})."),
-    ("delete", lambda v: f"Deleted ({v.state})."),
-):
-    router.add_api_route(f"/{{vm_id}}/{name}", simple_action(name, done), methods=["POST"], name=name)
+for name, act in (("pause", _pause), ("resume", _resume), ("delete", _delete)):
+    router.add_api_route(f"/{{vm_id}}/{name}", simple_action(act), methods=["POST"], name=name)

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from pal.localcluster.throwaway import free_port
-from pal.manager.auth import node_token
+from pal.wire.auth import node_token
 
 
 @dataclass

@@ -21,7 +21,8 @@ from pal.errors import PalError, Unavailable
 from pal.guest import protocol as p
 from pal.manager import guest_input as gi
 from pal.manager.channel import GuestError
-from pal.manager.code_models import (
+from pal.manager.vm import VmRegistry
+from pal.wire.code import (
     CONTEXT_ID_PATTERN,
     DEFAULT_TIMEOUT_SECS,
     CodeContext,
@@ -30,8 +31,7 @@ from pal.manager.code_models import (
     CodeRequest,
     ContextCreate,
 )
-from pal.manager.guest_errors import to_pal_error
-from pal.manager.vm import VmRegistry
+from pal.wire.guest_errors import to_pal_error
 
 log = logging.getLogger(__name__)
 

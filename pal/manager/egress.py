@@ -9,11 +9,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from pal.manager.live import LiveControl
-from pal.manager.models import BrokeredSet, EgressEvents, EgressSet, EgressSetResult
 from pal.manager.notices import NoticeBoard
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import Brokered, VmNetworking, limits_json, wait_rule
 from pal.manager.waits import WaitWatcher
+from pal.wire.models import BrokeredSet, EgressEvents, EgressSet, EgressSetResult
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from pal.errors import PalError, Unavailable
 from pal.guest import protocol as p
 from pal.manager import guest_input as gi
 from pal.manager.channel import GuestError
-from pal.manager.guest_errors import to_pal_error
-from pal.manager.models import ExecEvent, FileDeleted, FileList, FileWritten
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.spec import ExecRequest
+from pal.wire.guest_errors import to_pal_error
+from pal.wire.models import ExecEvent, FileDeleted, FileList, FileWritten
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,12 @@ from pal.images.builder import is_current
 from pal.images.paths import ImagePaths, list_images, load_image
 from pal.manager import admission
 from pal.manager.live import LiveControl
-from pal.manager.models import (
+from pal.manager.templates import TemplateCache, TemplateHost
+from pal.manager.vm import VmRegistry
+from pal.sizes import size_name
+from pal.snapshots.store import SnapshotStore
+from pal.vmm.host_cpu import LoadSampler
+from pal.wire.models import (
     ImageInfo,
     NodeCapacity,
     NodeHeartbeat,
@@ -30,11 +35,6 @@ from pal.manager.models import (
     WarmResult,
     WarmTemplate,
 )
-from pal.manager.templates import TemplateCache, TemplateHost
-from pal.manager.vm import VmRegistry
-from pal.sizes import size_name
-from pal.snapshots.store import SnapshotStore
-from pal.vmm.host_cpu import LoadSampler
 
 log = logging.getLogger(__name__)
 

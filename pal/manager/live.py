@@ -37,11 +37,11 @@ from pal.guest import protocol as p
 from pal.manager import guest_clock
 from pal.manager import guest_input as gi
 from pal.manager.channel import HarnessChannel
-from pal.manager.models import LivePauseRequest, LivePauseResult, LiveResumeResult, LiveState
 from pal.manager.notices import NoticeBoard
 from pal.manager.vm import LivePause, LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
 from pal.vmm import offload
+from pal.wire.models import LivePauseRequest, LivePauseResult, LiveResumeResult, LiveState
 
 log = logging.getLogger(__name__)
 

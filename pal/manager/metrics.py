@@ -32,7 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pal.manager.models import MetricSample, VmMetrics
+from pal.wire.models import MetricSample, VmMetrics
 
 SAMPLE_INTERVAL_S = 5.0
 WINDOW_S = 15 * 60.0

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from pal.manager.models import Notice, Notices
+from pal.wire.models import Notice, Notices
 
 KEEP = 2000  # newest notices kept (a scheduler that fell further behind reconciles)
 MAX_WAIT_S = 30.0

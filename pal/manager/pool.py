@@ -45,9 +45,9 @@ from pal.errors import Unavailable
 from pal.guest import protocol as p
 from pal.images.paths import load_image
 from pal.manager.identify import identify
-from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.refill import StandingSet
 from pal.manager.restore import brokered_of, continued_timings, identity_of
+from pal.manager.spawned import disk_limits, spawn_result
 from pal.manager.templates import (
     PRIME_COMMANDS,
     PRIME_TIMEOUT_S,
@@ -60,6 +60,7 @@ from pal.manager.vm import LiveVm, VmRegistry, kill_quietly
 from pal.manager.vm_states import VmPhase, check_move
 from pal.manager.vmnet import VmNetworking, limits_json, wait_rule
 from pal.vmm import offload
+from pal.wire.models import SpawnRequest, SpawnResult
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ class WarmPool(StandingSet[PooledVm]):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(prefetch), PREFETCH_WAIT_S)
         t_prefetch = time.perf_counter()
-        await lv.qemu.limit_disk(req.disk_limits)  # the tenant's, before its first request
+        await lv.qemu.limit_disk(disk_limits(req))  # the tenant's, before its first request
         await lv.qemu.cont()
         t_cont = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())
@@ -291,7 +292,7 @@ class WarmPool(StandingSet[PooledVm]):
         }
         boot_ms = (t_end - t0) * 1000
         log.info("VM %s up from the pool (%s) in %.0f ms: %s", req.vm_id, lv.slot, boot_ms, timings)
-        return SpawnResult.of(req, lv.qemu, boot_ms, "pool", lv.image.agent_version_id, timings=timings)
+        return spawn_result(req, lv.qemu, boot_ms, "pool", lv.image.agent_version_id, timings=timings)
 
     # ------------------------------------------------------------------ discard
 

@@ -26,12 +26,17 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Literal
 
-from pal.errors import PalError, Unavailable
+from pal.errors import PalError, TooLarge, Unavailable
 from pal.guest import protocol as p
 from pal.manager import guest_input as gi
 from pal.manager.channel import ChannelClosed, GuestError
-from pal.manager.guest_errors import Op, to_pal_error
-from pal.manager.process_models import (
+from pal.manager.vm import LiveVm, VmRegistry
+from pal.spec import ProcessStartRequest, SignalRequest, Terminal
+from pal.wire.guest_errors import Op, to_pal_error
+from pal.wire.processes import (
+    MAX_READ_BYTES,
+    MAX_STDIN_BYTES,
+    MAX_WAIT_MS,
     OutputChunk,
     ProcessDeleted,
     ProcessEvent,
@@ -39,17 +44,9 @@ from pal.manager.process_models import (
     ProcessOutput,
     StdinWritten,
 )
-from pal.manager.vm import LiveVm, VmRegistry
-from pal.spec import ProcessStartRequest, SignalRequest, Terminal
 
 log = logging.getLogger(__name__)
 
-# The harness's own bounds (pal/guest/procrequests.py): the longest long poll, and the most
-# output one read answers with (here also kept under the channel's line limit once
-# base64-encoded: guest_input.MAX_GUEST_LINE_BYTES).
-MAX_WAIT_MS = 60_000
-MAX_READ_BYTES = p.MAX_FILE_BYTES
-MAX_STDIN_BYTES = p.MAX_FILE_BYTES  # one stdin write
 REQUEST_TIMEOUT_S = 30.0  # a guest that answers a process request later has lost it
 LIVE_PAUSE_POLL_S = 0.25  # how often a silent output stream looks whether its VM still runs
 
@@ -110,6 +107,8 @@ class GuestProcesses:
         return ProcessOutput.model_validate({**res, "chunks": chunks})
 
     async def write_stdin(self, vm_id: str, pid: int, data: bytes, eof: bool) -> StdinWritten:
+        if len(data) > MAX_STDIN_BYTES:
+            raise TooLarge(f"a stdin write takes at most {MAX_STDIN_BYTES} bytes")
         reply, _ = await self._call(vm_id, {"k": p.K_PSTDIN, "pid": pid, "eof": eof}, data)
         written = _checked(vm_id, "pstdin", lambda: gi.stdin_result(reply, len(data)))
         return StdinWritten.model_validate(written)

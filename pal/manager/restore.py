@@ -17,8 +17,8 @@ from pal.config import Settings
 from pal.errors import NotFound
 from pal.images.paths import ImagePaths, image_for_restore, load_image
 from pal.manager.identify import Identity, identify
-from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.parked import ParkedVm
+from pal.manager.spawned import disk_limits, spawn_result
 from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vm_states import VmPhase, check_move
@@ -28,6 +28,7 @@ from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.vmm import offload
 from pal.vmm.host_cpu import LoadSampler
+from pal.wire.models import SpawnRequest, SpawnResult
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class Restores:
             with contextlib.suppress(TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(prefetch), PARKED_PREFETCH_WAIT_S)
         t_prefetch = time.perf_counter()
-        await lv.qemu.limit_disk(req.disk_limits)  # the operator's defaults may have changed
+        await lv.qemu.limit_disk(disk_limits(req))  # the operator's defaults may have changed
         await lv.qemu.cont()
         t_vmm = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())
@@ -196,6 +197,6 @@ class Restores:
         log.info(
             "VM %s up by its parked QEMU in %.0f ms (pid %s): %s", req.vm_id, boot_ms, lv.qemu.pid, timings
         )
-        return SpawnResult.of(
+        return spawn_result(
             req, lv.qemu, boot_ms, "restore", ref.agent_version_id, warm=True, timings=timings
         )

@@ -1,7 +1,8 @@
-"""The runtime manager: owns the VMs of one host.
-
-A façade: each operation lives in a module of its own, working against the small
-interface its constructor names (docs/internals.md, "The node's request paths"):
+"""The runtime manager: owns the VMs of one host. The node's composition root: it builds
+each operation's module once, hands each the few collaborators its constructor names, and
+binds the verbs of the node RPC to them (handlers.py). It forwards nothing: the RPC calls
+the operations themselves, and so do `pal up` and `pal node` for the node's own life
+(start, shutdown). The modules (docs/internals.md, "The node's request paths"):
 
 | module | what |
 |---|---|
@@ -19,32 +20,30 @@ interface its constructor names (docs/internals.md, "The node's request paths"):
 | egress.py, heartbeat.py, sampling.py | the VM's network; the node's reports; metrics |
 
 It knows VM ids, images and snapshots, never tenants' quotas or lifecycle states: those
-are the scheduler's. Every method follows the contract documented in
-``pal/manager/api.py``.
+are the scheduler's. What each verb promises is declared in pal/wire/verbs.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
 
 from pal.config import Settings
-from pal.manager import models as m
 from pal.manager.adopt import AdoptDeps, Adopter
 from pal.manager.code import GuestCode
 from pal.manager.egress import Egress
 from pal.manager.exec_files import GuestCalls
 from pal.manager.fork import ForkMemory
 from pal.manager.guest_ports import GuestPorts
+from pal.manager.guest_relay import relay
 from pal.manager.heartbeat import NodeIdentity, NodeReports, ReportDeps
 from pal.manager.live import LiveControl, PauseDeps
 from pal.manager.metrics import MetricsBook
 from pal.manager.notices import NoticeBoard
 from pal.manager.parked import Parking
 from pal.manager.pool import PoolDeps, WarmPool
-from pal.manager.ports import GuestConnection, PortRoutes
+from pal.manager.ports import PortRoutes
 from pal.manager.prestart import PrestartDeps, PrestartSet
 from pal.manager.processes import GuestProcesses
 from pal.manager.restore import RestoreDeps, Restores
@@ -53,14 +52,19 @@ from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
 from pal.manager.spawn import SpawnDeps, Spawner
 from pal.manager.stop import Stopper, VmFiles
-from pal.manager.templates import TemplateCache
-from pal.manager.vm import LiveVm, VmRegistry
+from pal.manager.templates import TemplateCache, TemplateHost
+from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
 from pal.manager.waits import WaitWatcher
 from pal.snapshots.store import SnapshotStore
-from pal.spec import ExecRequest
 from pal.vmm.accel import AccelInfo
 from pal.vmm.jail import Jail
+from pal.wire import code as c
+from pal.wire import models as m
+from pal.wire import processes as pr
+from pal.wire import verbs as v
+from pal.wire.handlers import Handlers
+from pal.wire.tunnel import Opened
 
 
 class NodeRuntime:
@@ -69,7 +73,6 @@ class NodeRuntime:
         self.store = store
         self.accel = accel
         self.me = NodeIdentity(settings.node_name or os.uname().nodename, uuid.uuid4().hex, accel.name)
-        self.node_id, self.epoch = self.me.node_id, self.me.epoch  # epoch: this process's incarnation
         self.templates: TemplateCache | None = None  # set by the server (PAL_TEMPLATES=0: none)
         self.net = VmNetworking(settings)
         self.registry = VmRegistry(settings.vms_dir, self.net.seal_brokered)
@@ -87,8 +90,15 @@ class NodeRuntime:
         watchers = (self.live.forget, self.metrics.stopped, self.ports.forget, self.waits.forget)
         self.stopper = Stopper(reg, self.files, self.parking, self.forks, watchers)
         gate = self.restore_gate = RestoreGate(settings.fork_concurrency)
+        # A template build spawns, execs and stops like any VM (the spawner is made below).
+        host = self.template_host = TemplateHost(
+            spawn=lambda req: self.spawner.spawn(req),
+            exec_stream=lambda vm_id, req: self.guest.exec_stream(vm_id, req),
+            stop=lambda vm_id: self.stopper.stop(vm_id),
+            live=reg.live,
+        )
         restores = Restores(
-            RestoreDeps(settings, store, self.net, reg, lambda: self.templates, self, gate.sampler)
+            RestoreDeps(settings, store, self.net, reg, lambda: self.templates, host, gate.sampler)
         )
         net, jail = self.net, self.jail
         self.spawner = Spawner(
@@ -102,7 +112,7 @@ class NodeRuntime:
                 self.spawner.spawn_pooled,
                 self.files.free_vm_files,
                 lambda: self.templates,
-                self,
+                host,
             )
         )
         self.spawner.claim, self.spawner.evict_pool = self.pool.claim, self.pool.evict
@@ -122,39 +132,52 @@ class NodeRuntime:
             AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks, gate.sampler)
         )
         self.reports = NodeReports(
-            ReportDeps(self.me, settings, store, reg, lambda: self.templates, self, gate.sampler)
+            ReportDeps(self.me, settings, store, reg, lambda: self.templates, host, gate.sampler)
         )
         self.sampler = Sampler(
             reg, self.metrics, settings.heartbeat_interval_s, self.net.cached_bytes, self.net.refresh_counters
         )
 
-    # ------------------------------------------------------------------ the node
-    @property
-    def vms(self) -> dict[str, LiveVm]:
-        return self.registry.vms
+    # ------------------------------------------------------------------ the node's life
 
-    @property
-    def url(self) -> str:
-        return self.me.url
-
-    @url.setter
-    def url(self, value: str) -> None:
-        self.me.url = value  # where the control plane reaches this node (set by `pal node`)
-
-    async def adopt_all(self) -> tuple[list[str], list[str]]:
-        return await self.adopter.adopt_all()
-
-    async def start_network(self) -> None:
-        """Start (or adopt) the egress gateway and watch its events; before adopt_all."""
+    async def start(self) -> tuple[list[str], list[str]]:
+        """Start (or adopt) the egress gateway and watch its events, adopt the QEMUs a
+        previous manager left (returns those adopted and those killed), then settle the
+        gateway on what runs."""
         await self.egress.start(self.waits)
-
-    async def settle_network(self) -> None:
+        adopted, killed = await self.adopter.adopt_all()
         await self.egress.settle(self.parking.vms, self.live, self.waits)
+        return adopted, killed
 
-    async def heartbeat(self) -> m.NodeHeartbeat:
-        return await self.reports.heartbeat()
+    def start_pool(self) -> None:
+        """Fill the warm pool and start the pre-started QEMUs in the background (after
+        adoption: PAL_POOL, PAL_PRESTART)."""
+        self.pool.start()
+        self.prestart.start()
+
+    async def stop_all(self) -> None:
+        """Stop every VM, pooled and pre-started QEMUs too (`pal up` shutting down)."""
+        await self.pool.close()
+        await self.prestart.close()
+        await self.stopper.stop_all()
+
+    async def shutdown(self) -> None:
+        """`pal up` ends: every VM stopped, the egress gateway stopped, long polls ended."""
+        await self.stop_all()
+        await self.net.gateway.stop()
+        self.notices_board.close()
+
+    async def detach(self) -> None:
+        """`pal node` ends: its VMs (and the gateway carrying their connections) keep
+        running for the next start to adopt; its long polls and the VMs' channels close."""
+        self.notices_board.close()
+        for lv in list(self.registry.vms.values()):
+            with contextlib.suppress(Exception):
+                await lv.channel.close()
 
     async def stats(self) -> m.NodeStats:
+        """The node's figures (heartbeat.py) with the warm pool's and the pre-started
+        QEMUs' (pool.py, prestart.py)."""
         pool, pre = self.pool.status(), self.prestart.status()
         return (await self.reports.stats()).model_copy(
             update={
@@ -171,112 +194,138 @@ class NodeRuntime:
             }
         )
 
-    def start_pool(self) -> None:
-        """Fill the warm pool and start the pre-started QEMUs in the background (after
-        adoption: PAL_POOL, PAL_PRESTART)."""
-        self.pool.start()
-        self.prestart.start()
+    # ------------------------------------------------------------------ what it serves
 
-    async def images(self) -> list[m.ImageInfo]:
-        return await self.reports.images()
+    def handlers(self) -> Handlers:
+        """Every verb of the node RPC (pal/wire/verbs.py) bound to the operation that serves
+        it here; a guest verb declared without a handler of its own is relayed to the guest
+        (guest_relay.py). The one place a verb meets the node's code."""
+        h = Handlers()
+        self._bind_life(h)
+        self._bind_snapshots(h)
+        self._bind_guest(h)
+        for verb in v.VERBS:
+            if isinstance(verb, v.Call) and verb.guest is not None and not h.bound(verb):
+                h.on(verb, relay(self.registry, verb))
+        return h
 
-    async def warm(self, req: m.WarmRequest) -> m.WarmResult:
-        return await self.reports.warm(req)
+    def _bind_life(self, h: Handlers) -> None:
+        async def stop(r: m.StopVm) -> m.Stopped:
+            if r.incarnation is not None and self.stopper.runs_other_incarnation(r.vm_id, r.incarnation):
+                return m.Stopped(vm_id=r.vm_id, stopped=False)  # a newer one runs: keep it
+            await self.stopper.stop(r.vm_id)
+            return m.Stopped(vm_id=r.vm_id, stopped=True)
 
-    async def notices(self, after: int, epoch: str, wait_s: float) -> m.Notices:
-        return await self.notices_board.wait(after, epoch, wait_s)
+        async def live_status(r: m.VmRef) -> m.LiveStatus:
+            return m.LiveStatus(live=await self.live.status(r.vm_id))
 
-    async def run_sampler(self) -> None:
-        await self.sampler.run()
+        async def images(_: m.Empty) -> m.ImageList:
+            return m.ImageList(images=await self.reports.images())
 
-    def vm_metrics(self, vm_id: str) -> m.VmMetrics:
-        return self.sampler.vm_metrics(vm_id)
+        async def vm_metrics(r: m.VmRef) -> m.VmMetrics:
+            return self.sampler.vm_metrics(r.vm_id)
 
-    # ------------------------------------------------------------------ a VM's life
-    async def spawn(self, req: m.SpawnRequest) -> m.SpawnResult:
-        return await self.spawner.spawn(req)
+        async def set_brokered(r: m.BrokeredSet) -> m.BrokeredSetResult:
+            await self.egress.set_brokered(r.vm_id, r)
+            return m.BrokeredSetResult(vm_id=r.vm_id, rules=len(r.brokered))
 
-    def runs_other_incarnation(self, vm_id: str, incarnation: int) -> bool:
-        return self.stopper.runs_other_incarnation(vm_id, incarnation)
+        async def egress_counters(r: m.VmRef) -> m.EgressCounters:
+            return m.EgressCounters(counters=await self.egress.counters(r.vm_id))
 
-    async def stop(self, vm_id: str) -> dict[str, Any] | None:
-        return await self.stopper.stop(vm_id)
+        h.on(v.SPAWN, self.spawner.spawn)
+        h.on(v.STOP, stop)
+        h.on(v.LIVE_PAUSE, lambda r: self.live.pause(r.vm_id, r))
+        h.on(v.LIVE_RESUME, lambda r: self.live.resume(r.vm_id))
+        h.on(v.LIVE_STATUS, live_status)
+        h.on(v.NOTICES, lambda r: self.notices_board.wait(r.after, r.epoch, r.wait_s))
+        h.on(v.WARM, self.reports.warm)
+        h.on(v.HEARTBEAT, lambda _: self.reports.heartbeat())
+        h.on(v.IMAGES, images)
+        h.on(v.VM_METRICS, vm_metrics)
+        h.on(v.STATS, lambda _: self.stats())
+        h.on(v.SET_EGRESS, lambda r: self.egress.set_egress(r.vm_id, r))
+        h.on(v.SET_BROKERED, set_brokered)
+        h.on(v.EGRESS_COUNTERS, egress_counters)
+        h.on(v.EGRESS_EVENTS, lambda r: self.egress.events(r.after, r.epoch))
 
-    async def free_vm_files(self, vm_id: str) -> dict[str, Any] | None:
-        return await self.files.free_vm_files(vm_id)
+    def _bind_snapshots(self, h: Handlers) -> None:
+        snaps = self.snapshots
 
-    async def stop_all(self) -> None:
-        await self.pool.close()
-        await self.prestart.close()
-        await self.stopper.stop_all()
+        async def listed(r: m.VmSnapshots) -> m.SnapshotList:
+            return m.SnapshotList(snapshots=await snaps.list_vm(r.agent_version_id, r.vm_id))
 
-    async def snapshot(self, vm_id: str, req: m.SnapshotRequest) -> m.SnapshotResult:
-        return await self.snapshots.snapshot(vm_id, req)
+        async def deleted_all(r: m.VmSnapshotsDelete) -> m.SnapshotsDeleted:
+            return m.SnapshotsDeleted(
+                deleted=await snaps.delete_vm(r.agent_version_id, r.vm_id, list(r.keep))
+            )
 
-    async def live_pause(self, vm_id: str, req: m.LivePauseRequest) -> m.LivePauseResult:
-        return await self.live.pause(vm_id, req)
+        async def uploaded(r: m.SnapshotAt) -> m.Uploaded:
+            await snaps.ensure_uploaded(r.agent_version_id, r.vm_id, r.snapshot_id)
+            return m.Uploaded(uploaded=True)
 
-    async def live_resume(self, vm_id: str) -> m.LiveResumeResult:
-        return await self.live.resume(vm_id)
+        async def deleted(r: m.SnapshotAt) -> m.SnapshotDeleted:
+            await snaps.delete(r.agent_version_id, r.vm_id, r.snapshot_id)
+            return m.SnapshotDeleted(deleted=True)
 
-    async def live_status(self, vm_id: str) -> m.LiveState | None:
-        return await self.live.status(vm_id)
+        h.on(v.SNAPSHOT, lambda r: snaps.snapshot(r.vm_id, r))
+        h.on(v.SNAPSHOT_OWNERS, lambda _: snaps.owners())
+        h.on(v.LIST_SNAPSHOTS, listed)
+        h.on(v.DELETE_VM_SNAPSHOTS, deleted_all)
+        h.on(v.SNAPSHOT_STATUS, lambda r: snaps.status(r.agent_version_id, r.vm_id, r.snapshot_id))
+        h.on(v.ENSURE_UPLOADED, uploaded)
+        h.on(v.DELETE_SNAPSHOT, deleted)
 
-    # ------------------------------------------------------------------ snapshots kept
-    async def snapshot_status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> m.SnapshotStatus:
-        return await self.snapshots.status(agent_version_id, vm_id, snapshot_id)
+    def _bind_guest(self, h: Handlers) -> None:
+        guest, procs, code, ports = self.guest, self.processes, self.code, self.guest_ports
 
-    async def ensure_uploaded(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
-        await self.snapshots.ensure_uploaded(agent_version_id, vm_id, snapshot_id)
+        async def port(r: m.PortOpen) -> Opened:
+            conn = await ports.open_port(r.vm_id, r.port)
+            return Opened(conn.reader, conn.writer, conn.route, lambda: ports.port_traffic(r.vm_id))
 
-    async def delete_snapshot(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> None:
-        await self.snapshots.delete(agent_version_id, vm_id, snapshot_id)
+        async def read_file(r: m.FileRef) -> m.FileContent:
+            data, truncated = await guest.read_file(r.vm_id, r.path)
+            return m.FileContent(data=data, truncated=truncated)
 
-    async def list_snapshots(self, agent_version_id: str, vm_id: str) -> list[m.SnapshotInfo]:
-        return await self.snapshots.list_vm(agent_version_id, vm_id)
+        async def list_processes(r: m.VmRef) -> pr.ProcessList:
+            return pr.ProcessList(processes=await procs.list(r.vm_id))
 
-    async def delete_vm_snapshots(self, agent_version_id: str, vm_id: str, keep: list[str]) -> list[str]:
-        return await self.snapshots.delete_vm(agent_version_id, vm_id, keep)
+        async def signal(r: pr.ProcessSignal) -> pr.SignalSent:
+            await procs.signal(r.vm_id, r.pid, r)
+            return pr.SignalSent(process_id=r.pid, signal=r.signal)
 
-    async def snapshot_owners(self) -> m.SnapshotOwners:
-        return await self.snapshots.owners()
+        async def resize(r: pr.ProcessResize) -> pr.Resized:
+            await procs.resize(r.vm_id, r.pid, r)
+            return pr.Resized(process_id=r.pid, cols=r.cols, rows=r.rows)
 
-    # ------------------------------------------------------------------ in the guest
-    def require_running(self, vm_id: str) -> None:
-        """409 (or 409 LIVE_PAUSED) unless the VM's guest runs here: the RPC's exec checks
-        it before its stream starts, so the refusal has its status."""
-        self.registry.running(vm_id)
+        async def list_contexts(r: m.VmRef) -> c.ContextList:
+            return c.ContextList(contexts=await code.list_contexts(r.vm_id))
 
-    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[m.ExecEvent]:
-        return self.guest.exec_stream(vm_id, req)
+        async def delete_context(r: c.ContextRef) -> c.ContextDeleted:
+            await code.delete_context(r.vm_id, r.context_id)
+            return c.ContextDeleted(context_id=r.context_id)
 
-    async def list_files(self, vm_id: str, path: str) -> m.FileList:
-        return await self.guest.list_files(vm_id, path)
+        async def interrupt_context(r: c.ContextRef) -> c.ContextInterrupted:
+            interrupted = await code.interrupt_context(r.vm_id, r.context_id)
+            return c.ContextInterrupted(context_id=r.context_id, interrupted=interrupted)
 
-    async def read_file(self, vm_id: str, path: str) -> tuple[bytes, bool]:
-        return await self.guest.read_file(vm_id, path)
-
-    async def write_file(self, vm_id: str, path: str, data: bytes) -> m.FileWritten:
-        return await self.guest.write_file(vm_id, path, data)
-
-    async def delete_file(self, vm_id: str, path: str) -> m.FileDeleted:
-        return await self.guest.delete_file(vm_id, path)
-
-    async def open_port(self, vm_id: str, port: int) -> GuestConnection:
-        return await self.guest_ports.open_port(vm_id, port)
-
-    def port_traffic(self, vm_id: str) -> None:
-        self.guest_ports.port_traffic(vm_id)
-
-    # ------------------------------------------------------------------ egress
-    async def set_egress(self, vm_id: str, req: m.EgressSet) -> m.EgressSetResult:
-        return await self.egress.set_egress(vm_id, req)
-
-    async def set_brokered(self, vm_id: str, req: m.BrokeredSet) -> None:
-        await self.egress.set_brokered(vm_id, req)
-
-    async def egress_counters(self, vm_id: str) -> dict[str, int] | None:
-        return await self.egress.counters(vm_id)
-
-    async def egress_events(self, after: int, epoch: str) -> m.EgressEvents:
-        return await self.egress.events(after, epoch)
+        h.on_stream(v.EXEC, lambda r: guest.exec_stream(r.vm_id, r))
+        h.on_tunnel(v.PORT, port)
+        h.on(v.LIST_FILES, lambda r: guest.list_files(r.vm_id, r.path))
+        h.on(v.READ_FILE, read_file)
+        h.on(v.WRITE_FILE, lambda r: guest.write_file(r.vm_id, r.path, r.data))
+        h.on(v.DELETE_FILE, lambda r: guest.delete_file(r.vm_id, r.path))
+        h.on(v.START_PROCESS, lambda r: procs.start(r.vm_id, r))
+        h.on(v.LIST_PROCESSES, list_processes)
+        h.on(v.GET_PROCESS, lambda r: procs.get(r.vm_id, r.pid))
+        h.on(v.DELETE_PROCESS, lambda r: procs.delete(r.vm_id, r.pid))
+        h.on(v.READ_OUTPUT, lambda r: procs.read(r.vm_id, r.pid, r.start, r.max_bytes, r.wait_ms))
+        h.on_stream(v.ATTACH_PROCESS, lambda r: procs.attach(r.vm_id, r.pid, r.start))
+        h.on(v.WRITE_STDIN, lambda r: procs.write_stdin(r.vm_id, r.pid, r.data, r.eof))
+        h.on(v.SIGNAL_PROCESS, signal)
+        h.on(v.RESIZE_PROCESS, resize)
+        h.on(v.WAIT_PROCESS, lambda r: procs.wait(r.vm_id, r.pid, r.timeout_ms))
+        h.on_stream(v.RUN_CODE, lambda r: code.run(r.vm_id, r))
+        h.on(v.CREATE_CONTEXT, lambda r: code.create_context(r.vm_id, r))
+        h.on(v.LIST_CONTEXTS, list_contexts)
+        h.on(v.DELETE_CONTEXT, delete_context)
+        h.on(v.INTERRUPT_CONTEXT, interrupt_context)

@@ -10,9 +10,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from pal.manager.metrics import MetricsBook, RawReading
-from pal.manager.models import VmMetrics
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.vmm import usage
+from pal.wire.models import VmMetrics
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from pal import failpoints
 from pal.errors import Conflict
 from pal.manager import admission
 from pal.manager.live import LiveControl
-from pal.manager.models import SnapshotInfo, SnapshotOwners, SnapshotRequest, SnapshotResult, SnapshotStatus
 from pal.manager.parked import Parking
 from pal.manager.stop import Stopper
 from pal.manager.vm import LiveVm, VmRegistry
@@ -28,6 +27,7 @@ from pal.manager.vmnet import VmNetworking
 from pal.snapshots.layout import SnapshotRef
 from pal.snapshots.store import SnapshotStore
 from pal.vmm.qemu import SnapshotArtifacts
+from pal.wire.models import SnapshotInfo, SnapshotOwners, SnapshotRequest, SnapshotResult, SnapshotStatus
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from pal.manager import admission
 from pal.manager.channel import HarnessChannel
 from pal.manager.fork import ForkMemory
 from pal.manager.identify import identify
-from pal.manager.models import SpawnRequest, SpawnResult
 from pal.manager.parked import Parking
 from pal.manager.prestart import PrestartSet
 from pal.manager.restore import BootSource, Restores, brokered_of, identity_of
 from pal.manager.restore_gate import RestoreGate
+from pal.manager.spawned import disk_limits, spawn_result
 from pal.manager.vm import LiveVm, VmRegistry
 from pal.manager.vmnet import VmNetworking, limits_json, read_names, wait_rule
 from pal.network.netns import VmNetns
@@ -42,6 +42,7 @@ from pal.vmm.errors import VmmError
 from pal.vmm.jail import Jail
 from pal.vmm.qemu import QemuVm, VmSpec
 from pal.vmm.vmm_meta import read_vmm_meta
+from pal.wire.models import SpawnRequest, SpawnResult
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class Spawner:
             config_drive=s.vm_dir / "config.img",
             accel=self.d.accel,
             net_fd=s.vnet.tap_fd,
-            disk_limits=req.disk_limits,
+            disk_limits=disk_limits(req),
         )
 
     async def _start_qemu(self, s: _Spawning) -> None:
@@ -337,7 +338,7 @@ class Spawner:
         s.disk = (s.qemu.spec.disk_path, s.qemu.spec.disk_format)
         failpoints.hit("manager:prestart-filled")  # the snapshot's files in, nothing loaded
         s.timings["prepare_ms"] = round((time.perf_counter() - s.t0) * 1000, 1)
-        await s.qemu.limit_disk(req.disk_limits)  # before its guest runs
+        await s.qemu.limit_disk(disk_limits(req))  # before its guest runs
         await s.qemu.load()
         failpoints.hit("manager:prestart-loaded")  # the guest runs, no identity, no commit
         s.timings["prestarted"] = 1
@@ -401,7 +402,7 @@ class Spawner:
         )
         # A restored VM is what its snapshot was, whatever the image is now.
         version = req.restore.agent_version_id if req.restore else s.src.image.agent_version_id
-        return SpawnResult.of(
+        return spawn_result(
             req,
             s.qemu,
             boot_ms,

@@ -25,16 +25,18 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pal.guest import protocol as p
 from pal.images.paths import ImagePaths
 from pal.manager import admission
-from pal.manager.models import ExecEvent, SpawnRequest
+from pal.manager.vm import LiveVm
 from pal.sizes import DEFAULT_TEMPLATE_SIZES, parse_size_name
 from pal.spec import ExecRequest
+from pal.wire.models import ExecEvent, SpawnRequest, SpawnResult
 
 if TYPE_CHECKING:
     from pal.config import Settings
@@ -47,18 +49,15 @@ PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (("/bin/true",), ("/bin/sh", "-c",
 PRIME_TIMEOUT_S = 60.0  # a hang guard: an image whose shell never returns still gets its template
 
 
-class TemplateHost(Protocol):
-    """Exactly what a template build needs of the node (NodeRuntime is one): its own
-    spawn, exec and stop, and the VM it spawned (its channel and QEMU, to capture)."""
+@dataclass(frozen=True)
+class TemplateHost:
+    """Exactly what a template build needs of the node: its own spawn, exec and stop, and
+    the VM it spawned (its channel and QEMU, to capture)."""
 
-    @property
-    def vms(self) -> Mapping[str, Any]: ...
-
-    async def spawn(self, req: SpawnRequest) -> Any: ...
-
-    def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]: ...
-
-    async def stop(self, vm_id: str) -> Any: ...
+    spawn: Callable[[SpawnRequest], Awaitable[SpawnResult]]
+    exec_stream: Callable[[str, ExecRequest], AsyncIterator[ExecEvent]]
+    stop: Callable[[str], Awaitable[object]]
+    live: Callable[[str], LiveVm]
 
 
 class TemplateCache:
@@ -163,7 +162,7 @@ class TemplateCache:
                     boot="cold",
                 )
             )
-            lv = runtime.vms[vm_id]
+            lv = runtime.live(vm_id)
             # Let the freshly booted guest settle (page cache, late init) before capture.
             await lv.channel.request({"k": p.K_PING})
             primed = await self._prime(runtime, vm_id)

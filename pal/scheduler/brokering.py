@@ -29,11 +29,11 @@ from typing import Any
 from pal import keyfile
 from pal.config import Settings
 from pal.errors import InvalidRequest, NotFound
-from pal.manager.models import BrokeredRule, TenantCa
 from pal.network.ca import constrained, new_ca
 from pal.secretbox import SecretBox
 from pal.spec import BrokeredSecret
 from pal.store import Store
+from pal.wire.models import BrokeredRule, TenantCa
 
 _TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -20,6 +20,8 @@ from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.states import Action, VmState
 from pal.scheduler.transition import Audit
 from pal.store import VmRecord
+from pal.wire import verbs
+from pal.wire.models import StopVm
 
 log = logging.getLogger(__name__)
 S, A = VmState, Action
@@ -58,7 +60,7 @@ class Deleting:
                 failpoints.hit("delete:draining")
                 try:
                     if d.nodes.state_of(vm.node_id) != nodes_mod.LOST:  # a lost node stops it on return
-                        await d.node(vm).stop(vm_id)
+                        await d.node(vm).call(verbs.STOP, StopVm(vm_id=vm_id))
                 except Exception as exc:
                     # Stays DRAINING+deleting: a repeated delete or reconciliation retries.
                     raise BackendError(f"stopping VM {vm_id} failed: {as_pal(exc).message}") from exc

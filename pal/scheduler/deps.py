@@ -24,13 +24,15 @@ from typing import Any
 
 from pal.config import Settings
 from pal.errors import BackendError, NotFound, PalError
-from pal.manager.api import RuntimeManager
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.states import SLOT_HOLDING, VmState, holds_slot
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.store import Store, VmRecord
+from pal.wire import verbs
+from pal.wire.handlers import NodeCalls
+from pal.wire.models import Empty, StopVm
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +140,7 @@ class Deps:
             raise NotFound(f"VM {vm_id} not found")
         return vm
 
-    def node(self, vm: VmRecord) -> RuntimeManager:
+    def node(self, vm: VmRecord) -> NodeCalls:
         """The RPC client of the node the VM is placed on."""
         return self.nodes.client(vm.node_id)
 
@@ -153,7 +155,7 @@ class Deps:
     async def is_alive(self, vm: VmRecord, incarnation: int | None = None) -> bool | None:
         """Whether the VM's node reports it alive (None: the heartbeat itself failed)."""
         try:
-            hb = await self.node(vm).heartbeat()
+            hb = await self.node(vm).call(verbs.HEARTBEAT, Empty())
         except Exception as exc:
             log.warning("heartbeat failed while checking %s: %s", vm.vm_id, exc)
             return None
@@ -169,7 +171,7 @@ class Deps:
         if self.nodes.state_of(node_id) == nodes_mod.LOST:
             return True
         try:
-            await self.nodes.client(node_id).stop(vm.vm_id)
+            await self.nodes.client(node_id).call(verbs.STOP, StopVm(vm_id=vm.vm_id))
             return True
         except Exception as exc:
             log.warning("stop of %s on %s failed: %s", vm.vm_id, node_id, exc)

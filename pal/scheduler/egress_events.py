@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.nodes import NodePool
 from pal.store import Store
+from pal.wire import verbs
+from pal.wire.models import EventsAfter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class EgressEvents:
 
     async def _record_of(self, node_id: str) -> int:
         seq, epoch = self._seq.get(node_id, (0, ""))
-        got = await self.nodes.client(node_id).egress_events(seq, epoch)
+        got = await self.nodes.client(node_id).call(verbs.EGRESS_EVENTS, EventsAfter(after=seq, epoch=epoch))
         self._seq[node_id] = (got.seq, got.epoch)
         n = 0
         tenants: dict[str, str | None] = {}

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pal.manager.models import BrokeredSet, EgressSet
 from pal.scheduler import states
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, has_live_qemu
 from pal.spec import EgressUpdate, SecretUpdate, egress_to_json
 from pal.store import VmRecord
+from pal.wire import verbs
+from pal.wire.models import BrokeredSet, EgressSet
 
 log = logging.getLogger(__name__)
 A = Action
@@ -41,9 +42,10 @@ class EgressAndSecrets:
             vm = d.reload(vm_id)
             states.check(vm_id, vm.state, A.SET_EGRESS, vm.marker)
             if has_live_qemu(vm.state, vm.marker):
-                await d.node(vm).set_egress(
-                    vm_id,
+                await d.node(vm).call(
+                    verbs.SET_EGRESS,
                     EgressSet(
+                        vm_id=vm_id,
                         egress=update.egress,
                         egress_mbps=vm.limits.get("egress_mbps"),
                         max_connections=vm.limits.get("max_connections"),
@@ -73,7 +75,7 @@ class EgressAndSecrets:
             live = has_live_qemu(vm.state, vm.marker)
             if live:
                 rules = self.brokering.rules(vm.tenant_id, new)
-                await d.node(vm).set_brokered(vm_id, BrokeredSet(brokered=rules))
+                await d.node(vm).call(verbs.SET_BROKERED, BrokeredSet(vm_id=vm_id, brokered=rules))
             d.store.update_vm(vm_id, secrets=new)
             d.store.add_event(vm_id, vm.tenant_id, SECRET_ROTATED_EVENT, details={"name": name})
         return live

@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from pal import failpoints
 from pal.errors import Conflict, InvalidRequest, public_message
-from pal.manager.models import RestoreFrom, SnapshotRequest
 from pal.scheduler import states
 from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token, new_vm_id
 from pal.scheduler.lifetime import inherited_end
@@ -25,6 +24,8 @@ from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
 from pal.store import VmRecord, utcnow
+from pal.wire import verbs
+from pal.wire.models import RestoreFrom, SnapshotRequest
 
 S, A = VmState, Action
 
@@ -131,9 +132,10 @@ class Forking:
     async def _snapshot(self, src: VmRecord, snap_id: str) -> str | None:
         """Snapshot a running source, keeping it running; the error text on failure."""
         try:
-            await self.d.node(src).snapshot(
-                src.vm_id,
+            await self.d.node(src).call(
+                verbs.SNAPSHOT,
                 SnapshotRequest(
+                    vm_id=src.vm_id,
                     snapshot_id=snap_id,
                     agent_version_id=src.agent_version_id or "",
                     tenant_id=src.tenant_id,
@@ -196,7 +198,7 @@ class Forking:
                 mem_mode=fork_mem_mode(child),
             )
             try:
-                res = await d.node(child).spawn(self.spawner.request(child, restore))
+                res = await d.node(child).call(verbs.SPAWN, self.spawner.request(child, restore))
             except Exception as exc:
                 err = as_pal(exc)
                 await d.transitions.transition(

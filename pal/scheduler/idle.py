@@ -36,11 +36,12 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from pal.manager.models import VmActivity
 from pal.scheduler import states
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, Marker, VmState
 from pal.store import VmRecord
+from pal.wire import verbs
+from pal.wire.models import Empty, VmActivity, VmRef
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class IdleSweeper:
         if vm.marker != Marker.LIVE_WAIT:
             return False
         try:
-            st = await self.d.node(vm).live_status(vm.vm_id)
+            st = (await self.d.node(vm).call(verbs.LIVE_STATUS, VmRef(vm_id=vm.vm_id))).live
         except Exception as exc:
             log.warning("idle sweep: wait state of %s unknown: %s", vm.vm_id, exc)
             return True  # not knowing is no reason to cut a connection
@@ -133,7 +134,7 @@ class IdleSweeper:
             if self.d.nodes.silent(node_id or None):
                 continue
             try:  # each node's own report, fresh (not its last pushed heartbeat)
-                hb = await self.d.nodes.client(node_id or None).heartbeat()
+                hb = await self.d.nodes.client(node_id or None).call(verbs.HEARTBEAT, Empty())
             except Exception as exc:
                 log.warning("idle sweep: node %s did not answer: %s", node_id, exc)
                 continue

@@ -31,7 +31,7 @@ class Listing:
         return event_page(self.d.store, vm_id, after=after, limit=limit)
 
     async def latest_events(
-        self, tenant_id: str, vm_id: str, *, before: int | None, limit: int
+        self, tenant_id: str, vm_id: str, *, before: int | None = None, limit: int = 50
     ) -> list[EventRecord]:
         """Newest first, a page at a time (the dashboard's timeline)."""
         self.d.own(tenant_id, vm_id)

@@ -22,20 +22,21 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pal.errors import BackendError, LivePaused, PalError
-from pal.manager.models import LivePauseRequest, LiveState, Notice
+from pal.errors import BackendError
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import states
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, Marker, VmState
-from pal.scheduler.views import add_live_stats, count_offload
+from pal.scheduler.views import Paused, add_live_stats, count_offload
 from pal.spec import WaitPause
 from pal.store import VmRecord, utcnow
+from pal.wire import verbs
+from pal.wire.models import LiveBy, LivePauseRequest, LiveState, Notice, NoticesAfter, VmRef
 
 log = logging.getLogger(__name__)
 S, A, M = VmState, Action, Marker
 
-BY = {A.LIVE_PAUSE: "operator", A.IDLE_LIVE_PAUSE: "idle", A.WAIT_PAUSE: "wait"}
+BY: dict[Action, LiveBy] = {A.LIVE_PAUSE: "operator", A.IDLE_LIVE_PAUSE: "idle", A.WAIT_PAUSE: "wait"}
 WAIT_PAUSE_EVENT, WAIT_OFFLOAD_EVENT, WAIT_RESUME_EVENT = "wait_pause", "wait_offload", "wait_resume"
 LIVE_OFFLOAD_EVENT = "live_offload"  # an operator's or idle pause offloaded
 NOTICE_POLL_S = 20.0  # long poll of the node's notices
@@ -58,17 +59,12 @@ class LiveOps:
         self._notices: asyncio.Task[None] | None = None
         self._pollers: dict[str, asyncio.Task[None]] = {}  # node id -> its notices' long poll
         self._handling: set[asyncio.Task[Any]] = set()
-        # The node's own account of an operator's live pause, for that pause's answer (which
-        # then needs no second round trip to the node): vm id -> state, taken by view().
-        self._answers: dict[str, LiveState] = {}
 
     # ------------------------------------------------------------------ pause
 
-    async def pause(
-        self, vm_id: str, action: Action, *, offload: bool = False, reason: str
-    ) -> VmRecord | None:
-        """A live pause (caller holds the VM's operation lock). None: a wait pause found
-        nothing waiting (nothing changed).
+    async def pause(self, vm_id: str, action: Action, *, offload: bool = False, reason: str) -> Paused | None:
+        """A live pause (caller holds the VM's operation lock): the VM and the node's account
+        of the pause. None: a wait pause found nothing waiting (nothing changed).
 
         Prerequisites: ``action`` (LIVE_PAUSE, IDLE_LIVE_PAUSE, WAIT_PAUSE) allowed: running,
         or for LIVE_PAUSE also live-paused (the operator takes it over, or offloads it).
@@ -82,13 +78,14 @@ class LiveOps:
         wait = wait_rule(vm)
         after_ms = wait.offload_after_ms if action == A.WAIT_PAUSE and wait is not None else None
         req = LivePauseRequest(
-            by=by,  # type: ignore[arg-type]
+            vm_id=vm_id,
+            by=by,
             offload=offload or after_ms == 0,
             offload_after_ms=after_ms or None,
             if_waiting=action == A.WAIT_PAUSE,
         )
         try:
-            res = await s.node(vm).live_pause(vm_id, req)
+            res = await s.node(vm).call(verbs.LIVE_PAUSE, req)
         except Exception as exc:
             await self._lost_if_gone(vm, f"live pause failed: {exc}")
             raise
@@ -109,13 +106,10 @@ class LiveOps:
                 reason=f"paused in {res.pause_ms:.1f} ms: the guest is idle and waits on its network",
                 details={"pauseMs": res.pause_ms},
             )
-        if res.state is not None:
-            if self.record_offload(vm_id, res.state):
-                paused = s.reload(vm_id)
-            if action == A.LIVE_PAUSE:
-                self._answers[vm_id] = res.state
+        if res.state is not None and self.record_offload(vm_id, res.state):
+            paused = s.reload(vm_id)
         s.telemetry.live_pause.labels(by=by).observe(time.perf_counter() - t0)
-        return paused
+        return Paused(paused, res.state)
 
     async def _lost_if_gone(self, vm: VmRecord, reason: str) -> None:
         if await self.d.is_alive(vm, vm.incarnation) is False:
@@ -135,7 +129,7 @@ class LiveOps:
         vm = s.reload(vm_id)
         states.check(vm_id, vm.state, A.LIVE_RESUME, vm.marker)
         try:
-            res = await s.node(vm).live_resume(vm_id)
+            res = await s.node(vm).call(verbs.LIVE_RESUME, VmRef(vm_id=vm_id))
         except Exception as exc:
             await self._lost_if_gone(vm, f"live resume failed: {exc}")
             raise BackendError(f"live resume of VM {vm_id} failed: {exc}") from exc
@@ -181,7 +175,8 @@ class LiveOps:
             vm = s.store.get_vm(vm_id)
             if vm is None or not vm.wait_pause or not states.allowed(S(vm.state), A.WAIT_PAUSE, vm.marker):
                 return None
-            return await self.pause(vm_id, A.WAIT_PAUSE, reason="waiting on the network (wait management)")
+            done = await self.pause(vm_id, A.WAIT_PAUSE, reason="waiting on the network (wait management)")
+            return done.vm if done is not None else None
 
     async def wake(self, vm_id: str, trigger: str, why: str) -> VmRecord | None:
         """Resume a wait-paused VM for its data or its timer (an operator's pause and the
@@ -284,7 +279,9 @@ class LiveOps:
                 if not await self._is_leader():
                     await asyncio.sleep(s.settings.idle_sweep_interval_s)
                     continue
-                got = await s.nodes.client(node_id).notices(seq, epoch, NOTICE_POLL_S)
+                got = await s.nodes.client(node_id).call(
+                    verbs.NOTICES, NoticesAfter(after=seq, epoch=epoch, wait_s=NOTICE_POLL_S)
+                )
                 seq, epoch = got.seq, got.epoch
                 for n in got.notices:
                     t = asyncio.create_task(self.handle(n), name=f"notice-{n.kind}-{n.vm_id}")
@@ -311,21 +308,20 @@ class LiveOps:
 
     # ------------------------------------------------------------------ views
 
-    async def view(self, vm: VmRecord, *, measure: bool = True) -> dict[str, Any] | None:
+    async def view(self, vm: VmRecord, answered: LiveState | None = None) -> dict[str, Any] | None:
         """``pause`` of GET: its kind (tier), since when, and for a live one whether it is
-        offloaded and how much guest RAM is resident (measured on the node now). Without
-        ``measure`` (the answer of a live pause), what the node said when it paused: no
+        offloaded and how much guest RAM is resident (measured on the node now). With
+        ``answered`` (the answer of a live pause), what the node said when it paused: no
         second round trip, and ``residentMiB`` only when the pause offloaded."""
-        answered = self._answers.pop(vm.vm_id, None)
         if vm.state != S.PAUSED:
             return None
         since = vm.paused_at.isoformat() if vm.paused_at else None
         if not live_paused(vm):
             return {"kind": "snapshot", "by": vm.paused_by, "since": since}
-        st: LiveState | None = None if measure else answered
+        st = answered
         if st is None:
             with contextlib.suppress(Exception):
-                st = await self.d.node(vm).live_status(vm.vm_id)
+                st = (await self.d.node(vm).call(verbs.LIVE_STATUS, VmRef(vm_id=vm.vm_id))).live
         return {
             "kind": "live",
             "by": vm.paused_by,
@@ -333,8 +329,3 @@ class LiveOps:
             "offloaded": bool(st and st.offloaded),
             "residentMiB": st.resident_mib if st else None,
         }
-
-
-def is_live_paused_error(exc: BaseException) -> bool:
-    """The node's answer to exec/files/ports on a live-paused VM (the one check of it)."""
-    return isinstance(exc, PalError) and exc.code == LivePaused.code

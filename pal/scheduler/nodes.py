@@ -2,7 +2,7 @@
 per node.
 
 - An **embedded** node (`pal up`, or a test's fake) is added with :meth:`NodePool.add_local`
-  and its heartbeat is *pulled* (``client.heartbeat()``) by the leader every
+  and its heartbeat is *pulled* (the ``heartbeat`` verb) by the leader every
   ``PAL_NODE_HEARTBEAT_INTERVAL`` seconds.
 - A **remote** node (`pal node`) *pushes* its heartbeat to ``POST /v1/nodes/heartbeat``; its
   client is an HTTP :class:`ManagerClient` to the URL it reported, carrying its token
@@ -21,11 +21,12 @@ from typing import Any
 
 from pal.config import Settings
 from pal.errors import Unavailable
-from pal.manager.api import RuntimeManager
-from pal.manager.auth import node_token
-from pal.manager.client import ManagerClient
-from pal.manager.models import NodeHeartbeat
+from pal.scheduler.node_client import HttpNode
 from pal.store import NodeRecord, Store, utcnow
+from pal.wire import verbs
+from pal.wire.auth import node_token
+from pal.wire.handlers import NodeCalls
+from pal.wire.models import Empty, NodeHeartbeat
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +38,21 @@ class NodePool:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
-        self._local: dict[str, RuntimeManager] = {}
-        self._unnamed: list[RuntimeManager] = []  # embedded clients whose id is not known yet
-        self._remote: dict[str, tuple[str, ManagerClient]] = {}  # node id -> (url, client)
-        self._injected: dict[str, RuntimeManager] = {}
+        self._local: dict[str, NodeCalls] = {}
+        self._unnamed: list[NodeCalls] = []  # embedded clients whose id is not known yet
+        self._remote: dict[str, tuple[str, HttpNode]] = {}  # node id -> (url, client)
+        self._injected: dict[str, NodeCalls] = {}
 
     # -- clients ----------------------------------------------------------------------------
 
-    def add_local(self, client: RuntimeManager, node_id: str | None = None) -> None:
+    def add_local(self, client: NodeCalls, node_id: str | None = None) -> None:
         """An embedded node; its id comes from its first heartbeat unless given."""
         if node_id is None:
             self._unnamed.append(client)
         else:
             self._local[node_id] = client
 
-    def use_client(self, node_id: str, client: RuntimeManager) -> None:
+    def use_client(self, node_id: str, client: NodeCalls) -> None:
         """Reach the (remote) node ``node_id`` through ``client`` instead of an HTTP client
         built from its record: for nodes living in this process (tests, benchmarks)."""
         self._injected[node_id] = client
@@ -68,14 +69,14 @@ class NodePool:
                 ids.add(rec.node_id)
         return sorted(ids)
 
-    def local_clients(self) -> list[RuntimeManager]:
+    def local_clients(self) -> list[NodeCalls]:
         """The embedded nodes' clients (`pal up`), named or not yet."""
         return [*self._local.values(), *self._unnamed]
 
     def is_local(self, node_id: str | None) -> bool:
         return node_id is not None and node_id in self._local
 
-    def client(self, node_id: str | None) -> RuntimeManager:
+    def client(self, node_id: str | None) -> NodeCalls:
         """The RPC client of ``node_id`` (Unavailable if the node is unknown). A VM row
         without a node (written before nodes existed) belongs to the only embedded node."""
         if node_id is None:
@@ -94,7 +95,7 @@ class NodePool:
             return cached[1]
         if not self.settings.cluster_secret:
             raise Unavailable("PAL_CLUSTER_SECRET is not set: cannot authenticate to remote nodes")
-        client = ManagerClient(
+        client = HttpNode(
             url=rec.url,
             token=node_token(self.settings.cluster_secret, node_id),
             max_streams=self.settings.node_max_streams,
@@ -152,7 +153,7 @@ class NodePool:
         not answer is skipped (its record ages; reconcile.py decides when it is lost)."""
         out = []
         for client in list(self._unnamed):
-            hb = await client.heartbeat()
+            hb = await client.call(verbs.HEARTBEAT, Empty())
             self._unnamed.remove(client)
             self._local[hb.node_id] = client
             self.record(hb, url=LOCAL_URL)
@@ -161,7 +162,7 @@ class NodePool:
             if any(h.node_id == node_id for h in out):
                 continue
             try:
-                hb = await client.heartbeat()
+                hb = await client.call(verbs.HEARTBEAT, Empty())
             except Exception as exc:
                 log.warning("embedded node %s did not answer its heartbeat: %s", node_id, exc)
                 continue

@@ -17,18 +17,19 @@ from typing import Any, NoReturn
 
 from pal import failpoints
 from pal.errors import BackendError, Conflict, InsufficientStorage
-from pal.manager.client import UNREACHABLE
-from pal.manager.models import RestoreFrom, SnapshotRequest
 from pal.scheduler import states
 from pal.scheduler.deps import Deps, SpawnChore, as_pal, new_snapshot_id, new_token
 from pal.scheduler.live import LiveOps, live_paused
+from pal.scheduler.node_client import UNREACHABLE
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState
 from pal.scheduler.transition import Audit
-from pal.scheduler.views import add_counters, add_live_stats
+from pal.scheduler.views import Paused, add_counters, add_live_stats
 from pal.spec import PauseRequest
 from pal.store import VmRecord, utcnow
+from pal.wire import verbs
+from pal.wire.models import RestoreFrom, SnapshotRequest, StopVm
 
 S, A = VmState, Action
 
@@ -49,7 +50,7 @@ class PauseResume:
 
     # -- the operator's ------------------------------------------------------------------------
 
-    async def pause(self, tenant_id: str, vm_id: str, req: PauseRequest | None = None) -> VmRecord:
+    async def pause(self, tenant_id: str, vm_id: str, req: PauseRequest | None = None) -> Paused:
         """The operator's pause: a snapshot pause (default), or a live one (``mode: live``,
         optionally offloading the guest's RAM). Neither is ever woken automatically.
 
@@ -67,7 +68,7 @@ class PauseResume:
                 )
                 assert paused is not None  # only a wait pause may find nothing to do
                 return paused
-            return await self.pause_locked(vm_id, A.PAUSE, reason="paused by operator")
+            return Paused(await self.pause_locked(vm_id, A.PAUSE, reason="paused by operator"))
 
     async def resume(self, tenant_id: str, vm_id: str) -> VmRecord:
         """A live-paused VM continues in its QEMU; a snapshot-paused one is restored.
@@ -92,9 +93,10 @@ class PauseResume:
         async with self.d.op_lock(vm_id):
             if not self._still_idle(vm_id, A.IDLE_LIVE_PAUSE, still_idle):
                 return None
-            return await self.live.pause(
+            paused = await self.live.pause(
                 vm_id, A.IDLE_LIVE_PAUSE, offload=True, reason="live-paused (idle; wakes on the next request)"
             )
+            return paused.vm if paused is not None else None
 
     async def idle_pause(self, vm_id: str, *, still_idle: Callable[[VmRecord], bool]) -> VmRecord | None:
         """The idle sweeper's suspend: same path as pause; skipped if the VM woke meanwhile.
@@ -147,9 +149,10 @@ class PauseResume:
         )
         failpoints.hit("pause:draining")
         try:
-            result = await d.node(vm).snapshot(
-                vm_id,
+            result = await d.node(vm).call(
+                verbs.SNAPSHOT,
                 SnapshotRequest(
+                    vm_id=vm_id,
                     snapshot_id=snap_id,
                     agent_version_id=vm.agent_version_id or "",
                     tenant_id=vm.tenant_id,
@@ -245,7 +248,7 @@ class PauseResume:
                 mem_mode="shared",
             )
             try:
-                res = await d.node(vm).spawn(self.spawner.request(vm, restore))
+                res = await d.node(vm).call(verbs.SPAWN, self.spawner.request(vm, restore))
                 break
             except Exception as exc:
                 err = as_pal(exc)
@@ -281,4 +284,4 @@ class PauseResume:
 
     async def _let_go(self, node_id: str, vm_id: str) -> None:
         with contextlib.suppress(Exception):
-            await self.d.nodes.client(node_id).stop(vm_id)
+            await self.d.nodes.client(node_id).call(verbs.STOP, StopVm(vm_id=vm_id))

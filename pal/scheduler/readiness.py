@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pal.sizes import DEFAULT_MEMORY_MIB, size_name
+from pal.wire import verbs
+from pal.wire.models import Empty
 
 if TYPE_CHECKING:
     from pal.scheduler.nodes import NodePool
@@ -72,7 +74,7 @@ async def readiness(scheduler: WithNodes, *, templates: bool) -> dict[str, Any]:
         return cluster_readiness(scheduler.nodes.nodes())
     report: dict[str, Any] = {"ready": False, "waitingFor": "an embedded node"}
     for client in local:
-        hb = await client.heartbeat()
+        hb = await client.call(verbs.HEARTBEAT, Empty())
         report = node_readiness([i.model_dump(by_alias=True) for i in hb.images], templates=templates)
         if report["ready"]:
             break

@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 from pal.errors import Unavailable
-from pal.manager.models import ImageInfo, SnapshotInfo, VmMetrics
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import placement
 from pal.scheduler.deps import Deps, as_pal
@@ -24,6 +23,8 @@ from pal.scheduler.spawning import Spawner
 from pal.scheduler.states import VmState, has_live_qemu
 from pal.scheduler.views import NodeReport, OperatorStats, add_counters
 from pal.store import NodeRecord, VmRecord, utcnow
+from pal.wire import verbs
+from pal.wire.models import Empty, ImageInfo, SnapshotInfo, VmMetrics, VmRef, VmSnapshots
 
 log = logging.getLogger(__name__)
 S = VmState
@@ -61,7 +62,7 @@ class Reads:
         live = None
         if has_live_qemu(vm.state, vm.marker):
             try:
-                live = await self.d.node(vm).egress_counters(vm.vm_id)
+                live = (await self.d.node(vm).call(verbs.EGRESS_COUNTERS, VmRef(vm_id=vm.vm_id))).counters
             except Exception as exc:  # counters are informative: never fail a GET for them
                 log.debug("egress counters of %s unavailable: %s", vm.vm_id, exc)
         return add_counters(vm.egress_stats, live)
@@ -71,7 +72,7 @@ class Reads:
         last ran) it. A VM that is not running answers its last samples or an empty series."""
         vm = self.d.own(tenant_id, vm_id)
         try:
-            return await self.d.node(vm).vm_metrics(vm_id)
+            return await self.d.node(vm).call(verbs.VM_METRICS, VmRef(vm_id=vm_id))
         except Unavailable:
             return VmMetrics(vm_id=vm_id, interval_secs=self.d.settings.metrics_interval_s, window_secs=900,
                              live=False, samples=[])  # fmt: skip
@@ -81,7 +82,8 @@ class Reads:
         vm = self.d.own(tenant_id, vm_id)
         if not vm.agent_version_id:
             return []
-        return await self.d.node(vm).list_snapshots(vm.agent_version_id, vm_id)
+        at = VmSnapshots(agent_version_id=vm.agent_version_id, vm_id=vm_id)
+        return (await self.d.node(vm).call(verbs.LIST_SNAPSHOTS, at)).snapshots
 
     def node_views(self) -> list[dict[str, Any]]:
         loads = placement.loads(self.d.occupying())
@@ -100,7 +102,8 @@ class Reads:
             if rec.state == nodes_mod.LOST:
                 return NodeReport(rec.node_id, None)
             try:
-                stats = await asyncio.wait_for(nodes.client(rec.node_id).stats(), NODE_STATS_TIMEOUT_S)
+                asked = nodes.client(rec.node_id).call(verbs.STATS, Empty())
+                stats = await asyncio.wait_for(asked, NODE_STATS_TIMEOUT_S)
             except Exception as exc:
                 log.warning("node stats of %s unavailable: %s", rec.node_id, as_pal(exc).message)
                 return NodeReport(rec.node_id, None)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from pal.errors import Conflict, InvalidRequest, Unavailable
-from pal.manager.models import HeartbeatAck, LiveState, NodeHeartbeat, VmActivity
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.deps import Deps, SpawnChore
 from pal.scheduler.states import (
@@ -49,6 +48,18 @@ from pal.scheduler.states import (
     is_live_paused,
 )
 from pal.store import VmRecord, utcnow
+from pal.wire import verbs
+from pal.wire.models import (
+    Empty,
+    HeartbeatAck,
+    LiveState,
+    NodeHeartbeat,
+    SnapshotAt,
+    StopVm,
+    VmActivity,
+    VmSnapshots,
+    VmSnapshotsDelete,
+)
 
 log = logging.getLogger(__name__)
 S = VmState
@@ -110,7 +121,8 @@ class Reconciler:
         if not snapshot_id or not vm.agent_version_id:
             return False
         try:
-            st = await self.d.node(vm).snapshot_status(vm.agent_version_id, vm.vm_id, snapshot_id)
+            at = SnapshotAt(agent_version_id=vm.agent_version_id, vm_id=vm.vm_id, snapshot_id=snapshot_id)
+            st = await self.d.node(vm).call(verbs.SNAPSHOT_STATUS, at)
         except Exception as exc:
             log.warning("snapshot status of %s/%s unknown: %s", vm.vm_id, snapshot_id, exc)
             return None
@@ -226,7 +238,8 @@ class Reconciler:
         if not vm.agent_version_id:
             return None
         try:
-            snaps = await self.d.node(vm).list_snapshots(vm.agent_version_id, vm.vm_id)
+            at = VmSnapshots(agent_version_id=vm.agent_version_id, vm_id=vm.vm_id)
+            snaps = (await self.d.node(vm).call(verbs.LIST_SNAPSHOTS, at)).snapshots
         except Exception as exc:
             log.warning("snapshots of %s unknown: %s", vm.vm_id, exc)
             return None
@@ -287,7 +300,7 @@ class Reconciler:
             if self.d.nodes.silent(node_id) and not ask_silent:
                 continue
             try:
-                out[node_id] = await self.d.nodes.client(node_id).heartbeat()
+                out[node_id] = await self.d.nodes.client(node_id).call(verbs.HEARTBEAT, Empty())
             except Exception as exc:
                 log.warning("node %s did not answer its heartbeat: %s", node_id, exc)
         return out
@@ -364,7 +377,7 @@ class Reconciler:
 
     async def _stop_on(self, node_id: str | None, vm_id: str, incarnation: int | None) -> bool:
         try:
-            await self.d.nodes.client(node_id).stop(vm_id, incarnation)
+            await self.d.nodes.client(node_id).call(verbs.STOP, StopVm(vm_id=vm_id, incarnation=incarnation))
             return True
         except Exception as exc:
             log.warning("stop of %s on %s failed: %s", vm_id, node_id, exc)
@@ -411,7 +424,7 @@ class Reconciler:
                         vm.node_id,
                     ):
                         continue
-                    now_hb = await self.d.node(fresh).heartbeat()
+                    now_hb = await self.d.node(fresh).call(verbs.HEARTBEAT, Empty())
                     fix = await self._fix_live(
                         fresh, next((x for x in now_hb.vms if x.vm_id == vm.vm_id), None)
                     )
@@ -528,7 +541,9 @@ class Reconciler:
         owners: dict[str, list[tuple[str, str]]] = {}
         for node_id in self.d.nodes.reachable_ids():
             try:
-                owners[node_id] = list((await self.d.nodes.client(node_id).snapshot_owners()).vms)
+                owners[node_id] = list(
+                    (await self.d.nodes.client(node_id).call(verbs.SNAPSHOT_OWNERS, Empty())).vms
+                )
             except Exception as exc:
                 log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
         rows = {vm.vm_id: vm for vm in self.d.store.list_vms()}
@@ -542,9 +557,10 @@ class Reconciler:
                 if vm is not None and vm.state not in FINAL:
                     continue
                 try:
-                    gone = await self.d.nodes.client(node_id).delete_vm_snapshots(
-                        agent_version_id, vm_id, mapped
-                    )
+                    doomed = VmSnapshotsDelete(agent_version_id=agent_version_id, vm_id=vm_id, keep=mapped)
+                    gone = (
+                        await self.d.nodes.client(node_id).call(verbs.DELETE_VM_SNAPSHOTS, doomed)
+                    ).deleted
                 except Exception as exc:
                     log.warning("snapshot sweep: could not delete those of %s on %s: %s", vm_id, node_id, exc)
                     continue

@@ -17,6 +17,7 @@ from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action
 from pal.spec import AgentSpec, WaitPause, egress_to_json
 from pal.store import VmRecord, utcnow
+from pal.wire import verbs
 
 A = Action
 
@@ -59,7 +60,7 @@ class Scheduling:
                     vm.vm_id, A.PLACE, reason=choice.reason, node_id=choice.node_id
                 )
             try:
-                res = await d.node(vm).spawn(self.spawner.request(vm, None))
+                res = await d.node(vm).call(verbs.SPAWN, self.spawner.request(vm, None))
             except Exception as exc:
                 err = as_pal(exc)
                 # The manager leaves no QEMU behind on failure (api.py), so FAILED is final.

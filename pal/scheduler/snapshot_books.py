@@ -17,6 +17,8 @@ from pal.scheduler import placement
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import FINAL, NEVER_STARTS
 from pal.store import VmRecord
+from pal.wire import verbs
+from pal.wire.models import SnapshotAt, VmSnapshots, VmSnapshotsDelete
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,8 @@ class SnapshotBooks:
         if vm is None or not vm.agent_version_id or not vm.node_id:
             return
         try:
-            snaps = await self.d.node(vm).list_snapshots(vm.agent_version_id, vm_id)
+            at = VmSnapshots(agent_version_id=vm.agent_version_id, vm_id=vm_id)
+            snaps = (await self.d.node(vm).call(verbs.LIST_SNAPSHOTS, at)).snapshots
         except Exception as exc:
             log.warning("could not measure the snapshots of %s: %s", vm_id, exc)
             return
@@ -67,7 +70,10 @@ class SnapshotBooks:
         if nodes.state_of(node_id) == nodes_mod.LOST:
             return
         try:
-            await nodes.client(node_id).ensure_uploaded(vm.agent_version_id or "", vm.vm_id, snapshot_id)
+            at = SnapshotAt(
+                agent_version_id=vm.agent_version_id or "", vm_id=vm.vm_id, snapshot_id=snapshot_id
+            )
+            await nodes.client(node_id).call(verbs.ENSURE_UPLOADED, at)
         except Exception as exc:
             log.warning(
                 "could not publish snapshot %s of %s from %s: %s", snapshot_id, vm.vm_id, node_id, exc
@@ -100,7 +106,10 @@ class SnapshotBooks:
         if users:
             return
         try:
-            await self.d.node(vm).delete_snapshot(vm.agent_version_id, vm.parent_vm_id, vm.mem_snapshot_id)
+            at = SnapshotAt(
+                agent_version_id=vm.agent_version_id, vm_id=vm.parent_vm_id, snapshot_id=vm.mem_snapshot_id
+            )
+            await self.d.node(vm).call(verbs.DELETE_SNAPSHOT, at)
         except Exception as exc:
             log.warning("could not delete snapshot %s of %s: %s", vm.mem_snapshot_id, vm.parent_vm_id, exc)
         await self.refresh_bytes(vm.parent_vm_id)
@@ -110,6 +119,7 @@ class SnapshotBooks:
         snapshots may sit on a node it ran on before) and in S3."""
         for node_id in self.d.nodes.reachable_ids():
             try:
-                await self.d.nodes.client(node_id).delete_vm_snapshots(agent_version_id, vm_id, keep)
+                doomed = VmSnapshotsDelete(agent_version_id=agent_version_id, vm_id=vm_id, keep=keep)
+                await self.d.nodes.client(node_id).call(verbs.DELETE_VM_SNAPSHOTS, doomed)
             except Exception as exc:
                 log.warning("could not delete the snapshots of %s on %s: %s", vm_id, node_id, exc)

@@ -11,13 +11,14 @@ import logging
 from typing import Any
 
 from pal.images.paths import ImageNotFound
-from pal.manager.models import ImageInfo, RestoreFrom, SpawnRequest, SpawnResult
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps
 from pal.spec import Limits, Placement, WaitPause, egress_from_json
 from pal.store import NodeRecord, VmRecord
+from pal.wire import verbs
+from pal.wire.models import Empty, ImageInfo, RestoreFrom, SpawnRequest, SpawnResult
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class Spawner:
         seen: dict[str, ImageInfo] = {}
         for node_id in ids:
             try:
-                images = await nodes.client(node_id).images()
+                images = (await nodes.client(node_id).call(verbs.IMAGES, Empty())).images
             except Exception as exc:
                 if nodes.is_local(node_id):
                     raise

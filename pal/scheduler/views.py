@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pal.manager.models import NodeStats
 from pal.scheduler.states import VmState
+from pal.store import VmRecord
+from pal.wire.models import LiveState, NodeStats
 
 COUNTERS = ("bytesIn", "bytesOut", "connections", "refused", "dnsQueries")
 
@@ -51,6 +52,15 @@ def count_offload(base: dict[str, int] | None, since: float, freed_mib: int) -> 
     out = add_live_stats(base, offloads=1, freedMib=freed_mib)
     out[OFFLOADED_PAUSE] = pause_us
     return out
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A pause's outcome: the VM's record, and for a live pause the node's account of it as
+    it answered (what the pause's answer shows: no second round trip)."""
+
+    vm: VmRecord
+    live: LiveState | None = None
 
 
 @dataclass

@@ -34,9 +34,9 @@ from starlette.testclient import TestClient, WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
 from pal.api.auth import key_check
-from pal.manager.process_models import JournalBounds, ProcessEvent, ProcessInfo, StdinWritten
 from pal.mcp.catalog import SCHEMAS
 from pal.mcp.http import install_mcp
+from pal.wire.processes import JournalBounds, ProcessEvent, ProcessInfo, StdinWritten
 from tests.apienv import make_api
 
 _tmp = tempfile.TemporaryDirectory(prefix="pal-fuzz-ws-")

@@ -20,10 +20,11 @@ import pytest
 from pal.config import Settings
 from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, kill_qemus_under
-from pal.manager.auth import node_token
-from pal.manager.client import ManagerClient
-from pal.manager.models import LivePauseRequest
+from pal.scheduler.node_client import HttpNode
 from pal.store import Store
+from pal.wire import verbs
+from pal.wire.auth import node_token
+from pal.wire.models import LivePauseRequest, VmRef
 from tests.conftest import TEST_DATA_DIR, PalServer
 from tests.s3server import S3Server
 
@@ -101,23 +102,23 @@ def _sse(c: httpx.Client, vm: str, body: dict[str, Any]) -> tuple[int, str]:
     return r.status_code, str(json.loads(frames[0].split("data: ", 1)[1])["code"])
 
 
-def _on_node(node: Callable[[], ManagerClient], vm: str, pause: bool) -> None:
+def _on_node(node: Callable[[], HttpNode], vm: str, pause: bool) -> None:
     """Live-pause (or resume) the VM on its node directly, the scheduler unaware."""
 
     async def call() -> None:
         client = node()
         try:
             if pause:
-                assert (await client.live_pause(vm, LivePauseRequest(by="operator"))).paused
+                assert (await client.call(verbs.LIVE_PAUSE, LivePauseRequest(vm_id=vm, by="operator"))).paused
             else:
-                assert (await client.live_resume(vm)).resumed
+                assert (await client.call(verbs.LIVE_RESUME, VmRef(vm_id=vm))).resumed
         finally:
             await client.aclose()
 
     asyncio.run(call())
 
 
-def error_cases(c: httpx.Client, node: Callable[[], ManagerClient]) -> dict[str, tuple[int, str]]:
+def error_cases(c: httpx.Client, node: Callable[[], HttpNode]) -> dict[str, tuple[int, str]]:
     """Each failing exec's (status, code), as the REST API answers it; ``node``: a client of
     the RPC of the node the VM runs on."""
     out = {"missing VM": _exec(c, MISSING_VM, {"command": "/bin/true"})}
@@ -150,13 +151,13 @@ def test_exec_errors_are_the_same_on_the_embedded_and_a_remote_node(
     cluster, remote_key = remote
     socket = Settings(data_dir=pal_server.data_dir).manager_socket  # the embedded node's RPC
     with pal_server.client(tenant_key) as c:
-        embedded = error_cases(c, lambda: ManagerClient(socket))
+        embedded = error_cases(c, lambda: HttpNode(socket))
     leader = cluster.wait_leader(30)
     n1, token = cluster.nodes["n1"], node_token(cluster.secret, "n1")
     with httpx.Client(
         base_url=leader.url, headers={"Authorization": f"Bearer {remote_key}"}, timeout=300
     ) as c:
-        on_remote = error_cases(c, lambda: ManagerClient(url=n1.url, token=token))
+        on_remote = error_cases(c, lambda: HttpNode(url=n1.url, token=token))
     print("embedded:", embedded, "\nremote:  ", on_remote)
     assert on_remote == embedded
     assert embedded == EXPECTED

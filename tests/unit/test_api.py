@@ -237,7 +237,7 @@ async def test_fork_children_and_a_failed_one(env: ApiEnv, client: httpx.AsyncCl
 
 async def test_events_include_the_wake_audit(env: ApiEnv, client: httpx.AsyncClient) -> None:
     vm = await _vm(client, idleTimeoutSecs=30)
-    assert await env.sched.sched.idle_pause(vm, still_idle=lambda _vm: True) is not None
+    assert await env.sched.sched.pauses.idle_pause(vm, still_idle=lambda _vm: True) is not None
     woke = await client.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "echo", "argv": ["hi"]})
     assert woke.json() == {"exitCode": 0, "stdout": "hi\n", "stderr": ""}
     events = (await client.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
@@ -395,7 +395,7 @@ async def test_healthz_probe_crash_is_503(tmp_path: Path) -> None:
 
 
 async def test_images_list_only_what_the_tenant_may_use(env: ApiEnv, client: httpx.AsyncClient) -> None:
-    from pal.manager.models import ImageInfo
+    from pal.wire.models import ImageInfo
 
     acme = env.sched.tenant_id
     env.manager.image_infos.append(

@@ -15,7 +15,6 @@ import pytest
 from pal.config import Settings
 from pal.errors import InvalidRequest, NotFound
 from pal.guest.system import CA_BEGIN, install_ca
-from pal.manager.models import TenantCa
 from pal.manager.vmnet import Brokered, VmNetworking
 from pal.network import broker
 from pal.network.ca import Issuer, new_ca
@@ -28,6 +27,7 @@ from pal.scheduler.brokering import SecretBroker
 from pal.secretbox import SecretUnreadable
 from pal.spec import AgentSpec
 from pal.store import Store
+from pal.wire.models import TenantCa
 
 LOCAL = ipaddress.ip_address("127.0.0.1")
 RULE = {

@@ -13,7 +13,7 @@ import httpx
 from pal.api.app import create_app
 from pal.api.exec_budget import MIB
 from pal.api.exec_stream import BUFFERED_OUTPUT_MAX, buffered_exec
-from pal.manager.models import ExecEvent
+from pal.wire.models import ExecEvent
 from tests.apienv import make_api
 
 

@@ -19,10 +19,11 @@ from pal.cli.main import app
 from pal.config import Settings
 from pal.errors import Unavailable
 from pal.images import assemble, builder, bundle
-from pal.manager.client import ManagerClient
-from pal.manager.models import WarmRequest, WarmResult
 from pal.manager.templates import COMPLETE
+from pal.scheduler.node_client import HttpNode
 from pal.store import Store, VmRecord
+from pal.wire import verbs
+from pal.wire.models import WarmRequest, WarmResult
 
 runner = CliRunner()
 
@@ -192,14 +193,15 @@ def test_warm_that_builds_no_template_exits_non_zero_saying_why(
     ]
     asked: list[WarmRequest] = []
 
-    async def warm(self: ManagerClient, req: WarmRequest) -> WarmResult:
+    async def warm(self: HttpNode, verb: Any, req: WarmRequest) -> WarmResult:
+        assert verb is verbs.WARM
         asked.append(req)
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
         return answer  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(ManagerClient, "warm", warm)
+    monkeypatch.setattr(HttpNode, "call", warm)
     err = _pal("build", "mini", "--force", "--warm", data=data, code=1)
     assert err["code"] == "UNAVAILABLE" and "PAL_TEMPLATES=0" in err["message"], err
     err = _pal("build", "mini", "--force", "--warm", data=data, code=1)

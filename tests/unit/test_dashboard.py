@@ -295,7 +295,7 @@ async def test_the_timeline_comes_a_page_at_a_time_newest_first(
     await _sign_in(c, key)
     tenant = e.store.tenant_by_api_key(key)
     assert tenant is not None
-    vm = (await e.sched.schedule(tenant.id, AgentSpec()))[0].vm_id
+    vm = (await e.sched.scheduling.schedule(tenant.id, AgentSpec()))[0].vm_id
     for i in range(120):
         e.store.add_event(vm, tenant.id, "mcp_tool", reason=f"call {i:03d}")
     seen: list[str] = []

@@ -11,6 +11,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import InvalidRequest
+from pal.manager.spawned import disk_limits
 from pal.spec import AgentSpec
 from pal.vmm.disk_limits import DiskLimits
 from tests.apienv import make_api
@@ -19,9 +20,11 @@ from tests.fakes import make_env
 
 async def test_defaults_resolve_at_schedule_and_reach_the_node(tmp_path: Path) -> None:
     env = make_env(tmp_path, disk_read_mibps=300, disk_write_mibps=None, disk_iops=2000)
-    vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({"limits": {"diskIops": 50}}))
+    vm, _ = await env.sched.scheduling.schedule(
+        env.tenant_id, AgentSpec.model_validate({"limits": {"diskIops": 50}})
+    )
     req = env.manager.spawn_requests[-1]
-    assert req.disk_limits == DiskLimits(300, None, 50), "the spec's own value wins over the default"
+    assert disk_limits(req) == DiskLimits(300, None, 50), "the spec's own value wins over the default"
     assert (vm.limits["disk_read_mibps"], vm.limits["disk_write_mibps"]) == (300, None)
 
 
@@ -33,17 +36,17 @@ async def test_over_a_ceiling_is_400_naming_the_field_and_setting(tmp_path: Path
         ({"diskIops": 501}, "limits.diskIops 501", "PAL_MAX_DISK_IOPS=500"),
     ]:
         with pytest.raises(InvalidRequest) as err:
-            await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({"limits": body}))
+            await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate({"limits": body}))
         assert err.value.status == 400 and field in err.value.message and setting in err.value.message
     assert env.manager.spawn_requests == []
     # The defaults (200, 100, 4000) are lowered to the ceilings.
-    await env.sched.schedule(env.tenant_id, AgentSpec())
-    assert env.manager.spawn_requests[-1].disk_limits == DiskLimits(100, 40, 500)
+    await env.sched.scheduling.schedule(env.tenant_id, AgentSpec())
+    assert disk_limits(env.manager.spawn_requests[-1]) == DiskLimits(100, 40, 500)
 
 
 async def test_a_ceiling_bounds_a_vm_even_with_the_default_off(tmp_path: Path) -> None:
     env = make_env(tmp_path, disk_write_mibps=None, max_disk_write_mibps=30)
-    await env.sched.schedule(env.tenant_id, AgentSpec())
+    await env.sched.scheduling.schedule(env.tenant_id, AgentSpec())
     assert env.manager.spawn_requests[-1].disk_write_mibps == 30
 
 

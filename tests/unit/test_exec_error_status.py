@@ -12,12 +12,14 @@ import httpx
 import pytest
 
 from pal.errors import BackendError, LivePaused, PalError
-from pal.manager.client import ManagerClient
-from pal.manager.models import ExecEvent
 from pal.manager.rpc import create_rpc_app
+from pal.scheduler.node_client import HttpNode
 from pal.spec import ExecRequest
+from pal.wire import verbs
+from pal.wire.handlers import Handlers
+from pal.wire.models import ExecCall, ExecEvent, on_vm
 
-REQ = ExecRequest(command="/bin/true", argv=[], cwd=None, timeout_secs=5, user=None)
+REQ = on_vm(ExecCall, "vm-1", ExecRequest(command="/bin/true", argv=[], cwd=None, timeout_secs=5, user=None))
 
 
 class _Node:
@@ -26,20 +28,19 @@ class _Node:
     def __init__(self, fail: BaseException | None) -> None:
         self.fail = fail
 
-    def require_running(self, vm_id: str) -> None:
-        return None  # the VM ran when the request came
-
-    async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, req: ExecCall) -> AsyncIterator[ExecEvent]:
         yield ExecEvent(type="stdout", data="started\n")
         if self.fail is not None:
             raise self.fail
         yield ExecEvent(type="error", code="ENOENT", message="no such file")
 
 
-def _client(node: _Node) -> ManagerClient:
-    client = ManagerClient(url="http://node")
-    app = create_rpc_app(node)  # type: ignore[arg-type]
-    for pool in ("_http", "_streams"):  # control calls and streams alike
+def _client(node: _Node) -> HttpNode:
+    client = HttpNode(url="http://node")
+    h = Handlers()
+    h.on_stream(verbs.EXEC, node.exec_stream)
+    app = create_rpc_app(h)
+    for pool in ("_control", "_streams"):  # control calls and streams alike
         setattr(
             client, pool, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node")
         )
@@ -57,7 +58,7 @@ async def test_a_node_error_after_the_stream_started_keeps_its_status(fail: PalE
     client = _client(_Node(fail))
     got: list[ExecEvent] = []
     with pytest.raises(PalError) as err:
-        async for ev in client.exec_stream("vm-1", REQ):
+        async for ev in client.stream(verbs.EXEC, REQ):
             got.append(ev)
     await client.aclose()
     assert [e.data for e in got] == ["started\n"]
@@ -66,7 +67,7 @@ async def test_a_node_error_after_the_stream_started_keeps_its_status(fail: PalE
 
 async def test_a_guest_error_code_travels_as_an_event_without_status() -> None:
     client = _client(_Node(None))
-    events = [ev async for ev in client.exec_stream("vm-1", REQ)]
+    events = [ev async for ev in client.stream(verbs.EXEC, REQ)]
     await client.aclose()
     assert events[-1] == ExecEvent(type="error", code="ENOENT", message="no such file")
     assert events[-1].status is None

@@ -1,6 +1,6 @@
 """Fair shares of the control plane's path to a node (docs/security.md, "Fair shares"):
 long-lived calls are capped per tenant and per VM (pal/scheduler/streams.py) and per node
-(pal/manager/client_http.py), each past its cap a 429 at once, never a wait; and control
+(pal/scheduler/node_client.py), each past its cap a 429 at once, never a wait; and control
 calls keep connections of their own that no stream takes."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import uvicorn
 
 from pal.errors import TooManyRequests
-from pal.manager.client import ManagerClient
-from pal.manager.models import ExecEvent
 from pal.manager.rpc import create_rpc_app
+from pal.scheduler.node_client import HttpNode
 from pal.spec import AgentSpec, ExecRequest
+from pal.wire import verbs
+from pal.wire.handlers import Handlers
+from pal.wire.models import Empty, ExecCall, ExecEvent, FilesAt, ImageList, PortOpen, on_vm
 from tests.fakes import SchedEnv, make_env
 
 SLOW = ExecRequest(command="slow", argv=[])
@@ -26,12 +27,12 @@ ECHO = ExecRequest(command="echo", argv=["hi"])
 
 
 async def _vm(env: SchedEnv, tenant: str) -> str:
-    return (await env.sched.schedule(tenant, AgentSpec()))[0].vm_id
+    return (await env.sched.scheduling.schedule(tenant, AgentSpec()))[0].vm_id
 
 
 async def _open(env: SchedEnv, tenant: str, vm: str) -> AsyncIterator[ExecEvent]:
     """A streaming exec, started (its first event read): it holds its slot until closed."""
-    it = env.sched.exec_stream(tenant, vm, SLOW)
+    it = env.sched.guest.exec_stream(tenant, on_vm(ExecCall, vm, SLOW))
     first = await it.__anext__()
     assert first.data == "first\n"
     return it
@@ -53,9 +54,9 @@ async def test_long_lived_calls_are_capped_per_vm_and_per_tenant_and_not_across_
         # Refused before anything ran: the node saw only the calls that were let through.
         assert [c for c in env.manager.calls if c[0] == "exec"] == [("exec", a1), ("exec", a1), ("exec", a2)]
         # Another tenant is not held back, and short calls of the same tenant are not capped.
-        got = [ev.type async for ev in env.sched.exec_stream(bob.id, b1, ECHO)]
+        got = [ev.type async for ev in env.sched.guest.exec_stream(bob.id, on_vm(ExecCall, b1, ECHO))]
         assert got == ["stdout", "exit"]
-        await env.sched.list_files(env.tenant_id, a1, "")
+        await env.sched.guest.call(env.tenant_id, verbs.LIST_FILES, FilesAt(vm_id=a1, path=""))
         # A call that ends gives its slot back.
         closing = held.pop()
         await closing.aclose()  # type: ignore[attr-defined]
@@ -77,11 +78,11 @@ async def test_a_port_tunnel_holds_its_slot_until_it_closes(tmp_path: Path) -> N
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     env.manager.port_servers[8000] = server.sockets[0].getsockname()[1]
     try:
-        stream = await env.sched.open_port(env.tenant_id, vm, 8000)
+        stream = await env.sched.guest.open_port(env.tenant_id, PortOpen(vm_id=vm, port=8000))
         with pytest.raises(TooManyRequests):
-            await env.sched.open_port(env.tenant_id, vm, 8000)
+            await env.sched.guest.open_port(env.tenant_id, PortOpen(vm_id=vm, port=8000))
         await stream.aclose()
-        await (await env.sched.open_port(env.tenant_id, vm, 8000)).aclose()
+        await (await env.sched.guest.open_port(env.tenant_id, PortOpen(vm_id=vm, port=8000))).aclose()
     finally:
         server.close()
 
@@ -94,17 +95,20 @@ class _Node:
         self.release = asyncio.Event()
         self.open = 0
 
-    def require_running(self, vm_id: str) -> None:
-        return None
-
-    async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, req: ExecCall) -> AsyncIterator[ExecEvent]:
         self.open += 1
         yield ExecEvent(type="stdout", data="first")
         await self.release.wait()
         yield ExecEvent(type="exit", exit_code=0)
 
-    async def images(self) -> list[Any]:
-        return []
+    async def images(self, _: Empty) -> ImageList:
+        return ImageList(images=[])
+
+    def handlers(self) -> Handlers:
+        h = Handlers()
+        h.on_stream(verbs.EXEC, self.exec_stream)
+        h.on(verbs.IMAGES, self.images)
+        return h
 
 
 async def test_streams_never_take_the_control_calls_connections(tmp_path: Path) -> None:
@@ -113,21 +117,25 @@ async def test_streams_never_take_the_control_calls_connections(tmp_path: Path) 
     node's budget past them is 429 at once; control calls still answer."""
     sock = tmp_path / "manager.sock"
     node = _Node()
-    server = uvicorn.Server(uvicorn.Config(create_rpc_app(node), uds=str(sock), log_level="warning"))  # type: ignore[arg-type]
+    server = uvicorn.Server(
+        uvicorn.Config(create_rpc_app(node.handlers()), uds=str(sock), log_level="warning")
+    )
     serving = asyncio.create_task(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
-    client = ManagerClient(sock, max_streams=110)
+    client = HttpNode(sock, max_streams=110)
+    echo = on_vm(ExecCall, "vm-1", ECHO)
     streams: list[AsyncIterator[ExecEvent]] = []
     try:
         for _ in range(110):
-            it = client.exec_stream("vm-1", ECHO)
+            it = client.stream(verbs.EXEC, echo)
             assert (await it.__anext__()).data == "first"
             streams.append(it)
         assert node.open == 110 and client.slots.held == 110
         with pytest.raises(TooManyRequests, match="PAL_NODE_MAX_STREAMS=110"):
-            await client.exec_stream("vm-1", ECHO).__anext__()
-        assert await client.images() == [], "a control call answers beside 110 streams"
+            await client.stream(verbs.EXEC, echo).__anext__()
+        images = await client.call(verbs.IMAGES, Empty())
+        assert images.images == [], "a control call answers beside 110 streams"
         node.release.set()
         for it in streams:
             assert [ev.type async for ev in it] == ["exit"]

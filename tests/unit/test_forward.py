@@ -26,10 +26,10 @@ from websockets.sync.client import connect as ws_connect
 from pal.api.callers import NODE_HEADER, Callers
 from pal.api.forward import ForwardToLeader, forwarded_ok, forwarding_key, sign_forwarded
 from pal.config import Settings
-from pal.manager.auth import node_token
 from pal.scheduler.scheduler import Scheduler
 from pal.server import control_plane_app
 from pal.store import Store
+from pal.wire.auth import node_token
 from tests.apienv import serve
 from tests.conftest import free_port
 from tests.fakes import SchedEnv, make_env

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pal.guest import protocol as p
-from pal.manager.guest_errors import to_pal_error
+from pal.wire.guest_errors import to_pal_error
 
 # guest code -> (file status, file code, exec status, exec code); None: the guest's code
 TABLE = {

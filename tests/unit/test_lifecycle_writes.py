@@ -17,6 +17,7 @@ from pal.errors import BackendError
 from pal.scheduler.states import STAYS, Action, VmState
 from pal.spec import AgentSpec, ExecRequest, PauseRequest
 from pal.store import LIFECYCLE_COLUMNS
+from pal.wire.models import ExecCall, on_vm
 from tests.fakes import Crash, SchedEnv, make_env
 
 PAL = Path(__file__).resolve().parents[2] / "pal"
@@ -106,52 +107,54 @@ async def test_every_action_writes_lifecycle_columns_only_through_the_transition
         return await real(vm_id, action, **kw)
 
     monkeypatch.setattr(s.transitions, "transition", record)
-    a = (await s.schedule(t, AgentSpec(idle_timeout_secs=1)))[0].vm_id
-    await s.pause(t, a)
-    await s.resume(t, a)
-    await s.idle_pause(a, still_idle=lambda _vm: True)
-    [_ async for _ in s.exec_stream(t, a, ExecRequest(command="true"))]  # wakes it
-    res = await s.fork(t, a, 2)
+    a = (await s.scheduling.schedule(t, AgentSpec(idle_timeout_secs=1)))[0].vm_id
+    await s.pauses.pause(t, a)
+    await s.pauses.resume(t, a)
+    await s.pauses.idle_pause(a, still_idle=lambda _vm: True)
+    [_ async for _ in s.guest.exec_stream(t, on_vm(ExecCall, a, ExecRequest(command="true")))]  # wakes it
+    res = await s.forking.fork(t, a, 2)
     env.manager.fail("snapshot", BackendError("disk full"))
     with pytest.raises(BackendError, match="still running"):
-        await s.pause(t, a)  # rolled back
+        await s.pauses.pause(t, a)  # rolled back
     env.manager.fail("snapshot", BackendError("qemu died"), kill=True)
     with pytest.raises(BackendError):
-        await s.pause(t, a)  # lost
+        await s.pauses.pause(t, a)  # lost
     env.manager.fail("spawn", BackendError("no memory"))
     with pytest.raises(BackendError):
-        await s.schedule(t, AgentSpec())
-    b = (await s.schedule(t, AgentSpec()))[0].vm_id
-    await s.pause(t, b)
+        await s.scheduling.schedule(t, AgentSpec())
+    b = (await s.scheduling.schedule(t, AgentSpec()))[0].vm_id
+    await s.pauses.pause(t, b)
     env.manager.fail("spawn", BackendError("restore failed"))
     with pytest.raises(BackendError):
-        await s.resume(t, b)
+        await s.pauses.resume(t, b)
     env.manager.fail("stop", Crash("stop"))
     with pytest.raises(Crash):
-        await s.delete(t, res.forks[0].vm_id)
+        await s.deleting.delete(t, res.forks[0].vm_id)
     # live pause: operator, offload, resume; wait pause and its wake; the idle tiers
-    c = (await s.schedule(t, AgentSpec(idle_timeout_secs=60, idle_live_pause_secs=5, wait_pause={})))[0].vm_id
-    await s.pause(t, c, PauseRequest(mode="live"))
-    await s.pause(t, c, PauseRequest(mode="live", offload=True))
-    await s.resume(t, c)
+    c = (
+        await s.scheduling.schedule(t, AgentSpec(idle_timeout_secs=60, idle_live_pause_secs=5, wait_pause={}))
+    )[0].vm_id
+    await s.pauses.pause(t, c, PauseRequest(mode="live"))
+    await s.pauses.pause(t, c, PauseRequest(mode="live", offload=True))
+    await s.pauses.resume(t, c)
     await s.live.wait_pause(c)
     await s.live.wake(c, "data", "data (first-byte)")
-    await s.idle_live_pause(c, still_idle=lambda _vm: True)
-    await s.idle_pause(c, still_idle=lambda _vm: True)  # the live tier becomes a snapshot
-    [_ async for _ in s.exec_stream(t, c, ExecRequest(command="true"))]
-    await s.pause(t, c, PauseRequest(mode="live"))
-    await s.pause(t, c)  # a snapshot pause of a live-paused VM
-    d = (await s.schedule(t, AgentSpec()))[0].vm_id
-    await s.pause(t, d)
-    await s.resume(t, d)  # it has a snapshot to come back to
+    await s.pauses.idle_live_pause(c, still_idle=lambda _vm: True)
+    await s.pauses.idle_pause(c, still_idle=lambda _vm: True)  # the live tier becomes a snapshot
+    [_ async for _ in s.guest.exec_stream(t, on_vm(ExecCall, c, ExecRequest(command="true")))]
+    await s.pauses.pause(t, c, PauseRequest(mode="live"))
+    await s.pauses.pause(t, c)  # a snapshot pause of a live-paused VM
+    d = (await s.scheduling.schedule(t, AgentSpec()))[0].vm_id
+    await s.pauses.pause(t, d)
+    await s.pauses.resume(t, d)  # it has a snapshot to come back to
     env.manager.kill(res.forks[1].vm_id)
     env.manager.kill(d)
     # finishes the delete, loses the dead fork, recovers d from its snapshot
     await s.reconciler.reconcile_all()
-    await s.delete(t, d)
-    await s.delete(t, b)
-    await s.delete(t, a)
-    await s.delete(t, c)
+    await s.deleting.delete(t, d)
+    await s.deleting.delete(t, b)
+    await s.deleting.delete(t, a)
+    await s.deleting.delete(t, c)
     assert {v.state for v in env.store.list_vms()} == {VmState.FAILED, VmState.TERMINATED}
     assert seen >= set(Action) - set(STAYS) - {Action.SCHEDULE, Action.FORK}
     assert writes, "the scenario wrote lifecycle columns"

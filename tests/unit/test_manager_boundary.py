@@ -28,6 +28,9 @@ from pal.manager.rpc import create_rpc_app
 from pal.manager.runtime import NodeRuntime
 from pal.spec import AgentSpec
 from pal.vmm.accel import AccelInfo
+from pal.wire import verbs
+from pal.wire.handlers import Handlers
+from pal.wire.models import SnapshotAt, SnapshotDeleted, Stopped, StopVm
 from tests.fakes import make_env
 
 NOBODY = 65534
@@ -42,26 +45,35 @@ def test_one_id_rule(bad: str) -> None:
 
 
 class _Recorder:
-    """Stands in for NodeRuntime: records what got through the RPC layer."""
+    """Stands in for a node's handlers: records what got through the RPC layer."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    async def stop(self, vm_id: str) -> None:
-        self.calls.append(("stop", vm_id))
+    async def stop(self, req: StopVm) -> Stopped:
+        self.calls.append(("stop", req.vm_id))
+        return Stopped(vm_id=req.vm_id, stopped=True)
 
-    async def delete_snapshot(self, *ids: str) -> None:
-        self.calls.append(("delete_snapshot", ids))
+    async def delete_snapshot(self, req: SnapshotAt) -> SnapshotDeleted:
+        self.calls.append(("delete_snapshot", (req.agent_version_id, req.vm_id, req.snapshot_id)))
+        return SnapshotDeleted(deleted=True)
 
     async def spawn(self, req: Any) -> Any:
         self.calls.append(("spawn", req))
         raise InvalidRequest("recorded")
 
+    def handlers(self) -> Handlers:
+        h = Handlers()
+        h.on(verbs.STOP, self.stop)
+        h.on(verbs.DELETE_SNAPSHOT, self.delete_snapshot)
+        h.on(verbs.SPAWN, self.spawn)
+        return h
+
 
 @pytest.fixture
 def rpc() -> tuple[TestClient, _Recorder]:
     rec = _Recorder()
-    return TestClient(create_rpc_app(rec)), rec  # type: ignore[arg-type]
+    return TestClient(create_rpc_app(rec.handlers())), rec
 
 
 @pytest.mark.parametrize("bad", ["..", ".x", "a%2Fb", "%2E%2E"])
@@ -106,9 +118,9 @@ def test_runtime_makes_no_path_from_a_bad_vm_id(tmp_path: Path) -> None:
     rt = NodeRuntime(Settings(data_dir=tmp_path), store=None, accel=AccelInfo("tcg", "test"))  # type: ignore[arg-type]
     (tmp_path / "victim").mkdir()
     with pytest.raises(InvalidRequest):
-        asyncio.run(rt.stop(".."))
+        asyncio.run(rt.stopper.stop(".."))
     with pytest.raises(InvalidRequest):
-        asyncio.run(rt.stop("../victim"))
+        asyncio.run(rt.stopper.stop("../victim"))
     assert (tmp_path / "victim").is_dir()
 
 
@@ -188,11 +200,11 @@ async def test_rpc_socket_is_root_only_by_modes_and_by_peer() -> None:
 
 async def test_restores_name_the_tenant_of_the_vms_row(tmp_path: Path) -> None:
     env = make_env(tmp_path)
-    view, _ = await env.sched.schedule(env.tenant_id, AgentSpec())
+    view, _ = await env.sched.scheduling.schedule(env.tenant_id, AgentSpec())
     vm_id = view.vm_id
-    await env.sched.pause(env.tenant_id, vm_id)
-    await env.sched.resume(env.tenant_id, vm_id)
-    await env.sched.fork(env.tenant_id, vm_id, 2)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
+    await env.sched.forking.fork(env.tenant_id, vm_id, 2)
     restores = [r.restore for r in env.manager.spawn_requests if r.restore is not None]
     assert len(restores) == 3
     assert {r.tenant_id for r in restores} == {env.tenant_id}

@@ -21,11 +21,11 @@ async def test_a_spec_over_a_ceiling_is_400_naming_the_field(tmp_path: Path) -> 
         ({"waitPause": {"maxBufferBytes": 2 << 20}}, "waitPause.maxBufferBytes", "PAL_MAX_BUFFER_BYTES"),
     ]:
         with pytest.raises(InvalidRequest) as err:
-            await env.sched.schedule(env.tenant_id, AgentSpec.model_validate(body))
+            await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate(body))
         assert err.value.status == 400 and field in err.value.message and setting in err.value.message
     assert env.manager.spawn_requests == [], "nothing was started for a refused spec"
     # Within the ceilings; what the spec leaves out is lowered to them.
-    vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({"waitPause": {}}))
+    vm, _ = await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate({"waitPause": {}}))
     req = env.manager.spawn_requests[-1]
     assert (req.max_connections, req.egress_mbps) == (64, 100)
     assert req.wait_pause is not None and req.wait_pause.max_buffer_bytes == 1 << 20
@@ -34,21 +34,21 @@ async def test_a_spec_over_a_ceiling_is_400_naming_the_field(tmp_path: Path) -> 
 
 async def test_ceilings_apply_to_the_servers_wait_default_and_not_to_waitpause_off(tmp_path: Path) -> None:
     env = make_env(tmp_path, max_buffer_bytes=1 << 20, wait_pause_default=WaitPause(max_buffer_bytes=8 << 20))
-    await env.sched.schedule(env.tenant_id, AgentSpec())
+    await env.sched.scheduling.schedule(env.tenant_id, AgentSpec())
     req = env.manager.spawn_requests[-1]
     assert req.wait_pause is not None and req.wait_pause.max_buffer_bytes == 1 << 20
-    await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({"waitPause": False}))
+    await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate({"waitPause": False}))
     assert env.manager.spawn_requests[-1].wait_pause is None
 
 
 async def test_the_default_ceilings_leave_specs_as_they_are(tmp_path: Path) -> None:
     env = make_env(tmp_path)
     spec = AgentSpec.model_validate({"limits": {"maxConnections": 4096}, "waitPause": {}})
-    await env.sched.schedule(env.tenant_id, spec)
+    await env.sched.scheduling.schedule(env.tenant_id, spec)
     req = env.manager.spawn_requests[-1]
     assert req.max_connections == 4096 and req.egress_mbps is None
     with pytest.raises(InvalidRequest):
-        await env.sched.schedule(
+        await env.sched.scheduling.schedule(
             env.tenant_id, AgentSpec.model_validate({"limits": {"maxConnections": 4097}})
         )
 

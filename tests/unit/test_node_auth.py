@@ -4,14 +4,14 @@ from the cluster secret) on every call, checked in constant time."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from pal.api.app import create_app
-from pal.manager.auth import bearer_matches, node_token
 from pal.manager.rpc import create_rpc_app
+from pal.wire.auth import bearer_matches, node_token
+from pal.wire.handlers import Handlers
 from tests.fakes import FakeManager, make_env
 
 
@@ -27,8 +27,7 @@ def test_tokens_are_per_node_and_need_the_secret() -> None:
 
 
 async def test_the_node_rpc_refuses_calls_without_its_token() -> None:
-    runtime: Any = type("R", (), {"heartbeat": None})()  # never reached without the token
-    app = create_rpc_app(runtime, token="tok")
+    app = create_rpc_app(Handlers(), token="tok")  # no handler is ever reached without the token
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n") as c:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "tok"}):
             r = await c.get("/heartbeat", headers=headers)

@@ -23,7 +23,7 @@ from pal.api.ports import (
 )
 from pal.errors import BadGateway
 from pal.guest import portrelay
-from pal.manager import tunnel
+from pal.wire import tunnel
 
 
 def test_forwarded_headers_like_a_reverse_proxy() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from pal.api.process_output import TextOutput, incomplete_tail, read_view
 from pal.manager import guest_input as gi
-from pal.manager.process_models import OutputChunk, ProcessInfo, ProcessOutput
+from pal.wire.processes import OutputChunk, ProcessInfo, ProcessOutput
 
 
 def test_incomplete_tail_counts_only_a_started_character() -> None:

@@ -26,10 +26,12 @@ def test_every_handler_is_a_named_module_function(module: Any, router: Any) -> N
 
 
 class _Scheduler:
+    """Stands in for the two operations the routes call (pal/scheduler/listing.py, reads.py)."""
+
     def __init__(self) -> None:
         self.asked: list[str] = []
 
-    async def list_page(self, tenant: str, **_: Any) -> list[Any]:
+    async def vms(self, tenant: str, **_: Any) -> list[Any]:
         self.asked.append(tenant)
         return []
 
@@ -41,6 +43,6 @@ class _Scheduler:
 async def test_a_handler_runs_on_its_own() -> None:
     scheduler = _Scheduler()
     request = Request({"type": "http", "query_string": b"", "headers": []})
-    assert await routes.list_vms("t-1", scheduler, request) == VmListOut(vms=[])
-    assert await routes.list_images("t-2", scheduler) == ImageListOut(images=[])
+    assert await routes.list_vms("t-1", scheduler, request) == VmListOut(vms=[])  # type: ignore[arg-type]
+    assert await routes.list_images("t-2", scheduler) == ImageListOut(images=[])  # type: ignore[arg-type]
     assert scheduler.asked == ["t-1", "t-2"]

@@ -1,7 +1,7 @@
-"""The runtime manager's RPC as docs/internals.md describes it: its table names every route
-the RPC app serves (and no route it does not) and every field of each call's body and result
-models (and no field they lack), and every id in a route's path is checked (a SafeId)
-before any work."""
+"""The node RPC as docs/internals.md describes it: its table names every verb declared in
+pal/wire/verbs.py (and no route it does not serve) and every field of each call's body and
+result models (and no field they lack), and every id in a route's path is checked (a
+SafeId) before any work."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
-from fastapi.routing import APIRoute, APIWebSocketRoute
 from pydantic import BaseModel
 
 from pal.ids import ID_PATTERN
-from pal.manager import models
-from pal.manager.rpc import create_rpc_app
+from pal.wire import http, models
+from pal.wire.verbs import VERBS, Call, Stream, Tunnel
 
 REPO = Path(__file__).resolve().parents[2]
 # A table row's first cell: | `METHOD /path?query` ...
@@ -26,14 +25,7 @@ def _shape(path: str) -> str:
 
 
 def _served() -> set[tuple[str, str]]:
-    app = create_rpc_app(object())  # type: ignore[arg-type]  (routes only; nothing is called)
-    out = set()
-    for r in app.routes:
-        if isinstance(r, APIRoute):
-            out |= {(m, _shape(r.path)) for m in r.methods}
-        elif isinstance(r, APIWebSocketRoute):
-            out.add(("GET", _shape(r.path)))
-    return out
+    return {("GET" if isinstance(v, Tunnel) else v.method, _shape(v.path)) for v in VERBS}
 
 
 def _documented() -> set[tuple[str, str]]:
@@ -49,41 +41,19 @@ def test_the_rpc_table_lists_every_route_and_only_those() -> None:
 
 
 def test_every_id_in_an_rpc_path_is_checked() -> None:
-    app = create_rpc_app(object())  # type: ignore[arg-type]
     unchecked = []
-    for r in app.routes:
-        for p in getattr(getattr(r, "dependant", None), "path_params", []):
-            patterns = [getattr(m, "pattern", None) for m in p.field_info.metadata]
-            if p.name.endswith("_id") and ID_PATTERN not in patterns:
-                unchecked.append(f"{r.path}: {p.name}")  # type: ignore[attr-defined]
+    for v in VERBS:
+        fields = {f.alias or n: f for n, f in v.request.model_fields.items()}
+        for name in http.path_names(v.path):
+            patterns = [getattr(m, "pattern", None) for m in fields[name].metadata]
+            if name.endswith("Id") and name != "contextId" and ID_PATTERN not in patterns:
+                unchecked.append(f"{v.path}: {name}")
     assert unchecked == [], "ids used unchecked (type them pal.ids.SafeId)"
 
 
 # --- the fields of each call, as the table writes them, against pal/manager/models.py ---
 
 CELL_SPLIT = re.compile(r"(?<!\\)\|")
-# Results the RPC app builds from a model (the handler's JSONResponse hides it from FastAPI):
-# a model, or a wrapper object {key: [Model]} as the handler writes it.
-RESULTS: dict[tuple[str, str], Any] = {
-    ("POST", "/vms"): models.SpawnResult,
-    ("POST", "/vms/{}/snapshot"): models.SnapshotResult,
-    ("POST", "/vms/{}/live-pause"): models.LivePauseResult,
-    ("POST", "/vms/{}/live-resume"): models.LiveResumeResult,
-    ("GET", "/notices"): models.Notices,
-    ("PUT", "/vms/{}/egress"): models.EgressSetResult,
-    ("GET", "/egress/events"): models.EgressEvents,
-    ("GET", "/vms/{}/files"): models.FileList,
-    ("PUT", "/vms/{}/files/content"): models.FileWritten,
-    ("DELETE", "/vms/{}/files/content"): models.FileDeleted,
-    ("GET", "/vms/{}/metrics"): models.VmMetrics,
-    ("GET", "/stats"): models.NodeStats,
-    ("GET", "/snapshots/{}/{}"): {"snapshots": [models.SnapshotInfo]},
-    ("GET", "/snapshots/{}/{}/{}"): models.SnapshotStatus,
-    ("GET", "/snapshots"): models.SnapshotOwners,
-    ("GET", "/images"): {"images": [models.ImageInfo]},
-    ("POST", "/templates"): models.WarmResult,
-    ("GET", "/heartbeat"): models.NodeHeartbeat,
-}
 
 
 def _object(text: str, i: int = 0) -> tuple[dict[str, Any], int]:
@@ -145,6 +115,7 @@ def _drift(where: str, doc: dict[str, Any], shape: Any) -> list[str]:
     """How a documented object differs from the model (or wrapper) it describes."""
     if isinstance(shape, dict):
         fields = {k: v[0] if isinstance(v, list) else v for k, v in shape.items()}
+        fields = {k: (_models_in(v) or [v])[0] if not isinstance(v, dict) else v for k, v in fields.items()}
     else:
         fields = {f.alias or name: f.annotation for name, f in shape.model_fields.items()}
     out = [f"{where}: `{k}` is not documented" for k in sorted(fields.keys() - doc.keys())]
@@ -161,29 +132,33 @@ def _drift(where: str, doc: dict[str, Any], shape: Any) -> list[str]:
     return out
 
 
-def _bodies() -> dict[tuple[str, str], type[BaseModel]]:
-    app = create_rpc_app(object())  # type: ignore[arg-type]
-    out = {}
-    for r in app.routes:
-        if isinstance(r, APIRoute) and r.body_field is not None:
-            for m in r.methods:
-                out[(m, _shape(r.path))] = r.body_field.field_info.annotation
-    return out
+def _body(verb: Call[Any, Any] | Stream[Any, Any]) -> dict[str, Any] | None:
+    """The fields a verb's request carries in a JSON body (None: it has none)."""
+    if verb.method in ("GET", "DELETE") or http.raw_field(verb.request) is not None:
+        return None
+    named = set(http.path_names(verb.path))
+    fields = {f.alias or n: f.annotation for n, f in verb.request.model_fields.items()}
+    return {k: a for k, a in fields.items() if k not in named} or None
 
 
 def test_the_rpc_table_names_every_field_of_the_models_and_only_those() -> None:
+    """Every JSON body is written out in full; so is every answer whose cell starts with
+    its object (others are said in words: a stream's events, raw bytes)."""
     rows = _documented_fields()
-    assert RESULTS.keys() <= rows.keys(), "RESULTS names a call the table does not list"
     drift = []
-    for call, model in _bodies().items():
-        doc = _doc_object(rows[call][0])
-        assert doc is not None, f"{call}: the table gives no body for a call that takes {model.__name__}"
-        drift += _drift(f"{' '.join(call)} body", doc, model)
-    for call, shape in RESULTS.items():
-        doc = _doc_object(rows[call][1])
-        assert doc is not None, f"{call}: the table gives no result object"
-        drift += _drift(f"{' '.join(call)} result", doc, shape)
-    assert drift == [], "the RPC table drifted from pal/manager/models.py:\n" + "\n".join(drift)
+    for verb in VERBS:
+        if isinstance(verb, Tunnel):
+            continue
+        call = (verb.method, _shape(verb.path))
+        body = _body(verb)
+        if body is not None:
+            doc = _doc_object(rows[call][0])
+            assert doc is not None, f"{call}: the table gives no body for a call that takes {body}"
+            drift += _drift(f"{' '.join(call)} body", doc, body)
+        result = _doc_object(rows[call][1])
+        if isinstance(verb, Call) and result is not None:
+            drift += _drift(f"{' '.join(call)} result", result, verb.answer)
+    assert drift == [], "the RPC table drifted from pal/wire's models:\n" + "\n".join(drift)
 
 
 def test_the_field_list_parser_reads_nesting_and_values() -> None:

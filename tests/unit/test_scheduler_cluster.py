@@ -18,6 +18,7 @@ from pal.scheduler.scheduler import Scheduler
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec
 from pal.store import Store, utcnow
+from pal.wire.models import ExecCall, on_vm
 from tests.fakes import Crash, FakeClock, FakeManager, crash_at
 
 S = VmState
@@ -33,7 +34,7 @@ class Cluster:
     clock: FakeClock
 
     async def beat(self, name: str) -> Any:
-        return await self.sched.node_heartbeat(await self.nodes[name].heartbeat())
+        return await self.sched.reconciler.node_heartbeat(await self.nodes[name].heartbeat())
 
     def silence(self, name: str, secs: float = 60) -> None:
         """The node's last heartbeat was ``secs`` ago."""
@@ -59,7 +60,7 @@ async def make_cluster(tmp_path: Path, names: tuple[str, ...] = ("n1", "n2", "n3
     c = Cluster(store, sched, nodes, tenant.id, settings, clock)
     for name in names:
         await c.beat(name)
-    sched.leader_since = clock() - 3600
+    sched.lead.since = clock() - 3600
     return c
 
 
@@ -69,7 +70,7 @@ def _reasons(c: Cluster, vm_id: str) -> list[str]:
 
 async def test_a_tenants_vms_spread_and_each_placement_is_explained(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path)
-    vms = [(await c.sched.schedule(c.tenant_id, AgentSpec()))[0] for _ in range(6)]
+    vms = [(await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0] for _ in range(6)]
     per_node: dict[str | None, int] = {}
     for vm in vms:
         per_node[vm.node_id] = per_node.get(vm.node_id, 0) + 1
@@ -85,36 +86,38 @@ async def test_placement_constraints_and_no_fitting_node(tmp_path: Path) -> None
     await c.beat("n2")
     spec = AgentSpec.model_validate({"placement": {"region": "eu", "labels": {"tier": "gold"}}})
     for _ in range(3):
-        vm, _ = await c.sched.schedule(c.tenant_id, spec)
+        vm, _ = await c.sched.scheduling.schedule(c.tenant_id, spec)
         assert vm.node_id == "n2"
     from pal.errors import InvalidRequest, Unavailable
 
     rows = len(c.store.list_vms(tenant_id=c.tenant_id))
     # No node, in any state, is in region us: it can never be placed, so a 400 before any row.
     with pytest.raises(InvalidRequest, match="no node has this placement's region and labels") as bad:
-        await c.sched.schedule(c.tenant_id, AgentSpec.model_validate({"placement": {"region": "us"}}))
+        await c.sched.scheduling.schedule(
+            c.tenant_id, AgentSpec.model_validate({"placement": {"region": "us"}})
+        )
     assert bad.value.status == 400
     assert len(c.store.list_vms(tenant_id=c.tenant_id)) == rows
     # The one node of region eu is draining: placement may succeed later, so a 503.
     c.store.set_node_state("n2", "draining")
     with pytest.raises(Unavailable, match="no node can run this VM") as ei:
-        await c.sched.schedule(c.tenant_id, spec)
+        await c.sched.scheduling.schedule(c.tenant_id, spec)
     assert ei.value.status == 503
     assert c.store.count_slots(c.tenant_id) == 3  # the refused one holds nothing
 
 
 async def test_resume_on_another_node_when_its_node_is_draining(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1", "n2"))
-    vm, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    vm, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     home = vm.node_id
     assert home is not None
     other = "n2" if home == "n1" else "n1"
-    await c.sched.pause(c.tenant_id, vm.vm_id)
-    resumed = await c.sched.resume(c.tenant_id, vm.vm_id)
+    await c.sched.pauses.pause(c.tenant_id, vm.vm_id)
+    resumed = await c.sched.pauses.resume(c.tenant_id, vm.vm_id)
     assert resumed.node_id == home  # its previous node, healthy with room
-    await c.sched.pause(c.tenant_id, vm.vm_id)
+    await c.sched.pauses.pause(c.tenant_id, vm.vm_id)
     c.store.set_node_state(home, "draining")
-    resumed = await c.sched.resume(c.tenant_id, vm.vm_id)
+    resumed = await c.sched.pauses.resume(c.tenant_id, vm.vm_id)
     assert resumed.node_id == other and vm.vm_id in c.nodes[other].alive
     assert ("ensure_uploaded", vm.vm_id) in c.nodes[home].calls  # published to S3 first
     assert any("its previous node node " + home + " ruled out: draining" in r for r in _reasons(c, vm.vm_id))
@@ -124,9 +127,9 @@ async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_pa
     c = await make_cluster(tmp_path, ("n1", "n2"))
     c.nodes["n2"].memory_mib = 0  # everything lands on n1
     await c.beat("n2")
-    running = [(await c.sched.schedule(c.tenant_id, AgentSpec()))[0].vm_id for _ in range(2)]
-    paused = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0].vm_id
-    await c.sched.pause(c.tenant_id, paused)
+    running = [(await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0].vm_id for _ in range(2)]
+    paused = (await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0].vm_id
+    await c.sched.pauses.pause(c.tenant_id, paused)
     assert c.store.count_slots(c.tenant_id) == 2
     assert await c.sched.reconciler.lose_silent_nodes() == []  # fresh heartbeats: nothing
     c.silence("n1", 31)
@@ -140,7 +143,7 @@ async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_pa
     # The paused VM resumes elsewhere (n2 given room again), from "S3".
     c.nodes["n2"].memory_mib = 1 << 20
     await c.beat("n2")
-    moved = await c.sched.resume(c.tenant_id, paused)
+    moved = await c.sched.pauses.resume(c.tenant_id, paused)
     assert moved.state == S.RUNNING and moved.node_id == "n2"
     # n1 comes back with its QEMUs (adopted): the lost VMs are stopped, none runs twice.
     assert set(running) <= set(c.nodes["n1"].alive)
@@ -153,9 +156,9 @@ async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_pa
 
 async def test_a_silent_node_is_not_lost_right_after_a_failover(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1",))
-    await c.sched.schedule(c.tenant_id, AgentSpec())
+    await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     c.silence("n1", 60)
-    c.sched.leader_since = c.clock()  # this replica just took over: heartbeats went nowhere
+    c.sched.lead.since = c.clock()  # this replica just took over: heartbeats went nowhere
     assert await c.sched.reconciler.lose_silent_nodes() == []
     c.clock.advance(31)
     fixes = await c.sched.reconciler.lose_silent_nodes()
@@ -165,7 +168,7 @@ async def test_a_silent_node_is_not_lost_right_after_a_failover(tmp_path: Path) 
 
 async def test_stray_of_an_older_incarnation_is_stopped_by_incarnation(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1", "n2"))
-    vm, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    vm, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     assert c.sched.reconciler.stray_vms(vm.node_id or "", await c.nodes[vm.node_id or ""].heartbeat()) == []
     other = "n2" if vm.node_id == "n1" else "n1"
     c.nodes[other].alive[vm.vm_id] = dataclasses.replace(c.nodes[vm.node_id or ""].alive[vm.vm_id])
@@ -176,13 +179,13 @@ async def test_forks_stay_on_the_source_node_and_spill_when_it_is_full(tmp_path:
     c = await make_cluster(tmp_path, ("n1", "n2"))
     c.nodes["n2"].memory_mib = 0
     await c.beat("n2")
-    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     assert src.node_id == "n1"
     c.nodes["n1"].memory_mib = 256 * 3  # room for the source and two children
     c.nodes["n2"].memory_mib = 1 << 20
     await c.beat("n1")
     await c.beat("n2")
-    res = await c.sched.fork(c.tenant_id, src.vm_id, 4)
+    res = await c.sched.forking.fork(c.tenant_id, src.vm_id, 4)
     assert [f.state for f in res.forks] == [S.RUNNING] * 4
     where = [c.store.get_vm(f.vm_id).node_id for f in res.forks]  # type: ignore[union-attr]
     assert where == ["n1", "n1", "n2", "n2"]
@@ -197,14 +200,14 @@ async def test_forks_do_not_spill_onto_a_silent_node(tmp_path: Path) -> None:
     for name, mib in (("n1", 256), ("n2", 0), ("n3", 0)):
         c.nodes[name].memory_mib = mib
         await c.beat(name)
-    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     assert src.node_id == "n1"  # and n1 is now full
     c.nodes["n2"].memory_mib = 1 << 21  # the roomiest: ranked first while it heartbeats
     c.nodes["n3"].memory_mib = 1 << 20
     await c.beat("n2")
     await c.beat("n3")
     c.silence("n2", 3 * c.settings.node_heartbeat_interval_s + 5)
-    res = await c.sched.fork(c.tenant_id, src.vm_id, 2)
+    res = await c.sched.forking.fork(c.tenant_id, src.vm_id, 2)
     assert [f.state for f in res.forks] == [S.RUNNING] * 2
     assert [c.store.get_vm(f.vm_id).node_id for f in res.forks] == ["n3", "n3"]  # type: ignore[union-attr]
     assert not c.nodes["n2"].alive
@@ -215,7 +218,7 @@ async def test_a_fork_interrupted_by_a_crash_keeps_no_child(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = await make_cluster(tmp_path, ("n1",))
-    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     real = c.sched.transitions.transition_all
 
     async def crash(*a: Any, **kw: Any) -> Any:
@@ -223,7 +226,7 @@ async def test_a_fork_interrupted_by_a_crash_keeps_no_child(
 
     monkeypatch.setattr(c.sched.transitions, "transition_all", crash)
     with pytest.raises(Crash):
-        await c.sched.fork(c.tenant_id, src.vm_id, 3)
+        await c.sched.forking.fork(c.tenant_id, src.vm_id, 3)
     monkeypatch.setattr(c.sched.transitions, "transition_all", real)
     children = c.store.list_vms(parent_vm_id=src.vm_id)
     assert len(children) == 3 and all(ch.vm_id in c.nodes["n1"].alive for ch in children)  # all came up
@@ -238,7 +241,7 @@ async def test_a_fork_interrupted_by_a_crash_keeps_no_child(
 
 async def _crashed_fork(c: Cluster, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fork of 2 whose children came up but whose commit never happened."""
-    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     real = c.sched.transitions.transition_all
 
     async def crash(*a: Any, **kw: Any) -> Any:
@@ -246,7 +249,7 @@ async def _crashed_fork(c: Cluster, monkeypatch: pytest.MonkeyPatch) -> str:
 
     monkeypatch.setattr(c.sched.transitions, "transition_all", crash)
     with pytest.raises(Crash):
-        await c.sched.fork(c.tenant_id, src.vm_id, 2)
+        await c.sched.forking.fork(c.tenant_id, src.vm_id, 2)
     monkeypatch.setattr(c.sched.transitions, "transition_all", real)
     return src.vm_id
 
@@ -263,7 +266,7 @@ async def test_a_new_leader_asks_a_node_silent_during_the_failover(
     fresh.nodes.use_client("n1", c.nodes["n1"])
     await fresh.reconciler.reconcile_all()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.FAILED}
-    assert c.store.count_slots(c.tenant_id) == 1 and not fresh.unreconciled_nodes
+    assert c.store.count_slots(c.tenant_id) == 1 and not fresh.reconciler.unreconciled_nodes
 
 
 async def test_vms_of_a_node_that_did_not_answer_are_settled_when_it_answers(
@@ -283,22 +286,22 @@ async def test_vms_of_a_node_that_did_not_answer_are_settled_when_it_answers(
     monkeypatch.setattr(c.nodes["n1"], "heartbeat", down)
     await fresh.reconciler.reconcile_all()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.SPAWNING}
-    assert fresh.unreconciled_nodes == {"n1"}
+    assert fresh.reconciler.unreconciled_nodes == {"n1"}
     monkeypatch.setattr(c.nodes["n1"], "heartbeat", real_hb)
     await fresh.reconciler.reconcile_unanswered()
     assert {ch.state for ch in c.store.list_vms(parent_vm_id=src)} == {S.FAILED}
     assert not any(ch.vm_id in c.nodes["n1"].alive for ch in c.store.list_vms(parent_vm_id=src))
-    assert c.store.count_slots(c.tenant_id) == 1 and not fresh.unreconciled_nodes
+    assert c.store.count_slots(c.tenant_id) == 1 and not fresh.reconciler.unreconciled_nodes
 
 
 async def test_a_fork_crash_before_the_snapshot_leaves_nothing_running(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     c = await make_cluster(tmp_path, ("n1",))
-    src, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
     crash_at(monkeypatch, "fork:reserved")
     with pytest.raises(Crash):
-        await c.sched.fork(c.tenant_id, src.vm_id, 2)
+        await c.sched.forking.fork(c.tenant_id, src.vm_id, 2)
     fresh = Scheduler(c.settings, c.store, clock=c.clock)
     fresh.nodes.use_client("n1", c.nodes["n1"])
     await fresh.reconciler.reconcile_all()
@@ -310,11 +313,11 @@ async def test_drain_pauses_and_migrate_moves(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1", "n2"))
     c.nodes["n2"].memory_mib = 0
     await c.beat("n2")
-    a = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0].vm_id
-    b = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0].vm_id
+    a = (await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0].vm_id
+    b = (await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0].vm_id
     c.nodes["n2"].memory_mib = 1 << 20
     await c.beat("n2")
-    out = await c.sched.drain_node("n1")
+    out = await c.sched.draining.drain_node("n1")
     assert out["paused"] == sorted([a, b]) and out["failed"] == {}
     assert c.store.get_node("n1").state == "draining"  # type: ignore[union-attr]
     await c.beat("n1")  # a heartbeat does not undo an operator's drain
@@ -322,13 +325,18 @@ async def test_drain_pauses_and_migrate_moves(tmp_path: Path) -> None:
     # The next request wakes the VM on the other node.
     from pal.spec import ExecRequest
 
-    events = [ev async for ev in c.sched.exec_stream(c.tenant_id, a, ExecRequest(command="true"))]
+    events = [
+        ev
+        async for ev in c.sched.guest.exec_stream(
+            c.tenant_id, on_vm(ExecCall, a, ExecRequest(command="true"))
+        )
+    ]
     assert events[-1].type == "exit"
     assert c.store.get_vm(a).node_id == "n2"  # type: ignore[union-attr]
-    await c.sched.set_node_active("n1")
+    await c.sched.draining.set_node_active("n1")
     c.store.set_node_state("n2", "draining")
-    c2 = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0]
+    c2 = (await c.sched.scheduling.schedule(c.tenant_id, AgentSpec()))[0]
     assert c2.node_id == "n1"
-    await c.sched.set_node_active("n2")
-    out = await c.sched.drain_node("n1", migrate=True)
+    await c.sched.draining.set_node_active("n2")
+    out = await c.sched.draining.drain_node("n1", migrate=True)
     assert out["migrated"] == {c2.vm_id: "n2"} and c2.vm_id in c.nodes["n2"].alive

@@ -13,6 +13,8 @@ from pal.errors import BackendError, NotFound
 from pal.scheduler.pause_resume import IDLE_REASON
 from pal.scheduler.states import Marker, VmState
 from pal.spec import AgentSpec, ExecRequest
+from pal.wire import verbs
+from pal.wire.models import ExecCall, FileWrite, on_vm
 from tests.fakes import SchedEnv, make_env
 
 S = VmState
@@ -24,7 +26,9 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _vm(env: SchedEnv, idle_secs: int) -> str:
-    return (await env.sched.schedule(env.tenant_id, AgentSpec(idle_timeout_secs=idle_secs)))[0].vm_id
+    return (await env.sched.scheduling.schedule(env.tenant_id, AgentSpec(idle_timeout_secs=idle_secs)))[
+        0
+    ].vm_id
 
 
 async def test_idle_vm_is_suspended_after_its_timeout_not_before(env: SchedEnv) -> None:
@@ -64,13 +68,13 @@ async def test_host_side_requests_count_as_activity(env: SchedEnv) -> None:
     vm_id = await _vm(env, 60)
     sweeper = env.sched.sweeper
     env.clock.advance(50)
-    await env.sched.write_file(env.tenant_id, vm_id, "a", b"x")
+    await env.sched.guest.call(env.tenant_id, verbs.WRITE_FILE, FileWrite(vm_id=vm_id, path="a", data=b"x"))
     env.clock.advance(50)  # 100 s since schedule, 50 s since the write
     assert await sweeper.sweep() == []
-    env.sched.inflight[vm_id] = 1  # a request in flight, whatever the clock says
+    env.sched.locks.inflight[vm_id] = 1  # a request in flight, whatever the clock says
     env.clock.advance(100)
     assert await sweeper.sweep() == []
-    env.sched.inflight.clear()
+    env.sched.locks.inflight.clear()
     assert await sweeper.sweep() == [vm_id]
 
 
@@ -80,7 +84,7 @@ async def test_resumed_vm_gets_a_fresh_timeout(env: SchedEnv) -> None:
     env.clock.advance(61)
     assert await sweeper.sweep() == [vm_id]
     env.clock.advance(1000)
-    await env.sched.resume(env.tenant_id, vm_id)
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
     assert await sweeper.sweep() == []
 
 
@@ -151,10 +155,14 @@ async def test_another_tenants_request_does_not_stamp_the_vm(env: SchedEnv) -> N
     for _ in range(3):
         env.clock.advance(30)
         with pytest.raises(NotFound):
-            await env.sched.write_file(other.id, vm_id, "a", b"x")
+            await env.sched.guest.call(
+                other.id, verbs.WRITE_FILE, FileWrite(vm_id=vm_id, path="a", data=b"x")
+            )
         with pytest.raises(NotFound):
-            async for _ev in env.sched.exec_stream(other.id, vm_id, ExecRequest(command="true")):
+            async for _ev in env.sched.guest.exec_stream(
+                other.id, on_vm(ExecCall, vm_id, ExecRequest(command="true"))
+            ):
                 pass
-        assert vm_id not in env.sched.inflight
+        assert vm_id not in env.sched.locks.inflight
     # 90 s after the only request of its owner (schedule): idle, whatever mallory did.
     assert await sweeper.sweep() == [vm_id]

@@ -25,7 +25,7 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _vm(env: SchedEnv, **spec: object) -> str:
-    return (await env.sched.schedule(env.tenant_id, AgentSpec.model_validate(spec)))[0].vm_id
+    return (await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate(spec)))[0].vm_id
 
 
 def _overdue(env: SchedEnv, vm_id: str) -> None:
@@ -89,7 +89,7 @@ async def test_pause_pauses_a_running_vm_and_leaves_a_paused_one(env: SchedEnv) 
     assert vm is not None and (vm.state, vm.paused_by, vm.lifetime_ends_at) == ("paused", "operator", None)
     assert [d["action"] for d in _ended(env, vm_id)] == ["paused"]
     # paused already: a new lifetime's end leaves it paused
-    await env.sched.set_lifetime(env.tenant_id, vm_id, LifetimeUpdate(extend_secs=5))
+    await env.sched.lifetimes.set_lifetime(env.tenant_id, vm_id, LifetimeUpdate(extend_secs=5))
     _overdue(env, vm_id)
     assert await env.sched.lifetimes.sweep() == [vm_id]
     assert env.store.get_vm(vm_id).state == "paused"  # type: ignore[union-attr]
@@ -98,7 +98,7 @@ async def test_pause_pauses_a_running_vm_and_leaves_a_paused_one(env: SchedEnv) 
 
 async def test_a_paused_vm_whose_lifetime_ends_with_delete_is_deleted(env: SchedEnv) -> None:
     vm_id = await _vm(env, lifetimeSecs=60)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     _overdue(env, vm_id)
     assert await env.sched.lifetimes.sweep() == [vm_id]
     assert env.store.get_vm(vm_id).state == "terminated"  # type: ignore[union-attr]
@@ -106,7 +106,7 @@ async def test_a_paused_vm_whose_lifetime_ends_with_delete_is_deleted(env: Sched
 
 async def test_set_and_extend_and_remove(env: SchedEnv) -> None:
     vm_id = await _vm(env, lifetimeSecs=100)
-    set_ = env.sched.set_lifetime
+    set_ = env.sched.lifetimes.set_lifetime
     vm = await set_(env.tenant_id, vm_id, LifetimeUpdate(extend_secs=50, on_lifetime_end="pause"))
     assert (vm.lifetime_ends_at - vm.created_at, vm.on_lifetime_end) == (timedelta(seconds=150), "pause")  # type: ignore[operator]
     vm = await set_(env.tenant_id, vm_id, LifetimeUpdate(lifetime_secs=0))
@@ -115,14 +115,14 @@ async def test_set_and_extend_and_remove(env: SchedEnv) -> None:
     assert vm.lifetime_ends_at is not None and vm.lifetime_ends_at > utcnow()
     changed = [e.details for e in env.store.list_events(vm_id) if e.kind == "lifetime_changed"]
     assert [d["lifetimeSecs"] is None for d in changed] == [False, True, False]  # type: ignore[index]
-    await env.sched.delete(env.tenant_id, vm_id)
+    await env.sched.deleting.delete(env.tenant_id, vm_id)
     with pytest.raises(Conflict):
         await set_(env.tenant_id, vm_id, LifetimeUpdate(extend_secs=10))
 
 
 async def test_fork_children_inherit_metadata_and_lifetime(env: SchedEnv) -> None:
     src = await _vm(env, metadata={"run": "7"}, lifetimeSecs=600, onLifetimeEnd="pause")
-    child_id = (await env.sched.fork(env.tenant_id, src, 1)).forks[0].vm_id
+    child_id = (await env.sched.forking.fork(env.tenant_id, src, 1)).forks[0].vm_id
     child = env.store.get_vm(child_id)
     assert child is not None and child.metadata == {"run": "7"} and child.parent_vm_id == src
     assert child.on_lifetime_end == "pause"

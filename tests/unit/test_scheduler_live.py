@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from pal.errors import BackendError, Conflict, QuotaExceeded
-from pal.manager.models import LiveState
 from pal.scheduler.states import Marker, VmState
 from pal.spec import AgentSpec, ExecRequest, PauseRequest, WaitPause
+from pal.wire import verbs
+from pal.wire.models import ExecCall, FileWrite, LiveState, PortOpen, on_vm
 from tests.fakes import SchedEnv, make_env
 
 S, M = VmState, Marker
@@ -25,7 +26,7 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _vm(env: SchedEnv, spec: AgentSpec | None = None) -> str:
-    return (await env.sched.schedule(env.tenant_id, spec or AgentSpec()))[0].vm_id
+    return (await env.sched.scheduling.schedule(env.tenant_id, spec or AgentSpec()))[0].vm_id
 
 
 def _row(env: SchedEnv, vm_id: str):  # type: ignore[no-untyped-def]
@@ -35,7 +36,12 @@ def _row(env: SchedEnv, vm_id: str):  # type: ignore[no-untyped-def]
 
 
 async def _exec(env: SchedEnv, vm_id: str) -> list[str]:
-    return [ev.type async for ev in env.sched.exec_stream(env.tenant_id, vm_id, ExecRequest(command="true"))]
+    return [
+        ev.type
+        async for ev in env.sched.guest.exec_stream(
+            env.tenant_id, on_vm(ExecCall, vm_id, ExecRequest(command="true"))
+        )
+    ]
 
 
 def _kinds(env: SchedEnv, vm_id: str) -> list[str]:
@@ -52,7 +58,7 @@ async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untype
 async def test_operator_live_pause_keeps_the_qemu_and_the_slot_and_resume_continues_it(env: SchedEnv) -> None:
     vm_id = await _vm(env)
     before = _row(env, vm_id)
-    paused = await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    paused = (await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)).vm
     assert (paused.state, paused.marker, paused.paused_by) == (S.PAUSED, M.LIVE, "operator")
     assert paused.holds_slot and paused.snapshot_id is None and paused.paused_at is not None
     assert env.manager.alive[vm_id].live is not None  # the same "QEMU", stopped
@@ -63,7 +69,7 @@ async def test_operator_live_pause_keeps_the_qemu_and_the_slot_and_resume_contin
     # never woken by a request: 409 that says so
     with pytest.raises(Conflict, match="resume it first"):
         await _exec(env, vm_id)
-    running = await env.sched.resume(env.tenant_id, vm_id)
+    running = await env.sched.pauses.resume(env.tenant_id, vm_id)
     assert running.state == S.RUNNING and running.marker == M.NONE and running.paused_by is None
     assert running.incarnation == before.incarnation and running.token == before.token
     assert env.manager.calls.count(("spawn", vm_id)) == 1  # no restore
@@ -74,20 +80,20 @@ async def test_operator_live_pause_keeps_the_qemu_and_the_slot_and_resume_contin
 
 async def test_live_pause_with_offload_and_an_offload_of_a_paused_vm(env: SchedEnv) -> None:
     vm_id = await _vm(env)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
-    again = await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
+    again = (await env.sched.pauses.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))).vm
     assert again.state == S.PAUSED and again.marker == M.LIVE
     view = await env.sched.live.view(again)
     assert view is not None and view["offloaded"] is True and view["residentMiB"] == 3
     # a snapshot pause of a live-paused VM frees the slot; resume then restores it
-    snap = await env.sched.pause(env.tenant_id, vm_id)
+    snap = (await env.sched.pauses.pause(env.tenant_id, vm_id)).vm
     assert snap.state == S.PAUSED and snap.marker == M.NONE and not snap.holds_slot and snap.snapshot_id
     assert (await env.sched.live.view(snap)) == {
         "kind": "snapshot",
         "by": "operator",
         "since": snap.paused_at.isoformat(),
     }  # type: ignore[union-attr]
-    assert (await env.sched.resume(env.tenant_id, vm_id)).incarnation == 2
+    assert (await env.sched.pauses.resume(env.tenant_id, vm_id)).incarnation == 2
 
 
 async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often(env: SchedEnv) -> None:
@@ -101,7 +107,7 @@ async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often
             await env.sched.live.handle(n)
         await env.sched.reconciler.reconcile_all()
 
-    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    await env.sched.pauses.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
     assert _row(env, vm_id).live_stats["offloads"] == 1
     await every_report_again()
     await every_report_again()
@@ -110,16 +116,16 @@ async def test_each_offload_is_counted_once_whoever_reports_it_and_however_often
     assert _kinds(env, vm_id).count("live_offload") == 1
     # the next pause's offload counts, the first one's reports still do not; a pause taken
     # over and offloaded by the operator is answered and noticed too
-    await env.sched.resume(env.tenant_id, vm_id)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
-    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, PauseRequest(mode="live", offload=True))
     await every_report_again()
     stats = _row(env, vm_id).live_stats
     assert (stats["offloads"], stats["freedMib"], stats["livePauses"]) == (2, 500, 2)
     assert _kinds(env, vm_id).count("live_offload") == 2
     # an offload no notice told of (it died with a restart) is counted by reconciliation
-    await env.sched.resume(env.tenant_id, vm_id)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     env.manager.offload(vm_id)
     env.manager.notice_log.pop()
     await every_report_again()
@@ -153,19 +159,19 @@ async def test_an_offload_notice_during_a_resume_waits_for_it_and_loses_nothing(
 async def test_a_live_paused_vm_holds_its_slot_a_snapshot_paused_one_does_not(tmp_path: Path) -> None:
     env = make_env(tmp_path, max_vms=1)
     a = await _vm(env)
-    await env.sched.pause(env.tenant_id, a, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, a, LIVE)
     with pytest.raises(QuotaExceeded):
         await _vm(env)
-    await env.sched.pause(env.tenant_id, a)  # -> snapshot
+    await env.sched.pauses.pause(env.tenant_id, a)  # -> snapshot
     b = await _vm(env)
     assert _row(env, b).holds_slot and not _row(env, a).holds_slot
 
 
 async def test_live_pause_of_a_paused_or_failed_vm_is_409_and_changes_nothing(env: SchedEnv) -> None:
     vm_id = await _vm(env)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     with pytest.raises(Conflict, match="cannot live pause"):
-        await env.sched.pause(env.tenant_id, vm_id, LIVE)
+        await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     assert _row(env, vm_id).marker == M.NONE and not env.manager.live_requests
 
 
@@ -210,7 +216,7 @@ async def test_wait_ready_is_ignored_without_wait_management_or_when_nothing_wai
 
 async def test_an_operator_live_pause_is_never_woken_by_data_or_timers(env: SchedEnv) -> None:
     vm_id = await _vm(env, WAITING)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     assert await env.sched.live.wake(vm_id, "data", "data (first-byte)") is None
     assert _row(env, vm_id).state == S.PAUSED
 
@@ -222,7 +228,9 @@ async def test_exec_and_files_wake_a_wait_paused_vm_transparently(env: SchedEnv)
     assert _row(env, vm_id).state == S.RUNNING
     assert "auto_resume" in _kinds(env, vm_id)
     await env.sched.live.wait_pause(vm_id)
-    await env.sched.write_file(env.tenant_id, vm_id, "a.txt", b"x")
+    await env.sched.guest.call(
+        env.tenant_id, verbs.WRITE_FILE, FileWrite(vm_id=vm_id, path="a.txt", data=b"x")
+    )
     assert _row(env, vm_id).state == S.RUNNING
 
 
@@ -269,14 +277,16 @@ async def test_a_port_request_that_meets_a_pause_under_way_wakes_the_vm_and_open
         return Stream()
 
     env.manager.open_port = open_port  # type: ignore[attr-defined]
-    assert isinstance(await env.sched.open_port(env.tenant_id, vm_id, 8000), Stream)
+    assert isinstance(
+        await env.sched.guest.open_port(env.tenant_id, PortOpen(vm_id=vm_id, port=8000)), Stream
+    )
     assert calls == [S.RUNNING, S.RUNNING] and "auto_resume" in _kinds(env, vm_id)
-    async with env.sched.port_stream(env.tenant_id, vm_id, 8000) as stream:
+    async with env.sched.guest.port_stream(env.tenant_id, PortOpen(vm_id=vm_id, port=8000)) as stream:
         assert isinstance(stream, Stream)
     assert stream.closed
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     with pytest.raises(Conflict, match="resume it first"):
-        await env.sched.open_port(env.tenant_id, vm_id, 8000)
+        await env.sched.guest.open_port(env.tenant_id, PortOpen(vm_id=vm_id, port=8000))
     assert len(calls) == 3 and _row(env, vm_id).state == S.PAUSED
 
 
@@ -309,10 +319,10 @@ async def test_reconcile_takes_the_nodes_word_on_live_pauses(env: SchedEnv) -> N
     # a: the node wait-paused it but the control plane died before recording it
     env.manager.alive[a].live = LiveState(by="wait", since=1.8e9)
     # b: recorded live-paused, but the node resumed it before the crash
-    await env.sched.pause(env.tenant_id, b, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, b, LIVE)
     env.manager.alive[b].live = None
     # c: recorded live-paused, its QEMU is gone
-    await env.sched.pause(env.tenant_id, c, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, c, LIVE)
     env.manager.kill(c)
     await env.sched.reconciler.reconcile_all()
     assert (_row(env, a).state, _row(env, a).marker, _row(env, a).paused_by) == (
@@ -334,9 +344,9 @@ async def test_reconcile_takes_the_nodes_word_on_live_pauses(env: SchedEnv) -> N
 
 async def test_shutdown_snapshots_live_paused_vms_and_keeps_who_paused_them(env: SchedEnv) -> None:
     op, waiting = await _vm(env), await _vm(env, WAITING)
-    await env.sched.pause(env.tenant_id, op, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, op, LIVE)
     await env.sched.live.wait_pause(waiting)
-    await env.sched.shutdown_vms()
+    await env.sched.draining.shutdown_vms()
     assert not env.manager.alive
     assert (_row(env, op).state, _row(env, op).marker, _row(env, op).paused_by) == (
         S.PAUSED,
@@ -348,11 +358,11 @@ async def test_shutdown_snapshots_live_paused_vms_and_keeps_who_paused_them(env:
 
 async def test_a_failed_snapshot_of_a_live_paused_vm_leaves_it_running(env: SchedEnv) -> None:
     vm_id = await _vm(env)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     env.manager.fail("snapshot", BackendError("disk full"))
     env.manager.alive[vm_id].live = None  # the node continued it (manager/snapshot.py capture_failed)
     with pytest.raises(BackendError, match="still running"):
-        await env.sched.pause(env.tenant_id, vm_id)
+        await env.sched.pauses.pause(env.tenant_id, vm_id)
     vm = _row(env, vm_id)
     assert vm.state == S.RUNNING and vm.paused_by is None and vm.paused_at is None and vm.holds_slot
 
@@ -361,8 +371,8 @@ async def test_fork_of_a_live_paused_vm_captures_it_in_place_and_offloadable_chi
     env: SchedEnv,
 ) -> None:
     vm_id = await _vm(env, WAITING)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
-    res = await env.sched.fork(env.tenant_id, vm_id, 2)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
+    res = await env.sched.forking.fork(env.tenant_id, vm_id, 2)
     assert all(c.state == S.RUNNING for c in res.forks)
     src, req = env.manager.snapshot_requests[-1]
     assert src == vm_id and req.keep_running
@@ -370,7 +380,7 @@ async def test_fork_of_a_live_paused_vm_captures_it_in_place_and_offloadable_chi
     modes = {r.restore.mem_mode for r in env.manager.spawn_requests if r.restore is not None}
     assert modes == {"shared"}  # they may be wait-paused and offloaded: RAM of their own
     plain = await _vm(env)
-    await env.sched.fork(env.tenant_id, plain, 1)
+    await env.sched.forking.fork(env.tenant_id, plain, 1)
     assert env.manager.spawn_requests[-1].restore is not None
     assert env.manager.spawn_requests[-1].restore.mem_mode == "private"
 
@@ -379,13 +389,13 @@ async def test_a_live_paused_vm_is_no_stray_and_still_occupies_its_node(env: Sch
     """Cluster bookkeeping: a live-paused VM's QEMU belongs on its node (never stopped as a
     stray), counts in the node's load, and fails with it when the node is lost."""
     vm_id = await _vm(env)
-    await env.sched.pause(env.tenant_id, vm_id, LIVE)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, LIVE)
     vm = _row(env, vm_id)
     hb = await env.manager.heartbeat()
     assert env.sched.reconciler.stray_vms(vm.node_id or "", hb) == []
-    assert [v.vm_id for v in env.sched.occupying(vm.node_id)] == [vm_id]
-    await env.sched.pause(env.tenant_id, vm_id)  # a snapshot: off the node
-    assert env.sched.occupying() == []
+    assert [v.vm_id for v in env.sched.deps.occupying(vm.node_id)] == [vm_id]
+    await env.sched.pauses.pause(env.tenant_id, vm_id)  # a snapshot: off the node
+    assert env.sched.deps.occupying() == []
 
 
 @pytest.mark.parametrize(

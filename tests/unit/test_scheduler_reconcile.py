@@ -30,7 +30,7 @@ def env(tmp_path: Path) -> SchedEnv:
 
 
 async def _running(env: SchedEnv) -> str:
-    return (await env.sched.schedule(env.tenant_id, AgentSpec()))[0].vm_id
+    return (await env.sched.scheduling.schedule(env.tenant_id, AgentSpec()))[0].vm_id
 
 
 async def _restart(env: SchedEnv) -> tuple[Scheduler, list[str]]:
@@ -64,9 +64,9 @@ async def _crash_mid_pause(
     had not) committed the snapshot and stopped (or not) the QEMU."""
     crash_at(mp, "pause:draining")
     if idle:
-        await _crashes(env.sched.idle_pause(vm_id, still_idle=lambda _vm: True))
+        await _crashes(env.sched.pauses.idle_pause(vm_id, still_idle=lambda _vm: True))
     else:
-        await _crashes(env.sched.pause(env.tenant_id, vm_id))
+        await _crashes(env.sched.pauses.pause(env.tenant_id, vm_id))
     vm = _vm(env, vm_id)
     assert vm.state == S.DRAINING and vm.snapshot_id
     if snapshot_done:
@@ -91,7 +91,7 @@ async def test_pause_crash_after_the_snapshot_step_ends_paused(
 ) -> None:
     vm_id = await _running(env)
     crash_at(monkeypatch, "pause:snapshotted")
-    await _crashes(env.sched.pause(env.tenant_id, vm_id))
+    await _crashes(env.sched.pauses.pause(env.tenant_id, vm_id))
     await _restart(env)
     vm = _vm(env, vm_id)
     assert vm.state == S.PAUSED and not vm.holds_slot
@@ -129,7 +129,7 @@ async def test_idle_pause_crash_keeps_idle_attribution(
 
 async def test_slot_flag_out_of_step_with_the_state_is_repaired_once(env: SchedEnv) -> None:
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     with env.store.write() as tx:  # books corrupted behind the transition function's back
         tx.set_holds_slot(vm_id, True)
     _, fixes = await _restart(env)
@@ -141,7 +141,7 @@ async def test_slot_flag_out_of_step_with_the_state_is_repaired_once(env: SchedE
 async def test_delete_crash_ends_terminated(env: SchedEnv) -> None:
     vm_id = await _running(env)
     env.manager.fail("stop", Crash("stop"))
-    await _crashes(env.sched.delete(env.tenant_id, vm_id))
+    await _crashes(env.sched.deleting.delete(env.tenant_id, vm_id))
     assert _vm(env, vm_id).marker == Marker.DELETING
     await _restart(env)
     assert _vm(env, vm_id).state == S.TERMINATED and vm_id not in env.manager.alive
@@ -151,9 +151,9 @@ async def test_resume_crash_with_new_incarnation_alive_ends_running(
     env: SchedEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     crash_at(monkeypatch, "resume:spawned")  # spawn returned, RUNNING not written
-    await _crashes(env.sched.resume(env.tenant_id, vm_id))
+    await _crashes(env.sched.pauses.resume(env.tenant_id, vm_id))
     await _restart(env)
     vm = _vm(env, vm_id)
     assert vm.state == S.RUNNING and vm.holds_slot and vm.incarnation == 2
@@ -161,9 +161,9 @@ async def test_resume_crash_with_new_incarnation_alive_ends_running(
 
 async def test_resume_crash_before_spawn_ends_paused(env: SchedEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     crash_at(monkeypatch, "resume:spawning")
-    await _crashes(env.sched.resume(env.tenant_id, vm_id))
+    await _crashes(env.sched.pauses.resume(env.tenant_id, vm_id))
     assert _vm(env, vm_id).holds_slot
     await _restart(env)
     vm = _vm(env, vm_id)
@@ -174,10 +174,10 @@ async def test_resume_crash_with_stale_incarnation_stops_it_and_ends_paused(
     env: SchedEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
     env.manager.alive[vm_id] = FakeVm(vm_id, 1, "old")  # a stray QEMU of incarnation 1 survived
     crash_at(monkeypatch, "resume:spawning")  # the row already expects incarnation 2
-    await _crashes(env.sched.resume(env.tenant_id, vm_id))
+    await _crashes(env.sched.pauses.resume(env.tenant_id, vm_id))
     await _restart(env)
     assert _vm(env, vm_id).state == S.PAUSED and vm_id not in env.manager.alive
 
@@ -197,8 +197,8 @@ async def test_spawn_crash_ends_running_if_alive_else_failed(
 ) -> None:
     src = await _running(env)
     monkeypatch.setattr(env.manager, "spawn", _spawn_then_crash(env))
-    await _crashes(env.sched.schedule(env.tenant_id, AgentSpec()))
-    await _crashes(env.sched.fork(env.tenant_id, src, 1))
+    await _crashes(env.sched.scheduling.schedule(env.tenant_id, AgentSpec()))
+    await _crashes(env.sched.forking.fork(env.tenant_id, src, 1))
     up, down = (v.vm_id for v in env.store.list_vms(states=[S.SPAWNING]))
     env.manager.kill(down)
     await _restart(env)
@@ -215,7 +215,7 @@ async def test_pending_ends_failed(env: SchedEnv, monkeypatch: pytest.MonkeyPatc
         return await real(vm_id, action, **kw)
 
     monkeypatch.setattr(env.sched.transitions, "transition", transition)
-    await _crashes(env.sched.schedule(env.tenant_id, AgentSpec()))
+    await _crashes(env.sched.scheduling.schedule(env.tenant_id, AgentSpec()))
     (vm,) = env.store.list_vms()
     assert vm.state == S.PENDING
     await _restart(env)
@@ -235,9 +235,9 @@ async def test_a_vm_whose_qemu_is_gone_comes_back_paused_from_its_newest_snapsho
     (here: a fork's, taken a moment before the crash), is paused from its newest one and
     resumable, never failed; an event says why and from when."""
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
-    await env.sched.resume(env.tenant_id, vm_id)
-    fork = await env.sched.fork(env.tenant_id, vm_id, 1)  # the newest snapshot
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
+    fork = await env.sched.forking.fork(env.tenant_id, vm_id, 1)  # the newest snapshot
     env.manager.kill(vm_id)
     _, fixes = await _restart(env)
     vm = _vm(env, vm_id)
@@ -246,15 +246,15 @@ async def test_a_vm_whose_qemu_is_gone_comes_back_paused_from_its_newest_snapsho
     (ev,) = [e for e in env.store.list_events(vm_id) if e.kind == "recovered"]
     assert ev.details is not None and ev.details["snapshotId"] == fork.snapshot_id
     assert ev.reason is not None and "resume it" in ev.reason
-    resumed = await env.sched.resume(env.tenant_id, vm_id)
+    resumed = await env.sched.pauses.resume(env.tenant_id, vm_id)
     assert resumed.state == S.RUNNING and ("spawn", vm_id) in env.manager.calls
 
 
 async def test_a_live_paused_vm_whose_qemu_is_gone_comes_back_from_its_snapshot(env: SchedEnv) -> None:
     vm_id = await _running(env)
-    await env.sched.pause(env.tenant_id, vm_id)
-    await env.sched.resume(env.tenant_id, vm_id)
-    await env.sched.pause(env.tenant_id, vm_id, PauseRequest(mode="live"))
+    await env.sched.pauses.pause(env.tenant_id, vm_id)
+    await env.sched.pauses.resume(env.tenant_id, vm_id)
+    await env.sched.pauses.pause(env.tenant_id, vm_id, PauseRequest(mode="live"))
     env.manager.kill(vm_id)
     await _restart(env)
     vm = _vm(env, vm_id)
@@ -264,8 +264,8 @@ async def test_a_live_paused_vm_whose_qemu_is_gone_comes_back_from_its_snapshot(
 async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:
     keep = await _running(env)
     lost = await _running(env)
-    await env.sched.pause(env.tenant_id, keep)
-    paused = await env.sched.pause(env.tenant_id, lost)
+    await env.sched.pauses.pause(env.tenant_id, keep)
+    paused = (await env.sched.pauses.pause(env.tenant_id, lost)).vm
     del env.manager.snapshots[(AGENT_VERSION, lost, paused.snapshot_id)]
     await _restart(env)
     assert _vm(env, keep).state == S.PAUSED
@@ -274,7 +274,7 @@ async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:
 
 async def test_unknown_qemu_on_the_node_is_stopped(env: SchedEnv) -> None:
     vm_id = await _running(env)
-    await env.sched.delete(env.tenant_id, vm_id)
+    await env.sched.deleting.delete(env.tenant_id, vm_id)
     env.manager.alive["vm-stray"] = FakeVm("vm-stray", 1, "t")
     env.manager.alive[vm_id] = FakeVm(vm_id, 1, "t")
     await _restart(env)
@@ -301,7 +301,7 @@ async def test_light_reconcile_fails_dead_running_vms_only(env: SchedEnv) -> Non
 async def test_light_reconcile_fails_a_vm_whose_harness_went_silent(env: SchedEnv) -> None:
     silent = await _running(env)
     fine = await _running(env)
-    now = env.sched.now_ms()
+    now = env.sched.deps.now_ms()
     env.manager.alive[silent].last_heartbeat_unix_ms = now - 31_000
     env.manager.alive[fine].last_heartbeat_unix_ms = now - 29_000
     fixes = await env.sched.reconciler.reconcile_light()
@@ -315,7 +315,7 @@ async def test_light_reconcile_fails_a_vm_whose_harness_went_silent(env: SchedEn
 async def test_reconcile_changes_nothing_on_a_consistent_store(env: SchedEnv) -> None:
     a = await _running(env)
     b = await _running(env)
-    await env.sched.pause(env.tenant_id, b)
+    await env.sched.pauses.pause(env.tenant_id, b)
     _, fixes = await _restart(env)
     assert fixes == []
     assert _vm(env, a).state == S.RUNNING and _vm(env, b).state == S.PAUSED
@@ -335,7 +335,7 @@ async def test_a_harness_starved_of_cpu_is_slow_not_gone(env: SchedEnv) -> None:
     (the node's count: pal/vmm/host_cpu.py) stays running; 31 s of CPU time fails it."""
     starved = await _running(env)
     stuck = await _running(env)
-    now = env.sched.now_ms()
+    now = env.sched.deps.now_ms()
     for vm_id, cpu_ms in ((starved, 12_000), (stuck, 31_000)):
         env.manager.alive[vm_id].last_heartbeat_unix_ms = now - 40_000
         env.manager.alive[vm_id].silent_cpu_ms = cpu_ms

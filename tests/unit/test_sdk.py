@@ -234,8 +234,8 @@ def test_a_detached_exec_stream_is_its_own_event() -> None:
     """A streamed exec whose reader fell behind ends with ``detached`` (the command runs on):
     the API's frame and the SDK's event say so, never a made-up exit or a bare error."""
     from pal.api.exec_stream import event_frame
-    from pal.manager.models import ExecEvent as NodeEvent
     from pal.sdk._wire import SseParser
+    from pal.wire.models import ExecEvent as NodeEvent
 
     frame = event_frame(NodeEvent(type="detached", reason="slow-reader")).decode()
     (ev,) = SseParser().feed(frame.split("\n"))

@@ -21,7 +21,7 @@ def _db_bytes(tmp_path: Path) -> bytes:
 async def test_plain_secrets_are_sealed_in_the_store_and_reach_the_guest(tmp_path: Path) -> None:
     env = make_env(tmp_path)
     spec = AgentSpec.model_validate({"secrets": {"API_TOKEN": "tok-very-secret-123", "B": "b-value-xyz"}})
-    vm, _ = await env.sched.schedule(env.tenant_id, spec)
+    vm, _ = await env.sched.scheduling.schedule(env.tenant_id, spec)
     row = env.store.get_vm(vm.vm_id)
     assert row is not None and "tok-very-secret-123" not in repr(row.secrets)
     assert b"tok-very-secret-123" not in _db_bytes(tmp_path) and b"b-value-xyz" not in _db_bytes(tmp_path)
@@ -29,19 +29,19 @@ async def test_plain_secrets_are_sealed_in_the_store_and_reach_the_guest(tmp_pat
     key = env.settings.secrets_key_path
     assert key.stat().st_mode & 0o777 == 0o600
     # A fork child's guest gets the same values (the row is copied, bound to the same tenant).
-    forks = await env.sched.fork(env.tenant_id, vm.vm_id, 1)
+    forks = await env.sched.forking.fork(env.tenant_id, vm.vm_id, 1)
     assert env.manager.spawn_requests[-1].env["B"] == "b-value-xyz", forks
 
 
 async def test_clear_rows_of_an_older_pal_are_sealed_by_the_leader(tmp_path: Path) -> None:
     env = make_env(tmp_path)
-    vm, _ = await env.sched.schedule(env.tenant_id, AgentSpec.model_validate({}))
+    vm, _ = await env.sched.scheduling.schedule(env.tenant_id, AgentSpec.model_validate({}))
     env.store.update_vm(vm.vm_id, secrets={"OLD": "legacy-clear-value"})  # as Pal 0.x stored it
-    assert env.sched.reseal_secrets() == 1
+    assert env.sched.egress_secrets.reseal_secrets() == 1
     row = env.store.get_vm(vm.vm_id)
     assert row is not None and "legacy-clear-value" not in repr(row.secrets)
     assert env.sched.brokering.env(env.tenant_id, row.secrets) == {"OLD": "legacy-clear-value"}
-    assert env.sched.reseal_secrets() == 0
+    assert env.sched.egress_secrets.reseal_secrets() == 0
 
 
 def test_the_box_binds_tenant_and_key(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ def test_a_websocket_message_past_the_largest_frame_is_refused_by_every_server()
     """uvicorn's own default takes 16 MiB messages; ours take the largest frame any route
     uses (a port tunnel's), so a client cannot make a server buffer more before a route
     even sees it."""
-    from pal.manager.tunnel import MAX_FRAME
+    from pal.wire.tunnel import MAX_FRAME
 
     cfg = http_config(Starlette(), lifespan="off")
     assert cfg.ws_max_size == MAX_FRAME == 1024 * 1024

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pal.config import parse_template_sizes
+from pal.errors import PalError
 from pal.images.paths import ImagePaths
-from pal.manager.models import SpawnRequest
-from pal.manager.templates import COMPLETE, TemplateCache
+from pal.manager.templates import COMPLETE, TemplateCache, TemplateHost
 from pal.sizes import DEFAULT_TEMPLATE_SIZES
+from pal.wire.models import SpawnRequest
 
 
 def image(tmp: Path, content_hash: str) -> ImagePaths:
@@ -59,7 +61,7 @@ def test_only_the_operators_sizes_get_a_template(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates", sizes=["256m-1c-2048d"])
     assert cache.allowed("256m-1c-2048d") and not cache.allowed("384m-1c-2048d")
     runtime = _FakeRuntime()
-    assert cache.ensure_in_background(runtime, image(tmp_path, "a" * 64), "384m-1c-2048d") is None  # type: ignore[arg-type]
+    assert cache.ensure_in_background(runtime.host(), image(tmp_path, "a" * 64), "384m-1c-2048d") is None
     assert runtime.spawned == 0
     assert TemplateCache(tmp_path / "t2", sizes=None).allowed("384m-3c-999d")  # PAL_TEMPLATE_SIZES=*
 
@@ -125,12 +127,25 @@ class _FakeRuntime:
     async def stop(self, vm_id: str) -> None:
         self.running -= 1
 
+    async def exec_stream(self, vm_id: str, req: object) -> AsyncIterator[object]:
+        raise PalError("the fake guest runs nothing: the template is not primed")
+        yield  # an async generator, as the real one
+
+    def host(self) -> TemplateHost:
+        """What a template build gets of the node (pal/manager/templates.py)."""
+        return TemplateHost(
+            spawn=self.spawn,  # type: ignore[arg-type]
+            exec_stream=self.exec_stream,  # type: ignore[arg-type]
+            stop=self.stop,
+            live=lambda vm_id: self.vms[vm_id],  # type: ignore[arg-type,return-value]
+        )
+
 
 async def test_template_builds_are_capped_and_the_cache_stays_within_its_limit(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates", sizes=None, max_builds=1, keep=2)
     runtime = _FakeRuntime()
     v = image(tmp_path, "a" * 64)
-    tasks = [cache.ensure_in_background(runtime, v, f"{mem}m-1c-2048d") for mem in (128, 256, 512)]  # type: ignore[arg-type]
+    tasks = [cache.ensure_in_background(runtime.host(), v, f"{mem}m-1c-2048d") for mem in (128, 256, 512)]
     for _ in range(20):
         await asyncio.sleep(0)
     assert runtime.spawned == 1, "one build at a time"

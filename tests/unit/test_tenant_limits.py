@@ -25,7 +25,7 @@ MIB = 1 << 20
 
 
 async def _running(env: SchedEnv, memory_mib: int = 256) -> str:
-    vm, _ = await env.sched.schedule(
+    vm, _ = await env.sched.scheduling.schedule(
         env.tenant_id, AgentSpec.model_validate({"limits": {"memoryMib": memory_mib}})
     )
     return vm.vm_id
@@ -39,30 +39,30 @@ async def test_max_paused_refuses_the_next_pause_and_the_vm_keeps_running(tmp_pa
     env = make_env(tmp_path)
     env.store.set_tenant_limits(env.tenant_id, max_paused=1)
     a, b = await _running(env), await _running(env)
-    await env.sched.pause(env.tenant_id, a)
+    await env.sched.pauses.pause(env.tenant_id, a)
     with pytest.raises(QuotaExceeded, match="max_paused=1"):
-        await env.sched.pause(env.tenant_id, b)
+        await env.sched.pauses.pause(env.tenant_id, b)
     row = env.store.get_vm(b)
     assert row is not None and row.state == VmState.RUNNING and not _snaps_of(env, b)
-    await env.sched.resume(env.tenant_id, a)
-    await env.sched.pause(env.tenant_id, b)  # room again
+    await env.sched.pauses.resume(env.tenant_id, a)
+    await env.sched.pauses.pause(env.tenant_id, b)  # room again
 
 
 async def test_snapshot_bytes_cap_refuses_pause_and_fork_before_any_snapshot(tmp_path: Path) -> None:
     env = make_env(tmp_path)
     env.store.set_tenant_limits(env.tenant_id, max_snapshot_bytes=200 * MIB)
     small, big = await _running(env, 128), await _running(env, 256)
-    await env.sched.pause(env.tenant_id, small)  # ~128 MiB estimated; the node then says 4 KiB
+    await env.sched.pauses.pause(env.tenant_id, small)  # ~128 MiB estimated; the node then says 4 KiB
     row = env.store.get_vm(small)
     assert row is not None and row.snapshot_bytes == env.manager.snapshot_size
     with pytest.raises(QuotaExceeded, match="GiB of snapshots"):
-        await env.sched.pause(env.tenant_id, big)
+        await env.sched.pauses.pause(env.tenant_id, big)
     vms_before = len(env.store.list_vms())
     with pytest.raises(QuotaExceeded):
-        await env.sched.fork(env.tenant_id, big, 2)
+        await env.sched.forking.fork(env.tenant_id, big, 2)
     assert len(env.store.list_vms()) == vms_before and not _snaps_of(env, big)
     # A server shutdown suspends every VM whatever the limits (nothing may be lost).
-    await env.sched.shutdown_vms()
+    await env.sched.draining.shutdown_vms()
     row = env.store.get_vm(big)
     assert row is not None and row.state == VmState.PAUSED
 
@@ -70,29 +70,29 @@ async def test_snapshot_bytes_cap_refuses_pause_and_fork_before_any_snapshot(tmp
 async def test_delete_removes_every_snapshot_but_what_a_live_fork_maps(tmp_path: Path) -> None:
     env = make_env(tmp_path)
     src = await _running(env)
-    await env.sched.pause(env.tenant_id, src)
-    await env.sched.resume(env.tenant_id, src)
-    result = await env.sched.fork(env.tenant_id, src, 1)
+    await env.sched.pauses.pause(env.tenant_id, src)
+    await env.sched.pauses.resume(env.tenant_id, src)
+    result = await env.sched.forking.fork(env.tenant_id, src, 1)
     [child] = result.forks
     assert len(_snaps_of(env, src)) == 2  # the pause's and the fork's
-    await env.sched.delete(env.tenant_id, src)
+    await env.sched.deleting.delete(env.tenant_id, src)
     assert _snaps_of(env, src) == [result.snapshot_id]  # the live child maps it
-    await env.sched.delete(env.tenant_id, child.vm_id)
+    await env.sched.deleting.delete(env.tenant_id, child.vm_id)
     assert _snaps_of(env, src) == []
 
 
 async def test_sweep_deletes_snapshots_of_vms_gone_during_a_crash(tmp_path: Path) -> None:
     env = make_env(tmp_path)
     keep = await _running(env)
-    await env.sched.pause(env.tenant_id, keep)
+    await env.sched.pauses.pause(env.tenant_id, keep)
     gone = await _running(env)
-    await env.sched.pause(env.tenant_id, gone)
+    await env.sched.pauses.pause(env.tenant_id, gone)
     av = env.store.get_vm(gone).agent_version_id  # type: ignore[union-attr]
     env.manager.snapshots[(av, "vm-0123456789abcdef0123", "snap-orphan")] = True  # row gone (tenant rm)
     # A delete whose snapshot cleanup did not happen (node unreachable, or a crash right
     # after the row became terminated): the row is terminated, the snapshot still there.
     env.manager.delete_vm_snapshots = None  # type: ignore[assignment,method-assign]
-    await env.sched.delete(env.tenant_id, gone)
+    await env.sched.deleting.delete(env.tenant_id, gone)
     del env.manager.delete_vm_snapshots
     assert _snaps_of(env, gone)
     fixes = await env.sched.reconciler.sweep_snapshots()
@@ -122,10 +122,10 @@ async def test_rotated_expired_and_removed_keys_are_refused_with_the_reason(tmp_
     code, msg = await status(short)
     assert code == 401 and msg.startswith("API key expired at")
     vm = await _running(api.sched)
-    await api.sched.sched.pause(tid, vm)
+    await api.sched.sched.pauses.pause(tid, vm)
     store.mark_tenant_deleting(tid)
     assert await status(newer) == (401, "this tenant is being deleted")
-    assert await api.sched.sched.purge_deleted_tenants() == [tid]
+    assert await api.sched.sched.deleting.purge_deleted_tenants() == [tid]
     assert (
         store.get_tenant(tid) is None and not store.list_vms(tenant_id=tid) and not _snaps_of(api.sched, vm)
     )

@@ -1,18 +1,30 @@
-"""The node's answers about guest processes (issue 22; docs/processes.md).
+"""The node RPC's process verbs (issue 22; docs/processes.md): what they name and answer.
 
-The API answers with the same shapes (camelCase JSON), so a process looks alike from the
-node's RPC, the REST API and the SDKs. Output bytes travel base64-encoded here; the API
-decodes them for its text views.
+Output bytes travel base64-encoded here; the API decodes them for its text views and
+answers with shapes of its own (pal/api/processes.py).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pal.manager.models import StreamError
-from pal.manager.models import WireModel as _Model
+from pal.guest import protocol as p
+from pal.ids import SafeId
+from pal.spec import ProcessStartRequest, SignalRequest, Terminal
+from pal.wire.models import StreamError
+from pal.wire.models import WireModel as _Model
+
+# The harness's own bounds (pal/guest/procrequests.py): the longest long poll, and the most
+# output one read answers with (here also kept under the channel's line limit once
+# base64-encoded: guest_input.MAX_GUEST_LINE_BYTES).
+MAX_WAIT_MS = 60_000
+MAX_READ_BYTES = p.MAX_FILE_BYTES
+MAX_STDIN_BYTES = p.MAX_FILE_BYTES  # one stdin write
+
+Pid = Annotated[int, Field(ge=1, le=2**53)]
+Offset = Annotated[int, Field(ge=0, le=2**62)]
 
 
 class TerminalSize(_Model):
@@ -98,3 +110,59 @@ class StdinWritten(_Model):
 class ProcessDeleted(_Model):
     process_id: int
     deleted: bool
+
+
+class SignalSent(_Model):
+    process_id: int
+    signal: str
+
+
+class Resized(_Model):
+    process_id: int
+    cols: int
+    rows: int
+
+
+# ---------------------------------------------------------------------- what a request names
+
+
+class ProcessStart(ProcessStartRequest):
+    """A process to start in a VM: the public request (pal/spec.py) and the VM."""
+
+    vm_id: SafeId
+
+
+class ProcessRef(_Model):
+    vm_id: SafeId
+    pid: Pid
+
+
+class OutputRead(ProcessRef):
+    start: Offset = 0  # the offset to read from
+    max_bytes: int = Field(MAX_READ_BYTES, ge=1, le=MAX_READ_BYTES)
+    wait_ms: int = Field(
+        default=0, ge=0, le=MAX_WAIT_MS
+    )  # a long poll: waits this long for output past ``from``
+
+
+class AttachFrom(ProcessRef):
+    start: Offset = 0  # the offset to follow from
+
+
+class StdinWrite(ProcessRef):
+    eof: bool = False
+    data: bytes = b""  # the body (pal/wire/http.py); at most MAX_STDIN_BYTES (413)
+
+
+class ProcessSignal(SignalRequest):
+    vm_id: SafeId
+    pid: Pid
+
+
+class ProcessResize(Terminal):
+    vm_id: SafeId
+    pid: Pid
+
+
+class ProcessWait(ProcessRef):
+    timeout_ms: int = Field(default=0, ge=0, le=MAX_WAIT_MS)

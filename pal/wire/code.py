@@ -10,7 +10,8 @@ from pydantic import Field
 
 from pal.guest import protocol as p
 from pal.ids import CONTEXT_ID_PATTERN as CONTEXT_ID_PATTERN
-from pal.manager.models import WireModel as _Model
+from pal.ids import SafeId
+from pal.wire.models import WireModel as _Model
 
 Language = Literal["python", "bash"]
 MAX_TIMEOUT_SECS = 24 * 3600
@@ -104,3 +105,19 @@ class CodeResult(_Model):
         " ran out during the cell, and what came past it was not kept (stream the cell with SSE for all);"
         " absent otherwise",
     )
+
+
+# ---------------------------------------------------------------------- what a request names
+
+
+class CodeRun(CodeRequest):
+    vm_id: SafeId
+
+
+class ContextNew(ContextCreate):
+    vm_id: SafeId
+
+
+class ContextRef(_Model):
+    vm_id: SafeId
+    context_id: str = Field(pattern=CONTEXT_ID_PATTERN)

@@ -1,22 +1,17 @@
-"""Request/response models of the runtime manager RPC (HTTP+JSON over a unix socket).
-
-Shared by the manager's server (rpc.py) and its one client class (client.py), so the two
-sides cannot drift. camelCase on the wire.
+"""Request and answer models of the node RPC (pal/wire/verbs.py declares which verb takes
+and answers which). A request names its target (the VM, the snapshot) among its fields:
+the path of its route is made of them (pal/wire/http.py). camelCase on the wire.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from pal.ids import SafeId, TenantId
-from pal.spec import Egress, WaitPause
-from pal.vmm.disk_limits import DiskLimits
-
-if TYPE_CHECKING:
-    from pal.vmm.qemu import QemuVm
+from pal.spec import Egress, ExecRequest, WaitPause
 
 
 class WireModel(BaseModel):
@@ -27,6 +22,14 @@ class WireModel(BaseModel):
 
 
 _Model = WireModel  # what the models below derive from
+M = TypeVar("M", bound=BaseModel)
+
+
+def on_vm(model: type[M], vm_id: str, req: BaseModel) -> M:
+    """A public request (pal/spec.py: an exec, a process's start, a cell) as the verb's
+    request ``model``, which is it and the VM it is for."""
+    return model.model_validate({**dict(req), "vm_id": vm_id})
+
 
 MemMode = Literal["private", "shared"]
 
@@ -63,7 +66,13 @@ class TenantCa(_Model):
 class BrokeredSet(_Model):
     """New values of a running VM's brokered secrets (PUT /vms/{id}/brokered)."""
 
+    vm_id: SafeId
     brokered: list[BrokeredRule]
+
+
+class BrokeredSetResult(_Model):
+    vm_id: str
+    rules: int
 
 
 class SpawnRequest(_Model):
@@ -92,10 +101,6 @@ class SpawnRequest(_Model):
     tenant_ca: TenantCa | None = None
     wait_pause: WaitPause | None = None  # the node watches for wait pauses (None: off)
 
-    @property
-    def disk_limits(self) -> DiskLimits:
-        return DiskLimits(self.disk_read_mibps, self.disk_write_mibps, self.disk_iops)
-
 
 class LimitsApplied(_Model):
     """A VM's host limits as its node applied them (pal/vmm/cgroups.py, disk_limits.py):
@@ -119,33 +124,9 @@ class SpawnResult(_Model):
     timings: dict[str, float] = Field(default_factory=dict)
     limits: LimitsApplied = Field(default_factory=lambda: LimitsApplied())
 
-    @classmethod
-    def of(
-        cls,
-        req: SpawnRequest,
-        qemu: QemuVm,
-        boot_ms: float,
-        method: str,
-        agent_version_id: str,
-        **more: Any,
-    ) -> SpawnResult:
-        """The answer to ``req``: its VM is up in ``qemu`` after ``boot_ms``."""
-        applied, skipped = qemu.limits_report()
-        return cls.model_validate(
-            {
-                "vm_id": req.vm_id,
-                "pid": qemu.pid or 0,
-                "incarnation": req.incarnation,
-                "boot_ms": boot_ms,
-                "method": method,
-                "agent_version_id": agent_version_id,
-                "limits": LimitsApplied(applied=applied, skipped=skipped),
-                **more,
-            }
-        )
-
 
 class SnapshotRequest(_Model):
+    vm_id: SafeId
     snapshot_id: SafeId
     agent_version_id: SafeId
     tenant_id: TenantId
@@ -169,6 +150,7 @@ class SnapshotResult(_Model):
 class EgressSet(_Model):
     """A live policy change (PUT /vms/{id}/egress)."""
 
+    vm_id: SafeId
     egress: Egress
     egress_mbps: int | None = None
     max_connections: int | None = None
@@ -202,6 +184,7 @@ LiveBy = Literal["operator", "idle", "wait"]
 class LivePauseRequest(_Model):
     """Stop a live VM's vCPUs in place (docs/live-pause.md: Pause, then Offload)."""
 
+    vm_id: SafeId
     by: LiveBy
     offload: bool = False  # right away (once the vCPUs are stopped)
     offload_after_ms: int | None = None  # or later, unless woken first
@@ -474,3 +457,111 @@ class WarmRequest(_Model):
 class WarmResult(_Model):
     key: str
     ready: bool
+
+
+class ImageList(_Model):
+    images: list[ImageInfo]
+
+
+class SnapshotList(_Model):
+    snapshots: list[SnapshotInfo]
+
+
+# ---------------------------------------------------------------------- what a request names
+
+
+class Empty(_Model):
+    """A request of the node itself (its heartbeat, stats, images)."""
+
+
+class VmRef(_Model):
+    vm_id: SafeId
+
+
+class StopVm(_Model):
+    vm_id: SafeId
+    # only if the VM here runs that incarnation: stray cleanup never stops a newer one
+    incarnation: int | None = None
+
+
+class Stopped(_Model):
+    vm_id: str
+    stopped: bool  # False: the VM here runs another incarnation (nothing was done)
+
+
+class LiveStatus(_Model):
+    live: LiveState | None  # None: the VM runs (not live-paused)
+
+
+class NoticesAfter(_Model):
+    after: int = 0
+    epoch: str = ""
+    wait_s: float = Field(default=0.0, ge=0, le=300)
+
+
+class EventsAfter(_Model):
+    after: int = 0
+    epoch: str = ""
+
+
+class EgressCounters(_Model):
+    counters: dict[str, int] | None  # None: the gateway cannot tell
+
+
+class ExecCall(ExecRequest):
+    """An exec on a VM: the public request (pal/spec.py) and the VM it runs in."""
+
+    vm_id: SafeId
+
+
+class PortOpen(_Model):
+    vm_id: SafeId
+    port: int = Field(ge=1, le=65535)
+
+
+class FilesAt(_Model):
+    vm_id: SafeId
+    path: str = ""
+
+
+class FileRef(_Model):
+    vm_id: SafeId
+    path: str
+
+
+class FileWrite(_Model):
+    vm_id: SafeId
+    path: str
+    data: bytes  # the body (pal/wire/http.py: a bytes field travels raw)
+
+
+class FileContent(_Model):
+    data: bytes  # cut at MAX_FILE_BYTES
+    truncated: bool
+
+
+class VmSnapshots(_Model):
+    agent_version_id: SafeId
+    vm_id: SafeId
+
+
+class VmSnapshotsDelete(VmSnapshots):
+    keep: list[SafeId] = Field(default_factory=list)
+
+
+class SnapshotsDeleted(_Model):
+    deleted: list[str]
+
+
+class SnapshotAt(_Model):
+    agent_version_id: SafeId
+    vm_id: SafeId
+    snapshot_id: SafeId
+
+
+class Uploaded(_Model):
+    uploaded: bool
+
+
+class SnapshotDeleted(_Model):
+    deleted: bool

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pal.errors import PalError, Unavailable, from_wire
@@ -29,6 +30,17 @@ from pal.errors import PalError, Unavailable, from_wire
 EOF = "eof"
 FRAME_BYTES = 64 * 1024
 MAX_FRAME = 1024 * 1024  # what a receiver accepts in one frame
+
+
+@dataclass
+class Opened:
+    """What a node's tunnel handler opened: a TCP stream (to a guest's server), the way it
+    went (``direct``, ``relay``), and what bytes moved on it mean (the VM's activity)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    route: str
+    on_traffic: Callable[[], None] = field(default=lambda: None)
 
 
 class ServerSocket(Protocol):

@@ -1,0 +1,528 @@
+"""Every verb of the node RPC, declared once: its request and answer types, its kind, its
+route, and what it promises (prerequisites / success / failure, as Firecracker's
+``rpc_interface.rs`` documents each action).
+
+From a declaration come:
+
+- the node's route (pal/manager/rpc.py serves every verb of :data:`VERBS` from the node's
+  handler table, :class:`pal.wire.handlers.Handlers`);
+- the control plane's call, typed by it: ``await node.call(verbs.SPAWN, SpawnRequest(...))``
+  answers a ``SpawnResult`` (:class:`pal.wire.handlers.NodeCalls`, implemented by the one
+  HTTP client, pal/scheduler/node_client.py, for the embedded node and remote ones alike);
+- how it travels (pal/wire/http.py: the path from the request's fields, the rest in the
+  query or the body);
+- its share of the node's connections: a **control** call has connections no long-lived
+  call takes; a **long** one (a long poll, a kernel's start) and every stream hold one of
+  the node's stream slots while they last (pal/scheduler/node_client.py, "Fair shares");
+- for a **guest** verb (``guest=``), the node's handler itself: the request goes to the
+  guest's harness as its kind with the request's fields, the guest's error codes map
+  through guest_errors.py's table for ``errors``, and its answer is validated as the
+  verb's answer model (pal/manager/guest_relay.py). Such a verb needs no node-side code.
+
+Failures are :class:`pal.errors.PalError` subclasses carrying the status the API answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from pal.wire import code as c
+from pal.wire import models as m
+from pal.wire import processes as pr
+from pal.wire.guest_errors import Op
+
+Req = TypeVar("Req", bound=BaseModel)
+Ans = TypeVar("Ans", bound=BaseModel)
+Ev = TypeVar("Ev", bound=BaseModel)
+
+Method = Literal["GET", "POST", "PUT", "DELETE"]
+# A call's read timeout, seconds (None: none; the node's own deadlines end it).
+DEFAULT_TIMEOUT_S = 300.0
+GUEST_REQUEST_TIMEOUT_S = 30.0  # a guest that answers a request later has lost it
+LONG_POLL_SLACK_S = 35.0  # beyond a long poll's own wait: the guest request's bound
+
+
+@dataclass(frozen=True)
+class GuestOp:
+    """How a guest verb reaches the guest's harness (pal/guest/protocol.py)."""
+
+    kind: str  # the harness's request kind
+    errors: Op  # the column of guest_errors.py's table its error codes map through
+    # A request in flight, which an operator's live pause waits for (a long poll is not).
+    counted: bool = True
+
+
+@dataclass(frozen=True)
+class Call(Generic[Req, Ans]):
+    """A request answered once."""
+
+    name: str
+    method: Method
+    path: str  # its fields in braces, by their wire names: "/vms/{vmId}/processes/{pid}"
+    request: type[Req]
+    answer: type[Ans]
+    doc: str
+    # long-lived (a stream slot while it lasts) rather than a control call
+    long: bool | Callable[[Req], bool] = False
+    timeout_s: float | Callable[[Req], float | None] | None = DEFAULT_TIMEOUT_S
+    guest: GuestOp | None = None
+
+    def is_long(self, req: Req) -> bool:
+        return self.long(req) if callable(self.long) else self.long
+
+    def timeout(self, req: Req) -> float | None:
+        return self.timeout_s(req) if callable(self.timeout_s) else self.timeout_s
+
+
+@dataclass(frozen=True)
+class Stream(Generic[Req, Ev]):
+    """A request answered by events as they come (NDJSON), always long-lived. An error of
+    the node after the stream started is an ``error`` event with its ``status``, raised
+    again by the caller as that error; an ``error`` event without one is the guest's."""
+
+    name: str
+    method: Method
+    path: str
+    request: type[Req]
+    event: type[Ev]
+    doc: str
+
+    def is_long(self, req: Req) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Tunnel(Generic[Req]):
+    """A byte stream both ways (a WebSocket, pal/wire/tunnel.py), long-lived."""
+
+    name: str
+    path: str
+    request: type[Req]
+    doc: str
+
+
+Verb = Call[Any, Any] | Stream[Any, Any] | Tunnel[Any]
+
+
+def _guest(op: Op) -> str:
+    return (
+        "Prerequisites: the VM runs here (409, or 409 LIVE_PAUSED while a live pause stopped its "
+        f"vCPUs, which the scheduler turns into a wake). Failure: the guest's error, mapped as "
+        f"{op} requests' (guest_errors.py)."
+    )
+
+
+# ---------------------------------------------------------------------- a VM's life
+SPAWN = Call(
+    "spawn",
+    "POST",
+    "/vms",
+    m.SpawnRequest,
+    m.SpawnResult,
+    "Boot (cold or from a warm template) or restore a VM. Prerequisites: no live VM with its id "
+    "here. Success: its harness answered identify as that VM and incarnation; exec works. "
+    "Failure: no QEMU left running, its live files removed; the snapshot restored from (if "
+    "any) untouched.",
+    # It waits its turn for free CPU (restore_gate.py), then ends by the node's own deadlines
+    # (identify in CPU time, QMP, migration); a node that dies closes it.
+    timeout_s=None,
+)
+STOP = Call(
+    "stop",
+    "DELETE",
+    "/vms/{vmId}",
+    m.StopVm,
+    m.Stopped,
+    "Kill the VM's QEMU and remove its live files. Idempotent (an unknown id: nothing done). "
+    "With ``incarnation``: only if the VM here runs that incarnation (stray cleanup never "
+    "stops a newer one; ``stopped`` false).",
+)
+SNAPSHOT = Call(
+    "snapshot",
+    "POST",
+    "/vms/{vmId}/snapshot",
+    m.SnapshotRequest,
+    m.SnapshotResult,
+    "Capture device state, memory and disk at one instant. Prerequisites: the VM is live here. "
+    "Success: a complete, checksummed snapshot is in place; with ``keepRunning`` the guest "
+    "continues, else its QEMU is gone (or parked); retention ran, keeping ``protected``. "
+    "Failure: no snapshot with that id exists; the guest runs again if its QEMU is alive.",
+)
+LIVE_PAUSE = Call(
+    "live_pause",
+    "POST",
+    "/vms/{vmId}/live-pause",
+    m.LivePauseRequest,
+    m.LivePauseResult,
+    "Stop the VM's vCPUs in place (docs/live-pause.md). Prerequisites: the VM is live here. "
+    "Success: its vCPUs stopped, the gateway holds its connections, the pause recorded on the "
+    "node; with ``offload`` its RAM handed back (or later, ``offloadAfterMs``). Already "
+    "live-paused: ``by: operator`` takes it over, ``offload`` offloads it. ``paused`` false: an "
+    "``ifWaiting`` pause found nothing waiting or the guest busy; nothing changed. "
+    "Failure: the VM runs as before.",
+)
+LIVE_RESUME = Call(
+    "live_resume",
+    "POST",
+    "/vms/{vmId}/live-resume",
+    m.VmRef,
+    m.LiveResumeResult,
+    "Continue a live-paused VM: the same QEMU and incarnation, connections kept. "
+    "Prerequisites: the VM is live here. Success: its vCPUs run, its wall clock is the "
+    "host's, the gateway delivered what it held; ``resumed`` false if it was not live-paused. "
+    "Failure: its QEMU is gone.",
+)
+LIVE_STATUS = Call(
+    "live_status",
+    "GET",
+    "/vms/{vmId}/live",
+    m.VmRef,
+    m.LiveStatus,
+    "The VM's live pause (null while it runs), resident guest RAM measured now.",
+    timeout_s=10.0,
+)
+NOTICES = Call(
+    "notices",
+    "GET",
+    "/notices",
+    m.NoticesAfter,
+    m.Notices,
+    "What the node saw for the scheduler to act on (wait-ready, wake, offloaded), newer than "
+    "``after`` (all kept ones if ``epoch`` is not the node's numbering); waits up to "
+    "``waitS`` for one (long poll; the control plane's own, one per node: a control call).",
+    timeout_s=lambda r: r.wait_s + 30.0,
+)
+WARM = Call(
+    "warm",
+    "POST",
+    "/templates",
+    m.WarmRequest,
+    m.WarmResult,
+    "Build the warm template of an image at a size now. Prerequisites: the image exists, "
+    "templates are on (else 503). Success: ``ready`` and schedules of that image and size "
+    "restore from it. Failure: ``ready`` false (the next schedule retries it).",
+    timeout_s=900.0,  # a cold boot: a minute or more under TCG on a busy host
+)
+HEARTBEAT = Call(
+    "heartbeat",
+    "GET",
+    "/heartbeat",
+    m.Empty,
+    m.NodeHeartbeat,
+    "This node's live VMs and each one's latest activity, and what placement needs: capacity, "
+    "warm templates, images, health, region, labels.",
+    timeout_s=15.0,  # a node slower than this is as good as silent (reconciliation must not hang)
+)
+IMAGES = Call(
+    "images",
+    "GET",
+    "/images",
+    m.Empty,
+    m.ImageList,
+    "The complete images of this node: content digest, exec defaults, which tenants may use "
+    "each (null: all), warm template sizes.",
+)
+VM_METRICS = Call(
+    "vm_metrics",
+    "GET",
+    "/vms/{vmId}/metrics",
+    m.VmRef,
+    m.VmMetrics,
+    "The VM's resource samples of the last 15 minutes, oldest first (pal/manager/metrics.py); "
+    "empty for a VM this node never ran; ``live``: it runs here now.",
+)
+STATS = Call(
+    "stats",
+    "GET",
+    "/stats",
+    m.Empty,
+    m.NodeStats,
+    "Operator figures of the node: live VMs, snapshot bytes per tier, queue depths, the warm "
+    "pool and the pre-started QEMUs.",
+)
+
+# ---------------------------------------------------------------------- egress
+SET_EGRESS = Call(
+    "set_egress",
+    "PUT",
+    "/vms/{vmId}/egress",
+    m.EgressSet,
+    m.EgressSetResult,
+    "Change a live VM's egress policy and limits. Prerequisites: the VM is live here. Success: "
+    "new connections follow it at once, open ones it refuses are reset (``closed``); a "
+    "restarted node keeps it. Failure: the previous policy stays in force.",
+)
+SET_BROKERED = Call(
+    "set_brokered",
+    "PUT",
+    "/vms/{vmId}/brokered",
+    m.BrokeredSet,
+    m.BrokeredSetResult,
+    "New values for a live VM's brokered secrets (rotation). Prerequisites: the VM is live "
+    "here (else 409). Success: the gateway puts them into the VM's next requests (on open "
+    "connections too); nothing in the guest changes. Failure: the previous values stay.",
+)
+EGRESS_COUNTERS = Call(
+    "egress_counters",
+    "GET",
+    "/vms/{vmId}/egress",
+    m.VmRef,
+    m.EgressCounters,
+    "The current incarnation's gateway counters; null when the gateway cannot tell.",
+    timeout_s=5.0,
+)
+EGRESS_EVENTS = Call(
+    "egress_events",
+    "GET",
+    "/egress/events",
+    m.EventsAfter,
+    m.EgressEvents,
+    "egress_denied events newer than ``after`` (all kept ones if ``epoch`` is not the "
+    "gateway's numbering); the gateway keeps the newest 2000.",
+)
+
+# ---------------------------------------------------------------------- snapshots kept
+SNAPSHOT_OWNERS = Call(
+    "snapshot_owners",
+    "GET",
+    "/snapshots",
+    m.Empty,
+    m.SnapshotOwners,
+    "Which VMs have snapshots on the node's tiers (the control plane's sweep).",
+)
+LIST_SNAPSHOTS = Call(
+    "list_snapshots",
+    "GET",
+    "/snapshots/{agentVersionId}/{vmId}",
+    m.VmSnapshots,
+    m.SnapshotList,
+    "The VM's complete local snapshots, oldest first, with their sizes.",
+)
+DELETE_VM_SNAPSHOTS = Call(
+    "delete_vm_snapshots",
+    "DELETE",
+    "/snapshots/{agentVersionId}/{vmId}",
+    m.VmSnapshotsDelete,
+    m.SnapshotsDeleted,
+    "Delete every snapshot of a VM, local and S3, except ``keep`` and what a live fork on the "
+    "node maps. Idempotent. Answers the local snapshot ids deleted.",
+)
+SNAPSHOT_STATUS = Call(
+    "snapshot_status",
+    "GET",
+    "/snapshots/{agentVersionId}/{vmId}/{snapshotId}",
+    m.SnapshotAt,
+    m.SnapshotStatus,
+    "Whether a snapshot is complete and verified (local or S3): reconciliation's question.",
+)
+ENSURE_UPLOADED = Call(
+    "ensure_uploaded",
+    "POST",
+    "/snapshots/{agentVersionId}/{vmId}/{snapshotId}/upload",
+    m.SnapshotAt,
+    m.Uploaded,
+    "Make the snapshot restorable on any node. Prerequisites: it is complete here (or in S3); "
+    "S3 is set. Success: S3 holds a sealed, complete copy. Failure: 503 (no S3, S3 down), 404 "
+    "(no such snapshot here or in S3); nothing changes locally.",
+)
+DELETE_SNAPSHOT = Call(
+    "delete_snapshot",
+    "DELETE",
+    "/snapshots/{agentVersionId}/{vmId}/{snapshotId}",
+    m.SnapshotAt,
+    m.SnapshotDeleted,
+    "Delete a snapshot on both tiers.",
+)
+
+# ---------------------------------------------------------------------- in the guest
+EXEC = Stream(
+    "exec",
+    "POST",
+    "/vms/{vmId}/exec",
+    m.ExecCall,
+    m.ExecEvent,
+    "Run a command: ``process`` first, then stdout/stderr as they come, then ``exit``, or an "
+    "``error`` (the guest's code, or the node's own with its status). " + _guest("exec"),
+)
+PORT = Tunnel(
+    "port",
+    "/vms/{vmId}/ports/{port}",
+    m.PortOpen,
+    "A byte stream to the server listening on ``port`` in the guest (0.0.0.0 or 127.0.0.1); "
+    "traffic on it is the VM's activity. Prerequisites: the VM runs here (409, 409 "
+    "LIVE_PAUSED). Failure: 502 PORT_NOT_LISTENING when nothing listens there; nothing is "
+    "left open.",
+)
+LIST_FILES = Call(
+    "list_files",
+    "GET",
+    "/vms/{vmId}/files",
+    m.FilesAt,
+    m.FileList,
+    "A directory under /workspace. " + _guest("file"),
+)
+READ_FILE = Call(
+    "read_file",
+    "GET",
+    "/vms/{vmId}/files/content",
+    m.FileRef,
+    m.FileContent,
+    "A file's bytes, cut at 1 MiB (``truncated``). " + _guest("file"),
+)
+WRITE_FILE = Call(
+    "write_file",
+    "PUT",
+    "/vms/{vmId}/files/content",
+    m.FileWrite,
+    m.FileWritten,
+    "Write a file (at most 1 MiB). " + _guest("file"),
+)
+DELETE_FILE = Call(
+    "delete_file",
+    "DELETE",
+    "/vms/{vmId}/files/content",
+    m.FileRef,
+    m.FileDeleted,
+    "Remove a file or symlink (404 FILE_NOT_FOUND, 400 for a directory). " + _guest("file"),
+)
+
+# Processes (docs/processes.md; the node side: pal/manager/processes.py).
+START_PROCESS = Call(
+    "start_process",
+    "POST",
+    "/vms/{vmId}/processes",
+    pr.ProcessStart,
+    pr.ProcessInfo,
+    "Start a process that outlives the request. Success: it runs (a missing executable is "
+    "400, as for exec). " + _guest("exec"),
+)
+LIST_PROCESSES = Call(
+    "list_processes",
+    "GET",
+    "/vms/{vmId}/processes",
+    m.VmRef,
+    pr.ProcessList,
+    "The VM's processes, running and recently exited. " + _guest("process"),
+)
+GET_PROCESS = Call(
+    "get_process",
+    "GET",
+    "/vms/{vmId}/processes/{pid}",
+    pr.ProcessRef,
+    pr.ProcessInfo,
+    "One process (404 PROCESS_NOT_FOUND). " + _guest("process"),
+)
+DELETE_PROCESS = Call(
+    "delete_process",
+    "DELETE",
+    "/vms/{vmId}/processes/{pid}",
+    pr.ProcessRef,
+    pr.ProcessDeleted,
+    "Kill it (its group) if it runs, and forget it. " + _guest("process"),
+)
+READ_OUTPUT = Call(
+    "read_output",
+    "GET",
+    "/vms/{vmId}/processes/{pid}/output",
+    pr.OutputRead,
+    pr.ProcessOutput,
+    "Its journal from ``from`` (waiting up to ``waitMs`` for output past it: a long poll); "
+    "400 when ``from`` is past the output's end. " + _guest("process"),
+    long=lambda r: r.wait_ms > 0,
+    timeout_s=lambda r: r.wait_ms / 1000 + LONG_POLL_SLACK_S,
+)
+ATTACH_PROCESS = Stream(
+    "attach_process",
+    "GET",
+    "/vms/{vmId}/processes/{pid}/attach",
+    pr.AttachFrom,
+    pr.ProcessEvent,
+    "Its output from ``from`` as it comes; ends with ``exit``, or ``detached`` (the VM stopped, "
+    "a live pause, the guest detached it), never a made-up exit. " + _guest("process"),
+)
+WRITE_STDIN = Call(
+    "write_stdin",
+    "POST",
+    "/vms/{vmId}/processes/{pid}/stdin",
+    pr.StdinWrite,
+    pr.StdinWritten,
+    "Raw bytes to its stdin (at most 1 MiB); ``written`` fewer than sent: it read nothing for a "
+    "while (send the rest again); ``eof`` closes it after them. " + _guest("process"),
+)
+SIGNAL_PROCESS = Call(
+    "signal_process",
+    "POST",
+    "/vms/{vmId}/processes/{pid}/signal",
+    pr.ProcessSignal,
+    pr.SignalSent,
+    "A signal to its process group (409 PROCESS_STATE once it exited). " + _guest("process"),
+)
+RESIZE_PROCESS = Call(
+    "resize_process",
+    "POST",
+    "/vms/{vmId}/processes/{pid}/resize",
+    pr.ProcessResize,
+    pr.Resized,
+    "Resize its terminal (409 PROCESS_STATE without one). " + _guest("process"),
+)
+WAIT_PROCESS = Call(
+    "wait_process",
+    "POST",
+    "/vms/{vmId}/processes/{pid}/wait",
+    pr.ProcessWait,
+    pr.ProcessInfo,
+    "The process once it exited, or at the timeout (at most 60 s: a long poll). " + _guest("process"),
+    long=lambda r: r.timeout_ms > 0,
+    timeout_s=lambda r: r.timeout_ms / 1000 + LONG_POLL_SLACK_S,
+)
+
+# Code contexts (docs/agents.md; the node side: pal/manager/code.py): as processes, with 404
+# CONTEXT_NOT_FOUND, 409 CONTEXT_BUSY / KERNEL_UNAVAILABLE, 429 TOO_MANY_CONTEXTS.
+RUN_CODE = Stream(
+    "run_code",
+    "POST",
+    "/vms/{vmId}/code",
+    c.CodeRun,
+    c.CodeEvent,
+    "A cell's stdout/stderr/result/error events, then ``end``. " + _guest("code"),
+)
+CREATE_CONTEXT = Call(
+    "create_context",
+    "POST",
+    "/vms/{vmId}/code/contexts",
+    c.ContextNew,
+    c.CodeContext,
+    "A context, once its kernel started (minutes under TCG: long-lived). " + _guest("code"),
+    long=True,
+)
+LIST_CONTEXTS = Call(
+    "list_contexts",
+    "GET",
+    "/vms/{vmId}/code/contexts",
+    m.VmRef,
+    c.ContextList,
+    "The VM's code contexts. " + _guest("code"),
+)
+DELETE_CONTEXT = Call(
+    "delete_context",
+    "DELETE",
+    "/vms/{vmId}/code/contexts/{contextId}",
+    c.ContextRef,
+    c.ContextDeleted,
+    "Kill its kernel and forget it. " + _guest("code"),
+)
+INTERRUPT_CONTEXT = Call(
+    "interrupt_context",
+    "POST",
+    "/vms/{vmId}/code/contexts/{contextId}/interrupt",
+    c.ContextRef,
+    c.ContextInterrupted,
+    "Interrupt its running cell (``interrupted`` false: none ran). " + _guest("code"),
+)
+
+# Every verb above, in the order declared: the node serves each (pal/manager/rpc.py).
+VERBS: tuple[Verb, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Call | Stream | Tunnel))
