@@ -83,8 +83,24 @@ def _when(unix: int | None) -> datetime | None:
     return datetime.fromtimestamp(unix, UTC) if unix is not None else None
 
 
+async def _tenant(request: Request) -> str:
+    """The tenant of the request's ``X-API-KEY``; 401 without one."""
+    key = request.headers.get(API_KEY_HEADER)
+    if not key:
+        raise Unauthorized("missing API key: send it in X-API-KEY (E2B_API_KEY)")
+    check_key: ops.KeyCheck = request.app.state.check_key
+    tenant_id, why = await check_key(key)
+    if tenant_id is None:
+        raise Unauthorized(why or "invalid API key")
+    return tenant_id
+
+
+Tenant = Annotated[str, Depends(_tenant)]
+
+
 def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: RestConfig) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.check_key = check_key
     domain = config.domain
 
     @app.exception_handler(PalError)
@@ -101,17 +117,6 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> Response:
         return _error(exc.status_code, str(exc.detail))
-
-    async def tenant(request: Request) -> str:
-        key = request.headers.get(API_KEY_HEADER)
-        if not key:
-            raise Unauthorized("missing API key: send it in X-API-KEY (E2B_API_KEY)")
-        tenant_id, why = await check_key(key)
-        if tenant_id is None:
-            raise Unauthorized(why or "invalid API key")
-        return tenant_id
-
-    Tenant = Annotated[str, Depends(tenant)]
 
     @app.post("/sandboxes")
     async def create(body: m.NewSandbox, t: Tenant) -> Response:
