@@ -17,15 +17,17 @@ interpreter port is reachable by the sandbox id alone; running code needs the to
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pal.errors import PalError
 
 from . import ops
 from .access import token_matches
+from .codecs import agent_codecs
 from .envd_http import FilesConfig, create_envd_http_app
 from .errors import json_error, message_of
 from .filesystem_service import FilesystemService
@@ -94,8 +96,12 @@ def _token_free(port: int, path: str) -> bool:
 
 
 def create_agent_app(backend: ops.AgentBackend, config: AgentConfig) -> ASGIApp:
-    process = ProcessASGIApplication(ProcessService(backend.processes), read_max_bytes=READ_MAX_BYTES)
-    filesystem = FilesystemASGIApplication(FilesystemService(backend.files), read_max_bytes=READ_MAX_BYTES)
+    process = ProcessASGIApplication(
+        ProcessService(backend.processes), read_max_bytes=READ_MAX_BYTES, codecs=agent_codecs()
+    )
+    filesystem = FilesystemASGIApplication(
+        FilesystemService(backend.files), read_max_bytes=READ_MAX_BYTES, codecs=agent_codecs()
+    )
     envd_http = create_envd_http_app(backend.files, backend.info, config.files)
     interpreter = create_interpreter_app(backend.interpreter)
 
@@ -144,10 +150,18 @@ def create_agent_app(backend: ops.AgentBackend, config: AgentConfig) -> ASGIApp:
         if not authorised and not _token_free(port, path):
             await _answer(scope, receive, send, 401, "this sandbox is secure: send its X-Access-Token")
             return
-        target = Target(access.tenant, sandbox_id, authorised=authorised, access_token=access.access_token)
+        gone = asyncio.Event()
+
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            return message
+
+        target = Target(access.tenant, sandbox_id, authorised, access.access_token, gone)
         reset = current_target.set(target)
         try:
-            await (envd(path) if port == ENVD_PORT else interpreter)(scope, receive, send)
+            await (envd(path) if port == ENVD_PORT else interpreter)(scope, watched, send)
         finally:
             current_target.reset(reset)
 

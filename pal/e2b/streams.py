@@ -46,6 +46,9 @@ class Target:
     sandbox_id: str
     authorised: bool = True
     access_token: str | None = None
+    # Set when the client goes away: a stream waiting for its next event ends at once
+    # (a watch or a command stream must not hold the guest's resources until it next sends).
+    gone: asyncio.Event | None = None
 
 
 current_target: ContextVar[Target] = ContextVar("pal_e2b_target")
@@ -108,6 +111,8 @@ async def stream(
             await slot.put(exc)
 
     task = asyncio.create_task(pump())
+    gone = current_target.get().gone or asyncio.Event()
+    gone_wait = asyncio.create_task(gone.wait())
     try:
         while True:
             wait = interval
@@ -116,12 +121,16 @@ async def stream(
                 if left <= 0:
                     raise ConnectError(Code.DEADLINE_EXCEEDED, "deadline exceeded")
                 wait = left if wait is None else min(wait, left)
-            try:
-                item = await asyncio.wait_for(slot.get(), wait)
-            except TimeoutError:
+            getting = asyncio.create_task(slot.get())
+            await asyncio.wait({getting, gone_wait}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            if not getting.done():
+                getting.cancel()
+                if gone.is_set():
+                    raise ConnectError(Code.CANCELED, "the client went away")
                 if keepalive is not None and (deadline is None or loop.time() < deadline):
                     yield keepalive()
                 continue
+            item = getting.result()
             if item is _END:
                 return
             if isinstance(item, BaseException):
@@ -130,6 +139,7 @@ async def stream(
                 raise connect_error(item)
             yield convert(item)
     finally:
+        gone_wait.cancel()
         task.cancel()
         with contextlib.suppress(BaseException):
             await task

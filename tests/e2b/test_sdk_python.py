@@ -13,16 +13,16 @@ from e2b import (
     AuthenticationException,
     CommandExitException,
     FileNotFoundException,
+    FilesystemEventType,
     FileType,
     InvalidArgumentException,
     NotFoundException,
+    PtySize,
     RateLimitException,
     Sandbox,
     SandboxException,
     SandboxQuery,
     SandboxState,
-    FilesystemEventType,
-    PtySize,
     TimeoutException,
 )
 from e2b.sandbox.filesystem.filesystem import WriteEntry
@@ -155,11 +155,20 @@ def test_pty(sbx: Sandbox) -> None:
     term = sbx.pty.create(PtySize(rows=24, cols=80))
     sbx.pty.resize(term.pid, PtySize(rows=40, cols=120))
     sbx.pty.send_stdin(term.pid, b"ls\n")
-    reader = threading.Thread(target=lambda: term.wait(on_pty=on_data), daemon=True)
+    ended: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            term.wait(on_pty=on_data)
+        except CommandExitException as exc:  # killed: the SDK raises for its exit
+            ended.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     assert done.wait(10)
     assert sbx.pty.kill(term.pid) is True
     reader.join(10)
+    assert len(ended) == 1
 
 
 def test_files(sbx: Sandbox) -> None:
