@@ -202,7 +202,7 @@ class SandboxOps(Protocol):
 class KeyCheck(Protocol):
     """The tenant an E2B API key (``X-API-KEY``) authenticates, or why none."""
 
-    async def __call__(self, api_key: str) -> tuple[str | None, str | None]: ...
+    async def __call__(self, api_key: str, /) -> tuple[str | None, str | None]: ...
 
 
 # -- the agent (envd and the code interpreter) --------------------------------------------
@@ -221,7 +221,7 @@ class SandboxAccess:
 
 
 class AccessLookup(Protocol):
-    async def __call__(self, sandbox_id: str) -> SandboxAccess | None: ...
+    async def __call__(self, sandbox_id: str, /) -> SandboxAccess | None: ...
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ def open_sbx(e2b_env: E2bServer) -> Sandbox:
     return Sandbox.create(secure=False)
 
 
-def _envelopes(raw: bytes) -> Iterator[tuple[int, dict[str, object]]]:
+def _envelopes(raw: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
     while raw:
         flags, size = struct.unpack(">BI", raw[:5])
         yield flags, json.loads(raw[5 : 5 + size])
@@ -50,13 +51,18 @@ async def test_stream_input_over_http1_with_connects_own_client(
     (plain http), in protobuf binary."""
     handle = open_sbx.commands.run("cat", background=True, stdin=True)
     client = process_connect.ProcessClient(e2b_env.sandbox_url)
-    selector = pb.ProcessSelector(selector=Oneof("pid", handle.pid))
+    S = pb.StreamInputRequest
+    selector = pb.ProcessSelector(selector=Oneof[Literal["pid"], int]("pid", handle.pid))
 
     async def messages() -> AsyncIterator[pb.StreamInputRequest]:
-        yield pb.StreamInputRequest(event=Oneof("start", pb.StreamInputRequest.StartEvent(process=selector)))
+        yield S(
+            event=Oneof[Literal["start"], pb.StreamInputRequest.StartEvent](
+                "start", S.StartEvent(process=selector)
+            )
+        )
         for text in (b"one\n", b"two\n"):
-            data = pb.StreamInputRequest.DataEvent(input=pb.ProcessInput(input=Oneof("stdin", text)))
-            yield pb.StreamInputRequest(event=Oneof("data", data))
+            data = S.DataEvent(input=pb.ProcessInput(input=Oneof[Literal["stdin"], bytes]("stdin", text)))
+            yield S(event=Oneof[Literal["data"], pb.StreamInputRequest.DataEvent]("data", data))
 
     await client.stream_input(messages(), headers={"E2b-Sandbox-Id": open_sbx.sandbox_id})
     open_sbx.commands.close_stdin(handle.pid)
@@ -75,7 +81,7 @@ def test_keepalives_while_idle_and_the_deadline(open_sbx: Sandbox, e2b_env: E2bS
     )
     assert answer.status_code == 200
     frames = list(_envelopes(answer.content))
-    events = [body.get("event", {}) for flags, body in frames if flags == 0]
+    events: list[dict[str, Any]] = [body.get("event", {}) for flags, body in frames if flags == 0]
     assert "start" in events[0]
     assert any("keepalive" in e for e in events[1:])
     end_flags, end = frames[-1]
