@@ -1,4 +1,4 @@
-"""envd's HTTP API (shared/spec/e2b/envd.yaml) over :class:`ops.FilesystemOps` and
+"""envd's HTTP API (E2B's published envd.yaml) over :class:`ops.FilesystemOps` and
 :class:`ops.AgentInfoOps`: ``/files`` (download; upload as multipart with one or several
 files, or as one octet-stream body, gzip allowed), ``/health``, ``/envs``, ``/metrics``.
 

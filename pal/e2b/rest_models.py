@@ -1,4 +1,4 @@
-"""E2B's REST shapes (shared/spec/e2b/openapi.yml) for the calls the SDKs make.
+"""E2B's REST shapes (its published openapi.yml) for the calls the SDKs make.
 
 Field names are E2B's own (``templateID``, ``sandboxID``, ``memoryMB``...), not Pal's
 camelCase: the SDKs' generated clients parse exactly these. Requests ignore fields they do
