@@ -43,9 +43,14 @@ test('files and watching', async () => {
   assert.equal(await sbx.files.exists('/tmp/none'), false)
   assert.equal(await sbx.files.makeDir('/tmp/w'), true)
   const seen = []
-  const watch = await sbx.files.watchDir('/tmp/w', (e) => seen.push([e.name, e.type]))
+  let arrived
+  const first = new Promise((resolve) => (arrived = resolve))
+  const watch = await sbx.files.watchDir('/tmp/w', (e) => {
+    seen.push([e.name, e.type])
+    arrived()
+  })
   await sbx.files.write('/tmp/w/x.txt', 'x')
-  for (let i = 0; i < 100 && seen.length < 1; i++) await new Promise((r) => setImmediate(r))
+  await first
   await watch.stop()
   assert.deepEqual(seen, [['x.txt', FilesystemEventType.CREATE]])
   await assert.rejects(sbx.files.read('/tmp/missing.txt'), NotFoundError)
