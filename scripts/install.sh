@@ -34,6 +34,7 @@ fi
 # skopeo + umoci import container images (OCI / Docker archives, registries); buildah
 # builds Dockerfiles (`pal image build -f`). runsc (gVisor): the peer `pal bench peer` measures.
 # golang-go: builds and tests the Go SDK (sdk/go; standard library only, nothing downloaded).
+# protobuf-compiler: protoc, which regenerates pal/e2b/gen (the test that it is current).
 PACKAGES=(
   qemu-system-x86 qemu-utils mmdebstrap busybox-static xfsprogs lz4 e2fsprogs cpio kmod
   zstd xz-utils ca-certificates python3 python3-venv python3-dev gcc
@@ -43,6 +44,7 @@ PACKAGES=(
   runsc
   postgresql
   golang-go
+  protobuf-compiler
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -101,6 +103,17 @@ if [[ "$(cat "$NPM_STAMP" 2>/dev/null || true)" != "$want_npm" ]]; then
   echo "$want_npm" >"$NPM_STAMP"
 else
   log "TypeScript SDK dev packages up to date"
+fi
+
+# The unmodified E2B JavaScript clients tests/e2b drives, from their lock file.
+E2B_NPM_STAMP=tests/e2b/js/node_modules/.pal-install-stamp
+want_e2b_npm="$(sha256sum tests/e2b/js/package-lock.json | cut -d' ' -f1)"
+if [[ "$(cat "$E2B_NPM_STAMP" 2>/dev/null || true)" != "$want_e2b_npm" ]]; then
+  log "npm ci (tests/e2b/js: e2b, @e2b/code-interpreter)"
+  (cd tests/e2b/js && npm ci --no-audit --no-fund --loglevel=error)
+  echo "$want_e2b_npm" >"$E2B_NPM_STAMP"
+else
+  log "E2B JavaScript test clients up to date"
 fi
 
 # The dashboard terminal's xterm.js, pinned, into the package's static files.

@@ -39,7 +39,7 @@ fi
 # tests (pure Python, no VMs) run beside them at a low CPU priority (nice 10), for the same
 # reason.
 rc=0
-VM_TESTS=(tests/adversarial tests/e2e tests/integration)
+VM_TESTS=(tests/adversarial tests/e2b tests/e2e tests/integration)
 .venv/bin/pytest -q --durations=5 -m alone "${VM_TESTS[@]}" || rc=$?
 UNIT_LOG="$(mktemp)"
 nice -n 10 .venv/bin/pytest -q -p no:cacheprovider tests/unit >"$UNIT_LOG" 2>&1 &

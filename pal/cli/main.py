@@ -15,6 +15,7 @@ from pal.sizes import DEFAULT_MEMORY_MIB, DEFAULT_PRESTART, size_name
 
 from . import code as _code  # noqa: F401  (registers `pal vm code` on vm_app)
 from . import help as cli_help
+from .e2b import e2b_app
 from .image import image_app
 from .nodes import node_app
 from .output import Table, fail, mode, print_json, print_rows, print_table
@@ -46,6 +47,7 @@ app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
 app.add_typer(node_app, name="node")
 app.add_typer(snapshots_app, name="snapshots")
+app.add_typer(e2b_app, name="e2b")
 
 DataDir = Annotated[
     Path | None, typer.Option("--data-dir", help="data directory (default PAL_DATA_DIR or /var/lib/pal)")

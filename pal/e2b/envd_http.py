@@ -1,0 +1,267 @@
+"""envd's HTTP API (E2B's published envd.yaml) over :class:`ops.FilesystemOps` and
+:class:`ops.AgentInfoOps`: ``/files`` (download; upload as multipart with one or several
+files, or as one octet-stream body, gzip allowed), ``/health``, ``/envs``, ``/metrics``.
+
+Uploads are bounded before they are read (``Content-Length``) and while they are read
+(a chunked or gzip body counted as it comes, decompressed bytes included), so a huge or
+inflating body is refused with 413 without being buffered.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Message, Receive
+
+from pal.errors import InvalidRequest, PalError, TooLarge, Unauthorized
+
+from . import ops
+from .access import check_signature, check_user
+from .errors import json_error, message_of
+from .streams import Target, current_target
+
+CHUNK = 256 * 1024
+MAX_FILES_PER_UPLOAD = 1000
+METADATA_PREFIX = "x-metadata-"
+MAX_METADATA_KEY = 246  # the xattr name limit less `user.e2b.`
+MAX_METADATA_TOTAL = 4096  # keys, values and the prefix of each, per file
+_XATTR_PREFIX = "user.e2b."
+_PRINTABLE = re.compile(r"\A[\x20-\x7e]*\Z")
+
+
+@dataclass(frozen=True)
+class FilesConfig:
+    max_upload_bytes: int = 64 * 1024 * 1024
+
+
+async def _on_pal_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PalError)
+    return json_error(exc.status, message_of(exc))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path} is not served by the sandbox agent"
+    return json_error(exc.status_code, message)
+
+
+def metadata_from_headers(headers: Any) -> dict[str, str]:
+    """``X-Metadata-<key>: <value>`` request headers as the files' metadata (the key
+    lowercased, the first of repeated headers); 400 beyond envd's bounds."""
+    out: dict[str, str] = {}
+    for raw_key, raw_value in headers.raw:
+        name = raw_key.decode("latin-1").lower()
+        if not name.startswith(METADATA_PREFIX):
+            continue
+        key, value = name[len(METADATA_PREFIX) :], raw_value.decode("latin-1")
+        if not key or len(key.encode()) > MAX_METADATA_KEY or not _PRINTABLE.match(value):
+            raise InvalidRequest(f"metadata {key!r}: keys of 1..{MAX_METADATA_KEY} bytes, printable values")
+        out.setdefault(key, value)
+    total = sum(len(_XATTR_PREFIX) + len(k) + len(v) for k, v in out.items())
+    if total > MAX_METADATA_TOTAL:
+        raise InvalidRequest(f"metadata of {total} bytes: at most {MAX_METADATA_TOTAL} per file")
+    return out
+
+
+def _caller(request: Request, target: Target, path: str, operation: str) -> ops.Caller:
+    """The caller of a ``/files`` request: its user (``username=``), authorised by the
+    sandbox's access token (checked by the agent app) or this URL's signature."""
+    user = check_user(request.query_params.get("username"))
+    if not target.authorised:
+        given = request.query_params.get("signature")
+        if not given or target.access_token is None:
+            raise Unauthorized("this sandbox is secure: send X-Access-Token or a signed URL")
+        check_signature(
+            given,
+            request.query_params.get("signature_expiration"),
+            path=path,
+            operation="read" if operation == "read" else "write",
+            user=user,
+            token=target.access_token,
+        )
+    return ops.Caller(tenant=target.tenant, sandbox_id=target.sandbox_id, user=user)
+
+
+class _Budget:
+    """Counts an upload's bytes (after decompression) against its bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise TooLarge(f"upload larger than {self.limit} bytes")
+
+
+def _bounded_receive(receive: Receive, budget: _Budget) -> Receive:
+    async def counted() -> Message:
+        message = await receive()
+        if message["type"] == "http.request":
+            budget.take(len(message.get("body", b"")))
+        return message
+
+    return counted
+
+
+def _check_length(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise TooLarge(f"upload of {length} bytes: at most {limit}")
+
+
+async def _gunzipped(chunks: AsyncIterator[bytes], budget: _Budget) -> AsyncIterator[bytes]:
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        async for chunk in chunks:
+            data = chunk
+            while data:
+                out = inflate.decompress(data, CHUNK)
+                budget.take(len(out))
+                if out:
+                    yield out
+                data = inflate.unconsumed_tail
+        tail = inflate.flush()
+    except zlib.error as exc:
+        raise InvalidRequest(f"the body is not valid gzip: {exc}") from None
+    budget.take(len(tail))
+    if tail:
+        yield tail
+    if not inflate.eof:
+        raise InvalidRequest("the gzip body ends before its end")
+
+
+async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
+    while chunk := await upload.read(CHUNK):
+        yield chunk
+
+
+async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    deflate = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    async for chunk in chunks:
+        out = deflate.compress(chunk)
+        if out:
+            yield out
+    yield deflate.flush()
+
+
+def _written(entry: ops.Entry) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": entry.path, "name": entry.name, "type": "file"}
+    if entry.metadata:
+        out["metadata"] = dict(entry.metadata)
+    return out
+
+
+def create_envd_http_app(files: ops.FilesystemOps, info: ops.AgentInfoOps, config: FilesConfig) -> Starlette:
+    async def health(_request: Request) -> Response:
+        return Response(status_code=204)
+
+    async def envs(_request: Request) -> Response:
+        target = current_target.get()
+        return JSONResponse(await info.envs(ops.Caller(target.tenant, target.sandbox_id)))
+
+    async def metrics(_request: Request) -> Response:
+        target = current_target.get()
+        m = await info.metrics(ops.Caller(target.tenant, target.sandbox_id))
+        mib = 1024 * 1024
+        return JSONResponse(
+            {
+                "ts": m.ts,
+                "cpu_count": m.cpu_count,
+                "cpu_used_pct": m.cpu_used_pct,
+                "mem_total": m.mem_total,
+                "mem_used": m.mem_used,
+                "mem_cache": m.mem_cache,
+                "mem_total_mib": m.mem_total // mib,
+                "mem_used_mib": m.mem_used // mib,
+                "disk_used": m.disk_used,
+                "disk_total": m.disk_total,
+            }
+        )
+
+    async def download(request: Request) -> Response:
+        path = request.query_params.get("path") or ""
+        if not path:
+            raise InvalidRequest("path is required")
+        who = _caller(request, current_target.get(), path, "read")
+        chunks = await files.read(who, path)
+        headers = {"Content-Type": "application/octet-stream"}
+        if "gzip" in request.headers.get("accept-encoding", "").lower():
+            headers["Content-Encoding"] = "gzip"
+            chunks = _gzipped(chunks)
+        return StreamingResponse(chunks, headers=headers)
+
+    async def upload(request: Request) -> Response:
+        query_path = request.query_params.get("path") or None
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        target = current_target.get()
+        metadata = metadata_from_headers(request.headers)
+        _check_length(request, config.max_upload_bytes)
+        budget = _Budget(config.max_upload_bytes)
+        if media == "multipart/form-data":
+            counted = Request(request.scope, _bounded_receive(request.receive, budget))
+            written = await _multipart(counted, target, query_path, metadata)
+        elif media in ("application/octet-stream", ""):
+            if query_path is None:
+                raise InvalidRequest("an application/octet-stream upload needs path=")
+            who = _caller(request, target, query_path, "write")
+            body: AsyncIterator[bytes] = _counted_stream(request, budget)
+            encoding = request.headers.get("content-encoding", "identity").lower()
+            if encoding == "gzip":
+                # Both the sent and the inflated bytes are bounded (a small body can inflate).
+                body = _gunzipped(body, _Budget(config.max_upload_bytes))
+            elif encoding not in ("identity", ""):
+                raise InvalidRequest(f"Content-Encoding {encoding!r}: identity or gzip")
+            written = [await files.write(who, query_path, body, metadata)]
+        else:
+            raise InvalidRequest(f"upload as multipart/form-data or application/octet-stream, not {media!r}")
+        return JSONResponse([_written(e) for e in written])
+
+    async def _multipart(
+        request: Request, target: Target, query_path: str | None, metadata: Mapping[str, str]
+    ) -> list[ops.Entry]:
+        form = await request.form(max_files=MAX_FILES_PER_UPLOAD, max_fields=MAX_FILES_PER_UPLOAD)
+        try:
+            parts = [part for _, part in form.multi_items() if isinstance(part, UploadFile)]
+            if not parts:
+                raise InvalidRequest("the multipart body has no file part")
+            written = []
+            for part in parts:
+                path = query_path if query_path is not None and len(parts) == 1 else part.filename
+                if not path:
+                    raise InvalidRequest("each file part needs its path as its filename (or path=)")
+                who = _caller(request, target, path, "write")
+                written.append(await files.write(who, path, _upload_chunks(part), metadata))
+            return written
+        finally:
+            await form.close()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/envs", envs, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/files", download, methods=["GET"]),
+            Route("/files", upload, methods=["POST"]),
+        ],
+        exception_handlers={PalError: _on_pal_error, HTTPException: _on_http_error},
+    )
+    return app
+
+
+async def _counted_stream(request: Request, budget: _Budget) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        budget.take(len(chunk))
+        if chunk:
+            yield chunk
