@@ -14,6 +14,12 @@ echo "==> ruff check"
 .venv/bin/ruff check pal tests
 .venv/bin/ruff format --check pal tests
 
+# Types: mypy on the whole package, and --strict on the seams between the processes (the
+# API, the scheduler, the wire contract, the node's RPC server): no Any crosses them.
+echo "==> mypy"
+.venv/bin/mypy pal
+.venv/bin/mypy --strict pal/api pal/scheduler pal/wire pal/manager/rpc.py
+
 # Before any VM test: one real VM under the settings the suite uses (this environment's
 # PAL_*). A host where no VM can start stops the run here, within two minutes, with the
 # reason and `pal doctor`'s verdict (tests/preflight.py), not test by test.

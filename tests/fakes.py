@@ -338,6 +338,7 @@ class FakeManager(InProcessNode):
         counters = None
         if not req.keep_running:
             counters = dict(self.alive.pop(vm_id).counters)
+        mine = [k for k, ok in self.snapshots.items() if ok and k[:2] == (req.agent_version_id, vm_id)]
         return SnapshotResult(
             snapshot_id=req.snapshot_id,
             path="/fake",
@@ -345,6 +346,7 @@ class FakeManager(InProcessNode):
             durations_ms={},
             memory_kind="file",
             egress_counters=counters,
+            stored_bytes=self.snapshot_size * len(mine),  # as the node measures them (list_snapshots)
         )
 
     async def exec_stream(self, vm_id: str, req: ExecRequest) -> AsyncIterator[ExecEvent]:

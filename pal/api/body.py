@@ -13,7 +13,9 @@ from typing import Any
 from fastapi import Request
 
 from pal.errors import InvalidRequest, TooLarge, UnsupportedMediaType
-from pal.guest.protocol import MAX_FILE_BYTES  # the one definition (the harness enforces it too)
+from pal.guest.protocol import (
+    MAX_FILE_BYTES as MAX_FILE_BYTES,  # the one definition (the harness enforces it too)
+)
 
 MAX_FILE_WORDS = f"{MAX_FILE_BYTES >> 20} MiB"  # the limit as messages and docs say it
 

@@ -343,8 +343,8 @@ class ForwardToLeader:
                     url,
                     **to,
                     additional_headers=[*headers, self._signed(scope)],  # signed at each try
-                    subprotocols=protocols or None,  # type: ignore[arg-type]
-                    origin=origin,  # type: ignore[arg-type]
+                    subprotocols=protocols or None,
+                    origin=origin,
                     compression=None,
                     max_size=MAX_WS_MESSAGE,
                     ping_interval=None,

@@ -12,8 +12,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 from pydantic.alias_generators import to_camel
 
+from pal.limits import Limits
 from pal.scheduler.lifetime import lifetime_secs
-from pal.spec import Egress, Limits, WaitPause
+from pal.spec import Egress, WaitPause
 from pal.store import VmRecord
 from pal.wire.models import MetricFigures
 
@@ -27,7 +28,7 @@ class _Out(BaseModel):
 
     # No return annotation on purpose: with one, pydantic documents the model as that type.
     @model_serializer(mode="wrap")
-    def _drop_omitted_nulls(self, handler: SerializerFunctionWrapHandler):
+    def _drop_omitted_nulls(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
         out = handler(self)
         if isinstance(out, dict):
             for name in self._omit_null:

@@ -84,14 +84,24 @@ class Snapshots:
                 vm_id,
                 {k: round(v, 1) for k, v in durations.items()},
             )
-            return SnapshotResult(
-                snapshot_id=req.snapshot_id,
-                path=str(path),
-                sizes=art.sizes,
-                durations_ms=durations,
-                memory_kind="stream" if art.memory_kind == "stream" else "file",
-                egress_counters=counters,
-            )
+        return SnapshotResult(
+            snapshot_id=req.snapshot_id,
+            path=str(path),
+            sizes=art.sizes,
+            durations_ms=durations,
+            memory_kind="stream" if art.memory_kind == "stream" else "file",
+            egress_counters=counters,
+            stored_bytes=await self._stored_bytes(req.agent_version_id, vm_id),
+        )
+
+    async def _stored_bytes(self, agent_version_id: str, vm_id: str) -> int | None:
+        """What the VM's snapshots here take, for the answer (the control plane's books
+        then need no second call); None when it cannot be read."""
+        try:
+            return sum(s.stored_bytes for s in await self.list_vm(agent_version_id, vm_id))
+        except Exception as exc:
+            log.warning("could not measure the snapshots of %s: %s", vm_id, exc)
+            return None
 
     async def _capture(self, lv: LiveVm, req: SnapshotRequest, staging: Path) -> SnapshotArtifacts:
         """The VM's memory, disk, device state and DNS names into ``staging``; the guest is

@@ -1,7 +1,8 @@
 """The states of a VM on this node, as the manager sees them, and the moves between them.
 
-These are the node's own facts about one QEMU (the scheduler's lifecycle states are in
-pal/scheduler/states.py; it asks for the moves). A state is read from the VM's fields, so
+These are the node's own facts about one QEMU (the phases: pal/wire/phases.py; the
+scheduler's lifecycle states are in pal/scheduler/states.py, and pal/scheduler/vocabulary.py
+maps them to these phases and to QEMU's runstates). A state is read from the VM's fields, so
 it can never disagree with them; a helper that changes those fields first asks
 :func:`check_move`, which raises :class:`InvalidMove` (409) for a move the table does not
 allow.
@@ -25,20 +26,10 @@ never handed out twice).
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Protocol
 
 from pal.errors import Conflict, LivePaused
-
-
-class VmPhase(enum.StrEnum):
-    RUNNING = "running"
-    LIVE_PAUSED = "live-paused"  # vCPUs stopped, RAM resident (live.py)
-    OFFLOADED = "offloaded"  # live-paused, RAM handed back to the host (live.py)
-    PARKED = "parked"  # snapshot-paused, QEMU kept stopped for a fast resume (parked.py)
-    POOLED = "pooled"  # in the warm pool: stopped, offloaded, no tenant's yet (pool.py)
-    GONE = "gone"  # its QEMU exited
-
+from pal.wire.phases import VmPhase as VmPhase
 
 P = VmPhase
 MOVES: dict[VmPhase, frozenset[VmPhase]] = {

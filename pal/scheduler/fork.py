@@ -25,7 +25,7 @@ from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
 from pal.store import VmRecord, utcnow
 from pal.wire import verbs
-from pal.wire.models import RestoreFrom, SnapshotRequest
+from pal.wire.models import RestoreFrom, SnapshotRequest, SnapshotResult
 
 S, A = VmState, Action
 
@@ -116,23 +116,24 @@ class Forking:
                 )
             failpoints.hit("fork:reserved")
             if live_source:
-                error = await self._snapshot(src, snap_id)
-                if error is not None:
+                taken = await self._snapshot(src, snap_id)
+                if isinstance(taken, str):
+                    error = taken
                     for c in children:
                         await d.transitions.transition(
                             c.vm_id, A.FAIL_SPAWN, reason=error, mem_snapshot_id=None
                         )
                     return ForkResult(vm_id, snap_id, [ForkChild(c.vm_id, S.FAILED, error) for c in children])
-                await self.books.refresh_bytes(vm_id)
+                await self.books.record_bytes(vm_id, taken)
             failpoints.hit("fork:snapshotted")
         forks = await self._spawn_children(src, children, snap_id)
         d.telemetry.fork.observe(time.perf_counter() - t0)
         return ForkResult(source_vm_id=vm_id, snapshot_id=snap_id, forks=forks)
 
-    async def _snapshot(self, src: VmRecord, snap_id: str) -> str | None:
+    async def _snapshot(self, src: VmRecord, snap_id: str) -> SnapshotResult | str:
         """Snapshot a running source, keeping it running; the error text on failure."""
         try:
-            await self.d.node(src).call(
+            return await self.d.node(src).call(
                 verbs.SNAPSHOT,
                 SnapshotRequest(
                     vm_id=src.vm_id,
@@ -144,7 +145,6 @@ class Forking:
                     protected=self.books.protected(src),
                 ),
             )
-            return None
         except Exception as exc:
             err = as_pal(exc)
             if await self.d.is_alive(src, src.incarnation) is False:

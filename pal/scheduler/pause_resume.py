@@ -178,7 +178,7 @@ class PauseResume:
         )
         d.telemetry.pause.labels(by=by).observe(time.perf_counter() - t0)
         d.telemetry.forget(vm_id)
-        await self.books.refresh_bytes(vm_id)
+        await self.books.record_bytes(vm_id, result)
         return paused
 
     async def _pause_failed(self, vm: VmRecord, prev: str | None, live_ms: int, exc: Exception) -> NoReturn:

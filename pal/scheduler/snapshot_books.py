@@ -18,7 +18,7 @@ from pal.scheduler.deps import Deps
 from pal.scheduler.states import FINAL, NEVER_STARTS
 from pal.store import VmRecord
 from pal.wire import verbs
-from pal.wire.models import SnapshotAt, VmSnapshots, VmSnapshotsDelete
+from pal.wire.models import SnapshotAt, SnapshotResult, VmSnapshots, VmSnapshotsDelete
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,14 @@ class SnapshotBooks:
             self.d.store.update_vm(vm_id, snapshot_bytes=value)
         except Exception as exc:
             log.warning("could not record the snapshot bytes of %s: %s", vm_id, exc)
+
+    async def record_bytes(self, vm_id: str, taken: SnapshotResult) -> None:
+        """After a snapshot: what the node said the VM's snapshots take now (asked again
+        only when it could not tell)."""
+        if taken.stored_bytes is None:
+            await self.refresh_bytes(vm_id)
+        else:
+            self._stamp_bytes(vm_id, taken.stored_bytes)
 
     async def refresh_bytes(self, vm_id: str) -> None:
         """Record what the VM's snapshots take on its node now (after a snapshot, a

@@ -11,11 +11,12 @@ import logging
 from typing import Any
 
 from pal.images.paths import ImageNotFound
+from pal.limits import Limits
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler import placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps
-from pal.spec import Limits, Placement, WaitPause, egress_from_json
+from pal.spec import Placement, WaitPause, egress_from_json
 from pal.store import NodeRecord, VmRecord
 from pal.wire import verbs
 from pal.wire.models import Empty, ImageInfo, RestoreFrom, SpawnRequest, SpawnResult

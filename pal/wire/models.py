@@ -145,6 +145,9 @@ class SnapshotResult(_Model):
     memory_kind: Literal["file", "stream"]
     # the gateway's final counters of the incarnation that ended (keep_running=False)
     egress_counters: dict[str, int] | None = None
+    # what the VM's snapshots on this node take now, this one in and retention done (the
+    # tenant's snapshot books); None when the node could not tell
+    stored_bytes: int | None = None
 
 
 class EgressSet(_Model):
