@@ -16,6 +16,9 @@ from pal import sizes
 # strict: a JSON body means what it says ("256" is not 256, 0 is not false). The request
 # models of pal/spec.py share it.
 STRICT = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True)
+LAX = ConfigDict(
+    alias_generator=to_camel, populate_by_name=True, extra="forbid"
+)  # a body read as the node did
 DEFAULT_MAX_CONNECTIONS = 256  # limits.maxConnections when a spec does not say
 # limits.disk*: far above any device; what a server allows is its PAL_MAX_DISK_* ceiling
 MAX_DISK_MIBPS = 100_000

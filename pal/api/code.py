@@ -17,26 +17,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import StreamingResponse
 
+from pal.cells import CodeRequest, ContextCreate
 from pal.errors import Unavailable
 from pal.wire import verbs
-from pal.wire.code import (
-    CONTEXT_ID_PATTERN,
-    CodeContext,
-    CodeError,
-    CodeEvent,
-    CodeRequest,
-    CodeResult,
-    CodeRun,
-    ContextCreate,
-    ContextDeleted,
-    ContextInterrupted,
-    ContextList,
-    ContextNew,
-    ContextRef,
-)
+from pal.wire.code import CONTEXT_ID_PATTERN, CodeEvent, CodeRun, ContextNew, ContextRef
 from pal.wire.models import VmRef, on_vm
 
 from .body import require_json
+from .code_models import CodeContext, CodeError, CodeResult, ContextDeleted, ContextInterrupted, ContextList
 from .deps import Guest, Tenant
 from .errors import error_responses
 from .exec_budget import ExecBudget, Lease, LeasedJSON
@@ -89,7 +77,7 @@ class CellFold:
             e = ev.error
             size = len(e.name) + len(e.value) + sum(len(x) for x in e.traceback)
             if self._room(size) == size:
-                self.error = e  # the cell's exception: the last one
+                self.error = CodeError.of(e)  # the cell's exception: the last one
         elif ev.type == "end":
             self.end = ev
             return True
@@ -188,17 +176,19 @@ async def run_code(tenant: Tenant, guest: Guest, vm_id: str, req: CodeRequest, r
     responses=error_responses(415),
 )
 async def create_context(tenant: Tenant, guest: Guest, vm_id: str, req: ContextCreate) -> CodeContext:
-    return await guest.call(tenant, verbs.CREATE_CONTEXT, on_vm(ContextNew, vm_id, req))
+    return CodeContext.of(await guest.call(tenant, verbs.CREATE_CONTEXT, on_vm(ContextNew, vm_id, req)))
 
 
 @code_router.get("/contexts", response_model=ContextList, summary="The VM's code contexts")
 async def list_contexts(tenant: Tenant, guest: Guest, vm_id: str) -> ContextList:
-    return await guest.call(tenant, verbs.LIST_CONTEXTS, VmRef(vm_id=vm_id))
+    return ContextList.of(await guest.call(tenant, verbs.LIST_CONTEXTS, VmRef(vm_id=vm_id)))
 
 
 @code_router.delete("/contexts/{ctx}", response_model=ContextDeleted, summary="Stop a context's kernel")
 async def delete_context(tenant: Tenant, guest: Guest, vm_id: str, ctx: ContextId) -> ContextDeleted:
-    return await guest.call(tenant, verbs.DELETE_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))
+    return ContextDeleted.of(
+        await guest.call(tenant, verbs.DELETE_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))
+    )
 
 
 @code_router.post(
@@ -207,4 +197,5 @@ async def delete_context(tenant: Tenant, guest: Guest, vm_id: str, ctx: ContextI
     summary="Interrupt the cell running in a context (KeyboardInterrupt; the context stays)",
 )
 async def interrupt_context(tenant: Tenant, guest: Guest, vm_id: str, ctx: ContextId) -> ContextInterrupted:
-    return await guest.call(tenant, verbs.INTERRUPT_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))
+    interrupted = await guest.call(tenant, verbs.INTERRUPT_CONTEXT, ContextRef(vm_id=vm_id, context_id=ctx))
+    return ContextInterrupted.of(interrupted)

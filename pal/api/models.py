@@ -16,7 +16,6 @@ from pal.limits import Limits
 from pal.scheduler.lifetime import lifetime_secs
 from pal.spec import Egress, WaitPause
 from pal.store import VmRecord
-from pal.wire.models import MetricFigures
 
 
 class _Out(BaseModel):
@@ -272,8 +271,20 @@ class ErrorOut(_Out):
     error: ErrorBody
 
 
-class MetricSampleOut(_Out, MetricFigures):
+class MetricSampleOut(_Out):
     """One sample; a figure is null when unknown (see docs/metrics.md for each source)."""
+
+    t: int = Field(description="sample time, unix milliseconds")
+    cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
+    rss_bytes: int | None = Field(default=None, description="host RSS of the VM's QEMU")
+    pss_bytes: int | None = Field(default=None, description="host PSS of the VM's QEMU")
+    guest_mem_used_bytes: int | None = None
+    guest_mem_total_bytes: int | None = None
+    disk_used_bytes: int | None = None
+    disk_total_bytes: int | None = None
+    net_rx_bytes: int | None = None
+    net_tx_bytes: int | None = None
+    live_paused_ms: int | None = None
 
 
 class VmMetricsOut(_Out):

@@ -41,7 +41,6 @@ from pal.errors import BadGateway, Forbidden, InvalidRequest, PalError, Unauthor
 from pal.scheduler.scheduler import Scheduler
 from pal.store.store import hash_api_key
 from pal.wire.models import PortOpen
-from pal.wire.models import WireModel as _Model
 from pal.wire.tunnel import TunnelStream, error_frame, serve_stream, status_frame
 
 from .auth import tenant_for_key
@@ -52,6 +51,7 @@ from .json_response import JSONResponse
 from .port_links import MAX_LINK_SECS, Link, Links, is_link_id, origin_ok
 from .port_listen import listening_stream
 from .port_origins import PortsOrigins
+from .shapes import Shape as _Model
 from .wsrelay import relay
 
 log = logging.getLogger("pal.api.ports")

@@ -41,7 +41,6 @@ from pal.errors import Forbidden, InvalidRequest, PalError, Unauthorized
 from pal.scheduler.wake import ResolvedVm
 from pal.spec import SignalRequest, Terminal
 from pal.wire import verbs
-from pal.wire.models import WireModel as _Model
 from pal.wire.processes import AttachFrom, ProcessEvent, ProcessRef, ProcessResize, ProcessSignal, StdinWrite
 from pal.wire.tunnel import run_until_one_ends
 
@@ -51,6 +50,7 @@ from .errors import error_responses, public_error
 from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
 from .port_links import Link, Links, OpenLinks, origin_ok
 from .ports import TOKEN_PARAM, _get, _header_items, _query_without_token, _refuse, key_tenant, signing_key
+from .shapes import Shape as _Model
 
 MAX_INPUT_FRAME = 64 * 1024  # one stdin frame from a client (a paste; the SDK splits more)
 MAX_CONTROL_FRAME = 4096  # one JSON control message

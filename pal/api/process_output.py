@@ -22,6 +22,7 @@ from pal.wire.processes import ProcessEvent, ProcessOutput
 from .errors import public_error
 from .exec_stream import FIRST_EVENT_GRACE_S, pumped_sse, sse_frame
 from .json_response import JSONResponse
+from .process_models import ProcessInfo
 
 Encoding = Literal["text", "base64"]
 Piece = tuple[str, str, int]  # (stream, data, offset after it)
@@ -109,7 +110,7 @@ def read_view(res: ProcessOutput, encoding: Encoding) -> dict[str, Any]:
             "output": output,
             "encoding": "base64",
         }
-        return {**raw_body, "process": proc.model_dump(by_alias=True, mode="json")}
+        return {**raw_body, "process": ProcessInfo.of(proc).model_dump(by_alias=True, mode="json")}
     text = TextOutput(encoding)
     pieces: list[Piece] = []
     for chunk in res.chunks:
@@ -124,7 +125,7 @@ def read_view(res: ProcessOutput, encoding: Encoding) -> dict[str, Any]:
         "next": nxt,
         "gap": res.gap,
         "output": merged(pieces),
-        "process": proc.model_dump(by_alias=True, mode="json"),
+        "process": ProcessInfo.of(proc).model_dump(by_alias=True, mode="json"),
     }
     return body
 

@@ -25,16 +25,12 @@ from pal.wire.processes import (
     MAX_WAIT_MS,
     AttachFrom,
     OutputRead,
-    ProcessDeleted,
-    ProcessInfo,
-    ProcessList,
     ProcessRef,
     ProcessResize,
     ProcessSignal,
     ProcessStart,
     ProcessWait,
     StdinWrite,
-    StdinWritten,
 )
 
 from .body import read_bounded, require_json
@@ -43,6 +39,7 @@ from .errors import error_responses
 from .exec_stream import PROCESS_ID_HEADER, TIMEOUT_EXIT_CODE
 from .json_response import JSONResponse
 from .models import ExecOut
+from .process_models import ProcessDeleted, ProcessInfo, ProcessList, StdinWritten
 from .process_output import Encoding, TextOutput, read_view, sse_output
 
 YIELD_OUTPUT_MAX = 1024 * 1024  # output bytes a yielded exec answers with (read on from `next`)
@@ -109,26 +106,26 @@ processes_router = APIRouter(
     responses=error_responses(415),
 )
 async def start_process(tenant: Tenant, guest: Guest, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
-    return await guest.call(tenant, verbs.START_PROCESS, on_vm(ProcessStart, vm_id, req))
+    return ProcessInfo.of(await guest.call(tenant, verbs.START_PROCESS, on_vm(ProcessStart, vm_id, req)))
 
 
 @processes_router.get(
     "", response_model=ProcessList, summary="The VM's processes, running and recently exited"
 )
 async def list_processes(tenant: Tenant, guest: Guest, vm_id: str) -> ProcessList:
-    return await guest.call(tenant, verbs.LIST_PROCESSES, VmRef(vm_id=vm_id))
+    return ProcessList.of(await guest.call(tenant, verbs.LIST_PROCESSES, VmRef(vm_id=vm_id)))
 
 
 @processes_router.get("/{pid}", response_model=ProcessInfo)
 async def get_process(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> ProcessInfo:
-    return await guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
+    return ProcessInfo.of(await guest.call(tenant, verbs.GET_PROCESS, ProcessRef(vm_id=vm_id, pid=pid)))
 
 
 @processes_router.delete(
     "/{pid}", response_model=ProcessDeleted, summary="Kill the process (its group) and forget it"
 )
 async def delete_process(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> ProcessDeleted:
-    return await guest.call(tenant, verbs.DELETE_PROCESS, ProcessRef(vm_id=vm_id, pid=pid))
+    return ProcessDeleted.of(await guest.call(tenant, verbs.DELETE_PROCESS, ProcessRef(vm_id=vm_id, pid=pid)))
 
 
 @processes_router.get(
@@ -171,12 +168,17 @@ async def write_stdin(
     tenant: Tenant, guest: Guest, vm_id: str, pid: Pid, request: Request, eof: bool = False
 ) -> StdinWritten:
     data = await read_bounded(request, MAX_STDIN_BYTES)
-    return await guest.call(tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, data=data, eof=eof))
+    written = await guest.call(
+        tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, data=data, eof=eof)
+    )
+    return StdinWritten.of(written)
 
 
 @processes_router.post("/{pid}/stdin/close", response_model=StdinWritten, summary="Close its stdin")
 async def close_stdin(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> StdinWritten:
-    return await guest.call(tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, eof=True))
+    return StdinWritten.of(
+        await guest.call(tenant, verbs.WRITE_STDIN, StdinWrite(vm_id=vm_id, pid=pid, eof=True))
+    )
 
 
 @processes_router.post(
@@ -213,7 +215,7 @@ async def wait(
     timeout_secs: Annotated[float, Query(alias="timeoutSecs", ge=0, le=MAX_WAIT_SECS)] = 30,
 ) -> ProcessInfo:
     waited = ProcessWait(vm_id=vm_id, pid=pid, timeout_ms=int(timeout_secs * 1000))
-    return await guest.call(tenant, verbs.WAIT_PROCESS, waited)
+    return ProcessInfo.of(await guest.call(tenant, verbs.WAIT_PROCESS, waited))
 
 
 async def yield_exec(guest: GuestCalls, tenant: str, vm_id: str, req: ExecRequest) -> JSONResponse:

@@ -18,9 +18,10 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from pal.api.code import fold_cell
+from pal.cells import CodeRequest
 from pal.errors import InvalidRequest, PalError
 from pal.wire import verbs
-from pal.wire.code import CodeRequest, CodeRun
+from pal.wire.code import CodeRun
 from pal.wire.models import on_vm
 
 from .context import Dash, error_words

@@ -1,6 +1,6 @@
-"""The code interpreter's shapes (issue 26; docs/agents.md "Code interpreter"): requests,
-contexts, a cell's events and its buffered result. The node's RPC, the REST API and the
-SDKs use the same camelCase JSON."""
+"""The node RPC's code-context verbs (issue 26; docs/agents.md "Code interpreter"): what
+they name (the public requests of pal/spec.py and the VM) and answer (contexts, a cell's
+events). The API answers with shapes of its own (pal/api/code_models.py)."""
 
 from __future__ import annotations
 
@@ -8,37 +8,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pal.guest import protocol as p
+from pal.cells import CodeRequest, ContextCreate, Language
 from pal.ids import CONTEXT_ID_PATTERN as CONTEXT_ID_PATTERN
 from pal.ids import SafeId
 from pal.wire.models import WireModel as _Model
 
-Language = Literal["python", "bash"]
-MAX_TIMEOUT_SECS = 24 * 3600
-MAX_ENV_VARS = 256
 DEFAULT_TIMEOUT_SECS = 300.0  # a cell without timeoutSecs
-
-
-class CodeRequest(_Model):
-    code: str = Field(..., max_length=p.MAX_CODE_CHARS, description="the cell's source")
-    language: Language = Field("python", description="`python` (Jupyter's ipykernel) or `bash`")
-    context_id: str | None = Field(
-        None,
-        pattern=CONTEXT_ID_PATTERN,
-        description="the context to run in (default: the language's default context, started on first use)",
-    )
-    timeout_secs: float | None = Field(
-        None,
-        gt=0,
-        le=MAX_TIMEOUT_SECS,
-        description="interrupt the cell after this long (the context stays); default 300",
-    )
-
-
-class ContextCreate(_Model):
-    language: Language = "python"
-    cwd: str | None = Field(None, max_length=4096, description="working directory (relative: in /workspace)")
-    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
 
 
 class CodeContext(_Model):
@@ -82,29 +57,6 @@ class CodeEvent(_Model):
     context_id: str | None = None
     execution_count: int | None = None
     timed_out: bool | None = None
-
-
-class CodeResult(_Model):
-    """A cell's buffered answer."""
-
-    context_id: str
-    execution_count: int | None = Field(..., description="the kernel's count for this cell")
-    stdout: str
-    stderr: str
-    results: list[dict[str, Any]] = Field(
-        ...,
-        description="display results in order: MIME bundles (text/plain, text/html, image/png as base64, "
-        "image/svg+xml, application/json) with `isMainResult` (true: the last expression's value)",
-    )
-    text: str | None = Field(..., description="the last expression's text/plain, or null")
-    error: CodeError | None = Field(..., description="the cell's exception (name, value, traceback), or null")
-    timed_out: bool = Field(False, description="the timeout interrupted the cell; the context stays usable")
-    truncated: bool | None = Field(
-        default=None,
-        description="true: the tenant's budget of buffered output on this server (PAL_EXEC_BUFFER_MIB)"
-        " ran out during the cell, and what came past it was not kept (stream the cell with SSE for all);"
-        " absent otherwise",
-    )
 
 
 # ---------------------------------------------------------------------- what a request names

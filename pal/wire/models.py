@@ -364,7 +364,7 @@ class FileDeleted(_Model):
 
 class MetricFigures(BaseModel):
     """The figures of one per-VM sample, null where one is not known (pal/manager/metrics.py
-    says where each comes from): the node's sample and the API's (``MetricSampleOut``)."""
+    says where each comes from)."""
 
     t: int = Field(description="sample time, unix milliseconds")
     cpu_pct: float | None = Field(default=None, description="host CPU of the VM, % of one core")
