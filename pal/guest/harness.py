@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from pal.guest import netsetup, portrelay, system
+from pal.guest import netsetup, portrelay, procrequests, system
 from pal.guest import protocol as P
 from pal.guest.channel import Channel, Credits
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
@@ -36,19 +36,7 @@ from pal.guest.ticker import Ticker
 from pal.guest.workspace import Workspace
 
 FILE_KINDS = frozenset({P.K_LS, P.K_READ, P.K_WRITE, P.K_RM})
-PROCESS_KINDS = frozenset(
-    {
-        P.K_PLIST,
-        P.K_PGET,
-        P.K_PREAD,
-        P.K_PATTACH,
-        P.K_PSTDIN,
-        P.K_PSIGNAL,
-        P.K_PRESIZE,
-        P.K_PWAIT,
-        P.K_PDELETE,
-    }
-)
+PROCESS_KINDS = procrequests.KINDS
 CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRUN})
 TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART}
 

@@ -29,6 +29,7 @@ MAX_WAIT_MS = 60_000  # the longest long-poll (pread, pwait) a request may ask f
 MAX_READ_BYTES = 4 * 1024 * 1024  # the most output one pread answers with
 
 Reply = Callable[..., bool]
+Answer = tuple[dict[str, Any], bytes | None]  # a request's result, and the bytes it carries
 
 
 def _int(msg: P.Message, name: str, default: int, lo: int, hi: int) -> int:
@@ -147,34 +148,37 @@ class ProcessRequests:
         if kind == P.K_PATTACH:
             self.attach(rid, msg)
             return
-        data: bytes | None = None
-        if kind == P.K_PLIST:
-            result: dict[str, Any] = {"processes": [p.info() for p in self.table.all()]}
-        elif kind == P.K_PGET:
-            result = {"process": self.table.get(msg.get("pid")).info()}
-        elif kind == P.K_PREAD:
-            result, data = self._read(msg)
-        elif kind == P.K_PSTDIN:
-            result = self._stdin(msg)
-        elif kind == P.K_PSIGNAL:
-            self.table.get(msg.get("pid")).signal(signal_number(msg.get("signal")))
-            result = {}
-        elif kind == P.K_PRESIZE:
-            proc = self.table.get(msg.get("pid"))
-            proc.resize(_int(msg, "cols", 80, 1, 1000), _int(msg, "rows", 24, 1, 1000))
-            result = {}
-        elif kind == P.K_PWAIT:
-            proc = self.table.get(msg.get("pid"))
-            proc.wait_exit(_int(msg, "timeout_ms", 0, 0, MAX_WAIT_MS) / 1000)
-            result = {"process": proc.info()}
-        elif kind == P.K_PDELETE:
-            self.table.remove(msg.get("pid"))
-            result = {"pid": msg.get("pid"), "deleted": True}
-        else:
+        answer = ANSWERS.get(kind)
+        if answer is None:
             raise ExecError(P.ERR_INVAL, f"unknown process request {kind!r}")
+        result, data = answer(self, msg)
         self.reply(rid, P.K_OK, data, result=result)
 
-    def _read(self, msg: P.Message) -> tuple[dict[str, Any], bytes]:
+    def _list(self, msg: P.Message) -> Answer:
+        return {"processes": [p.info() for p in self.table.all()]}, None
+
+    def _get(self, msg: P.Message) -> Answer:
+        return {"process": self.table.get(msg.get("pid")).info()}, None
+
+    def _signal(self, msg: P.Message) -> Answer:
+        self.table.get(msg.get("pid")).signal(signal_number(msg.get("signal")))
+        return {}, None
+
+    def _resize(self, msg: P.Message) -> Answer:
+        proc = self.table.get(msg.get("pid"))
+        proc.resize(_int(msg, "cols", 80, 1, 1000), _int(msg, "rows", 24, 1, 1000))
+        return {}, None
+
+    def _wait(self, msg: P.Message) -> Answer:
+        proc = self.table.get(msg.get("pid"))
+        proc.wait_exit(_int(msg, "timeout_ms", 0, 0, MAX_WAIT_MS) / 1000)
+        return {"process": proc.info()}, None
+
+    def _delete(self, msg: P.Message) -> Answer:
+        self.table.remove(msg.get("pid"))
+        return {"pid": msg.get("pid"), "deleted": True}, None
+
+    def _read(self, msg: P.Message) -> Answer:
         proc = self.table.get(msg.get("pid"))
         start = _int(msg, "from", 0, 0, 2**62)
         limit = _int(msg, "max_bytes", MAX_READ_BYTES, 1, MAX_READ_BYTES)
@@ -190,7 +194,7 @@ class ProcessRequests:
         result = {"process": proc.info(), "from": start, "next": nxt, "gap": gap, "records": meta}
         return result, b"".join(d for _, _, d in records)
 
-    def _stdin(self, msg: P.Message) -> dict[str, Any]:
+    def _stdin(self, msg: P.Message) -> Answer:
         proc = self.table.get(msg.get("pid"))
         eof = msg.get("eof", False)
         if not isinstance(eof, bool):
@@ -199,4 +203,19 @@ class ProcessRequests:
         written = proc.write_stdin(data) if data else 0
         if eof and written == len(data):
             proc.close_stdin()
-        return {"written": written, "closed": not proc.stdin_open}
+        return {"written": written, "closed": not proc.stdin_open}, None
+
+
+# The process requests answered once, each by its method: the one table of them (the
+# harness takes every kind here, and ``pattach``, as a process request).
+ANSWERS: dict[str, Callable[[ProcessRequests, P.Message], Answer]] = {
+    P.K_PLIST: ProcessRequests._list,
+    P.K_PGET: ProcessRequests._get,
+    P.K_PREAD: ProcessRequests._read,
+    P.K_PSTDIN: ProcessRequests._stdin,
+    P.K_PSIGNAL: ProcessRequests._signal,
+    P.K_PRESIZE: ProcessRequests._resize,
+    P.K_PWAIT: ProcessRequests._wait,
+    P.K_PDELETE: ProcessRequests._delete,
+}
+KINDS = frozenset({P.K_PATTACH, *ANSWERS})
