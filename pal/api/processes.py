@@ -77,6 +77,19 @@ class ResizeOut(_Out):
     rows: int
 
 
+class ProcessStatsOut(_Out):
+    process_id: int
+    running: bool
+    state: str = Field(
+        description="the kernel's state letter (R running, S sleeping, D disk wait, T stopped, Z zombie), "
+        "or `exited`"
+    )
+    cpu_user_ms: int | None = Field(description="CPU time in user mode, ms; null once it ended")
+    cpu_system_ms: int | None = Field(description="CPU time in the kernel, ms; null once it ended")
+    rss_bytes: int | None = Field(description="resident memory, bytes; null once it ended")
+    threads: int | None = Field(description="its threads; null once it ended")
+
+
 def _resume_offset(last_event_id: str | None, start: int) -> int:
     """``Last-Event-ID`` (an SSE client's reconnect) wins over ``?from=``."""
     if last_event_id is None or not last_event_id.strip():
@@ -204,6 +217,16 @@ async def resize(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid, req: Termin
         tenant, verbs.RESIZE_PROCESS, ProcessResize(vm_id=vm_id, pid=pid, cols=req.cols, rows=req.rows)
     )
     return ResizeOut(process_id=pid, cols=req.cols, rows=req.rows)
+
+
+@processes_router.get(
+    "/{pid}/stats",
+    response_model=ProcessStatsOut,
+    summary="Its CPU time, resident memory, threads and state from the guest's /proc (the process itself)",
+)
+async def stats(tenant: Tenant, guest: Guest, vm_id: str, pid: Pid) -> ProcessStatsOut:
+    got = await guest.call(tenant, verbs.PROCESS_STATS, ProcessRef(vm_id=vm_id, pid=pid))
+    return ProcessStatsOut(process_id=got.pid, **got.model_dump(exclude={"pid"}))
 
 
 @processes_router.post("/{pid}/wait", response_model=ProcessInfo, summary="Wait for it to exit (long poll)")

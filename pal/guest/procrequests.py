@@ -8,6 +8,7 @@ stream detached and reattaches from the offsets it had.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -174,6 +175,30 @@ class ProcessRequests:
         proc.wait_exit(_int(msg, "timeout_ms", 0, 0, MAX_WAIT_MS) / 1000)
         return {"process": proc.info()}, None
 
+    def _stats(self, msg: P.Message) -> Answer:
+        """``pstats {pid}`` -> ok {pid, running, state, cpu_user_ms, cpu_system_ms, rss_bytes,
+        threads}: the process itself (not its children) as /proc/<its pid> says now; the
+        figures are null once it ended (the kernel forgot it)."""
+        proc = self.table.get(msg.get("pid"))
+        out: dict[str, Any] = {"pid": proc.id, "running": proc.running, "state": "exited"}
+        out |= dict.fromkeys(("cpu_user_ms", "cpu_system_ms", "rss_bytes", "threads"))
+        try:
+            with open(f"/proc/{proc.os_pid}/stat", "rb") as f:
+                raw = f.read().decode("ascii", "replace")
+        except OSError:
+            return out, None  # reaped: no figures left
+        # "pid (comm) state ..." where comm may hold spaces and parentheses: split after the last ")"
+        fields = raw[raw.rindex(")") + 2 :].split()
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        out |= {
+            "state": fields[0],
+            "cpu_user_ms": int(int(fields[11]) * tick_ms),
+            "cpu_system_ms": int(int(fields[12]) * tick_ms),
+            "threads": int(fields[17]),
+            "rss_bytes": int(fields[21]) * os.sysconf("SC_PAGE_SIZE"),
+        }
+        return out, None
+
     def _delete(self, msg: P.Message) -> Answer:
         self.table.remove(msg.get("pid"))
         return {"pid": msg.get("pid"), "deleted": True}, None
@@ -217,5 +242,6 @@ ANSWERS: dict[str, Callable[[ProcessRequests, P.Message], Answer]] = {
     P.K_PRESIZE: ProcessRequests._resize,
     P.K_PWAIT: ProcessRequests._wait,
     P.K_PDELETE: ProcessRequests._delete,
+    "pstats": ProcessRequests._stats,
 }
 KINDS = frozenset({P.K_PATTACH, *ANSWERS})

@@ -59,6 +59,11 @@ class Processes(_wire.RuntimeCalls):
     def get(self, vm_id: str, pid: int) -> dict[str, Any]:
         return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
 
+    def stats(self, vm_id: str, pid: int) -> dict[str, Any]:
+        """Its CPU time, resident memory, threads and state now (``{processId, running,
+        state, cpuUserMs, cpuSystemMs, rssBytes, threads}``; null figures once it ended)."""
+        return dict(self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stats"))
+
     def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         """One read from ``offset``: ``{from, next, gap, output: [{stream, data: bytes}], process}``."""
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}
@@ -192,6 +197,10 @@ class AsyncProcesses(_wire.AsyncRuntimeCalls):
 
     async def get(self, vm_id: str, pid: int) -> dict[str, Any]:
         return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}"))
+
+    async def stats(self, vm_id: str, pid: int) -> dict[str, Any]:
+        """As :meth:`Processes.stats`."""
+        return dict(await self._json("GET", f"/vms/{_wire.seg(vm_id)}/processes/{_wire.seg(pid)}/stats"))
 
     async def read(self, vm_id: str, pid: int, offset: int = 0, *, wait_ms: int = 0) -> dict[str, Any]:
         params = {"from": offset, "waitMs": wait_ms, "encoding": "base64"}

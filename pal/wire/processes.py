@@ -112,6 +112,19 @@ class ProcessDeleted(_Model):
     deleted: bool
 
 
+class ProcessStats(_Model):
+    """A process's figures from the guest's /proc, now (the process itself, not its
+    children); null once it ended. Bounded: the guest's word, checked here."""
+
+    pid: Pid
+    running: bool
+    state: str = Field(max_length=16)  # the kernel's state letter (R, S, D, Z, T...) or "exited"
+    cpu_user_ms: int | None = Field(default=None, ge=0, le=2**62)
+    cpu_system_ms: int | None = Field(default=None, ge=0, le=2**62)
+    rss_bytes: int | None = Field(default=None, ge=0, le=2**62)
+    threads: int | None = Field(default=None, ge=0, le=2**31)
+
+
 class SignalSent(_Model):
     process_id: int
     signal: str

@@ -480,6 +480,17 @@ WAIT_PROCESS = Call(
     timeout_s=lambda r: r.timeout_ms / 1000 + LONG_POLL_SLACK_S,
 )
 
+PROCESS_STATS = Call(
+    "process_stats",
+    "GET",
+    "/vms/{vmId}/processes/{pid}/stats",
+    pr.ProcessRef,
+    pr.ProcessStats,
+    "Its CPU time, resident memory, threads and state from the guest's /proc, now (the process "
+    "itself; null figures once it ended). " + _guest("process"),
+    guest=GuestOp("pstats", "process"),
+)
+
 # Code contexts (docs/agents.md; the node side: pal/manager/code.py): as processes, with 404
 # CONTEXT_NOT_FOUND, 409 CONTEXT_BUSY / KERNEL_UNAVAILABLE, 429 TOO_MANY_CONTEXTS.
 RUN_CODE = Stream(

@@ -172,6 +172,24 @@ func (p *ProcessesService) Signal(ctx context.Context, vmID string, pid int64, s
 	return p.c.doJSON(ctx, call{route: routeSignalProcess, params: pidParams(vmID, pid), json: body}, nil)
 }
 
+// ProcessStats are a process's figures from the guest's /proc, now (the process itself,
+// not its children). The figures are nil once it ended.
+type ProcessStats struct {
+	ProcessID   int64  `json:"processId"`
+	Running     bool   `json:"running"`
+	State       string `json:"state"` // the kernel's state letter (R, S, D, T, Z), or "exited"
+	CPUUserMs   *int64 `json:"cpuUserMs"`
+	CPUSystemMs *int64 `json:"cpuSystemMs"`
+	RSSBytes    *int64 `json:"rssBytes"`
+	Threads     *int64 `json:"threads"`
+}
+
+// Stats reads the process's CPU time, resident memory, threads and state now.
+func (p *ProcessesService) Stats(ctx context.Context, vmID string, pid int64) (*ProcessStats, error) {
+	var out ProcessStats
+	return &out, p.c.doJSON(ctx, call{route: routeProcessStats, params: pidParams(vmID, pid)}, &out)
+}
+
 // Resize gives the process's terminal a new size (the program gets SIGWINCH); ErrConflict
 // for a process without a terminal.
 func (p *ProcessesService) Resize(ctx context.Context, vmID string, pid int64, cols, rows int) error {

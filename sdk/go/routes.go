@@ -47,6 +47,7 @@ var (
 	routeCloseStdin    = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/stdin/close"}
 	routeSignalProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/signal"}
 	routeResizeProcess = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/resize"}
+	routeProcessStats  = route{"GET", "/v1/runtime/vms/{vm_id}/processes/{pid}/stats"}
 	routeWaitProcess   = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/wait"}
 	routeAttachURL     = route{"POST", "/v1/runtime/vms/{vm_id}/processes/{pid}/attach-url"}
 

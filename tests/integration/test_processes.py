@@ -308,6 +308,42 @@ def test_yield_after_ms_both_ways(shared: tuple[httpx.Client, str]) -> None:
 # ----------------------------------------------------------------------------- refusals
 
 
+def test_a_processs_stats_come_from_the_guest(
+    pal_server: PalServer, tenant_key: str, shared: tuple[httpx.Client, str]
+) -> None:
+    """GET .../stats: the guest's /proc of the process now, through a verb the node relays
+    with no code of its own; and the SDK's call of it."""
+    from pal.sdk import Client
+
+    api, vm = shared
+    base = procs(vm)
+    idle = start(api, vm, "echo up; exec sleep 600")
+    read_until(api, vm, idle, "up")
+    r = api.get(f"{base}/{idle}/stats")
+    assert r.status_code == 200, r.text
+    now = r.json()
+    assert now["processId"] == idle and now["running"] is True and now["state"] == "S", now
+    assert now["threads"] == 1 and now["rssBytes"] > 0 and now["cpuUserMs"] >= 0, now
+    # a shell that counted to 300 000 spent CPU time, which its own figures show
+    busy = start(api, vm, "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; echo done; read x", stdin=True)
+    read_until(api, vm, busy, "done")
+    with Client(pal_server.url, tenant_key, timeout=60) as sdk:
+        spent = sdk.runtime.processes.stats(vm, busy)
+    assert spent["running"] is True and spent["cpuUserMs"] + spent["cpuSystemMs"] > 0, spent
+    assert api.post(f"{base}/{idle}/signal", json={"signal": "TERM"}).status_code == 200
+    assert wait(api, vm, idle)["running"] is False
+    ended = api.get(f"{base}/{idle}/stats").json()
+    assert (ended["running"], ended["state"], ended["rssBytes"], ended["cpuUserMs"]) == (
+        False,
+        "exited",
+        None,
+        None,
+    )
+    r = api.get(f"{base}/999999/stats")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "PROCESS_NOT_FOUND", r.text
+    api.post(f"{base}/{busy}/stdin/close")
+
+
 def test_bad_input_is_400_and_unknown_processes_404(shared: tuple[httpx.Client, str]) -> None:
     api, vm = shared
     base = procs(vm)

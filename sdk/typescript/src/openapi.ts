@@ -383,6 +383,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runtime/vms/{vm_id}/processes/{pid}/stats": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Its CPU time, resident memory, threads and state from the guest's /proc (the process itself) */
+        get: operations["stats_v1_runtime_vms__vm_id__processes__pid__stats_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runtime/vms/{vm_id}/processes/{pid}/wait": {
         parameters: {
             query?: never;
@@ -1948,6 +1965,38 @@ export interface components {
              * @default 8388608
              */
             journalBytes?: number;
+        };
+        /** ProcessStatsOut */
+        ProcessStatsOut: {
+            /** Processid */
+            processId: number;
+            /** Running */
+            running: boolean;
+            /**
+             * State
+             * @description the kernel's state letter (R running, S sleeping, D disk wait, T stopped, Z zombie), or `exited`
+             */
+            state: string;
+            /**
+             * Cpuuserms
+             * @description CPU time in user mode, ms; null once it ended
+             */
+            cpuUserMs: number | null;
+            /**
+             * Cpusystemms
+             * @description CPU time in the kernel, ms; null once it ended
+             */
+            cpuSystemMs: number | null;
+            /**
+             * Rssbytes
+             * @description resident memory, bytes; null once it ended
+             */
+            rssBytes: number | null;
+            /**
+             * Threads
+             * @description its threads; null once it ended
+             */
+            threads: number | null;
         };
         /**
          * ReadyOut
@@ -4682,6 +4731,84 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ResizeOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description the tenant holds its whole budget of this right now */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    stats_v1_runtime_vms__vm_id__processes__pid__stats_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+                /** @description the process's id (`processId`) */
+                pid: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ProcessStatsOut"];
                 };
             };
             /** @description invalid request */

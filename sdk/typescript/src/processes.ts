@@ -26,6 +26,7 @@ export type ProcessDeleted = Schemas["ProcessDeleted"];
 export type StdinWritten = Schemas["StdinWritten"];
 export type Signaled = Schemas["SignalOut"];
 export type Resized = Schemas["ResizeOut"];
+export type ProcessStats = Schemas["ProcessStatsOut"];
 /** A signal for `signal()`: sent to the process's whole group. */
 export type SignalName = Schemas["SignalRequest"]["signal"];
 
@@ -213,6 +214,11 @@ export class Processes {
       params: params(vmId, pid),
       json: { signal },
     });
+  }
+
+  /** Its CPU time, resident memory, threads and state now, from the guest's /proc (null figures once it ended). */
+  stats(vmId: string, pid: number): Promise<ProcessStats> {
+    return this.client.json("get", "/v1/runtime/vms/{vm_id}/processes/{pid}/stats", { params: params(vmId, pid) });
   }
 
   /** Its terminal's new size (the program gets SIGWINCH); 409 for a process without one. */
