@@ -274,7 +274,7 @@ class FakeManager(InProcessNode):
         """Simulate a QEMU crash."""
         self.alive.pop(vm_id, None)
 
-    # -- RuntimeManager ---------------------------------------------------------------------
+    # -- what the node does (its verbs are bound to these below) -----------------------------
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         self.calls.append(("spawn", req.vm_id))

@@ -124,8 +124,8 @@ class NodeRuntime:
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
         self.guest = GuestCalls(reg)
-        self.processes = GuestProcesses(reg)  # the RPC calls it directly (rpc_processes.py)
-        self.code = GuestCode(reg)  # code contexts, the same way (rpc_code.py)
+        self.processes = GuestProcesses(reg)
+        self.code = GuestCode(reg)  # code contexts
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
         self.egress = Egress(reg, self.net, board)
         self.adopter = Adopter(

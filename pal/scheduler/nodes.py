@@ -5,7 +5,7 @@ per node.
   and its heartbeat is *pulled* (the ``heartbeat`` verb) by the leader every
   ``PAL_NODE_HEARTBEAT_INTERVAL`` seconds.
 - A **remote** node (`pal node`) *pushes* its heartbeat to ``POST /v1/nodes/heartbeat``; its
-  client is an HTTP :class:`ManagerClient` to the URL it reported, carrying its token
+  client is an :class:`HttpNode` to the URL it reported, carrying its token
   (derived from ``PAL_CLUSTER_SECRET``; pal/manager/auth.py).
 
 Both end in :meth:`NodePool.record` (a fenced store write: only the leader records).

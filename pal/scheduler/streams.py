@@ -4,7 +4,7 @@ VM (docs/security.md, "Fair shares").
 A long-lived call (an exec, buffered or streamed; a process's output stream or WebSocket
 attach; a long poll; a code cell or a kernel's start; a request to or a tunnel into a VM's
 port) holds a connection to the VM's node, and the guest's attention, for as long as it
-lasts. Each node has its own ceiling (pal/manager/client_http.py, ``StreamSlots``); under
+lasts. Each node has its own ceiling (pal/scheduler/node_client.py, ``StreamSlots``); under
 it, a tenant may hold at most ``PAL_TENANT_MAX_STREAMS`` of them and each VM at most
 ``PAL_VM_MAX_STREAMS``, so one tenant can never take what the others need. Past a cap a new
 call is refused at once with 429 ``RESOURCE_EXHAUSTED``, before anything runs; nothing

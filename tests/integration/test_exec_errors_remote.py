@@ -165,7 +165,7 @@ def test_exec_errors_are_the_same_on_the_embedded_and_a_remote_node(
 
 def test_processes_work_the_same_through_a_remote_node(remote: tuple[LocalCluster, str]) -> None:
     """Issue 22: the process calls and the output stream over the node's RPC on the
-    network (pal/manager/rpc_processes.py, client_processes.py)."""
+    network (the process verbs of pal/wire/verbs.py)."""
     from tests.integration.test_processes import follow, read_all, start, wait
 
     cluster, remote_key = remote

@@ -11,7 +11,7 @@ from pal.server import http_config
 
 
 def test_a_server_keeps_idle_connections_past_an_httpx_clients_reuse_window() -> None:
-    client_reuse_s = httpx.Limits().keepalive_expiry  # what ManagerClient and the SDKs use
+    client_reuse_s = httpx.Limits().keepalive_expiry  # what HttpNode and the SDKs use
     assert client_reuse_s is not None
     cfg = http_config(Starlette(), lifespan="off")
     assert cfg.timeout_keep_alive >= 10 * client_reuse_s, cfg.timeout_keep_alive
