@@ -90,8 +90,8 @@ class Node:
         if self.store.mirror is not None:
             log.info("snapshot mirror: S3 %s bucket %s", settings.s3_endpoint, settings.s3_bucket)
         self.store.cleanup_staging()
-        self.runtime = NodeRuntime(settings, self.store, self.accel)
-        self.runtime.templates = TemplateCache.from_settings(settings) if settings.templates else None
+        templates = TemplateCache.from_settings(settings) if settings.templates else None
+        self.runtime = NodeRuntime(settings, self.store, self.accel, templates)
         self._log_limits()
 
     def _log_limits(self) -> None:

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ class ReportDeps:
     settings: Settings
     store: SnapshotStore
     registry: VmRegistry
-    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    templates: TemplateCache | None  # None: PAL_TEMPLATES=0
     template_host: TemplateHost  # a warm build spawns through it
     load: LoadSampler  # a guest's silence in CPU time (host_cpu.py)
 
@@ -103,7 +102,7 @@ class NodeReports:
         return NodeHeartbeat(node_id=self.d.me.node_id, accel=self.d.me.accel, vms=out, **report)
 
     def _warm_templates(self) -> list[WarmTemplate]:
-        templates = self.d.templates()
+        templates = self.d.templates
         out = []
         for t in templates.warm() if templates is not None else []:
             with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -172,7 +171,7 @@ class NodeReports:
     # ------------------------------------------------------------------ images
     def image_info(self, image: ImagePaths) -> ImageInfo:
         m = image.meta
-        templates = self.d.templates()
+        templates = self.d.templates
         return ImageInfo(
             name=image.name,
             agent_version_id=image.agent_version_id,
@@ -196,7 +195,7 @@ class NodeReports:
     async def warm(self, req: WarmRequest) -> WarmResult:
         """Build the template of ``req.image`` at that size now (``--warm``); returns when
         it is ready (or could not be built). Prerequisite: templates enabled."""
-        templates = self.d.templates()
+        templates = self.d.templates
         if templates is None:
             raise Unavailable("warm templates are disabled on this node (PAL_TEMPLATES=0)")
         image = await asyncio.to_thread(load_image, self.d.settings, req.image)

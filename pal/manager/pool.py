@@ -90,7 +90,7 @@ class PoolDeps:
     net: VmNetworking
     spawn_pooled: Callable[[SpawnRequest], Awaitable[LiveVm]]  # spawn.Spawner.spawn_pooled
     free_vm_files: Callable[[str, str], Awaitable[Any]]  # stop.VmFiles.free_vm_files
-    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    templates: TemplateCache | None  # None: PAL_TEMPLATES=0
     template_host: TemplateHost  # builds a missing template
 
 
@@ -98,7 +98,7 @@ async def template_ready(d: PoolDeps, key: str) -> bool:
     """The template pooled VMs of entry ``key`` restore from, built first when missing;
     False when there is none to be had (PAL_TEMPLATES=0, a size without templates, a failed
     build): pooled VMs are only ever restored from a template."""
-    templates = d.templates()
+    templates = d.templates
     if templates is None:
         return False
     name, size = sizes.split_pool_entry(key)

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ class RestoreDeps:
     store: SnapshotStore
     net: VmNetworking
     registry: VmRegistry
-    templates: Callable[[], TemplateCache | None]  # None: PAL_TEMPLATES=0
+    templates: TemplateCache | None  # None: PAL_TEMPLATES=0
     template_host: TemplateHost  # builds a missing template in the background
     load: LoadSampler  # stretches the identify timeout on a busy host (host_cpu.py)
 
@@ -109,7 +108,7 @@ class Restores:
             image = image_for_restore(self.d.settings, req.image, boot_id)
             return BootSource(image, "restore", snap_dir / "rootfs", snap_dir=snap_dir, ref=ref)
         image = load_image(self.d.settings, req.image)
-        templates = self.d.templates()
+        templates = self.d.templates
         if req.boot != "cold" and templates is not None:
             size = size_name(req.memory_mib, req.vcpus, req.disk_mib)
             template = pinned.enter_context(templates.use(image, size))

@@ -50,7 +50,7 @@ from pal.manager.restore import RestoreDeps, Restores
 from pal.manager.restore_gate import RestoreGate
 from pal.manager.sampling import Sampler
 from pal.manager.snapshot import SnapshotDeps, Snapshots
-from pal.manager.spawn import SpawnDeps, Spawner
+from pal.manager.spawn import PoolHooks, SpawnDeps, Spawner
 from pal.manager.stop import Stopper, VmFiles
 from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import VmRegistry
@@ -68,12 +68,19 @@ from pal.wire.tunnel import Opened
 
 
 class NodeRuntime:
-    def __init__(self, settings: Settings, store: SnapshotStore, accel: AccelInfo) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: SnapshotStore,
+        accel: AccelInfo,
+        templates: TemplateCache | None = None,
+    ) -> None:
+        """``templates``: the warm templates (None: PAL_TEMPLATES=0, every VM boots cold)."""
         self.settings = settings
         self.store = store
         self.accel = accel
         self.me = NodeIdentity(settings.node_name or os.uname().nodename, uuid.uuid4().hex, accel.name)
-        self.templates: TemplateCache | None = None  # set by the server (PAL_TEMPLATES=0: none)
+        self.templates = templates
         self.net = VmNetworking(settings)
         self.registry = VmRegistry(settings.vms_dir, self.net.seal_brokered)
         self.jail = Jail()  # each QEMU's uid, and groups for RAM files forks share
@@ -97,12 +104,27 @@ class NodeRuntime:
             stop=lambda vm_id: self.stopper.stop(vm_id),
             live=reg.live,
         )
-        restores = Restores(
-            RestoreDeps(settings, store, self.net, reg, lambda: self.templates, host, gate.sampler)
-        )
+        restores = Restores(RestoreDeps(settings, store, self.net, reg, templates, host, gate.sampler))
         net, jail = self.net, self.jail
+        self.prestart = PrestartSet(
+            PrestartDeps(settings, accel.name, reg, net, jail, gate, self.files.free_vm_files)
+        )
+        # The warm pool spawns its VMs through the spawner, and a spawn claims from the pool.
+        pool = PoolHooks(claim=lambda req: self.pool.claim(req), evict=lambda mib: self.pool.evict(mib))
         self.spawner = Spawner(
-            SpawnDeps(settings, accel.name, reg, net, jail, self.forks, self.parking, restores, gate)
+            SpawnDeps(
+                settings,
+                accel.name,
+                reg,
+                net,
+                jail,
+                self.forks,
+                self.parking,
+                restores,
+                gate,
+                pool,
+                self.prestart,
+            )
         )
         self.pool = WarmPool(
             PoolDeps(
@@ -111,15 +133,10 @@ class NodeRuntime:
                 self.net,
                 self.spawner.spawn_pooled,
                 self.files.free_vm_files,
-                lambda: self.templates,
+                templates,
                 host,
             )
         )
-        self.spawner.claim, self.spawner.evict_pool = self.pool.claim, self.pool.evict
-        self.prestart = PrestartSet(
-            PrestartDeps(settings, accel.name, reg, net, jail, gate, self.files.free_vm_files)
-        )
-        self.spawner.prestart = self.prestart
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
@@ -131,9 +148,7 @@ class NodeRuntime:
         self.adopter = Adopter(
             AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks, gate.sampler)
         )
-        self.reports = NodeReports(
-            ReportDeps(self.me, settings, store, reg, lambda: self.templates, host, gate.sampler)
-        )
+        self.reports = NodeReports(ReportDeps(self.me, settings, store, reg, templates, host, gate.sampler))
         self.sampler = Sampler(
             reg, self.metrics, settings.heartbeat_interval_s, self.net.cached_bytes, self.net.refresh_counters
         )

@@ -48,8 +48,15 @@ log = logging.getLogger(__name__)
 
 COLD_BOOT_TIMEOUT_S = 120.0  # TCG boots take seconds; a loaded CI machine more
 
-# A claim from the warm pool (pool.py): the spawn's result, or None to spawn as usual.
-Claim = Callable[[SpawnRequest], Awaitable[SpawnResult | None]]
+
+@dataclass(frozen=True)
+class PoolHooks:
+    """The warm pool's part in a spawn (pool.py): ``claim`` a pooled VM for a request (its
+    result, or None to spawn as usual), ``evict`` pooled VMs to free MiB (how many it freed).
+    The pool spawns its VMs through the spawner, so these reach it when called."""
+
+    claim: Callable[[SpawnRequest], Awaitable[SpawnResult | None]]
+    evict: Callable[[int], Awaitable[int]]
 
 
 @dataclass
@@ -65,6 +72,8 @@ class SpawnDeps:
     parking: Parking
     restores: Restores
     gate: RestoreGate
+    pool: PoolHooks
+    prestart: PrestartSet  # QEMUs waiting for a restore to take (prestart.py)
 
 
 @dataclass
@@ -95,9 +104,6 @@ class _Spawning:
 class Spawner:
     def __init__(self, deps: SpawnDeps) -> None:
         self.d = deps
-        self.claim: Claim | None = None  # the warm pool's (set by the runtime)
-        self.evict_pool: Callable[[int], Awaitable[int]] | None = None  # frees pooled VMs' MiB
-        self.prestart: PrestartSet | None = None  # QEMUs waiting for a restore (set by the runtime)
 
     async def spawn(self, req: SpawnRequest) -> SpawnResult:
         reg = self.d.registry
@@ -111,14 +117,13 @@ class Spawner:
             return unparked
         # A parked process of another snapshot of this VM (or too old) is in the way.
         await self.d.parking.discard(req.vm_id)
-        if self.claim is not None:
-            reg.spawning.add(req.vm_id)
-            try:
-                claimed = await self.claim(req)
-            finally:
-                reg.spawning.discard(req.vm_id)
-            if claimed is not None:
-                return claimed
+        reg.spawning.add(req.vm_id)
+        try:
+            claimed = await self.d.pool.claim(req)
+        finally:
+            reg.spawning.discard(req.vm_id)
+        if claimed is not None:
+            return claimed
         await asyncio.to_thread(admission.check_disk, self.d.settings.data_dir, req.memory_mib, what)
         return self._result(await self._build(req, pooled=False))
 
@@ -127,7 +132,7 @@ class Spawner:
         try:
             await self.d.parking.admit_memory(need_mib, what)
         except InsufficientStorage:
-            if self.evict_pool is None or not await self.evict_pool(need_mib):
+            if not await self.d.pool.evict(need_mib):
                 raise
             await self.d.parking.admit_memory(need_mib, what)
 
@@ -293,8 +298,8 @@ class Spawner:
     async def _take_prestarted(self, s: _Spawning) -> bool:
         """A restore takes a pre-started QEMU its snapshot fits (prestart.py), if one waits:
         its slot is the VM's from now on (the fresh one, still empty, is given back)."""
-        ps, src, req = self.prestart, s.src, s.req
-        if ps is None or src is None or src.snap_dir is None or req.restore is None:
+        ps, src, req = self.d.prestart, s.src, s.req
+        if src is None or src.snap_dir is None or req.restore is None:
             return False
         try:
             meta, rootfs = await asyncio.to_thread(_snapshot_shape, src.snap_dir)

@@ -430,7 +430,7 @@ def test_heartbeat_of_a_node_survives_a_hostile_guest(tmp_path: Path) -> None:
             Settings(data_dir=tmp_path),
             store=None,  # type: ignore[arg-type]
             registry=registry,
-            templates=lambda: None,
+            templates=None,
             template_host=None,  # type: ignore[arg-type]
             load=LoadSampler(2),
         )
