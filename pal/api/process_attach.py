@@ -140,7 +140,8 @@ def _offset(ws: WebSocket) -> int:
 @attach_router.websocket("/{pid}/attach")
 async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
     state = ws.app.state
-    guest = scheduler_of(state).guest
+    scheduler = scheduler_of(state)
+    guest = scheduler.guest
     try:
         if not 1 <= pid <= 2**53:
             raise InvalidRequest("the process id is out of range")
@@ -171,7 +172,7 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
         await ws.send_text(json.dumps(hello))
         # The client's input goes straight to the VM's node, resolved once for the session
         # (not a wake and two store writes per frame); a live pause meanwhile wakes it.
-        async with guest.resolve(tenant, vm_id) as vm:
+        async with scheduler.waker.resolve(tenant, vm_id) as vm:
             session = _Session(ws, vm, pid, offset, read_only=link is not None and link.read_only)
             await state.attach_links.while_valid(link, session.run(queue, first), session.link_ended)
     except PalError as exc:  # the VM went away between the handshake and the session

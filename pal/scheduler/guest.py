@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from pal.errors import Unavailable
 from pal.scheduler.deps import Deps
 from pal.scheduler.node_client import UNREACHABLE
-from pal.scheduler.wake import ResolvedVm, Waker
+from pal.scheduler.wake import Waker
 from pal.wire import verbs
 from pal.wire.models import ExecCall, ExecEvent, PortOpen
 from pal.wire.processes import AttachFrom, ProcessEvent
@@ -48,13 +48,6 @@ Ev = TypeVar("Ev", bound=BaseModel)
 class GuestCalls:
     d: Deps
     waker: Waker
-
-    def resolve(
-        self, tenant_id: str, vm_id: str, *, long: bool = False
-    ) -> contextlib.AbstractAsyncContextManager[ResolvedVm]:
-        """The tenant's running VM, for several calls in a row (a WebSocket session's input:
-        each frame then goes straight to the node)."""
-        return self.waker.resolve(tenant_id, vm_id, long=long)
 
     async def call(self, tenant_id: str, verb: Call[Req, Ans], req: Req) -> Ans:
         """A guest verb answered once, on the VM ``req`` names."""

@@ -106,7 +106,10 @@ class Scheduler:
         self.forking = Forking(d, spawner, books)
         self.deleting = Deleting(d, books)
         streams = StreamBudget(settings.tenant_max_streams, settings.vm_max_streams)
-        self.guest = GuestCalls(d, Waker(d, self.live.resume, self.pauses.resume_locked, streams))
+        # A guest request's VM, resolved once (wake.py); a WebSocket session's input frames
+        # use it directly: each is then one node call.
+        self.waker = Waker(d, self.live.resume, self.pauses.resume_locked, streams)
+        self.guest = GuestCalls(d, self.waker)
         self.egress_secrets = EgressAndSecrets(d, self.brokering)
         self.draining = Draining(d, self.pauses, books, self.deleting)
         self.reads = Reads(d, spawner)

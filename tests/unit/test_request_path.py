@@ -72,7 +72,7 @@ async def test_frames_on_a_resolved_vm_touch_no_record(
     each input frame is then one node call and nothing else."""
     vm_id = await _running(env)
     seen = _count_store(env, monkeypatch)
-    async with env.sched.guest.resolve(env.tenant_id, vm_id) as vm:
+    async with env.sched.waker.resolve(env.tenant_id, vm_id) as vm:
         assert seen == Counter(read=1)
         before = len(env.manager.calls)
         for _ in range(5):
