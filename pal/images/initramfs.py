@@ -29,6 +29,9 @@ WANTED_MODULES = (
     "virtio_net",
     "inet_diag",
     "tcp_diag",
+    # Free page reporting (docs/lifecycle.md, "Memory a guest frees"): the kernel hands
+    # the host the pages it frees, so they leave the host and its snapshots.
+    "virtio_balloon",
 )
 OPTIONAL_MODULES = frozenset({"virtio_pci", "virtio_rng"})
 

@@ -184,6 +184,8 @@ class QemuVm:
             spec = dataclasses.replace(spec, config_drive=None)
         if meta.get("nic") is None and spec.nic:
             spec = dataclasses.replace(spec, nic=False)  # a snapshot from before VMs had a NIC
+        if not meta.get("balloon") and spec.balloon:
+            spec = dataclasses.replace(spec, balloon=False)  # from before VMs had a balloon
         vm = cls(spec)
         vm._snapshot_dir = snapshot_dir
         async with vm._killed_on_failure():
@@ -591,6 +593,7 @@ class QemuVm:
                 "vcpus": self.spec.vcpus,
                 "configDrive": self.spec.config_drive is not None,
                 "nic": self.spec.nic,
+                "balloon": self.spec.balloon,
                 "accel": self.spec.accel,
                 "qemuVersion": qemu_version(self.spec.binary),
                 "kernel": str(self.spec.image.kernel),
