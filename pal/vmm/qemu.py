@@ -394,7 +394,7 @@ class QemuVm:
                     stderr=self._log_fd,
                     start_new_session=True,
                     pass_fds=h.pass_fds,
-                    **jail.exec_kwargs(spec.run_as, spec.groups, spec.accel),
+                    **jail.exec_kwargs(spec.run_as, spec.groups, spec.accel, private_ram=not self.mem_share),
                 )
             except OSError as exc:
                 raise VmmError(f"cannot start {binary}: {exc}") from exc
