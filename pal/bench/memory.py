@@ -36,6 +36,7 @@ from pal.bench.server import local_server, server_accel
 from pal.snapshots.hashing import data_extents
 
 MIB = 1024 * 1024
+STATE_MIB = 64  # the random state a guest holds (issue 39's protocol)
 SETTLE_S = 5.0  # free page reporting runs 2 s after the guest frees
 STATE = "/dev/shm/pal-bench-state"
 MAKE_STATE = f"head -c {{mib}}M /dev/urandom > {STATE} && md5sum {STATE}"
@@ -342,7 +343,7 @@ def main(
     api_key: str | None = None,
     memory_mib: int = 256,
     copies: int = 10,
-    state_mib: int = 64,
+    state_mib: int = STATE_MIB,
     cycles: int = 30,
     cycle_mib: int = 32,
     log: Callable[[str], None] = print,

@@ -236,3 +236,11 @@ def test_memory_report_puts_runs_side_by_side_and_reads_what_each_measured() -> 
     assert "| | before | after |" in page
     assert "| guest holding 64 MiB: PSS per copy, mean (max) | **103.2** (103.2) | **63.4** (63.4) |" in page
     assert "**157.5** (62 %)" in page and "120.0 → 118.0" in page and "parked QEMU ×30" in page
+
+
+def test_the_latency_tables_memory_names_the_fork_of_a_guest_holding_state() -> None:
+    from pal.bench.latency_report import memory_lines
+
+    held = {"children": 10, "pss_kib_mean": 63.4 * 1024, "pss_kib_max": 70 * 1024, "guest_ram_kib": 262144}
+    text = "\n".join(memory_lines({"n10_held": {**held, "state_mib": 64}}))
+    assert "Fork N10 of a guest holding 64 MiB of random state: 10 children, PSS mean 63.4 MiB" in text
