@@ -190,6 +190,11 @@ def cycles_run(
         api.exec_ok(vm)
         pid = qemu_pids()[vm]
         settled = round(pss_kib(pid) / 1024, 1)
+        ram_settled = guest_ram_pss_mib(pid, memory_mib)
+        # A pause now, once the guest had the time to report what it freed.
+        paused = api.call("POST", f"/v1/runtime/vms/{vm}/pause")
+        snap_settled = data_mib(data_dir, vm, paused["snapshotId"])
+        api.call("POST", f"/v1/runtime/vms/{vm}/resume")
         return {
             "stateMiB": state_mib,
             "cycles": cycles,
@@ -198,7 +203,8 @@ def cycles_run(
             "pssSettledMiB": settled,
             "pssSettledShare": round(settled / memory_mib, 3),
             "ramPssMiB": ram_pss,
-            "ramPssSettledMiB": guest_ram_pss_mib(pid, memory_mib),
+            "ramPssSettledMiB": ram_settled,
+            "snapshotSettledMiB": snap_settled,
             "snapshotMemMiB": snap_mib,
             "pauseP50Ms": round(pct(pause_ms, 0.5)),
             "resumeP50Ms": round(pct(resume_ms, 0.5)),
@@ -258,6 +264,7 @@ def _cycles_cells(c: dict[str, Any]) -> dict[str, str]:
         ),
         f"{what}: of which guest RAM, settled": str(c.get("ramPssSettledMiB", "–")),
         f"{what}: snapshot RAM data (MiB), first → last": f"{snap[0]} → {snap[-1]}" if snap else "–",
+        f"{what}: snapshot RAM data (MiB), paused once settled": str(c.get("snapshotSettledMiB") or "–"),
         f"{what}: pause, resume p50 ms": f"{c['pauseP50Ms']}, {c['resumeP50Ms']}",
         f"{what}: resumed by": ", ".join(f"{k} ×{v}" for k, v in c["resumedBy"].items()),
     }
