@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pal.errors import NotFound, public_message
@@ -40,8 +40,12 @@ def _public_reason(vm_id: str, reason: str | None) -> str | None:
 
 
 class Transitioner:
-    def __init__(self, store: Store) -> None:
+    """``on_change``: told each row as a committed transaction left it (the leader's live
+    view, liveview.py, follows the store through it)."""
+
+    def __init__(self, store: Store, on_change: Callable[[VmRecord], None] | None = None) -> None:
         self._store = store
+        self._on_change = on_change or (lambda _vm: None)
         # Weakly held, like the scheduler's operation locks: one per VM in use, not per VM ever.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
@@ -81,6 +85,8 @@ class Transitioner:
                     marker=row.marker,
                     reason=row.reason,
                 )
+        for row in rows:
+            self._on_change(row)
 
     async def transition(
         self,
@@ -107,7 +113,9 @@ class Transitioner:
                     if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
                         quotas.check_pause_in(tx, vm)
                         quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
-                return self._apply(tx, vm_id, action, reason, fields, details)
+                after = self._apply(tx, vm_id, action, reason, fields, details)
+            self._on_change(after)
+            return after
 
     async def transition_all(
         self, changes: Sequence[tuple[str, dict[str, Any]]], action: Action, *, reason: str | None = None
@@ -125,7 +133,9 @@ class Transitioner:
                     cols = dict(fields)
                     details = cols.pop("details", None)
                     out.append(self._apply(tx, vm_id, action, reason, cols, details))
-                return out
+            for vm in out:
+                self._on_change(vm)
+            return out
 
     @staticmethod
     def _apply(
@@ -181,4 +191,8 @@ class Transitioner:
                 vm = tx.get_vm(vm_id)
                 if vm is None:
                     return False
-                return quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
+                changed = quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
+                after = tx.get_vm(vm_id)
+            if after is not None:
+                self._on_change(after)
+            return changed

@@ -18,6 +18,10 @@ class Tenant:
     api_key_expires_at: datetime | None = None  # None: the key never expires
     prev_api_key_expires_at: datetime | None = None  # the rotated-out key works until then
     deleting_at: datetime | None = None  # `pal tenants rm` is under way
+    # What its quotas count, kept with the VM rows (pal/store/books.py)
+    slots_used: int = 0
+    paused_vms: int = 0
+    snapshot_bytes_used: int = 0
 
 
 @dataclass
@@ -58,6 +62,7 @@ class VmRecord:
     metadata: dict[str, str] = field(default_factory=dict)  # AgentSpec.metadata
     lifetime_ends_at: datetime | None = None  # lifetimeSecs after the schedule; None: no lifetime
     on_lifetime_end: str = "delete"  # pause | delete
+    listed: bool = True  # in the tenant's list (until an hour after it terminated)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class Cluster:
         rec = self.store.get_node(name)
         assert rec is not None
         self.store.record_node(dataclasses.replace(rec, last_seen_at=utcnow() - timedelta(seconds=secs)))
+        self.sched.nodes.reload()  # the leader's copy, as it reads it when it takes over
 
 
 async def make_cluster(tmp_path: Path, names: tuple[str, ...] = ("n1", "n2", "n3"), **kw: Any) -> Cluster:
@@ -96,7 +97,7 @@ async def test_placement_constraints_and_no_fitting_node(tmp_path: Path) -> None
     assert bad.value.status == 400
     assert len(c.store.list_vms(tenant_id=c.tenant_id)) == rows
     # The one node of region eu is draining: placement may succeed later, so a 503.
-    c.store.set_node_state("n2", "draining")
+    c.sched.nodes.set_state("n2", "draining")
     with pytest.raises(Unavailable, match="no node can run this VM") as ei:
         await c.sched.schedule(c.tenant_id, spec)
     assert ei.value.status == 503
@@ -113,7 +114,7 @@ async def test_resume_on_another_node_when_its_node_is_draining(tmp_path: Path) 
     resumed = await c.sched.resume(c.tenant_id, vm.vm_id)
     assert resumed.node_id == home  # its previous node, healthy with room
     await c.sched.pause(c.tenant_id, vm.vm_id)
-    c.store.set_node_state(home, "draining")
+    c.sched.nodes.set_state(home, "draining")
     resumed = await c.sched.resume(c.tenant_id, vm.vm_id)
     assert resumed.node_id == other and vm.vm_id in c.nodes[other].alive
     assert ("ensure_uploaded", vm.vm_id) in c.nodes[home].calls  # published to S3 first
@@ -326,7 +327,7 @@ async def test_drain_pauses_and_migrate_moves(tmp_path: Path) -> None:
     assert events[-1].type == "exit"
     assert c.store.get_vm(a).node_id == "n2"  # type: ignore[union-attr]
     await c.sched.set_node_active("n1")
-    c.store.set_node_state("n2", "draining")
+    c.sched.nodes.set_state("n2", "draining")
     c2 = (await c.sched.schedule(c.tenant_id, AgentSpec()))[0]
     assert c2.node_id == "n1"
     await c.sched.set_node_active("n2")
