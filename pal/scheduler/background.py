@@ -83,6 +83,7 @@ class Background:
             st.since = self.clock()
             st.reconcile_due = True
             self.chores.reseal_again()
+            self.reconciler.sweep_again()
         elif not leads and st.leading:
             st.leading = False
             self.reconciler.d.live.reset()  # others change VMs now: read again on taking over

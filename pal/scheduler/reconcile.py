@@ -122,7 +122,7 @@ class Reconciler:
     # again (reconcile_unanswered).
     unreconciled_nodes: set[str | None] = field(default_factory=set)
     _audit_after: str = ""  # the snapshot audit's place: the last VM id it checked
-    _sweep_turn: int = 0  # the snapshot sweep's next node
+    _sweep_turn: int = 0  # the snapshot sweep's next node (this leadership's round)
 
     async def node_heartbeat(self, hb: NodeHeartbeat) -> HeartbeatAck:
         """A remote node's pushed heartbeat (leader only: the record is a fenced write).
@@ -607,19 +607,23 @@ class Reconciler:
             if await self._stop_on(node_id, vm_id, incarnation):
                 log.warning("stopped stray VM %s (incarnation %s) on node %s", vm_id, incarnation, node_id)
 
+    def sweep_again(self) -> None:
+        """A new leadership: one more round of the snapshot sweep."""
+        self._sweep_turn = 0
+
     async def sweep_snapshots(self) -> list[str]:
-        """Delete snapshots no VM owns any more on one node (the next one at each call,
-        round and round): those of terminated VMs (a delete cut short by a crash or an
-        unreachable node) and of VMs whose row is gone (a removed tenant), on that node and
-        in S3. Snapshots a live fork child maps stay.
+        """Delete snapshots no VM owns any more on one node (the next one at each call, one
+        round of the nodes per leadership: what a crash left): those of terminated VMs (a
+        delete cut short by a crash or an unreachable node) and of VMs whose row is gone (a
+        removed tenant), on that node and in S3. Snapshots a live fork child maps stay.
 
         The node's list is read *before* the VM rows, so a VM made meanwhile (its row exists
         before its first snapshot) is never taken for an orphan; the rows read are those
         the node names."""
         ids = self.d.nodes.reachable_ids()
-        if not ids:
-            return []
-        node_id = ids[self._sweep_turn % len(ids)]
+        if self._sweep_turn >= len(ids):
+            return []  # one round per leadership (sweep_again)
+        node_id = ids[self._sweep_turn]
         self._sweep_turn += 1
         try:
             owners = list((await self.d.nodes.client(node_id).snapshot_owners()).vms)

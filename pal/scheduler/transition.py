@@ -17,7 +17,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from pal.errors import NotFound, public_message
 from pal.scheduler import quotas, states
@@ -25,6 +25,7 @@ from pal.scheduler.states import START, Action, IllegalTransition, VmState, hold
 from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +73,8 @@ class Transitioner:
                 raise IllegalTransition(row.vm_id, START, action)
             row.state, row.marker = rule.to.value, rule.marker.value
             row.reason = _public_reason(row.vm_id, reasons[i] if reasons is not None else reason)
-        with self._store.write() as tx:
+
+        def write(tx: WriteTx) -> None:
             if new_snapshot_bytes:
                 quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
             quotas.reserve_in(tx, tenant_id, new_vms=rows)
@@ -85,6 +87,8 @@ class Transitioner:
                     marker=row.marker,
                     reason=row.reason,
                 )
+
+        await self._in_tx(write)
         for row in rows:
             self._on_change(row)
 
@@ -106,14 +110,17 @@ class Transitioner:
         ``tenant_limits=False`` skips the latter two: a server shutdown suspends every VM,
         whatever the limits, rather than lose one. ``fields`` are other columns that
         change with the state; ``details`` go with its status event (e.g. a spawn's timings)."""
+
+        def write(tx: WriteTx) -> VmRecord:
+            if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
+                vm = tx.get_vm(vm_id)
+                if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
+                    quotas.check_pause_in(tx, vm)
+                    quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
+            return self._apply(tx, vm_id, action, reason, fields, details)
+
         async with self.lock(vm_id):
-            with self._store.write() as tx:
-                if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
-                    vm = tx.get_vm(vm_id)
-                    if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
-                        quotas.check_pause_in(tx, vm)
-                        quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
-                after = self._apply(tx, vm_id, action, reason, fields, details)
+            after = await self._in_tx(write)
             self._on_change(after)
             return after
 
@@ -127,15 +134,31 @@ class Transitioner:
         async with contextlib.AsyncExitStack() as stack:
             for vm_id in ids:  # always in the same order: no deadlock between two callers
                 await stack.enter_async_context(self.lock(vm_id))
-            with self._store.write() as tx:
+
+            def write(tx: WriteTx) -> list[VmRecord]:
                 out = []
                 for vm_id, fields in changes:
                     cols = dict(fields)
                     details = cols.pop("details", None)
                     out.append(self._apply(tx, vm_id, action, reason, cols, details))
+                return out
+
+            out = await self._in_tx(write)
             for vm in out:
                 self._on_change(vm)
             return out
+
+    async def _in_tx(self, work: Callable[[WriteTx], T]) -> T:
+        """``work`` in one write transaction, on a worker thread: the commit waits for the
+        database's disk, and the event loop serves everything else meanwhile (at a few
+        hundred transitions a second, commits made one after another on the loop were
+        what held the leader: docs/scale.md). The VM's lock is held by the caller."""
+
+        def run() -> T:
+            with self._store.write() as tx:
+                return work(tx)
+
+        return await asyncio.to_thread(run)
 
     @staticmethod
     def _apply(
@@ -186,13 +209,16 @@ class Transitioner:
         """Reconciliation only: make the slot flag agree with the VM's state, quota or not
         (a VM found in a slot-holding state after a crash really uses a node). True if the
         flag changed."""
+
+        def write(tx: WriteTx) -> tuple[bool, VmRecord | None]:
+            vm = tx.get_vm(vm_id)
+            if vm is None:
+                return False, None
+            changed = quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
+            return changed, tx.get_vm(vm_id)
+
         async with self.lock(vm_id):
-            with self._store.write() as tx:
-                vm = tx.get_vm(vm_id)
-                if vm is None:
-                    return False
-                changed = quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
-                after = tx.get_vm(vm_id)
+            changed, after = await self._in_tx(write)
             if after is not None:
                 self._on_change(after)
             return changed

@@ -63,6 +63,8 @@ class VmRecord:
     lifetime_ends_at: datetime | None = None  # lifetimeSecs after the schedule; None: no lifetime
     on_lifetime_end: str = "delete"  # pause | delete
     listed: bool = True  # in the tenant's list (until an hour after it terminated)
+    # the nodes its snapshots were taken on (None: not known, from before they were kept)
+    snapshot_nodes: list[str] | None = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -135,9 +135,13 @@ vms = Table(
     # retention sweep then clears it: pal/scheduler/retention.py), so a page never walks
     # past the terminated VMs of the past.
     Column("listed", Boolean, nullable=False, default=True),
+    # The nodes its snapshots were taken on (a delete asks those; null: from before this
+    # was kept, so every node is asked).
+    Column("snapshot_nodes", JSON),
     Index("ix_vms_tenant_slot", "tenant_id", "holds_slot"),
     Index("ix_vms_state_marker", "state", "marker", "vm_id"),
     Index("ix_vms_parent", "parent_vm_id"),
+    Index("ix_vms_mem_snapshot", "mem_snapshot_id", **_where("mem_snapshot_id IS NOT NULL")),  # fork children
     Index("ix_vms_node", "node_id", "state"),
     # Each index below serves one of the leader's loops or the paged list, so each reads
     # what it acts on and never the fleet's idle or terminated VMs (docs/scale.md).

@@ -1,6 +1,7 @@
 """The control plane at scale (docs/scale.md): indexes that let each of the leader's loops
 and the paged list read what they act on, never the fleet's idle or terminated VMs; the
-``listed`` flag of the VM list and the metadata filter's ``vm_tags``; the events' time
+``listed`` flag of the VM list and the metadata filter's ``vm_tags``; the nodes a VM's
+snapshots were taken on (a delete asks those, not every node); the events' time
 index for retention; each tenant's running counts of what its quotas limit (books.py).
 
 Revision ID: 0010
@@ -38,6 +39,7 @@ def _where(predicate: str) -> dict[str, Any]:
 def upgrade() -> None:
     with op.batch_alter_table("vms") as batch:
         batch.add_column(sa.Column("listed", sa.Boolean, nullable=False, server_default=sa.true()))
+        batch.add_column(sa.Column("snapshot_nodes", sa.JSON))
     with op.batch_alter_table("tenants") as batch:
         batch.add_column(sa.Column("slots_used", sa.Integer, nullable=False, server_default="0"))
         batch.add_column(sa.Column("paused_vms", sa.Integer, nullable=False, server_default="0"))
@@ -54,6 +56,9 @@ def upgrade() -> None:
     op.drop_index("ix_vms_tenant_created", "vms")
     op.create_index("ix_vms_state_marker", "vms", ["state", "marker", "vm_id"])
     op.create_index("ix_vms_slots", "vms", ["node_id", "vm_id"], **_where("holds_slot"))
+    op.create_index(
+        "ix_vms_mem_snapshot", "vms", ["mem_snapshot_id"], **_where("mem_snapshot_id IS NOT NULL")
+    )
     op.create_index("ix_vms_listed", "vms", ["tenant_id", "created_at", "vm_id"], **_where("listed"))
     op.create_index("ix_vms_unlist", "vms", ["updated_at"], **_where("listed AND state = 'terminated'"))
     op.create_index("ix_vms_lifetime_due", "vms", ["lifetime_ends_at"], **_where(LIFETIME_DUE))
@@ -99,6 +104,7 @@ def downgrade() -> None:
         "ix_vms_lifetime_due",
         "ix_vms_unlist",
         "ix_vms_listed",
+        "ix_vms_mem_snapshot",
         "ix_vms_slots",
         "ix_vms_state_marker",
     ):
@@ -110,4 +116,5 @@ def downgrade() -> None:
         for col in ("snapshot_bytes_used", "paused_vms", "slots_used"):
             batch.drop_column(col)
     with op.batch_alter_table("vms") as batch:
+        batch.drop_column("snapshot_nodes")
         batch.drop_column("listed")
