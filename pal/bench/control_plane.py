@@ -93,6 +93,13 @@ class Run:
         p = self.cluster.wait_leader(60)
         return p, self.admin_get(p, "/healthz")
 
+    def reconciled(self) -> tuple[Proc, dict[str, Any]] | None:
+        """The leader and its details once it has reconciled every node, else None."""
+        with contextlib.suppress(httpx.HTTPError, TimeoutError):
+            leader, health = self.leader_health()
+            return (leader, health) if health.get("reconciled") else None
+        return None
+
     def stop(self) -> None:
         for s in self.sims:
             if s.poll() is None:
@@ -137,6 +144,36 @@ def _nodes_seen(pgf: PgFigures, since: datetime) -> int:
         (since.astimezone(UTC).replace(tzinfo=None),),
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+def start_cluster(
+    run: Run, pgf: PgFigures, fleet: Fleet, opts: Options, log: Log
+) -> tuple[Proc, dict[str, Any]]:
+    """The replicas, then the simulated nodes; returns once every node has registered and
+    the leader has reconciled them: the leader and its /healthz details."""
+    c, nodes = run.cluster, len(fleet.node_ids)
+    for i in range(opts.replicas):
+        c.start_replica(f"r{i + 1}")
+        c.wait_leader(300)
+    start_sims(run, fleet, opts, log)
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    _wait("every node registered", lambda: _nodes_seen(pgf, epoch) >= nodes, 600)
+    got: tuple[Proc, dict[str, Any]] = _wait("the leader reconciled", run.reconciled, 900)
+    return got
+
+
+def loop_window(run: Run, ticks: int, loop: str = "idle_sweep", timeout: float = 600) -> dict[str, Any]:
+    """Each leader loop's ticks while ``loop`` ticks ``ticks`` more times (_loop_delta)."""
+    _, health = run.leader_health()
+    before = health["loops"]
+    start = before.get(loop, {}).get("ticks", 0)
+
+    def done() -> dict[str, Any] | None:
+        _, h = run.leader_health()
+        return h["loops"] if h["loops"].get(loop, {}).get("ticks", 0) >= start + ticks else None
+
+    after: dict[str, Any] = _wait(f"{ticks} ticks of {loop}", done, timeout, every=0.1)
+    return _loop_delta(after, before)
 
 
 def start_sims(run: Run, fleet: Fleet, opts: Options, log: Log) -> None:

@@ -54,6 +54,8 @@ class FleetPlan:
     tenant_size: int = 2000
     age_days: float = 30.0
     seed: int = 35
+    label: str = BIG_TENANT  # the large tenant's name, and what the others' ids start with
+    node_prefix: str = "sim"  # the nodes are <prefix>0000, <prefix>0001...
 
 
 @dataclass
@@ -76,8 +78,8 @@ class Fleet:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def node_name(i: int) -> str:
-    return f"sim{i:04d}"
+def node_name(i: int, prefix: str = "sim") -> str:
+    return f"{prefix}{i:04d}"
 
 
 def _iso(t: datetime) -> str:
@@ -145,12 +147,13 @@ def _tenants(plan: FleetPlan) -> tuple[int, int]:
 
 
 def fill(url: str, plan: FleetPlan, *, now: datetime | None = None, batch: int = 20_000) -> Fleet:
-    """Write the fleet into the (migrated, empty) database at ``url``; returns what was made."""
+    """Write the fleet into the (migrated) database at ``url``; returns what was made. A
+    second fleet (another ``label`` and ``seed``) adds to the first."""
     t0 = time.monotonic()
     store = Store(url, run_migrations=False)
     try:
         big, key = store.create_tenant(
-            BIG_TENANT, 10_000_000, max_paused=10_000_000, max_snapshot_bytes=1 << 60
+            plan.label, 10_000_000, max_paused=10_000_000, max_snapshot_bytes=1 << 60
         )
     finally:
         store.close()
@@ -203,11 +206,11 @@ class _Maker:
         self.plan, self.now, self.big = plan, now, big_tenant
         self.rng = random.Random(plan.seed)
         big_n, small = _tenants(plan)
-        self.tenant_ids = [f"t-fleet{i:06d}" for i in range(small)]
+        self.tenant_ids = [f"t-{plan.label}{i:06d}" for i in range(small)]
         n = plan.records
         self.n_term = n - int(n * plan.running) - int(n * plan.paused)
         self.n_paused = int(n * plan.paused)
-        self.nodes = [node_name(i) for i in range(plan.nodes)]
+        self.nodes = [node_name(i, plan.node_prefix) for i in range(plan.nodes)]
         live_per_node = -(
             -(int(n * plan.running) + int(self.n_paused * plan.live_share)) // max(1, plan.nodes)
         )

@@ -135,8 +135,9 @@ class Reconciler:
             raise InvalidRequest("a node's heartbeat must carry the http(s) URL of its RPC")
         if nodes.is_local(hb.node_id):
             raise Conflict(f"node id {hb.node_id} is the embedded node's")
-        rec = await nodes.record(hb, url=hb.url)
-        strays = self.stray_vms(hb.node_id, hb)
+        async with self.d.telemetry.loops.tick("heartbeat"):  # each node's, counted as a loop
+            rec = await nodes.record(hb, url=hb.url)
+            strays = self.stray_vms(hb.node_id, hb)
         if strays:
             self.spawn_chore(self.stop_strays(hb.node_id, strays), f"strays-{hb.node_id}")
         return HeartbeatAck(node_id=hb.node_id, state=rec.state, stopping=[v for v, _ in strays])

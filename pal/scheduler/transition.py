@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from pal.errors import NotFound, public_message
+from pal.errors import NotFound, QuotaExceeded, public_message
 from pal.scheduler import quotas, states
 from pal.scheduler.states import START, Action, IllegalTransition, VmState, holds_slot
 from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
 T = TypeVar("T")
+# One create waiting for its tenant's next transaction: its rows, the snapshot bytes it
+# needs (a fork), and the future its caller awaits.
+_Create = tuple[Sequence[VmRecord], int, "asyncio.Future[None]"]
 log = logging.getLogger(__name__)
 
 
@@ -49,6 +53,8 @@ class Transitioner:
         self._on_change = on_change or (lambda _vm: None)
         # Weakly held, like the scheduler's operation locks: one per VM in use, not per VM ever.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._creating: dict[str, list[_Create]] = {}  # tenant id -> creates waiting
+        self._writing: set[str] = set()  # tenants whose creates are being written
 
     def lock(self, vm_id: str) -> asyncio.Lock:
         return self._locks.setdefault(vm_id, asyncio.Lock())
@@ -74,10 +80,52 @@ class Transitioner:
             row.state, row.marker = rule.to.value, rule.marker.value
             row.reason = _public_reason(row.vm_id, reasons[i] if reasons is not None else reason)
 
-        def write(tx: WriteTx) -> None:
-            if new_snapshot_bytes:
-                quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
-            quotas.reserve_in(tx, tenant_id, new_vms=rows)
+        got: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._creating.setdefault(tenant_id, []).append((rows, new_snapshot_bytes, got))
+        if tenant_id not in self._writing:
+            self._writing.add(tenant_id)
+            asyncio.get_running_loop().create_task(self._write_creates(tenant_id))
+        await got
+        for row in rows:
+            self._on_change(row)
+
+    async def _write_creates(self, tenant_id: str) -> None:
+        """The creates of one tenant, those waiting written together in one transaction
+        (each reserving its slots under the tenant's lock): while one commits, the next
+        ones gather. One tenant's creates serialise on its quota either way; this makes
+        them share the lock and the commit instead of queueing for both one by one."""
+        try:
+            while batch := self._creating.pop(tenant_id, None):
+                try:
+                    refused = await self._in_tx(
+                        functools.partial(self._create_in, tenant_id=tenant_id, batch=batch)
+                    )
+                except BaseException as exc:
+                    refused = {id(f): exc for _, _, f in batch}
+                for _, _, fut in batch:
+                    if fut.done():
+                        continue
+                    err = refused.get(id(fut))
+                    if err is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(err)
+        finally:
+            self._writing.discard(tenant_id)
+
+    @staticmethod
+    def _create_in(tx: WriteTx, *, tenant_id: str, batch: list[_Create]) -> dict[int, BaseException]:
+        """Each create of ``batch`` that fits the tenant's quotas, in order; those that do
+        not are refused alone (the checks change nothing before they pass)."""
+        refused: dict[int, BaseException] = {}
+        for rows, new_snapshot_bytes, fut in batch:
+            try:
+                if new_snapshot_bytes:
+                    quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
+                quotas.reserve_in(tx, tenant_id, new_vms=rows)
+            except (QuotaExceeded, NotFound) as exc:
+                refused[id(fut)] = exc
+                continue
             for row in rows:
                 tx.add_event(
                     row.vm_id,
@@ -87,10 +135,7 @@ class Transitioner:
                     marker=row.marker,
                     reason=row.reason,
                 )
-
-        await self._in_tx(write)
-        for row in rows:
-            self._on_change(row)
+        return refused
 
     async def transition(
         self,

@@ -26,7 +26,7 @@ from pal.store.store import Store
 from pal.store.tables import IDLE_DUE, IDLE_DUE_WHERE, IDLE_LIVE_DUE, IDLE_LIVE_DUE_WHERE, vm_tags, vms
 from pal.store.write_tx import vm_from_row
 
-ID_CHUNK = 500  # ids per IN (...) list
+ID_CHUNK = 100  # ids per IN (...) list: few enough that each is primary-key lookups at any size
 
 
 def slot_rows_query(node_ids: Collection[str] | None = None) -> Select[tuple[object, ...]]:

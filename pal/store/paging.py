@@ -6,7 +6,7 @@ the store only sees the decoded keys.
 Each page is one index range read from its start key, whatever the size of the fleet
 (docs/scale.md): the list reads ``ix_vms_listed`` (the tenant's listed VMs in list order:
 terminated ones leave it an hour after they end), the metadata filter the ``vm_tags`` rows
-of its first pair (the other pairs are checked on the VM rows), the events ``ix_events_vm``.
+of its first pair (each other pair a tag row of the same VM), the events ``ix_events_vm``.
 The ``*_query`` functions build the statements (tests/unit/test_query_plans.py explains
 them); the others run them.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Select, and_, or_, select, text
+from sqlalchemy import Select, and_, exists, or_, select, text
 
 from pal.store.records import EventRecord, VmRecord
 from pal.store.store import Store
@@ -29,14 +29,25 @@ def vm_page_query(
     pairs = sorted((metadata or {}).items())
     if pairs:
         key, value = pairs[0]
-        at_col, id_col = vm_tags.c.created_at, vm_tags.c.vm_id
+        first = vm_tags.alias("t0")
+        at_col, id_col = first.c.created_at, first.c.vm_id
         q = (
             select(vms)
-            .select_from(vm_tags.join(vms, vms.c.vm_id == vm_tags.c.vm_id))
-            .where(vm_tags.c.tenant_id == tenant_id, vm_tags.c.tag == tag_of(key, value), text("vms.listed"))
+            .select_from(first.join(vms, vms.c.vm_id == first.c.vm_id))
+            .where(first.c.tenant_id == tenant_id, first.c.tag == tag_of(key, value), text("vms.listed"))
         )
-        for k, v in pairs[1:]:
-            q = q.where(vms.c.metadata[k].as_string() == v)
+        # Each other pair is its own tag row of the same VM (a primary-key probe): the
+        # planner knows tags' frequencies, never those of a JSON expression.
+        for i, (k, v) in enumerate(pairs[1:], 1):
+            other = vm_tags.alias(f"t{i}")
+            q = q.where(
+                exists().where(
+                    other.c.tenant_id == first.c.tenant_id,
+                    other.c.tag == tag_of(k, v),
+                    other.c.created_at == first.c.created_at,
+                    other.c.vm_id == first.c.vm_id,
+                )
+            )
     else:
         at_col, id_col = vms.c.created_at, vms.c.vm_id
         q = select(vms).where(vms.c.tenant_id == tenant_id, text("listed"))

@@ -279,6 +279,12 @@ class Store:
             rows = conn.execute(select(tenants).order_by(tenants.c.created_at, tenants.c.name)).all()
         return [tenant_from_row(r) for r in rows]
 
+    def deleting_tenants(self) -> list[Tenant]:
+        """The tenants `pal tenants rm` marked and the leader has still to remove."""
+        with self._read() as conn:
+            rows = conn.execute(select(tenants).where(tenants.c.deleting_at.is_not(None))).all()
+        return [tenant_from_row(r) for r in rows]
+
     def set_tenant_limits(
         self,
         tenant_id: str,

@@ -240,7 +240,9 @@ async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:
     del env.manager.snapshots[(AGENT_VERSION, lost, paused.snapshot_id)]
     sched, _ = await _restart(env)
     assert _vm(env, lost).state == S.PAUSED
-    assert await sched.reconciler.audit_snapshots() == [f"{lost}: paused without a complete snapshot -> failed"]
+    assert await sched.reconciler.audit_snapshots() == [
+        f"{lost}: paused without a complete snapshot -> failed"
+    ]
     assert _vm(env, keep).state == S.PAUSED
     assert _vm(env, lost).state == S.FAILED
 
