@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 
 from pal.bench.simnode import SIM_AGENT_VERSION, SIM_IMAGE, SIM_SNAPSHOT_BYTES
+from pal.scheduler.views import OFFLOADED_PAUSE
 from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 from pal.store import Store, books
 from pal.store.store import hash_api_key, new_api_key
@@ -137,6 +138,12 @@ def _path(state: str, marker: str) -> list[tuple[str | None, str, str, str]]:
         ("running", "draining", "scheduler:deleting", "deleting"),
         ("draining", "terminated", "", "deleted"),
     ]
+
+
+def _live_stats(paused_ms: int) -> dict[str, int]:
+    """A live pause of the idle tier offloaded, as the leader counted it (views.py): the
+    simulated node reports it offloaded since ``paused_ms``."""
+    return {"livePauses": 1, "offloads": 1, "freedMib": 0, OFFLOADED_PAUSE: paused_ms * 1000}
 
 
 def _tenants(plan: FleetPlan) -> tuple[int, int]:
@@ -266,7 +273,8 @@ class _Maker:
                 vm_id, tenant, state, marker, None, SIM_IMAGE, SIM_AGENT_VERSION, json.dumps(LIMITS),
                 timeout, "{}", "auto", _iso(created), _iso(updated), snap, None, None, 1, self._id(""),
                 "true" if holds else "false", "idle" if state == "paused" else None, node, last_ms, '"none"',
-                "{}", None, None, 1800 if timeout else 0, _iso(updated) if state == "paused" else None, "{}",
+                "{}", None, None, 1800 if timeout else 0, _iso(updated) if state == "paused" else None,
+                json.dumps(_live_stats(last_ms) if marker else {}),
                 SIM_SNAPSHOT_BYTES if snap else 0, json.dumps(meta), lifetime, "delete",
                 "true" if listed else "false", json.dumps([node] if snap else []),
             )

@@ -3,6 +3,7 @@ connections), pulled into the VMs' event logs by the leader's loop."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime
 
@@ -11,6 +12,10 @@ from pal.scheduler.nodes import NodePool
 from pal.store import Store
 
 log = logging.getLogger(__name__)
+# The nodes are asked at once, this many at a time, each for at most this long: a sweep's
+# pull costs about one node's answer, not one per node (docs/scale.md).
+ASK_AT_ONCE = 32
+ASK_TIMEOUT_S = 5.0
 
 
 def egress_reason(
@@ -36,15 +41,22 @@ class EgressEvents:
     async def record(self) -> int:
         """Pull each node's new egress_denied events into the VMs' event logs (leader loop).
         Bounded: a node keeps the newest few thousand; a gap is not an error."""
-        n = 0
-        for rec in self.nodes.nodes():
-            if rec.state == nodes_mod.LOST or self.nodes.silent(rec.node_id):
-                continue
-            try:
-                n += await self._record_of(rec.node_id)
-            except Exception as exc:
-                log.warning("egress events of node %s unavailable: %s", rec.node_id, exc)
-        return n
+        gate = asyncio.Semaphore(ASK_AT_ONCE)
+
+        async def one(node_id: str) -> int:
+            async with gate:
+                try:
+                    return await asyncio.wait_for(self._record_of(node_id), ASK_TIMEOUT_S)
+                except Exception as exc:
+                    log.warning("egress events of node %s unavailable: %s", node_id, exc)
+                    return 0
+
+        asked = [
+            rec.node_id
+            for rec in self.nodes.nodes()
+            if rec.state != nodes_mod.LOST and not self.nodes.silent(rec.node_id)
+        ]
+        return sum(await asyncio.gather(*(one(n) for n in asked)))
 
     async def _record_of(self, node_id: str) -> int:
         seq, epoch = self._seq.get(node_id, (0, ""))

@@ -48,6 +48,7 @@ from pal.store import Store
 
 log = logging.getLogger(__name__)
 PULSE_S = 0.25  # how often the event loop stamps that it turns (the keeper thread reads it)
+LEADER_URL_TTL_S = 0.5  # a follower reads whom to forward to at most this often
 
 
 class Leadership(Protocol):
@@ -106,10 +107,12 @@ class LeaseLeader:
         self._lock = asyncio.Lock()
         self._guard = threading.Lock()  # the keeper thread's renewals against the loop's
         self._pulse_at = time.monotonic()  # when the event loop last turned
+        self._kept_at = 0.0  # monotonic: the keeper thread's last renewal
         self.max_lag_s = 0.0  # the event loop's longest lateness seen by the pulse
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
         self._pulse: asyncio.Task[None] | None = None
+        self._url_read: tuple[float, str | None] | None = None  # (monotonic, leader url) last read
         store.set_fence(lambda: self.token)
 
     @property
@@ -147,6 +150,7 @@ class LeaseLeader:
                 try:
                     if self.store.lease_renew(self.holder, token, int(self.ttl_s * 1000)):
                         self._valid_until = max(self._valid_until, started + self.ttl_s - self._margin())
+                        self._kept_at = started
                 except Exception as exc:
                     log.warning("leadership lease: renewal failed: %s", exc)
 
@@ -155,12 +159,14 @@ class LeaseLeader:
             started = time.monotonic()
             ttl_ms = int(self.ttl_s * 1000)
             try:
+                if self.token is not None and started - self._kept_at < self.renew_interval_s / 2:
+                    return await self.is_leader()  # the keeper renewed it just now
                 if self.token is not None:
                     if await asyncio.to_thread(self._renew, self.token, ttl_ms):
                         self._valid_until = max(self._valid_until, started + self.ttl_s - self._margin())
                         return True
                     log.warning("leadership lost: the lease (token %s) was taken over", self.token)
-                    self.token = None
+                    self.token, self._url_read = None, None
                 token = await asyncio.to_thread(self.store.lease_acquire, self.holder, self.url, ttl_ms)
             except Exception as exc:
                 log.warning("leadership lease: database unreachable: %s", exc)
@@ -170,7 +176,7 @@ class LeaseLeader:
                 return await self.is_leader()
             if token is None:
                 return False
-            self.token = token
+            self.token, self._url_read = token, None
             self._valid_until = started + self.ttl_s - self._margin()
             log.warning("this replica is now the leader (fencing token %d)", token)
             return True
@@ -190,7 +196,7 @@ class LeaseLeader:
                 await self._pulse
         async with self._lock:
             with self._guard:
-                token, self.token = self.token, None
+                token, self.token, self._url_read = self.token, None, None
             if token is not None:
                 try:
                     await asyncio.to_thread(self.store.lease_release, self.holder, token)
@@ -198,7 +204,12 @@ class LeaseLeader:
                     log.warning("could not release the leadership lease: %s", exc)
 
     async def leader_url(self) -> str | None:
+        """Read at most every LEADER_URL_TTL_S: a follower forwards every request it cannot
+        answer, and reading the lease for each was a statement per request."""
+        now = time.monotonic()
+        if self._url_read is not None and now - self._url_read[0] < LEADER_URL_TTL_S:
+            return self._url_read[1]
         info = await asyncio.to_thread(self.store.lease_info)
-        if info.expires_in_ms <= 0 or not info.url:
-            return None
-        return info.url
+        url = None if info.expires_in_ms <= 0 or not info.url else info.url
+        self._url_read = (now, url)
+        return url

@@ -184,8 +184,8 @@ class NodePool:
     async def _write_batch(self) -> None:
         await asyncio.sleep(BATCH_S)
         batch, self._pending, self._flush = self._pending, {}, None
-        try:
-            stored = self.store.record_nodes(list(batch.values()))
+        try:  # on a worker thread: its commit waits for the disk, the loop goes on
+            stored = await asyncio.to_thread(self.store.record_nodes, list(batch.values()))
         except Exception:
             # Not written (a deposed leader's fenced write): the store's copy stands.
             if self._records is not None:

@@ -316,16 +316,16 @@ class Reconciler:
                 f"cannot reconcile: the runtime manager did not answer its heartbeat: {exc}"
             ) from exc
         only_local = self.d.nodes.local_ids()[0] if len(self.d.nodes.local_ids()) == 1 else None
-        rows = slot_rows(self.d.store)
         if only is None:
+            rows = slot_rows(self.d.store)
             self.d.nodes.reload()  # the store's, as the previous leader left it
             self.d.live.load(rows)
             node_ids: set[str | None] = {vm.node_id for vm in rows if vm.node_id}
             node_ids |= set(self.d.nodes.local_ids())
             node_ids |= {n.node_id for n in self.d.nodes.nodes()}
         else:
-            # A row from before nodes existed belongs to the embedded node.
-            rows = [vm for vm in rows if (vm.node_id or only_local) in only]
+            # Those nodes' VMs only; a row from before nodes existed belongs to the embedded node.
+            rows = slot_rows(self.d.store, {n for n in only if n}, unplaced=only_local in only)
             node_ids = set(only)
         beats = await self._heartbeats(node_ids, ask_silent=True)
         if not beats and self.d.nodes.local_ids() and only is None:
@@ -501,12 +501,19 @@ class Reconciler:
         that does not answer is asked again on the next round."""
         page = paused_page(self.d.store, self._audit_after, AUDIT_PAGE)
         self._audit_after = page[-1].vm_id if len(page) == AUDIT_PAGE else ""
+        nodes = self.d.nodes
+        asked = [
+            vm for vm in page if nodes.state_of(vm.node_id) != nodes_mod.LOST and not nodes.silent(vm.node_id)
+        ]
+        gate = asyncio.Semaphore(ASK_AT_ONCE)
+
+        async def complete(vm: VmRecord) -> bool | None:
+            async with gate:
+                return await self._snapshot_complete(vm, vm.snapshot_id)
+
+        answers = await asyncio.gather(*(complete(vm) for vm in asked))
         fixes = []
-        for vm in page:
-            if self.d.nodes.state_of(vm.node_id) == nodes_mod.LOST or self.d.nodes.silent(vm.node_id):
-                continue
-            if await self._snapshot_complete(vm, vm.snapshot_id) is not False:
-                continue
+        for vm in (vm for vm, ok in zip(asked, answers, strict=True) if ok is False):
             async with self.d.op_lock(vm.vm_id):
                 fresh = self.d.store.get_vm(vm.vm_id)
                 if fresh is None or (fresh.state, fresh.marker, fresh.snapshot_id) != (

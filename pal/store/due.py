@@ -29,19 +29,25 @@ from pal.store.write_tx import vm_from_row
 ID_CHUNK = 100  # ids per IN (...) list: few enough that each is primary-key lookups at any size
 
 
-def slot_rows_query(node_ids: Collection[str] | None = None) -> Select[tuple[object, ...]]:
+def slot_rows_query(
+    node_ids: Collection[str] | None = None, unplaced: bool = False
+) -> Select[tuple[object, ...]]:
     q = select(vms).where(text("holds_slot"))  # the predicate of ix_vms_slots, word for word
     if node_ids is not None:
-        q = q.where(vms.c.node_id.in_(sorted(node_ids)))
+        placed = vms.c.node_id.in_(sorted(node_ids))
+        q = q.where(or_(placed, vms.c.node_id.is_(None)) if unplaced else placed)
     return q
 
 
-def slot_rows(store: Store, node_ids: Collection[str] | None = None) -> list[VmRecord]:
-    """The VMs holding a slot (on ``node_ids``, when given)."""
-    if node_ids is not None and not node_ids:
+def slot_rows(
+    store: Store, node_ids: Collection[str] | None = None, *, unplaced: bool = False
+) -> list[VmRecord]:
+    """The VMs holding a slot (on ``node_ids``, when given; with ``unplaced``, also those
+    placed on no node: rows from before nodes existed, the embedded node's)."""
+    if node_ids is not None and not node_ids and not unplaced:
         return []
     with store._read() as conn:
-        return [vm_from_row(r) for r in conn.execute(slot_rows_query(node_ids)).all()]
+        return [vm_from_row(r) for r in conn.execute(slot_rows_query(node_ids, unplaced)).all()]
 
 
 def idle_due_queries(now_ms: int, limit: int) -> list[Select[tuple[object, ...]]]:
