@@ -48,6 +48,7 @@ from pal.bench.common import machine
 from pal.bench.cp_load import Load, OpResult, operations, reads
 from pal.bench.cp_pg import BENCH_SETTINGS, PgFigures
 from pal.bench.cp_report import render
+from pal.bench.cpu import CpuMeter, children_of, cpu_secs
 from pal.bench.fleet import Fleet, FleetPlan, fill, split_seeds
 from pal.bench.simnode import SimTimes
 from pal.localcluster.postgres import LocalPostgres
@@ -118,13 +119,6 @@ def _rss_mib(pid: int) -> float | None:
             if line.startswith("VmRSS:"):
                 return round(int(line.split()[1]) / 1024, 1)
     return None
-
-
-def _cpu_secs(pid: int) -> float:
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
 
 
 def _wait(what: str, fn: Callable[[], Any], timeout: float, every: float = 0.25) -> Any:
@@ -320,7 +314,7 @@ class SizeRun:
             health["loops"],
             self.pgf.statements(),
             self.pgf.scans(),
-            _cpu_secs(leader.proc.pid),
+            cpu_secs(leader.proc.pid),
         )
         t0 = time.monotonic()
         time.sleep(self.opts.idle_secs)
@@ -332,7 +326,7 @@ class SizeRun:
         self.result["idle"] = {
             "secs": round(secs, 1),
             "loops": _loop_delta(health["loops"], before),
-            "leaderCpuPct": round((_cpu_secs(leader.proc.pid) - cpu0) / secs * 100, 1),
+            "leaderCpuPct": round((cpu_secs(leader.proc.pid) - cpu0) / secs * 100, 1),
             "eventLoopLagMaxSecs": health.get("eventLoopLagMaxSecs"),
             "statementsPerSec": round(rate, 1),
             "scans": PgFigures.scans_minus(self.pgf.scans(), sc0),
@@ -343,7 +337,8 @@ class SizeRun:
         return rate
 
     def operations(self, urls: list[str], idle_rate: float) -> None:
-        ops = asyncio.run(_operations(urls, self.fleet.api_key, self.opts, self.pgf, idle_rate))
+        cpu = self.cpu_meter()
+        ops = asyncio.run(_operations(urls, self.fleet.api_key, self.opts, self.pgf, idle_rate, cpu))
         self.loads.append(os.getloadavg()[0])
         self.result["operations"] = ops
         leader, health = self.run.leader_health()
@@ -365,6 +360,26 @@ class SizeRun:
         self.result["reads"] = rd
         self.log("reads: " + ", ".join(f"{k} p50 {v['p50Ms']} p99 {v['p99Ms']} ms" for k, v in rd.items()))
 
+    def cpu_meter(self) -> CpuMeter:
+        """The leader, the followers, PostgreSQL, the simulated nodes, this process (the load)."""
+        c = self.run.cluster
+
+        def replicas(lead: bool) -> list[int]:
+            leader = c.leader()
+            return [p.proc.pid for p in c.replicas.values() if p.alive() and (p is leader) == lead]
+
+        pg = self.pgf.conn.execute("SELECT pg_backend_pid()").fetchone()
+        postmaster = int(Path(f"/proc/{pg[0]}/stat").read_text().rsplit(")", 1)[1].split()[1]) if pg else 0
+        return CpuMeter(
+            {
+                "leader": lambda: replicas(True),
+                "followers": lambda: replicas(False),
+                "postgres": lambda: [postmaster, *children_of(postmaster)],
+                "nodes": lambda: [s.pid for s in self.run.sims],
+                "load": lambda: [os.getpid()],
+            }
+        )
+
     def show_logs(self) -> None:
         for p in self.run.cluster.replicas.values():
             self.log(f"--- {p.name} ({p.log_path}):\n{p.log_tail(30)}")
@@ -375,15 +390,17 @@ class SizeRun:
 
 
 async def _operations(
-    urls: list[str], key: str, opts: Options, pgf: PgFigures, idle_rate: float
+    urls: list[str], key: str, opts: Options, pgf: PgFigures, idle_rate: float, cpu: CpuMeter
 ) -> dict[str, Any]:
-    """Each operation's figures, and the statements each ran per call (those of its window,
-    less the background's rate)."""
+    """Each operation's figures, the statements each ran per call (those of its window,
+    less the background's rate) and the CPU each component spent per call."""
     load = Load(urls, key, opts.concurrency)
     marks = [pgf.statements()]
+    cpus = [cpu.read()]
 
     def mark(_op: str) -> None:
         marks.append(pgf.statements())
+        cpus.append(cpu.read())
 
     try:
         got = await operations(
@@ -396,6 +413,7 @@ async def _operations(
         out[name] = r.summary()
         stmts = marks[i + 1].minus(marks[i])
         out[name]["statements"] = _per_op(stmts, r.ok, idle_rate, r.seconds)
+        out[name]["cpuMsPerCall"] = CpuMeter.per_call(cpus[i + 1], cpus[i], r.ok)
     return out
 
 

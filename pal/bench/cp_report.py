@@ -108,14 +108,17 @@ def _operations(ops: dict[str, Any]) -> list[str]:
     if not ops:
         return []
     out = ["", "| operation | done | errors | per s | latency p50 / p99 ms | node ms | "
-           "control plane p50 / p99 ms | statements per call |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+           "control plane p50 / p99 ms | statements per call | CPU ms per call (leader, followers, "
+           "PostgreSQL, nodes, load) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
     slow: list[tuple[str, dict[str, Any]]] = []
     for name, o in ops.items():
         st = o.get("statements") or {}
+        cpu = o.get("cpuMsPerCall") or {}
+        shares = ", ".join(str(cpu.get(k, "?")) for k in ("leader", "followers", "postgres", "nodes", "load"))
         out.append(
             f"| {name} | {o['ok']} | {o['errors']} | {o['perSec']} | {o['p50Ms']} / {o['p99Ms']} | "
-            f"{o['nodeMs']} | {o['cpP50Ms']} / {o['cpP99Ms']} | {st.get('perOp')} |"
+            f"{o['nodeMs']} | {o['cpP50Ms']} / {o['cpP99Ms']} | {st.get('perOp')} | {shares} |"
         )
         slow += [(name, q) for q in st.get("top", [])[:2]]
     if slow:

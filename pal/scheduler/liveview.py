@@ -11,11 +11,12 @@ It is read from the store once (:meth:`load`: the slot-holding rows, ``ix_vms_sl
 then follows every committed change of a VM's lifecycle: the transition function, the one
 writer of those columns, hands it each row it wrote (:meth:`apply`). Only the leader
 changes VMs, so while it leads its view is the store's; a replica that takes over loads
-it again (reconcile.py). Until it is loaded, :meth:`loads` reads the store.
+it again (reconcile.py); a scheduler that places before it took over loads it then.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,6 +69,21 @@ class LiveView:
         self._drop(vm.vm_id)
         self._add(vm)
 
+    def hold(self, vm: VmRecord, node_id: str) -> None:
+        """Count ``vm`` on ``node_id`` now, before the transaction that places it commits:
+        placement holds its lock only this long, and the next placement sees the room it
+        took. The placing operation puts the view back (``apply`` of the row as it was,
+        or ``forget`` of a row never written) if that transaction fails."""
+        self._ensure()
+        self.apply(dataclasses.replace(vm, node_id=node_id, holds_slot=True, state="spawning", marker=""))
+
+    def forget(self, vm_id: str) -> None:
+        self._drop(vm_id)
+
+    def _ensure(self) -> None:
+        if not self.loaded:  # a scheduler that never took over (`pal up` before its first tick, tests)
+            self.load()
+
     def _add(self, vm: VmRecord) -> None:
         if not vm.holds_slot:  # the books' word, as placement.loads takes it
             return
@@ -109,6 +125,5 @@ class LiveView:
 
     def loads(self) -> dict[str, placement.NodeLoad]:
         """What each node holds, as placement counts it (a copy: the caller may add to it)."""
-        if not self.loaded:
-            return placement.loads(slot_rows(self._store))
+        self._ensure()
         return {n: load.copy() for n, load in self._loads.items()}

@@ -13,7 +13,9 @@ tests/unit/test_lifecycle_writes.py proves nothing else writes them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import weakref
@@ -27,6 +29,9 @@ from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
 T = TypeVar("T")
+# The threads transitions commit on: as many as commits worth waiting for together (the
+# database groups the commits that arrive together; the default pool has 6 on 2 cores).
+_WRITERS = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="pal-transition")
 # One create waiting for its tenant's next transaction: its rows, the snapshot bytes it
 # needs (a fork), and the future its caller awaits.
 _Create = tuple[Sequence[VmRecord], int, "asyncio.Future[None]"]
@@ -203,7 +208,8 @@ class Transitioner:
             with self._store.write() as tx:
                 return work(tx)
 
-        return await asyncio.to_thread(run)
+        # copy_context: the caller's counting (pal/store/counting.py) follows it there
+        return await asyncio.get_running_loop().run_in_executor(_WRITERS, contextvars.copy_context().run, run)
 
     @staticmethod
     def _apply(
@@ -225,14 +231,16 @@ class Transitioner:
         holds = holds_slot(rule.to, rule.marker)  # a live pause keeps its slot (states.py)
         if holds and not holds_slot(frm, vm.marker):
             quotas.reserve_in(tx, vm.tenant_id, existing=[vm_id])
-        if not tx.write_lifecycle(
+        after = tx.write_lifecycle(
             vm_id,
             expect_state=frm.value,
+            before=vm,
             state=rule.to.value,
             marker=rule.marker.value,
             reason=reason,
             **fields,
-        ):  # cannot happen under the row lock; refuse rather than log a false event
+        )
+        if after is None:  # cannot happen under the row lock; refuse rather than log a false event
             raise IllegalTransition(vm_id, frm, action, vm.marker, "VM changed state meanwhile")
         tx.add_event(
             vm_id,
@@ -244,10 +252,8 @@ class Transitioner:
             reason=reason,
             details=details,
         )
-        if not holds:
-            quotas.release_in(tx, vm_id)
-        after = tx.get_vm(vm_id)
-        assert after is not None
+        if not holds and quotas.release_in(tx, vm_id):
+            after.holds_slot = False
         return after
 
     async def repair_slot(self, vm_id: str) -> bool:

@@ -122,29 +122,33 @@ class WriteTx:
                 f"{sorted(lifecycle)} are lifecycle columns: only the transition function "
                 "(pal/scheduler/transition.py) writes them"
             )
-        return self._update(vm_id, None, fields)
+        return self._update(vm_id, None, fields) is not None
 
-    def write_lifecycle(self, vm_id: str, *, expect_state: str, **fields: Any) -> bool:
+    def write_lifecycle(
+        self, vm_id: str, *, expect_state: str, before: VmRecord | None = None, **fields: Any
+    ) -> VmRecord | None:
         """The transition function's write: any columns, only if the row is still in
-        ``expect_state``."""
-        return self._update(vm_id, expect_state, fields)
+        ``expect_state``; the row as written (None: it was not in that state). ``before``:
+        the row as the caller read it under its lock (saves reading it again)."""
+        return self._update(vm_id, expect_state, fields, before)
 
-    def _update(self, vm_id: str, expect_state: str | None, fields: dict[str, Any]) -> bool:
+    def _update(
+        self, vm_id: str, expect_state: str | None, fields: dict[str, Any], before: Any = None
+    ) -> VmRecord | None:
         unknown = set(fields) - set(_VM_COLUMNS)
         if unknown:
             raise ValueError(f"unknown vm columns: {sorted(unknown)}")
         counted = {"state", "marker", "snapshot_bytes"} & set(fields)
-        before = None
-        if counted:  # the row is locked already (get_vm): its counted columns, as they were
+        if counted and before is None:  # the row is locked already (get_vm): as it was
             cols = (vms.c.tenant_id, vms.c.state, vms.c.marker, vms.c.snapshot_bytes)
             before = self._conn.execute(select(*cols).where(vms.c.vm_id == vm_id).with_for_update()).first()
         q = update(vms).where(vms.c.vm_id == vm_id)
         if expect_state is not None:
             q = q.where(vms.c.state == expect_state)
-        res = self._conn.execute(q.values(updated_at=utcnow(), **fields))
-        if res.rowcount == 1 and before is not None:
+        row = self._conn.execute(q.values(updated_at=utcnow(), **fields).returning(*vms.c)).first()
+        if row is not None and counted:
             books.change(self._conn, before, fields)
-        return res.rowcount == 1
+        return vm_from_row(row) if row is not None else None
 
     def set_holds_slot(self, vm_id: str, value: bool) -> bool:
         """Flip the flag only if it differs: True when this call changed it."""
