@@ -69,6 +69,7 @@ NODE_LOST_REASON = "node lost"
 LOCK_WAIT_S = 2.0  # a VM whose operation is stuck on a dead node is retried next tick
 ASK_AT_ONCE = 32  # nodes asked for their heartbeat at the same time
 AUDIT_PAGE = 50  # snapshot-paused VMs whose snapshot the audit checks per sweep
+SWEEP_PAGE = 100  # VMs of a node's snapshot list the sweep looks at per tick
 
 
 def _silent_ms(a: VmActivity | None, now_ms: int) -> int:
@@ -123,6 +124,8 @@ class Reconciler:
     unreconciled_nodes: set[str | None] = field(default_factory=set)
     _audit_after: str = ""  # the snapshot audit's place: the last VM id it checked
     _sweep_turn: int = 0  # the snapshot sweep's next node (this leadership's round)
+    # (node, agent version, vm id) the node listed, not looked at yet
+    _sweep_queue: list[tuple[str, str, str]] = field(default_factory=list)
 
     async def node_heartbeat(self, hb: NodeHeartbeat) -> HeartbeatAck:
         """A remote node's pushed heartbeat (leader only: the record is a fenced write).
@@ -617,29 +620,34 @@ class Reconciler:
 
     def sweep_again(self) -> None:
         """A new leadership: one more round of the snapshot sweep."""
-        self._sweep_turn = 0
+        self._sweep_turn, self._sweep_queue = 0, []
 
     async def sweep_snapshots(self) -> list[str]:
         """Delete snapshots no VM owns any more on one node (the next one at each call, one
-        round of the nodes per leadership: what a crash left): those of terminated VMs (a
+        round of the nodes per leadership: what a crash left; SWEEP_PAGE of a node's list
+        a call, its next page at the next): those of terminated VMs (a
         delete cut short by a crash or an unreachable node) and of VMs whose row is gone (a
         removed tenant), on that node and in S3. Snapshots a live fork child maps stay.
 
         The node's list is read *before* the VM rows, so a VM made meanwhile (its row exists
         before its first snapshot) is never taken for an orphan; the rows read are those
         the node names."""
-        ids = self.d.nodes.reachable_ids()
-        if self._sweep_turn >= len(ids):
-            return []  # one round per leadership (sweep_again)
-        node_id = ids[self._sweep_turn]
-        self._sweep_turn += 1
-        try:
-            owners = list((await self.d.nodes.client(node_id).snapshot_owners()).vms)
-        except Exception as exc:
-            log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
-            return []
-        rows = vms_by_ids(self.d.store, {vm_id for _, vm_id in owners})
-        orphans = [(av, v) for av, v in owners if v not in rows or rows[v].state in FINAL]
+        if not self._sweep_queue:
+            ids = self.d.nodes.reachable_ids()
+            if self._sweep_turn >= len(ids):
+                return []  # one round per leadership (sweep_again)
+            node_id = ids[self._sweep_turn]
+            self._sweep_turn += 1
+            try:
+                owners = list((await self.d.nodes.client(node_id).snapshot_owners()).vms)
+            except Exception as exc:
+                log.warning("snapshot sweep: node %s did not list its snapshots: %s", node_id, exc)
+                return []
+            self._sweep_queue = [(node_id, av, vm_id) for av, vm_id in owners]
+        page, self._sweep_queue = self._sweep_queue[:SWEEP_PAGE], self._sweep_queue[SWEEP_PAGE:]
+        node_id = page[0][0]
+        rows = vms_by_ids(self.d.store, {vm_id for _, _, vm_id in page})
+        orphans = [(av, v) for _, av, v in page if v not in rows or rows[v].state in FINAL]
         mapped = sorted(mapped_by_children(self.d.store, {v for _, v in orphans}, NEVER_STARTS))
         fixes = []
         for agent_version_id, vm_id in orphans:
