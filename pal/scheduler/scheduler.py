@@ -184,8 +184,8 @@ class Scheduler:
             await self.nodes.register_local()
         except Exception as exc:
             raise Unavailable(f"the runtime manager did not answer its heartbeat: {exc}") from exc
+        self.leader.keep()  # renews from the first token on: a long first takeover keeps the lease
         await self.background.lead_once()
-        self.leader.keep()
         self.background.start()
         self.live.start()
 

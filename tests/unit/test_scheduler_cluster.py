@@ -121,6 +121,23 @@ async def test_resume_on_another_node_when_its_node_is_draining(tmp_path: Path) 
     assert any("its previous node node " + home + " ruled out: draining" in r for r in _reasons(c, vm.vm_id))
 
 
+async def test_many_nodes_silent_at_once_are_the_control_planes_trouble_not_theirs(tmp_path: Path) -> None:
+    """Five of ten nodes silent at once (a control plane too slow to take their heartbeats,
+    or cut off from them): none is declared lost and no VM fails; one silent alone is."""
+    names = tuple(f"n{i}" for i in range(10))
+    c = await make_cluster(tmp_path, names)
+    vm, _ = await c.sched.schedule(c.tenant_id, AgentSpec())
+    for name in names[:5]:
+        c.silence(name, 60)
+    assert await c.sched.reconciler.lose_silent_nodes() == []
+    assert all(n.state == "active" for n in c.sched.nodes.nodes())
+    for name in names[1:5]:
+        await c.beat(name)
+    assert "node n0: lost" in await c.sched.reconciler.lose_silent_nodes()
+    assert [n.node_id for n in c.sched.nodes.nodes() if n.state == "lost"] == ["n0"]
+    assert c.store.get_vm(vm.vm_id).state == (S.FAILED if vm.node_id == "n0" else S.RUNNING)  # type: ignore[union-attr]
+
+
 async def test_node_loss_fails_its_running_vms_once_and_keeps_paused_ones(tmp_path: Path) -> None:
     c = await make_cluster(tmp_path, ("n1", "n2"))
     c.nodes["n2"].memory_mib = 0  # everything lands on n1
