@@ -248,6 +248,14 @@ def run_size(records: int, nodes: int, opts: Options, log: Log) -> dict[str, Any
         sr = SizeRun(Run(base, cluster), pgf, fleet, opts, log, result)
         try:
             sr.phases()
+        except Exception as exc:  # the size is not held: what broke, and where
+            sr.show_logs()
+            result["notHeld"] = {
+                "phase": sr.phase,
+                "error": f"{type(exc).__name__}: {exc}"[:400],
+                **sr.damage(),
+            }
+            log(f"not held at {records} records, {nodes} nodes: {result['notHeld']}")
         except BaseException:
             sr.show_logs()
             raise
@@ -271,13 +279,18 @@ class SizeRun:
     log: Log
     result: dict[str, Any]
     loads: list[float] = field(default_factory=list)
+    phase: str = "start"
 
     def phases(self) -> None:
         self.start()
+        self.phase = "idle"
         idle_rate = self.idle()
         urls = [p.url for p in self.run.cluster.replicas.values()]
+        self.phase = "operations"
         self.operations(urls, idle_rate)
+        self.phase = "reads"
         self.reads(urls)
+        self.phase = "failover"
         self.result["sizes"] = self.pgf.sizes()
         self.result["scansTotal"] = PgFigures.scans_minus(self.pgf.scans(), {})
         self.result["plans"] = _plans(self.pgf, self.fleet)
@@ -359,6 +372,14 @@ class SizeRun:
         rd = asyncio.run(_reads(urls, self.fleet, sample, self.opts))
         self.result["reads"] = rd
         self.log("reads: " + ", ".join(f"{k} p50 {v['p50Ms']} p99 {v['p99Ms']} ms" for k, v in rd.items()))
+
+    def damage(self) -> dict[str, Any]:
+        """What the control plane did meanwhile that it should not have: nodes it declared
+        lost, VMs it failed (the simulated nodes never fail)."""
+        conn = self.pgf.conn
+        lost = conn.execute("SELECT count(*) FROM nodes WHERE state = 'lost'").fetchone()
+        failed = conn.execute("SELECT count(*) FROM vms WHERE state = 'failed'").fetchone()
+        return {"nodesLost": int(lost[0]) if lost else 0, "vmsFailed": int(failed[0]) if failed else 0}
 
     def cpu_meter(self) -> CpuMeter:
         """The leader, the followers, PostgreSQL, the simulated nodes, this process (the load)."""

@@ -51,6 +51,17 @@ def render(report: dict[str, Any]) -> str:
     ]
     for s in sizes:
         during = "/".join(f"{x:.1f}" for x in s.get("loadDuring", []))
+        if "notHeld" in s:
+            nh = s["notHeld"]
+            why = (
+                f"not held: {nh.get('phase')} phase, {nh.get('nodesLost')} nodes declared lost, "
+                f"{nh.get('vmsFailed')} VMs failed ({nh.get('error', '')[:120]})"
+            )
+            load = f"{s.get('loadStart')} / {during} / {s.get('loadEnd')}"
+            lines.append(
+                f"| {s['records']:,} | {s['nodes']:,} | {s.get('date', '')} | {load} | {why} |||||||"
+            )
+            continue
         cells = [f"{s['records']:,}", f"{s['nodes']:,}", s.get("date", ""),
                  f"{s.get('loadStart')} / {during} / {s.get('loadEnd')}",
                  _v(s, "schedulesPerSec"), f"{s.get('scheduleP50Ms')} / {_v(s, 'scheduleP99Ms')}",
@@ -71,6 +82,8 @@ def render(report: dict[str, Any]) -> str:
 
 def _size(s: dict[str, Any]) -> list[str]:
     out = ["", f"## {s['records']:,} records, {s['nodes']:,} nodes", ""]
+    if "notHeld" in s:
+        out += [f"Not held: {s['notHeld']}.", ""]
     f = s.get("fleet", {})
     out.append(
         f"Fleet: {f.get('vmsByState')}, {f.get('events', 0):,} events, {f.get('tenants')} tenants "
