@@ -50,6 +50,7 @@ from pal.bench.cp_pg import BENCH_SETTINGS, PgFigures
 from pal.bench.cp_report import render
 from pal.bench.cpu import CpuMeter, children_of, cpu_secs
 from pal.bench.fleet import Fleet, FleetPlan, fill, split_seeds
+from pal.bench.plans import hot_reads
 from pal.bench.simnode import SimTimes
 from pal.localcluster.postgres import LocalPostgres
 from pal.localcluster.processes import LocalCluster, Proc
@@ -448,14 +449,14 @@ async def _reads(urls: list[str], fleet: Fleet, sample: list[str], opts: Options
 
 
 def _plans(pgf: PgFigures, fleet: Fleet) -> dict[str, str]:
-    """The query plans of the reads measured above, as PostgreSQL chose them here."""
-    t = fleet.tenant_id
-    from pal.bench.plans import hot_reads
-
+    """The query plans of the hot reads, as PostgreSQL chose them here."""
+    vm = (fleet.sample.get("paused") or ["vm-0"])[0]
     out = {}
-    for name, sql in hot_reads(t, fleet.team).items():
-        with contextlib.suppress(Exception):
-            out[name] = pgf.explain(sql)
+    for name, (sql, params) in hot_reads(fleet.tenant_id, fleet.team, fleet.node_ids[0], vm).items():
+        try:
+            out[name] = pgf.explain(sql, params)
+        except Exception as exc:
+            out[name] = f"(not explained: {exc})"
     return out
 
 

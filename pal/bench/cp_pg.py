@@ -135,6 +135,6 @@ class PgFigures:
         ]
         return {n: str(self.conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
 
-    def explain(self, sql: str) -> str:
-        got = self.conn.execute("EXPLAIN " + sql).fetchall()
+    def explain(self, sql: str, params: dict[str, Any] | None = None) -> str:
+        got = self.conn.execute(("EXPLAIN " + sql).encode(), params).fetchall()
         return "\n".join(str(r[0]) for r in got)

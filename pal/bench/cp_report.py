@@ -108,6 +108,12 @@ def _size(s: dict[str, Any]) -> list[str]:
             f"{ft.get('lastSecs')} s and read {ft.get('lastRows')} rows (at the first start: "
             f"{tk.get('lastSecs')} s, {tk.get('lastRows')} rows).",
         ]
+    plans = s.get("plans") or {}
+    if plans:
+        out += ["", "<details><summary>Query plans of the hot reads at this size</summary>", ""]
+        for name, plan in plans.items():
+            out += [f"{name}:", "", "```", plan, "```", ""]
+        out += ["</details>"]
     sz = s.get("sizes", {})
     if sz:
         out += ["", f"PostgreSQL: {_mib(sz.get('databaseBytes', 0))} in all.", "",

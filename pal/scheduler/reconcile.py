@@ -74,6 +74,7 @@ ASK_AT_ONCE = 32  # nodes asked for their heartbeat at the same time
 # (lose_silent_nodes): the control plane's trouble, not theirs.
 MASS_SILENCE_MIN, MASS_SILENCE_SHARE = 3, 0.1
 AUDIT_PAGE = 50  # snapshot-paused VMs whose snapshot the audit checks per sweep
+YIELD_EVERY = 2000  # rows a takeover looks at between two turns of the event loop
 SWEEP_PAGE = 100  # VMs of a node's snapshot list the sweep looks at per tick
 
 
@@ -329,7 +330,7 @@ class Reconciler:
             # must go on turning (the lease's keeper checks that it does).
             rows = await asyncio.to_thread(slot_rows, self.d.store)
             self.d.nodes.reload()  # the store's, as the previous leader left it
-            self.d.live.load(rows)
+            await self.d.live.aload(rows)
             node_ids: set[str | None] = {vm.node_id for vm in rows if vm.node_id}
             node_ids |= set(self.d.nodes.local_ids())
             node_ids |= {n.node_id for n in self.d.nodes.nodes()}
@@ -346,7 +347,9 @@ class Reconciler:
         known = vms_by_ids(self.d.store, others)
         fixes: list[str] = []
         unanswered: set[str | None] = set()
-        for vm in [*rows, *(known[i] for i in sorted(known))]:
+        for i, vm in enumerate([*rows, *(known[k] for k in sorted(known))]):
+            if i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # 10^5 rows: the event loop (and the lease's pulse) go on
             hb = beats.get(vm.node_id or only_local)
             if hb is None and vm.state != S.PENDING and holds_slot(vm.state, vm.marker):
                 unanswered.add(vm.node_id or only_local)
@@ -453,9 +456,16 @@ class Reconciler:
             now = self.d.now_ms()
             return [v for v, e in expected[node_id].items() if _differs(e, alive.get(v), now, stale_ms)]
 
-        again = [n for n, hb in reports.items() if suspects(n, hb)]
+        again = []
+        for n, hb in reports.items():  # a node's report at a time: the event loop goes on between
+            if suspects(n, hb):
+                again.append(n)
+            await asyncio.sleep(0)
         beats.update(await self._heartbeats(again))  # a pushed report may predate a change
-        wanted = {n: suspects(n, hb) for n, hb in beats.items()}
+        wanted = {}
+        for n, hb in beats.items():
+            wanted[n] = suspects(n, hb)
+            await asyncio.sleep(0)
         rows = vms_by_ids(self.d.store, [v for ids in wanted.values() for v in ids])
         fixes: list[str] = []
         for node_id, ids in wanted.items():
