@@ -411,6 +411,10 @@ async def role(scheduler: Any) -> dict[str, Any]:
     token = getattr(scheduler.leader, "token", None)
     if leads and token is not None:
         out["fencingToken"] = token
+    if leads:
+        out["reconciled"] = scheduler.reconciled
+        out["loops"] = scheduler.loop_report()
+        out["eventLoopLagMaxSecs"] = round(getattr(scheduler.leader, "max_lag_s", 0.0), 3)
     if not leads:
         with contextlib.suppress(Exception):
             out["leader"] = await scheduler.leader.leader_url()
@@ -483,8 +487,7 @@ async def serve_control_plane(
     await scheduler.start()
 
     async def health() -> dict[str, Any]:
-        nodes = scheduler.node_views()
-        return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
+        return {"ok": True, "nodes": scheduler.node_count(), **await role(scheduler)}
 
     app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
     served = _serve(app, host, port, ports_sock)

@@ -18,7 +18,8 @@ BenchDataDir = Annotated[
 ]
 
 bench_app = typer.Typer(
-    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `wait`, `processes`, `io`,"
+    help="Benchmarks: the latency table, `images`, `network`, `cluster`, `control-plane`, `wait`, "
+    "`processes`, `io`,"
     " `memory`, `peer`."
 )
 
@@ -79,6 +80,33 @@ def bench_cluster(
         data_dir=data_dir,
         out_dir=out_dir,
     )
+
+
+@bench_app.command("control-plane")
+def bench_control_plane(
+    records: Annotated[
+        int | None, typer.Option(help="sandbox records in the store (none: the ladder 10^4, 10^5, 10^6)")
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="simulated nodes (default: records / 1000, at least 10)")
+    ] = None,
+    out_dir: Annotated[Path, typer.Option(help="where control-plane.{json,md} go")] = Path("docs/benchmarks"),
+    seconds: Annotated[float, typer.Option(help="seconds of schedules")] = 20.0,
+    idle_secs: Annotated[float, typer.Option(help="seconds of the idle phase (loops measured)")] = 30.0,
+    concurrency: Annotated[int, typer.Option(help="API calls in flight")] = 32,
+    spawn_ms: Annotated[float, typer.Option(help="a simulated node's spawn time")] = 50.0,
+    snapshot_ms: Annotated[float, typer.Option(help="a simulated node's snapshot time")] = 50.0,
+    restore_ms: Annotated[float, typer.Option(help="a simulated node's restore time")] = 50.0,
+) -> None:
+    """The control plane at 10^4-10^6 sandbox records: PostgreSQL, 2 replicas, simulated nodes.
+
+    docs/scale.md says what it measures; the report goes to control-plane.{json,md}."""
+    from pal.bench import control_plane as mod
+    from pal.bench.simnode import SimTimes
+
+    times = SimTimes(spawn_ms=spawn_ms, restore_ms=restore_ms, snapshot_ms=snapshot_ms)
+    opts = mod.Options(seconds=seconds, idle_secs=idle_secs, concurrency=concurrency, times=times)
+    mod.main(records, nodes, out_dir, opts)
 
 
 @bench_app.command("s3")

@@ -107,9 +107,13 @@ class Forking:
             snap_id = new_snapshot_id() if live_source else src.snapshot_id or ""
             children = [child_row(src, snap_id, d.now_ms()) for _ in range(count)]
             async with self.spawner.placing:
-                # Placed before any row exists (503 NO_NODE leaves nothing), then all N rows
-                # and slots in one transaction, before any snapshot I/O (402 leaves nothing).
+                # Placed before any row exists (503 NO_NODE leaves nothing; the next
+                # placement counts them already), then all N rows and slots in one
+                # transaction, before any snapshot I/O (402 leaves nothing).
                 reasons = self.spawner.place_children(src, children)
+                for c in children:
+                    d.live.hold(c, c.node_id or "")
+            try:
                 await d.transitions.create(
                     tenant_id,
                     children,
@@ -118,6 +122,10 @@ class Forking:
                     # a running source is snapshotted for them: the tenant's snapshot limit
                     new_snapshot_bytes=self.books.estimate(src) if src.state == S.RUNNING else 0,
                 )
+            except BaseException:
+                for c in children:
+                    d.live.forget(c.vm_id)
+                raise
             failpoints.hit("fork:reserved")
             if live_source:
                 error = await self._snapshot(src, snap_id)

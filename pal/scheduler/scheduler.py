@@ -70,11 +70,14 @@ from pal.scheduler.leader import Leadership, SingleProcessLeader
 from pal.scheduler.lifetime import Lifetimes
 from pal.scheduler.listing import Listing
 from pal.scheduler.live import LiveOps
+from pal.scheduler.liveview import LiveView
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.pause_resume import PauseResume
 from pal.scheduler.reads import Reads
 from pal.scheduler.reconcile import Reconciler
+from pal.scheduler.retention import Retention
 from pal.scheduler.schedule import Scheduling
+from pal.scheduler.snapshot_audit import SnapshotChecks
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner
 from pal.scheduler.streams import StreamBudget
@@ -118,13 +121,17 @@ class Scheduler:
             self.nodes.add_local(manager)
         self.clock = clock
         self.leader: Leadership = leader or SingleProcessLeader()
-        self.transitions = Transitioner(store)
+        self.live_view = LiveView(store)
+        self.transitions = Transitioner(store, on_change=self.live_view.apply)
         self.telemetry = Telemetry()
         self.locks = VmLocks()
         self.chores = Chores()
         self.brokering = SecretBroker(settings, store)
         self.lead = LeaderState()
-        d = Deps(settings, store, self.nodes, self.transitions, self.locks, self.telemetry, clock)
+        self.nodes.leading = lambda: self.lead.leading
+        d = Deps(
+            settings, store, self.nodes, self.transitions, self.locks, self.telemetry, clock, self.live_view
+        )
         self.deps = d
         self.live = LiveOps(d, self.leader.is_leader)
         spawner = Spawner(d, self.brokering)
@@ -149,14 +156,29 @@ class Scheduler:
             spawn_chore=self.chores.spawn,
         )
         self.sweeper = IdleSweeper(d, self.pauses)
+        self.retention = Retention(d)
+        self.snapshot_checks = SnapshotChecks(d)
         chores = LeaderChores(
             reseal_secrets=self.egress_secrets.reseal_secrets,
+            reseal_again=self.egress_secrets.reseal_again,
             record_egress_events=self.egress_events.record,
             purge_deleted_tenants=self.deleting.purge_deleted_tenants,
             end_lifetimes=self.lifetimes.sweep,
+            retention=self.retention.sweep,
+            audit_snapshots=self.snapshot_checks.audit,
+            sweep_snapshots=self.snapshot_checks.sweep,
+            sweep_again=self.snapshot_checks.again,
         )
         self.background = Background(
-            settings, self.leader, self.nodes, clock, self.reconciler, self.sweeper, chores, self.lead
+            settings,
+            self.leader,
+            self.nodes,
+            clock,
+            self.reconciler,
+            self.sweeper,
+            chores,
+            self.lead,
+            self.telemetry.loops,
         )
 
     # -- the scheduler itself ------------------------------------------------------------------
@@ -169,6 +191,7 @@ class Scheduler:
             await self.nodes.register_local()
         except Exception as exc:
             raise Unavailable(f"the runtime manager did not answer its heartbeat: {exc}") from exc
+        self.leader.keep()  # renews from the first token on: a long first takeover keeps the lease
         await self.background.lead_once()
         self.background.start()
         self.live.start()
@@ -192,6 +215,15 @@ class Scheduler:
     @leader_since.setter
     def leader_since(self, value: float) -> None:
         self.lead.since = value
+
+    @property
+    def reconciled(self) -> bool:
+        """This replica leads and has settled every VM of every node that answered."""
+        return self.background.reconciled
+
+    def loop_report(self) -> dict[str, dict[str, float | int]]:
+        """Each leader loop's ticks (pal/scheduler/loops.py)."""
+        return self.telemetry.loops.report()
 
     @property
     def unreconciled_nodes(self) -> set[str | None]:
@@ -373,6 +405,9 @@ class Scheduler:
 
     async def node_heartbeat(self, hb: NodeHeartbeat) -> HeartbeatAck:
         return await self.reconciler.node_heartbeat(hb)
+
+    def node_count(self) -> int:
+        return len(self.nodes.nodes())
 
     def node_views(self) -> builtins.list[dict[str, Any]]:
         return self.reads.node_views()
