@@ -524,6 +524,12 @@ class Settings(BaseSettings):
     node_lost_after_s: float = setting(
         30.0, "PAL_NODE_LOST_AFTER", "a node silent this long (seconds) has lost its running VMs", lo=2.0
     )
+    event_retention_days: float = setting(
+        90.0,
+        "PAL_EVENT_RETENTION_DAYS",
+        "VM events (status changes and audits) older than this many days are deleted by the leader",
+        lo=1.0,
+    )
     egress_ca_bundle: Path | None = setting(
         None,
         "PAL_EGRESS_CA_BUNDLE",

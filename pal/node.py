@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -21,34 +22,43 @@ from pal.api.callers import NODE_HEADER
 from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.server import Node, _logging, _Server, ensure_image, http_config, prepare_data_dir, secure_umask
-from pal.wire.models import HeartbeatAck
+from pal.wire.models import HeartbeatAck, NodeHeartbeat
 
 log = logging.getLogger("pal.node")
 
 
 class Heartbeats:
-    """Pushes the node's heartbeat to the control plane, trying each server URL in turn
-    (any replica: followers forward it to the leader)."""
+    """Pushes the node's heartbeat (``report()``: the runtime's) to the control plane,
+    trying each server URL in turn (any replica: followers forward it to the leader).
+    ``http``: a client to share (the benchmark's simulated nodes, many in one process);
+    by default one of its own."""
 
-    def __init__(self, node: Node, servers: list[str], token: str, interval_s: float) -> None:
-        self.node = node
+    def __init__(
+        self,
+        report: Callable[[], Awaitable[NodeHeartbeat]],
+        servers: list[str],
+        token: str,
+        interval_s: float,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.report = report
         self.servers = [s.rstrip("/") for s in servers]
         self.interval_s = interval_s
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(10.0), headers={"Authorization": f"Bearer {token}"}
-        )
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+        self._auth = {"Authorization": f"Bearer {token}"}
         self._next = 0
         self.last_ack: HeartbeatAck | None = None
 
     async def send_once(self) -> HeartbeatAck | None:
-        hb = await self.node.runtime.reports.heartbeat()
+        hb = await self.report()
         body = hb.model_dump(by_alias=True, mode="json")
         for i in range(len(self.servers)):
             url = self.servers[(self._next + i) % len(self.servers)]
             try:
                 # X-Pal-Node: a follower checks the token before it holds the body (forward.py).
                 resp = await self._http.post(
-                    url + "/v1/nodes/heartbeat", json=body, headers={NODE_HEADER: hb.node_id}
+                    url + "/v1/nodes/heartbeat", json=body, headers={NODE_HEADER: hb.node_id, **self._auth}
                 )
             except httpx.HTTPError as exc:
                 log.warning("heartbeat to %s failed: %s", url, exc)
@@ -76,7 +86,8 @@ class Heartbeats:
             await asyncio.sleep(self.interval_s)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._own_http:
+            await self._http.aclose()
 
 
 async def serve_node(
@@ -111,7 +122,9 @@ async def serve_node(
         await asyncio.sleep(0.01)
     node.warm_default_template()
     node.runtime.start_pool()
-    beats = Heartbeats(node, servers, settings.node_token, settings.node_heartbeat_interval_s)
+    beats = Heartbeats(
+        node.runtime.reports.heartbeat, servers, settings.node_token, settings.node_heartbeat_interval_s
+    )
     beat_task = asyncio.create_task(beats.run(), name="node-heartbeat")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -417,6 +417,10 @@ async def role(scheduler: Scheduler) -> dict[str, Any]:
     token = getattr(scheduler.leader, "token", None)
     if leads and token is not None:
         out["fencingToken"] = token
+    if leads:
+        out["reconciled"] = scheduler.background.reconciled
+        out["loops"] = scheduler.telemetry.loops.report()
+        out["eventLoopLagMaxSecs"] = round(getattr(scheduler.leader, "max_lag_s", 0.0), 3)
     if not leads:
         with contextlib.suppress(Exception):
             out["leader"] = await scheduler.leader.leader_url()
@@ -489,8 +493,7 @@ async def serve_control_plane(
     await scheduler.start()
 
     async def health() -> dict[str, Any]:
-        nodes = scheduler.reads.node_views()
-        return {"ok": True, "nodes": len(nodes), **await role(scheduler)}
+        return {"ok": True, "nodes": len(scheduler.nodes.nodes()), **await role(scheduler)}
 
     app = control_plane_app(scheduler, store, settings, health, link_secret, hosts(settings, host, advertise))
     served = _serve(app, host, port, ports_sock)

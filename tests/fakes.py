@@ -164,6 +164,9 @@ class InProcessNode:
 
     _table: Handlers | None = None
 
+    def __init__(self, handlers: Handlers | None = None) -> None:
+        self._table = handlers
+
     def handlers(self) -> Handlers:
         raise NotImplementedError
 
@@ -215,6 +218,7 @@ class FakeManager(InProcessNode):
     """
 
     def __init__(self, node_id: str = "node-1") -> None:
+        super().__init__()
         self.node_id = node_id
         self.alive: dict[str, FakeVm] = {}
         self.snapshots: dict[tuple[str, str, str], bool] = {}

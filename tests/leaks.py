@@ -65,6 +65,20 @@ def prestarted_qemus(data_dir: Path) -> dict[str, str]:
     return {str(st["vmId"]): slot for slot, st in vm_states(data_dir).items() if st.get("prestarted")}
 
 
+def data_mib(path: Path) -> float:
+    """MiB of data in a sparse file (what its holes leave)."""
+    with open(path, "rb") as f:
+        size, pos, total = os.fstat(f.fileno()).st_size, 0, 0
+        while pos < size:
+            try:
+                start = os.lseek(f.fileno(), pos, os.SEEK_DATA)
+            except OSError:
+                break
+            pos = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            total += pos - start
+    return total / (1 << 20)
+
+
 def vm_dir_of(data_dir: Path, vm_id: str) -> Path:
     """The ``vms/<slot>`` dir of ``vm_id`` (a path that does not exist if it has none)."""
     slot = vm_slots(data_dir).get(vm_id, f"no-slot-of-{vm_id}")

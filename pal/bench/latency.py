@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pal.bench import memory as bench_memory
 from pal.bench import steady as bench_steady
 from pal.bench.common import (
     Api,
@@ -242,6 +243,17 @@ def fork_rows(
             for k in kids:
                 api.call("DELETE", f"/v1/runtime/vms/{k}")
     api.call("DELETE", f"/v1/runtime/vms/{src}")
+    # The same with state: an empty guest shares little, which hid children that shared
+    # nothing (issue 39; `pal bench memory` has the whole memory report).
+    log(f"fork N=10 of a guest holding {bench_memory.STATE_MIB} MiB of random state")
+    held = bench_memory.copies_run(api, memory_mib, 10, bench_memory.STATE_MIB)
+    mem["n10_held"] = {
+        "children": held["copies"],
+        "pss_kib_mean": held["pssMeanMiB"] * 1024,
+        "pss_kib_max": held["pssMaxMiB"] * 1024,
+        "guest_ram_kib": memory_mib * 1024,
+        "state_mib": held["stateMiB"],
+    }
 
 
 def new_qemu_rows(api: Api, iterations: int, memory_mib: int, res: dict[str, list[float]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -44,8 +43,15 @@ def env_lines(url: str, key: str, sandbox_port: int = ENVD_PORT) -> list[str]:
 @e2b_app.command("env")
 def env(
     url: Annotated[
-        str | None, typer.Option(metavar="URL", help="Pal server (default PAL_URL or http://127.0.0.1:8080)")
-    ] = None,
+        str,
+        typer.Option(
+            metavar="URL", envvar="PAL_URL", help="Pal server (default PAL_URL or http://127.0.0.1:8080)"
+        ),
+    ] = DEFAULT_URL,
+    key: Annotated[
+        str,
+        typer.Option("--api-key", metavar="KEY", envvar="PAL_API_KEY", help="the tenant's key (PAL_API_KEY)"),
+    ] = "",
     sandbox_port: Annotated[
         int, typer.Option(metavar="PORT", help="the server's agent listener (PAL_E2B_PORT)")
     ] = ENVD_PORT,
@@ -55,12 +61,11 @@ def env(
     The key is PAL_API_KEY. A Pal key (pal_...) works with E2B_VALIDATE_API_KEY=false,
     printed too; a key of E2B's form (e2b_ and hex) needs nothing more.
     """
-    key = os.environ.get("PAL_API_KEY", "")
     if not key:
         err_console.print("PAL_API_KEY is not set: export a tenant's key first (pal tenants create)")
         raise typer.Exit(2)
     try:
-        lines = env_lines(url or os.environ.get("PAL_URL") or DEFAULT_URL, key, sandbox_port)
+        lines = env_lines(url, key, sandbox_port)
     except ValueError as exc:
         err_console.print(str(exc))
         raise typer.Exit(2) from None

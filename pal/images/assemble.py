@@ -24,7 +24,7 @@ from typing import Any
 from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.guest.protocol import GATEWAY_IP
-from pal.images import bundle, rootfs
+from pal.images import bundle, initramfs, rootfs
 from pal.images.boot import BootSet
 from pal.images.config import ImageConfig, OciRunConfig, resolve
 from pal.images.paths import META, ROOTFS, ImagePaths, image_dir
@@ -147,6 +147,7 @@ def base_meta(name: str, boot_set: BootSet, cfg: ImageConfig, kind: str) -> dict
         "builtAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "builderVersion": BUILDER_VERSION,
         "harnessHash": bundle.guest_files_hash(),
+        "initramfsHash": initramfs.recipe_hash(),  # its boot set's (builder.is_current)
         "config": cfg.to_json(),
     }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pal.config import Settings
 from pal.errors import BackendError, PalError
-from pal.images import assemble, boot, bundle, rootfs
+from pal.images import assemble, boot, bundle, initramfs, rootfs
 from pal.images.apt_sources import host_codename, host_sources
 from pal.images.assemble import BUILDER_VERSION, Progress
 from pal.images.config import OciRunConfig
@@ -23,11 +23,13 @@ KIND_DEBIAN = "debian"
 
 
 def is_current(meta: dict[str, object] | None) -> bool:
-    """True when an existing image was built from today's harness and recipe."""
+    """True when an existing image was built from today's harness, recipe and initramfs
+    (a new initramfs, e.g. one more module, means a new boot set)."""
     return bool(
         meta
         and meta.get("harnessHash") == bundle.guest_files_hash()
         and meta.get("builderVersion") == BUILDER_VERSION
+        and meta.get("initramfsHash") == initramfs.recipe_hash()
     )
 
 

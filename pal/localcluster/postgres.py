@@ -74,12 +74,29 @@ def reap_orphans() -> list[Path]:
     return reaped
 
 
-class LocalPostgres(ThrowawayServer):
-    """``with LocalPostgres() as pg: pg.url`` -> a SQLAlchemy URL of an empty database."""
+# A throwaway server for tests and demos: durability is not what it is for.
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
-    def __init__(self, base_dir: Path | None = None, port: int | None = None, database: str = "pal") -> None:
+
+class LocalPostgres(ThrowawayServer):
+    """``with LocalPostgres() as pg: pg.url`` -> a SQLAlchemy URL of an empty database.
+
+    ``durable``: keep PostgreSQL's own defaults (fsync, synchronous commit, full page
+    writes), as a benchmark of the control plane must; ``settings``: more ``-c`` settings
+    (``shared_preload_libraries``, ``shared_buffers``...)."""
+
+    def __init__(
+        self,
+        base_dir: Path | None = None,
+        port: int | None = None,
+        database: str = "pal",
+        *,
+        durable: bool = False,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.database = database
+        self.settings = {**({} if durable else FAST_SETTINGS), "max_connections": "200", **(settings or {})}
         self.password = secrets.token_urlsafe(18)
         self._own_base = base_dir is None
         self.base = Path(base_dir or tempfile.mkdtemp(prefix=PREFIX))
@@ -118,10 +135,8 @@ class LocalPostgres(ThrowawayServer):
             check=True, capture_output=True, timeout=timeout,
         )  # fmt: skip
         pwfile.unlink()
-        opts = (
-            f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 "
-            # A throwaway server for tests and demos: durability is not what it is for.
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+        opts = f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 " + " ".join(
+            f"-c {k}={v}" for k, v in self.settings.items()
         )
         self.log.touch()
         self._chown(self.log)
@@ -146,7 +161,11 @@ class LocalPostgres(ThrowawayServer):
         self._admin(f'CREATE DATABASE "{name}"')
         return self.url_of(name)
 
-    def _admin(self, sql: str, timeout: float = 30.0) -> None:
+    def admin(self, sql: str, timeout: float = 30.0, database: str = "postgres") -> None:
+        """Run one statement as the superuser (``CREATE EXTENSION``, ``CREATE DATABASE``)."""
+        self._admin(sql, timeout, database)
+
+    def _admin(self, sql: str, timeout: float = 30.0, database: str = "postgres") -> None:
         import psycopg
 
         deadline = time.monotonic() + timeout
@@ -154,7 +173,7 @@ class LocalPostgres(ThrowawayServer):
             try:
                 with psycopg.connect(
                     host="127.0.0.1", port=self.port, user="postgres", password=self.password,
-                    dbname="postgres", autocommit=True, connect_timeout=5,
+                    dbname=database, autocommit=True, connect_timeout=5,
                 ) as conn:  # fmt: skip
                     conn.execute(sql.encode())
                 return

@@ -125,6 +125,7 @@ class Adopter:
             run_as=run_as,
             groups=groups,
             cgroup_limits=self.d.settings.cgroups,
+            balloon=bool(st.get("balloon", False)),  # a QEMU of an older Pal has none
         )
 
     async def _adopt(self, vm_dir: Path) -> LiveVm | None:

@@ -18,9 +18,12 @@ instead of starting one (docs/lifecycle.md, "Pre-started QEMUs").
   until then the file says ``prestarted`` and a crash leaves the restore failed (its
   snapshot intact) and the QEMU killed. A take that fails kills the QEMU (it never goes
   back).
-- **Forks**: a fork child that takes a pre-started QEMU maps its own reflinked copy of
-  the snapshot's RAM ``share=on`` (as a resume does) instead of the snapshot's file
-  privately: its later snapshots are cheap, but its siblings share no page cache with it.
+- **Forks**: a QEMU maps its RAM file when it starts, so a pre-started one holds a file of
+  its own, into which a take reflinks the snapshot's RAM; a reflink shares disk extents,
+  not page cache. So only restores into RAM of their own take one (a resume, the child of
+  a fork of one copy, an offloadable child: ``mem_mode`` "shared"); the children of a fork
+  of several copies map the snapshot's fork memory privately, one page cache for all
+  (spawn.py ``_take_prestarted``; docs/lifecycle.md, "What a copy shares").
 - **Cost**: an idle QEMU waiting in ``-incoming defer`` holds its own memory (``status``
   measures its RSS: the guest RAM is a sparse, untouched file) and no CPU.
 """

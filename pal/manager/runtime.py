@@ -97,46 +97,7 @@ class NodeRuntime:
         watchers = (self.live.forget, self.metrics.stopped, self.ports.forget, self.waits.forget)
         self.stopper = Stopper(reg, self.files, self.parking, self.forks, watchers)
         gate = self.restore_gate = RestoreGate(settings.fork_concurrency)
-        # A template build spawns, execs and stops like any VM (the spawner is made below).
-        host = self.template_host = TemplateHost(
-            spawn=lambda req: self.spawner.spawn(req),
-            exec_stream=lambda vm_id, req: self.guest.exec_stream(vm_id, req),
-            stop=lambda vm_id: self.stopper.stop(vm_id),
-            live=reg.live,
-        )
-        restores = Restores(RestoreDeps(settings, store, self.net, reg, templates, host, gate.sampler))
-        net, jail = self.net, self.jail
-        self.prestart = PrestartSet(
-            PrestartDeps(settings, accel.name, reg, net, jail, gate, self.files.free_vm_files)
-        )
-        # The warm pool spawns its VMs through the spawner, and a spawn claims from the pool.
-        pool = PoolHooks(claim=lambda req: self.pool.claim(req), evict=lambda mib: self.pool.evict(mib))
-        self.spawner = Spawner(
-            SpawnDeps(
-                settings,
-                accel.name,
-                reg,
-                net,
-                jail,
-                self.forks,
-                self.parking,
-                restores,
-                gate,
-                pool,
-                self.prestart,
-            )
-        )
-        self.pool = WarmPool(
-            PoolDeps(
-                settings,
-                reg,
-                self.net,
-                self.spawner.spawn_pooled,
-                self.files.free_vm_files,
-                templates,
-                host,
-            )
-        )
+        self._spawning(settings, store, accel, templates)
         self.snapshots = Snapshots(
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
@@ -148,9 +109,37 @@ class NodeRuntime:
         self.adopter = Adopter(
             AdoptDeps(settings, accel.name, reg, self.jail, self.net, self.forks, gate.sampler)
         )
-        self.reports = NodeReports(ReportDeps(self.me, settings, store, reg, templates, host, gate.sampler))
+        self.reports = NodeReports(
+            ReportDeps(self.me, settings, store, reg, templates, self.template_host, gate.sampler)
+        )
         self.sampler = Sampler(
             reg, self.metrics, settings.heartbeat_interval_s, self.net.cached_bytes, self.net.refresh_counters
+        )
+
+    def _spawning(
+        self, settings: Settings, store: SnapshotStore, accel: AccelInfo, templates: TemplateCache | None
+    ) -> None:
+        """What makes VMs: the restores' sources, the pre-started QEMUs, the spawner and the
+        warm pool (which spawns through the spawner, and which a spawn claims from)."""
+        reg, net, jail, gate = self.registry, self.net, self.jail, self.restore_gate
+        # A template build spawns, execs and stops like any VM (the spawner is made below).
+        host = self.template_host = TemplateHost(
+            spawn=lambda req: self.spawner.spawn(req),
+            exec_stream=lambda vm_id, req: self.guest.exec_stream(vm_id, req),
+            stop=lambda vm_id: self.stopper.stop(vm_id),
+            live=reg.live,
+        )
+        restores = Restores(RestoreDeps(settings, store, net, reg, templates, host, gate.sampler))
+        self.prestart = PrestartSet(
+            PrestartDeps(settings, accel.name, reg, net, jail, gate, self.files.free_vm_files)
+        )
+        pool = PoolHooks(claim=lambda req: self.pool.claim(req), evict=lambda mib: self.pool.evict(mib))
+        forks, parking, prestart = self.forks, self.parking, self.prestart
+        self.spawner = Spawner(
+            SpawnDeps(settings, accel.name, reg, net, jail, forks, parking, restores, gate, pool, prestart)
+        )
+        self.pool = WarmPool(
+            PoolDeps(settings, reg, net, self.spawner.spawn_pooled, self.files.free_vm_files, templates, host)
         )
 
     # ------------------------------------------------------------------ the node's life

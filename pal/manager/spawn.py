@@ -296,10 +296,14 @@ class Spawner:
         s.timings.update({f"qemu_{k}_ms": round(v, 1) for k, v in s.qemu.timings_ms.items()})
 
     async def _take_prestarted(self, s: _Spawning) -> bool:
-        """A restore takes a pre-started QEMU its snapshot fits (prestart.py), if one waits:
-        its slot is the VM's from now on (the fresh one, still empty, is given back)."""
+        """A restore into RAM of its own takes a pre-started QEMU its snapshot fits
+        (prestart.py), if one waits: its slot is the VM's from now on (the fresh one, still
+        empty, is given back). A fork child that maps its snapshot's fork memory never does:
+        a pre-started QEMU mapped its RAM file when it started (prestart.py, "Forks")."""
         ps, src, req = self.d.prestart, s.src, s.req
         if src is None or src.snap_dir is None or req.restore is None:
+            return False
+        if req.restore.mem_mode != "shared":
             return False
         try:
             meta, rootfs = await asyncio.to_thread(_snapshot_shape, src.snap_dir)

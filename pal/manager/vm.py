@@ -274,6 +274,7 @@ class VmRegistry:
             "diskFormat": lv.qemu.spec.disk_format,
             "memPath": str(lv.qemu.mem_path),
             "memShare": lv.qemu.mem_share,
+            "balloon": lv.qemu.spec.balloon,  # its device set (a later capture records it)
             "runAs": list(lv.qemu.spec.run_as) if lv.qemu.spec.run_as else None,
             "memRef": None
             if lv.mem_ref is None

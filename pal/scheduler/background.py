@@ -17,6 +17,7 @@ from typing import Any
 from pal.config import Settings
 from pal.scheduler.idle import IdleSweeper
 from pal.scheduler.leader import Leadership
+from pal.scheduler.loops import LoopClock
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.reconcile import Reconciler
 
@@ -33,13 +34,19 @@ class LeaderState:
 
 @dataclass(frozen=True)
 class LeaderChores:
-    """What the leader does besides reconciling: seal old secrets once, and each sweep pull
-    the nodes' egress events, finish removed tenants and end lifetimes."""
+    """What the leader does besides reconciling, each sweep: seal old secrets (a page at a
+    time, one pass per leadership), pull the nodes' egress events, finish removed tenants,
+    end lifetimes, and retention (retention.py)."""
 
     reseal_secrets: Callable[[], int]
+    reseal_again: Callable[[], None]  # a new leadership: one more pass
     record_egress_events: Callable[[], Awaitable[int]]
     purge_deleted_tenants: Callable[[], Awaitable[Any]]
     end_lifetimes: Callable[[], Awaitable[Any]]  # lifetime.py: VMs past their lifetime
+    retention: Callable[[], Awaitable[Any]]  # retention.py: the list, old events
+    audit_snapshots: Callable[[], Awaitable[Any]]  # snapshot_audit.py: a page of paused VMs
+    sweep_snapshots: Callable[[], Awaitable[Any]]  # snapshot_audit.py: orphans, a node's page
+    sweep_again: Callable[[], None]  # a new leadership: one more round of the sweep
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Background:
     sweeper: IdleSweeper
     chores: LeaderChores
     state: LeaderState
+    loops: LoopClock
     _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     def start(self) -> None:
@@ -77,18 +85,45 @@ class Background:
             st.leading = True
             st.since = self.clock()
             st.reconcile_due = True
+            self.chores.reseal_again()
+            self.chores.sweep_again()
         elif not leads and st.leading:
             st.leading = False
+            self.reconciler.d.live.reset()  # others change VMs now: read again on taking over
             log.warning("not the leader any more: background loops stop, mutations are forwarded")
         if st.leading and st.reconcile_due:
             try:
-                await self.nodes.refresh_local()
-                await self.reconciler.reconcile_all()
+                async with self.loops.tick("takeover"):
+                    await self.nodes.refresh_local()
+                    await self.reconciler.reconcile_all()
                 st.reconcile_due = False
-                self.chores.reseal_secrets()
-                await self.reconciler.sweep_snapshots()
             except Exception:
                 log.exception("reconciliation after taking the lead failed; it is retried")
+
+    @property
+    def reconciled(self) -> bool:
+        """This replica leads and has settled every VM of every node that answered."""
+        return self.state.leading and not self.state.reconcile_due and not self.reconciler.unreconciled_nodes
+
+    async def sweep_once(self) -> None:
+        """One sweep of every periodic chore (each timed and counted as its own loop)."""
+        c = self.chores
+        await self._chore("reconcile", self.reconciler.reconcile_light)
+        await self._chore("idle_sweep", self.sweeper.sweep)
+        await self._chore("lifetimes", c.end_lifetimes)
+        await self._chore("egress_events", c.record_egress_events)
+        await self._chore("tenant_purge", c.purge_deleted_tenants)
+        await self._chore("retention", c.retention)
+        await self._chore("snapshot_audit", c.audit_snapshots)
+        await self._chore("snapshot_sweep", c.sweep_snapshots)
+        await self._chore("reseal_secrets", self._reseal)
+
+    async def _reseal(self) -> None:
+        self.chores.reseal_secrets()
+
+    async def _chore(self, name: str, chore: Callable[[], Awaitable[Any]]) -> None:
+        async with self.loops.tick(name):
+            await chore()
 
     async def _loop(self) -> None:
         tick = min(self.settings.idle_sweep_interval_s, self.leader.renew_interval_s, 1.0)
@@ -96,21 +131,18 @@ class Background:
         while True:
             await asyncio.sleep(tick)
             try:
-                await self.lead_once()
+                async with self.loops.tick("lease"):
+                    await self.lead_once()
                 if not self.state.leading:
                     continue
                 now = time.monotonic()
                 if now - last_nodes >= self.settings.node_heartbeat_interval_s:
                     last_nodes = now
-                    await self.nodes.refresh_local()
-                await self.reconciler.lose_silent_nodes()
-                await self.reconciler.reconcile_unanswered()
+                    await self._chore("local_nodes", self.nodes.refresh_local)
+                await self._chore("node_loss", self.reconciler.lose_silent_nodes)
+                await self._chore("unanswered", self.reconciler.reconcile_unanswered)
                 if now - last_sweep >= self.settings.idle_sweep_interval_s:
                     last_sweep = now
-                    await self.reconciler.reconcile_light()
-                    await self.sweeper.sweep()
-                    await self.chores.end_lifetimes()
-                    await self.chores.record_egress_events()
-                    await self.chores.purge_deleted_tenants()
+                    await self.sweep_once()
             except Exception:
                 log.exception("scheduler background tick failed")

@@ -77,9 +77,7 @@ class Deleting:
         Returns the tenants removed."""
         store = self.d.store
         done = []
-        for tenant in store.list_tenants():
-            if tenant.deleting_at is None:
-                continue
+        for tenant in store.deleting_tenants():
             for vm in store.list_vms(tenant_id=tenant.id):
                 try:
                     if vm.state == S.TERMINATED:

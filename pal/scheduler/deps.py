@@ -25,11 +25,13 @@ from typing import Any
 from pal.config import Settings
 from pal.errors import BackendError, NotFound, PalError
 from pal.scheduler import nodes as nodes_mod
+from pal.scheduler.liveview import LiveView
 from pal.scheduler.nodes import NodePool
-from pal.scheduler.states import SLOT_HOLDING, VmState, holds_slot
+from pal.scheduler.states import holds_slot
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.store import Store, VmRecord
+from pal.store.due import slot_rows
 from pal.wire import verbs
 from pal.wire.handlers import NodeCalls
 from pal.wire.models import Empty, StopVm
@@ -120,6 +122,7 @@ class Deps:
     locks: VmLocks
     telemetry: Telemetry
     clock: Callable[[], float]
+    live: LiveView  # the leader's VMs that use a node (liveview.py)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -146,11 +149,10 @@ class Deps:
 
     def occupying(self, node_id: str | None = None) -> list[VmRecord]:
         """The VMs that use a node (and a quota slot): the slot-holding states, and live
-        pauses (their QEMU is still there). ``node_id``: of that node only."""
-        rows = self.store.list_vms(states=[*SLOT_HOLDING, VmState.PAUSED])
-        return [
-            v for v in rows if holds_slot(v.state, v.marker) and (node_id is None or v.node_id == node_id)
-        ]
+        pauses (their QEMU is still there). ``node_id``: of that node only. Read through
+        the slot index: what runs, never the paused or terminated fleet."""
+        rows = slot_rows(self.store, None if node_id is None else [node_id])
+        return [v for v in rows if holds_slot(v.state, v.marker)]
 
     async def is_alive(self, vm: VmRecord, incarnation: int | None = None) -> bool | None:
         """Whether the VM's node reports it alive (None: the heartbeat itself failed)."""

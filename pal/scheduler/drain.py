@@ -40,12 +40,12 @@ class Draining:
 
     async def set_node_active(self, node_id: str) -> dict[str, Any]:
         """Undo a drain: the node takes new VMs again (a lost node must heartbeat instead)."""
-        rec = self.d.store.get_node(node_id)
+        rec = self.d.nodes.get(node_id)
         if rec is None:
             raise NotFound(f"node {node_id} not found")
         if rec.state == nodes_mod.LOST:
             raise Conflict(f"node {node_id} is lost: it becomes active when it heartbeats again")
-        self.d.store.set_node_state(node_id, nodes_mod.ACTIVE)
+        self.d.nodes.set_state(node_id, nodes_mod.ACTIVE)
         return {"nodeId": node_id, "state": nodes_mod.ACTIVE}
 
     async def drain_node(self, node_id: str, *, migrate: bool = False) -> dict[str, Any]:
@@ -58,14 +58,14 @@ class Draining:
         this node, checked again under its lock (else skipped). A VM that fails is listed
         in ``failed`` with its error; the others go on."""
         d = self.d
-        rec = d.store.get_node(node_id)
+        rec = d.nodes.get(node_id)
         if rec is None:
             raise NotFound(f"node {node_id} not found")
         if rec.state == nodes_mod.LOST:
             raise Conflict(
                 f"node {node_id} is lost: its running VMs have failed, its paused ones resume elsewhere"
             )
-        d.store.set_node_state(node_id, nodes_mod.DRAINING)
+        d.nodes.set_state(node_id, nodes_mod.DRAINING)
         paused: list[str] = []
         migrated: dict[str, str | None] = {}
         failed: dict[str, str] = {}

@@ -6,7 +6,7 @@ Stored only once the node took them, so the row and the node never disagree.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pal.scheduler import states
 from pal.scheduler.brokering import SecretBroker
@@ -14,10 +14,12 @@ from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, has_live_qemu
 from pal.spec import EgressUpdate, SecretUpdate, egress_to_json
 from pal.store import VmRecord
+from pal.store.due import id_page
 from pal.wire import verbs
 from pal.wire.models import BrokeredSet, EgressSet
 
 log = logging.getLogger(__name__)
+RESEAL_PAGE = 1000  # rows resealed per leader tick
 A = Action
 
 EGRESS_CHANGED_EVENT = "egress_changed"
@@ -28,6 +30,8 @@ SECRET_ROTATED_EVENT = "secret_rotated"
 class EgressAndSecrets:
     d: Deps
     brokering: SecretBroker
+    # Where the pass of reseal_secrets is: the last VM id it read, and whether it is over.
+    _reseal: dict[str, object] = field(default_factory=lambda: {"after": "", "done": False})
 
     async def set_egress(self, tenant_id: str, vm_id: str, update: EgressUpdate) -> VmRecord:
         """Change a VM's egress policy.
@@ -80,15 +84,24 @@ class EgressAndSecrets:
             d.store.add_event(vm_id, vm.tenant_id, SECRET_ROTATED_EVENT, details={"name": name})
         return live
 
-    def reseal_secrets(self) -> int:
-        """Seal the plain secrets a Pal from before secrets were sealed stored in clear
-        (each VM's row, once, by the leader). Returns how many rows changed."""
+    def reseal_secrets(self, page: int = RESEAL_PAGE) -> int:
+        """Seal the plain secrets a Pal from before secrets were sealed stored in clear (each
+        VM's row, once per leadership, by the leader): the next ``page`` rows by id, each
+        call, until a whole pass is done (then nothing). Returns how many rows changed."""
+        if self._reseal["done"]:
+            return 0
         n = 0
-        for vm in self.d.store.list_vms():
+        rows = id_page(self.d.store, str(self._reseal["after"]), page)
+        for vm in rows:
             new = self.brokering.reseal(vm.tenant_id, vm.secrets or {})
             if new is not None:
                 self.d.store.update_vm(vm.vm_id, secrets=new)
                 n += 1
+        self._reseal.update(after=rows[-1].vm_id if rows else "", done=len(rows) < page)
         if n:
             log.info("sealed the secrets of %d VM(s) stored in clear by an older Pal", n)
         return n
+
+    def reseal_again(self) -> None:
+        """A new leadership: one more pass (a replica that led before may have left some)."""
+        self._reseal.update(after="", done=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,13 +31,17 @@ from pal.wire.models import RestoreFrom, SnapshotRequest, SnapshotResult
 S, A = VmState, Action
 
 
-def fork_mem_mode(vm: VmRecord) -> Literal["private", "shared"]:
-    """How a fork child maps its RAM (docs/live-pause.md, "Memory"): copy-on-write from the
-    snapshot (``private``: pages shared with its siblings through the page cache) unless
-    it may be offloaded, which needs RAM of its own in a file (``shared``: a reflinked
-    copy, its dirty pages writable back; MAP_PRIVATE pages it dirtied are anonymous and,
-    without swap, could never leave memory)."""
-    return "shared" if vm.wait_pause or vm.idle_live_pause_secs else "private"
+def fork_mem_mode(vm: VmRecord, copies: int) -> Literal["private", "shared"]:
+    """How a fork child maps its RAM (docs/lifecycle.md, "What a copy shares"): where the
+    fork makes several copies on the child's node (``copies``), copy-on-write from the
+    snapshot's fork memory (``private``: pages shared with its siblings through one page
+    cache); a single copy, or a child that may be offloaded, gets RAM of its own in a file
+    (``shared``: a reflinked copy, cheap to snapshot, its dirty pages writable back, and it
+    may take a pre-started QEMU; MAP_PRIVATE pages it dirtied are anonymous and, without
+    swap, could never leave memory)."""
+    if copies < 2 or vm.wait_pause or vm.idle_live_pause_secs:
+        return "shared"
+    return "private"
 
 
 def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
@@ -103,9 +108,13 @@ class Forking:
             snap_id = new_snapshot_id() if live_source else src.snapshot_id or ""
             children = [child_row(src, snap_id, d.now_ms()) for _ in range(count)]
             async with self.spawner.placing:
-                # Placed before any row exists (503 NO_NODE leaves nothing), then all N rows
-                # and slots in one transaction, before any snapshot I/O (402 leaves nothing).
+                # Placed before any row exists (503 NO_NODE leaves nothing; the next
+                # placement counts them already), then all N rows and slots in one
+                # transaction, before any snapshot I/O (402 leaves nothing).
                 reasons = self.spawner.place_children(src, children)
+                for c in children:
+                    d.live.hold(c, c.node_id or "")
+            try:
                 await d.transitions.create(
                     tenant_id,
                     children,
@@ -114,6 +123,10 @@ class Forking:
                     # a running source is snapshotted for them: the tenant's snapshot limit
                     new_snapshot_bytes=self.books.estimate(src) if src.state == S.RUNNING else 0,
                 )
+            except BaseException:
+                for c in children:
+                    d.live.forget(c.vm_id)
+                raise
             failpoints.hit("fork:reserved")
             if live_source:
                 taken = await self._snapshot(src, snap_id)
@@ -166,7 +179,10 @@ class Forking:
         async with contextlib.AsyncExitStack() as stack:
             for c in sorted(children, key=lambda c: c.vm_id):
                 await stack.enter_async_context(d.op_lock(c.vm_id))
-            results = await asyncio.gather(*(self._spawn_child(src, c.vm_id, snap_id, sem) for c in children))
+            here = Counter(c.node_id for c in children)  # the copies each node makes
+            results = await asyncio.gather(
+                *(self._spawn_child(src, c.vm_id, snap_id, sem, here[c.node_id]) for c in children)
+            )
             up = [(cid, fields) for cid, fields, _ in results if fields is not None]
             failpoints.hit("fork:spawned")
             if up:
@@ -182,9 +198,10 @@ class Forking:
         return out
 
     async def _spawn_child(
-        self, src: VmRecord, child_id: str, snap_id: str, sem: asyncio.Semaphore
+        self, src: VmRecord, child_id: str, snap_id: str, sem: asyncio.Semaphore, copies: int
     ) -> tuple[str, dict[str, Any] | None, ForkChild | None]:
-        """(child id, COME_UP fields if it came up, else how it ended)."""
+        """(child id, COME_UP fields if it came up, else how it ended); ``copies``: the
+        children its node restores from the snapshot (fork_mem_mode)."""
         d = self.d
         async with sem:
             child = d.reload(child_id)
@@ -195,7 +212,7 @@ class Forking:
                 agent_version_id=src.agent_version_id or "",
                 source_vm_id=src.vm_id,
                 tenant_id=src.tenant_id,
-                mem_mode=fork_mem_mode(child),
+                mem_mode=fork_mem_mode(child, copies),
             )
             try:
                 res = await d.node(child).call(verbs.SPAWN, self.spawner.request(child, restore))

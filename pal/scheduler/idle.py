@@ -40,6 +40,7 @@ from pal.scheduler import states
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import Action, Marker, VmState
 from pal.store import VmRecord
+from pal.store.due import advance_activity, idle_due
 from pal.wire import verbs
 from pal.wire.models import Empty, VmActivity, VmRef
 
@@ -121,12 +122,14 @@ class IdleSweeper:
         return self.tier(vm, activity) == want
 
     async def sweep(self) -> list[str]:
-        """One tick: move every idle VM to the tier it is due for; returns the ids moved."""
-        candidates = [
-            vm
-            for vm in self.d.store.list_vms(states=[VmState.RUNNING, VmState.PAUSED])
-            if any(self.may_sweep(vm))
-        ]
+        """One tick: move every idle VM to the tier it is due for; returns the ids moved.
+
+        Reads only the VMs whose row says a timeout has passed (store.due.idle_due: an
+        index of due times; the node's activity can only make a VM idle later than its
+        row says). One found busy on its node gets its row's activity moved forward to
+        what the node saw, so it is not read again before it may be idle: a tick's cost
+        follows what is due, never the fleet (docs/scale.md)."""
+        candidates = [vm for vm in idle_due(self.d.store, self.d.now_ms()) if any(self.may_sweep(vm))]
         if not candidates:
             return []
         by_id: dict[str, VmActivity] = {}
@@ -143,6 +146,12 @@ class IdleSweeper:
         for vm in candidates:
             activity = by_id.get(vm.vm_id)
             want = self.tier(vm, activity)
+            if (
+                want is None
+                and activity is not None
+                and activity.last_activity_unix_ms > vm.last_activity_unix_ms
+            ):
+                advance_activity(self.d.store, vm.vm_id, activity.last_activity_unix_ms)
             if want is None or (want == "snapshot" and await self._answer_arriving(vm)):
                 continue
             # Re-checked under the VM's operation lock against the fresh row, so a request

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from pal.scheduler.deps import Deps
-from pal.scheduler.reads import TERMINATED_VISIBLE
-from pal.store import EventRecord, VmRecord, utcnow
+from pal.store import EventRecord, VmRecord
 from pal.store.paging import event_page, latest_events, vm_page
 
 
@@ -20,11 +19,8 @@ class Listing:
     async def vms(
         self, tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str]
     ) -> list[VmRecord]:
-        """Up to ``limit`` VMs (as reads.list_vms: terminated ones an hour at most)."""
-        cutoff = utcnow() - TERMINATED_VISIBLE
-        return vm_page(
-            self.d.store, tenant_id, after=after, limit=limit, metadata=metadata, terminated_since=cutoff
-        )
+        """Up to ``limit`` listed VMs (terminated ones an hour at most: retention.py)."""
+        return vm_page(self.d.store, tenant_id, after=after, limit=limit, metadata=metadata)
 
     async def events(self, tenant_id: str, vm_id: str, *, after: int | None, limit: int) -> list[EventRecord]:
         self.d.own(tenant_id, vm_id)

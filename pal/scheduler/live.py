@@ -39,7 +39,10 @@ S, A, M = VmState, Action, Marker
 BY: dict[Action, LiveBy] = {A.LIVE_PAUSE: "operator", A.IDLE_LIVE_PAUSE: "idle", A.WAIT_PAUSE: "wait"}
 WAIT_PAUSE_EVENT, WAIT_OFFLOAD_EVENT, WAIT_RESUME_EVENT = "wait_pause", "wait_offload", "wait_resume"
 LIVE_OFFLOAD_EVENT = "live_offload"  # an operator's or idle pause offloaded
-NOTICE_POLL_S = 20.0  # long poll of the node's notices
+# Long poll of the node's notices: a notice comes back at once, so this is only how often
+# an idle node is asked again (the node's own bound, manager/notices.py MAX_WAIT_S): one
+# poll per node, 1,000 of them at 1,000 nodes, each costing a request per period.
+NOTICE_POLL_S = 30.0
 
 
 def live_paused(vm: VmRecord) -> bool:

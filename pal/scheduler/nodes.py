@@ -11,12 +11,30 @@ per node.
 Both end in :meth:`NodePool.record` (a fenced store write: only the leader records).
 Node states: ``active`` (placeable), ``draining`` (set by `pal node drain`: nothing new is
 placed there), ``lost`` (silent for ``PAL_NODE_LOST_AFTER``; reconcile.py fails its VMs).
+
+At a thousand nodes heartbeating every 5 s, the records are read far more often than they
+change (placement, node loss, the loops' "is it silent?") and written 200 times a second,
+so the pool keeps them in memory (docs/scale.md):
+
+- reads come from that copy, refreshed from the store at most every :data:`REFRESH_S`
+  while this replica does not lead (a follower's GET /v1/nodes); the leader, the only
+  writer, keeps its own copy current and reads the store again only when it takes over
+  (:meth:`reload`);
+- a heartbeat updates the copy at once, and the leader writes the heartbeats that arrive
+  together in one transaction (:meth:`record`, after :data:`BATCH_S`): each waits for its
+  batch's commit before it is acknowledged; one that changes nothing but the time is
+  written at most every :data:`REWRITE_PERIODS` periods;
+- each node's latest report is kept (:meth:`report`): the reconciler compares it with what
+  the leader expects there instead of asking the node again (reconcile.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pal.config import Settings
@@ -32,12 +50,23 @@ log = logging.getLogger(__name__)
 
 ACTIVE, DRAINING, LOST = "active", "draining", "lost"
 LOCAL_URL = "local"  # the url recorded for an embedded node
+REFRESH_S = 1.0  # a replica that does not lead reads the nodes again after this long
+BATCH_S = 0.02  # heartbeats arriving within this long are written in one transaction
+REWRITE_PERIODS = 2  # a heartbeat that changes nothing is written at most every this many periods
 
 
 class NodePool:
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
+        # Whether this replica leads (the Scheduler sets it): the leader's copy is current.
+        self.leading: Callable[[], bool] = lambda: False
+        self._records: dict[str, NodeRecord] | None = None
+        self._read_at = 0.0  # monotonic, of the last read from the store
+        self._pending: dict[str, NodeRecord] = {}  # recorded, not yet written
+        self._flush: asyncio.Task[None] | None = None
+        self._reports: dict[str, tuple[float, NodeHeartbeat]] = {}  # node id -> (monotonic, its report)
+        self._written: dict[str, float] = {}  # node id -> monotonic: its record last written
         self._local: dict[str, NodeCalls] = {}
         self._unnamed: list[NodeCalls] = []  # embedded clients whose id is not known yet
         self._remote: dict[str, tuple[str, HttpNode]] = {}  # node id -> (url, client)
@@ -87,7 +116,7 @@ class NodePool:
             return self._local[node_id]
         if node_id in self._injected:
             return self._injected[node_id]
-        rec = self.store.get_node(node_id)
+        rec = self.get(node_id)
         if rec is None or rec.url in ("", LOCAL_URL):
             raise Unavailable(f"node {node_id} is not known to this control plane")
         cached = self._remote.get(node_id)
@@ -112,9 +141,30 @@ class NodePool:
 
     # -- records ----------------------------------------------------------------------------
 
-    def record(self, hb: NodeHeartbeat, *, url: str) -> NodeRecord:
-        """Store a heartbeat (leader only: the write is fenced)."""
+    def _copy(self) -> dict[str, NodeRecord]:
+        stale = self._records is None or (not self.leading() and time.monotonic() - self._read_at > REFRESH_S)
+        if stale:
+            self.reload()
+        assert self._records is not None
+        return self._records
+
+    def reload(self) -> None:
+        """Read every node from the store (the leader on taking over; a follower every
+        REFRESH_S); what is recorded but not written yet stays."""
+        records = {r.node_id: r for r in self.store.list_nodes()}
+        records.update(self._pending)
+        self._records, self._read_at = records, time.monotonic()
+
+    def get(self, node_id: str) -> NodeRecord | None:
+        return self._copy().get(node_id)
+
+    async def record(self, hb: NodeHeartbeat, *, url: str) -> NodeRecord:
+        """Store a heartbeat (leader only: the write is fenced), with the others that come
+        within BATCH_S; the node's record as it now stands. A node marked lost that
+        heartbeats again is active again (the caller has stopped what it must not run); an
+        operator's ``draining`` stays."""
         now = utcnow()
+        old = self.get(hb.node_id)
         rec = NodeRecord(
             node_id=hb.node_id,
             url=url,
@@ -126,12 +176,65 @@ class NodePool:
             healthy=hb.healthy,
             health=hb.health,
             vm_count=sum(1 for v in hb.vms if v.alive),
-            state=ACTIVE,
+            state=DRAINING if old is not None and old.state == DRAINING else ACTIVE,
             epoch=hb.epoch,
-            registered_at=now,
+            registered_at=old.registered_at if old is not None else now,
             last_seen_at=now,
         )
-        return self.store.record_node(rec)
+        self._reports[hb.node_id] = (time.monotonic(), hb)
+        self._copy()[hb.node_id] = rec
+        if self._unchanged(old, rec):
+            return rec  # in memory now; in the store at its next write (REWRITE_PERIODS)
+        self._pending[hb.node_id] = rec
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_task(self._write_batch())
+        await asyncio.shield(self._flush)
+        self._written[hb.node_id] = time.monotonic()
+        return self.get(hb.node_id) or rec
+
+    def _unchanged(self, old: NodeRecord | None, rec: NodeRecord) -> bool:
+        """A heartbeat that says what the stored record says (but the time and the VM
+        count), while the store's copy is fresh enough: the leader, the only reader of
+        ``last_seen_at`` that decides anything, has it in memory; the others read it at
+        most REWRITE_PERIODS old (a node writes a few hundred bytes of JSON every period
+        otherwise: 200 writes a second at 1,000 nodes)."""
+        written = self._written.get(rec.node_id)
+        if old is None or written is None or not self.leading():
+            return False
+        if time.monotonic() - written > REWRITE_PERIODS * self.settings.node_heartbeat_interval_s:
+            return False
+        same = dataclasses.replace(old, last_seen_at=rec.last_seen_at, vm_count=rec.vm_count)
+        return same == rec
+
+    async def _write_batch(self) -> None:
+        await asyncio.sleep(BATCH_S)
+        batch, self._pending, self._flush = self._pending, {}, None
+        try:  # on a worker thread: its commit waits for the disk, the loop goes on
+            stored = await asyncio.to_thread(self.store.record_nodes, list(batch.values()))
+        except Exception:
+            # Not written (a deposed leader's fenced write): the store's copy stands.
+            if self._records is not None:
+                for node_id in batch:
+                    self._records.pop(node_id, None)
+            self._read_at = 0.0
+            raise
+        if self._records is not None:
+            self._records.update({r.node_id: r for r in stored})
+
+    def report(self, node_id: str | None, max_age_s: float) -> NodeHeartbeat | None:
+        """The node's latest report if it came within ``max_age_s``, else None."""
+        got = self._reports.get(node_id or "")
+        if got is None or time.monotonic() - got[0] > max_age_s:
+            return None
+        return got[1]
+
+    def set_state(self, node_id: str, state: str, *, expect: str | None = None) -> bool:
+        """Set a node's state (only if it is ``expect``, when given); True if it changed."""
+        changed = self.store.set_node_state(node_id, state, expect=expect)
+        rec = self.get(node_id)
+        if changed and rec is not None and self._records is not None:
+            self._records[node_id] = dataclasses.replace(rec, state=state)
+        return changed
 
     async def register_local(self) -> None:
         """Before a placement: record embedded nodes that have not heartbeated yet, and
@@ -142,7 +245,7 @@ class NodePool:
             await self.refresh_local()
 
     def _record_is_old(self, node_id: str) -> bool:
-        rec = self.store.get_node(node_id)
+        rec = self.get(node_id)
         return (
             rec is None
             or (utcnow() - rec.last_seen_at).total_seconds() > self.settings.node_heartbeat_interval_s
@@ -156,7 +259,7 @@ class NodePool:
             hb = await client.call(verbs.HEARTBEAT, Empty())
             self._unnamed.remove(client)
             self._local[hb.node_id] = client
-            self.record(hb, url=LOCAL_URL)
+            await self.record(hb, url=LOCAL_URL)
             out.append(hb)
         for node_id, client in list(self._local.items()):
             if any(h.node_id == node_id for h in out):
@@ -166,17 +269,17 @@ class NodePool:
             except Exception as exc:
                 log.warning("embedded node %s did not answer its heartbeat: %s", node_id, exc)
                 continue
-            self.record(hb, url=LOCAL_URL)
+            await self.record(hb, url=LOCAL_URL)
             out.append(hb)
         return out
 
     def nodes(self) -> list[NodeRecord]:
-        return self.store.list_nodes()
+        return sorted(self._copy().values(), key=lambda r: r.node_id)
 
     def state_of(self, node_id: str | None) -> str | None:
         if node_id is None:
             return ACTIVE if len(self._local) == 1 else None
-        rec = self.store.get_node(node_id)
+        rec = self.get(node_id)
         return rec.state if rec else None
 
     def silent(self, node_id: str | None) -> bool:
@@ -184,7 +287,7 @@ class NodePool:
         anything until it heartbeats again (node-loss detection decides about its VMs)."""
         if node_id is None or node_id in self._local:
             return False
-        rec = self.store.get_node(node_id)
+        rec = self.get(node_id)
         if rec is None:
             return False
         return (utcnow() - rec.last_seen_at).total_seconds() > 3 * self.settings.node_heartbeat_interval_s

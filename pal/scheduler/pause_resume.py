@@ -227,6 +227,8 @@ class PauseResume:
                 choice = await self.spawner.choose(
                     vm, restore=True, prefer=old_node, prefer_why="its previous node", exclude=tuple(tried)
                 )
+                d.live.hold(vm, choice.node_id)  # the next placement counts it already
+            try:
                 # Reserves the slot in the same transaction: 402 changes nothing.
                 vm = await d.transitions.transition(
                     vm_id,
@@ -237,6 +239,9 @@ class PauseResume:
                     incarnation=vm.incarnation + 1,
                     token=new_token(),
                 )
+            except BaseException:
+                d.live.apply(vm)  # still paused, on no node's count
+                raise
             failpoints.hit("resume:spawning")
             if old_node is not None and choice.node_id != old_node:
                 await self.books.publish(vm, old_node, vm.snapshot_id or "")

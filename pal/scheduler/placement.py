@@ -54,6 +54,18 @@ class NodeLoad:
         self.vms += 1
         self.by_tenant[tenant_id] = self.by_tenant.get(tenant_id, 0) + 1
 
+    def remove(self, tenant_id: str, memory_mib: int) -> None:
+        self.memory_mib -= memory_mib
+        self.vms -= 1
+        left = self.by_tenant.get(tenant_id, 0) - 1
+        if left > 0:
+            self.by_tenant[tenant_id] = left
+        else:
+            self.by_tenant.pop(tenant_id, None)
+
+    def copy(self) -> NodeLoad:
+        return NodeLoad(self.memory_mib, self.vms, dict(self.by_tenant))
+
 
 @dataclass(frozen=True)
 class Choice:

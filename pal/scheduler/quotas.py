@@ -1,6 +1,8 @@
 """THE one place for concurrent-VM quota accounting.
 
-A slot is held by a VM row with ``holds_slot = True``; nothing else counts. Reserving is
+A slot is held by a VM row with ``holds_slot = True``; nothing else counts (the tenant's
+row keeps the running count of them, and of its paused VMs and snapshot bytes, in the same
+transactions: pal/store/books.py; the checks read that, not the VMs). Reserving is
 all-or-nothing inside one write transaction (SQLite ``BEGIN IMMEDIATE``), so concurrent
 reservations serialise and can never exceed ``max_vms``. Releasing flips the flag only if it
 is set, so two paths can both try and exactly one of them frees it. Every function runs
@@ -12,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pal.errors import NotFound, QuotaExceeded
-from pal.scheduler.states import PAUSE_MARKERS
 from pal.store import VmRecord, WriteTx
+from pal.store.books import counts_as_paused
 
 NAMED_HOLDERS = 8  # a quota error names the VMs that hold the slots, this many at most
 
@@ -38,7 +40,7 @@ def reserve_in(
         if not vm.holds_slot:
             to_flip.append(vm_id)
     wanted = len(new_vms) + len(to_flip)
-    in_use = tx.count_slots(tenant_id)
+    in_use = tenant.slots_used  # the tenant's books (pal/store/books.py), read under its lock
     if in_use + wanted > tenant.max_vms:
         holders = tx.slot_holders(tenant_id, NAMED_HOLDERS)
         named = ", ".join(f"{vm_id} ({state})" for vm_id, state in holders)
@@ -65,7 +67,7 @@ def check_pause_in(tx: WriteTx, vm: VmRecord) -> None:
         raise NotFound(f"tenant {vm.tenant_id} not found")
     if tenant.max_paused is None:
         return
-    paused = tx.count_paused(vm.tenant_id, pausing_markers=PAUSE_MARKERS, besides=vm.vm_id)
+    paused = tenant.paused_vms - int(counts_as_paused(vm.state, vm.marker))  # the others
     if paused + 1 > tenant.max_paused:
         raise QuotaExceeded(
             f"tenant {tenant.name!r} is limited to max_paused={tenant.max_paused} paused VMs: "
@@ -81,7 +83,7 @@ def check_snapshot_bytes_in(tx: WriteTx, tenant_id: str, more: int) -> None:
         raise NotFound(f"tenant {tenant_id} not found")
     if tenant.max_snapshot_bytes is None:
         return
-    used = tx.snapshot_bytes(tenant_id)
+    used = tenant.snapshot_bytes_used
     if used + more > tenant.max_snapshot_bytes:
         gib = 1 << 30
         raise QuotaExceeded(

@@ -55,10 +55,15 @@ class Scheduling:
                 except PalError as exc:
                     await d.transitions.transition(vm.vm_id, A.FAIL_SPAWN, reason=exc.message)
                     raise
+                d.live.hold(vm, choice.node_id)  # the next placement counts it already
+            try:
                 # The node and the reason it was chosen go with PENDING -> SPAWNING.
                 vm = await d.transitions.transition(
                     vm.vm_id, A.PLACE, reason=choice.reason, node_id=choice.node_id
                 )
+            except BaseException:
+                d.live.apply(vm)  # placed nowhere after all
+                raise
             try:
                 res = await d.node(vm).call(verbs.SPAWN, self.spawner.request(vm, None))
             except Exception as exc:

@@ -52,11 +52,14 @@ from pal.scheduler.leader import Leadership, SingleProcessLeader
 from pal.scheduler.lifetime import Lifetimes
 from pal.scheduler.listing import Listing
 from pal.scheduler.live import LiveOps
+from pal.scheduler.liveview import LiveView
 from pal.scheduler.nodes import NodePool
 from pal.scheduler.pause_resume import PauseResume
 from pal.scheduler.reads import Reads
 from pal.scheduler.reconcile import Reconciler
+from pal.scheduler.retention import Retention
 from pal.scheduler.schedule import Scheduling
+from pal.scheduler.snapshot_audit import SnapshotChecks
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner
 from pal.scheduler.streams import StreamBudget
@@ -90,13 +93,17 @@ class Scheduler:
             self.nodes.add_local(manager)
         self.clock = clock
         self.leader: Leadership = leader or SingleProcessLeader()
-        self.transitions = Transitioner(store)
+        self.live_view = LiveView(store)
+        self.transitions = Transitioner(store, on_change=self.live_view.apply)
         self.telemetry = Telemetry()
         self.locks = VmLocks()
         self.chores = Chores()
         self.brokering = SecretBroker(settings, store)
         self.lead = LeaderState()
-        d = Deps(settings, store, self.nodes, self.transitions, self.locks, self.telemetry, clock)
+        self.nodes.leading = lambda: self.lead.leading
+        d = Deps(
+            settings, store, self.nodes, self.transitions, self.locks, self.telemetry, clock, self.live_view
+        )
         self.deps = d
         self.live = LiveOps(d, self.leader.is_leader)
         spawner = Spawner(d, self.brokering)
@@ -117,6 +124,10 @@ class Scheduler:
         self.listing = Listing(d)
         self.lifetimes = Lifetimes(d, self.pauses, self.deleting)
         self.egress_events = EgressEvents(store, self.nodes)
+        self._leader_loops(d)
+
+    def _leader_loops(self, d: Deps) -> None:
+        """What only the leader runs: reconciliation, the idle sweeper, the chores."""
         self.reconciler = Reconciler(
             d,
             record_offload=self.live.record_offload,
@@ -124,14 +135,29 @@ class Scheduler:
             spawn_chore=self.chores.spawn,
         )
         self.sweeper = IdleSweeper(d, self.pauses)
+        self.retention = Retention(d)
+        self.snapshot_checks = SnapshotChecks(d)
         chores = LeaderChores(
             reseal_secrets=self.egress_secrets.reseal_secrets,
+            reseal_again=self.egress_secrets.reseal_again,
             record_egress_events=self.egress_events.record,
             purge_deleted_tenants=self.deleting.purge_deleted_tenants,
             end_lifetimes=self.lifetimes.sweep,
+            retention=self.retention.sweep,
+            audit_snapshots=self.snapshot_checks.audit,
+            sweep_snapshots=self.snapshot_checks.sweep,
+            sweep_again=self.snapshot_checks.again,
         )
         self.background = Background(
-            settings, self.leader, self.nodes, clock, self.reconciler, self.sweeper, chores, self.lead
+            d.settings,
+            self.leader,
+            self.nodes,
+            d.clock,
+            self.reconciler,
+            self.sweeper,
+            chores,
+            self.lead,
+            self.telemetry.loops,
         )
 
     # -- the scheduler itself ------------------------------------------------------------------
@@ -144,6 +170,7 @@ class Scheduler:
             await self.nodes.register_local()
         except Exception as exc:
             raise Unavailable(f"the runtime manager did not answer its heartbeat: {exc}") from exc
+        self.leader.keep()  # renews from the first token on: a long first takeover keeps the lease
         await self.background.lead_once()
         self.background.start()
         self.live.start()

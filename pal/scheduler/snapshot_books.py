@@ -40,11 +40,17 @@ class SnapshotBooks:
         is a reflink whose own bytes are what the guest wrote since)."""
         return int(placement.vm_memory_mib(vm)) << 20
 
-    def _stamp_bytes(self, vm_id: str, value: int | None) -> None:
+    def _stamp_bytes(self, vm_id: str, value: int | None, taken_on: VmRecord | None = None) -> None:
+        """Record the bytes the VM's snapshots take, and (``taken_on``: its row when they
+        were measured on its node) that this node holds some: a delete asks it."""
         if value is None:
             return
+        fields: dict[str, object] = {"snapshot_bytes": value}
+        known = taken_on.snapshot_nodes if taken_on is not None else None
+        if taken_on is not None and taken_on.node_id and known is not None and taken_on.node_id not in known:
+            fields["snapshot_nodes"] = sorted({*known, taken_on.node_id})
         try:
-            self.d.store.update_vm(vm_id, snapshot_bytes=value)
+            self.d.store.update_vm(vm_id, **fields)
         except Exception as exc:
             log.warning("could not record the snapshot bytes of %s: %s", vm_id, exc)
 
@@ -68,7 +74,7 @@ class SnapshotBooks:
         except Exception as exc:
             log.warning("could not measure the snapshots of %s: %s", vm_id, exc)
             return
-        self._stamp_bytes(vm_id, sum(x.stored_bytes for x in snaps))
+        self._stamp_bytes(vm_id, sum(x.stored_bytes for x in snaps), vm if snaps else None)
 
     async def publish(self, vm: VmRecord, node_id: str, snapshot_id: str) -> None:
         """Make ``vm``'s snapshot restorable on other nodes: S3 must hold it. Asks the node
@@ -99,7 +105,7 @@ class SnapshotBooks:
         store = self.d.store
         live = [v for v in store.list_vms(parent_vm_id=vm.vm_id) if v.state not in NEVER_STARTS]
         keep = sorted({c.mem_snapshot_id for c in live if c.mem_snapshot_id})
-        await self._delete_of(vm.agent_version_id, vm.vm_id, keep)
+        await self._delete_of(vm.agent_version_id, vm.vm_id, keep, self._holders(vm))
         self._stamp_bytes(vm.vm_id, 0 if not keep else None)
         if not (vm.parent_vm_id and vm.mem_snapshot_id):
             return
@@ -122,10 +128,19 @@ class SnapshotBooks:
             log.warning("could not delete snapshot %s of %s: %s", vm.mem_snapshot_id, vm.parent_vm_id, exc)
         await self.refresh_bytes(vm.parent_vm_id)
 
-    async def _delete_of(self, agent_version_id: str, vm_id: str, keep: list[str]) -> None:
-        """Every snapshot of one VM but ``keep``, on every node that answers (a VM's older
-        snapshots may sit on a node it ran on before) and in S3."""
-        for node_id in self.d.nodes.reachable_ids():
+    def _holders(self, vm: VmRecord) -> list[str]:
+        """The nodes that may hold the VM's snapshots: those it took them on, and its own
+        (every node, for a VM from before that was kept: asking all of them costs a delete
+        a call per node, docs/scale.md)."""
+        reachable = self.d.nodes.reachable_ids()
+        if vm.snapshot_nodes is None:
+            return reachable
+        return [n for n in reachable if n in {*vm.snapshot_nodes, vm.node_id}]
+
+    async def _delete_of(self, agent_version_id: str, vm_id: str, keep: list[str], nodes: list[str]) -> None:
+        """Every snapshot of one VM but ``keep``, on ``nodes`` (a VM's older snapshots may
+        sit on a node it ran on before) and in S3."""
+        for node_id in nodes:
             try:
                 doomed = VmSnapshotsDelete(agent_version_id=agent_version_id, vm_id=vm_id, keep=keep)
                 await self.d.nodes.client(node_id).call(verbs.DELETE_VM_SNAPSHOTS, doomed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from pal.images.paths import ImageNotFound
@@ -22,6 +23,8 @@ from pal.wire import verbs
 from pal.wire.models import Empty, ImageInfo, RestoreFrom, SpawnRequest, SpawnResult
 
 log = logging.getLogger(__name__)
+ASK_AT_ONCE = 32  # nodes asked for their images at the same time
+ASK_ALL_EVERY_S = 2.0  # every node is asked for its images at most this often
 
 
 def came_up(res: SpawnResult) -> dict[str, Any]:
@@ -63,43 +66,65 @@ class Spawner:
         # One placement at a time: free memory is counted once. Held by the caller of
         # choose() and place_children().
         self.placing = asyncio.Lock()
-        self._node_images: dict[str, list[dict[str, str]]] = {}  # node id -> images asked last
+        # node id -> (monotonic, its images) as last asked
+        self._node_images: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._asked_all_at = -ASK_ALL_EVERY_S  # monotonic: when every node was last asked
 
     # -- images ------------------------------------------------------------------------------
 
-    async def visible_images(self, tenant_id: str) -> list[ImageInfo]:
+    async def visible_images(self, tenant_id: str, *, ask_all: bool = False) -> list[ImageInfo]:
         """Images are per node; each is open to every tenant or to a list. The union over
-        the nodes that answer (asked now: an image may have just been built)."""
+        the nodes: the embedded ones asked now (an image may have just been built), the
+        others as their last heartbeat said (at most a period old) or, with ``ask_all``,
+        asked now too (at most ASK_ALL_EVERY_S apart: a name nobody has must not make
+        every schedule ask every node)."""
         nodes = self.d.nodes
         await nodes.register_local()
-        ids = nodes.local_ids() + [
-            n.node_id
-            for n in nodes.nodes()
-            if n.state != nodes_mod.LOST and not nodes.is_local(n.node_id) and not nodes.silent(n.node_id)
-        ]
-        seen: dict[str, ImageInfo] = {}
-        for node_id in ids:
-            try:
-                images = (await nodes.client(node_id).call(verbs.IMAGES, Empty())).images
-            except Exception as exc:
-                if nodes.is_local(node_id):
-                    raise
-                log.warning("images of node %s unavailable: %s", node_id, exc)
-                continue
+        ask = list(nodes.local_ids())
+        if ask_all and time.monotonic() - self._asked_all_at >= ASK_ALL_EVERY_S:
+            self._asked_all_at = time.monotonic()
+            ask += [n.node_id for n in self._remote_nodes()]
+        gate = asyncio.Semaphore(ASK_AT_ONCE)
+
+        async def one(node_id: str) -> None:
+            async with gate:
+                try:
+                    images = (await nodes.client(node_id).call(verbs.IMAGES, Empty())).images
+                except Exception as exc:
+                    if nodes.is_local(node_id):
+                        raise
+                    log.warning("images of node %s unavailable: %s", node_id, exc)
+                    return
             # Fresher than the node's last heartbeat: placement uses it (an image imported
             # a second ago must be schedulable at once, not after the next heartbeat).
-            self._node_images[node_id] = [
-                {"name": i.name, "agentVersionId": i.agent_version_id} for i in images
-            ]
-            for i in images:
+            self._node_images[node_id] = (time.monotonic(), [i.model_dump(by_alias=True) for i in images])
+
+        await asyncio.gather(*(one(n) for n in ask))
+        seen: dict[str, ImageInfo] = {}
+        for node_id in [*nodes.local_ids(), *(n.node_id for n in self._remote_nodes())]:
+            rec = nodes.get(node_id)
+            listed = self._images_of(node_id, rec.images if rec is not None else [])
+            for raw in listed:
+                i = ImageInfo.model_validate(raw)
                 if i.tenants is None or tenant_id in i.tenants:
                     seen.setdefault(i.name, i)
         return sorted(seen.values(), key=lambda i: i.name)
 
+    def _remote_nodes(self) -> list[NodeRecord]:
+        nodes = self.d.nodes
+        return [
+            n
+            for n in nodes.nodes()
+            if n.state != nodes_mod.LOST and not nodes.is_local(n.node_id) and not nodes.silent(n.node_id)
+        ]
+
     async def require_image(self, tenant_id: str, name: str) -> None:
-        # An image the tenant may not use is as unknown to it as a missing one.
-        if name not in {i.name for i in await self.visible_images(tenant_id)}:
-            raise ImageNotFound(name)
+        # An image the tenant may not use is as unknown to it as a missing one. Not in the
+        # heartbeats: the nodes are asked (an image built since the last one).
+        for ask_all in (False, True):
+            if name in {i.name for i in await self.visible_images(tenant_id, ask_all=ask_all)}:
+                return
+        raise ImageNotFound(name)
 
     # -- placement (the caller holds ``placing``) ---------------------------------------------
 
@@ -116,7 +141,7 @@ class Spawner:
         await self.d.nodes.register_local()
         return placement.choose(
             self.placeable_nodes(),
-            placement.loads(self.d.occupying()),
+            self.d.live.loads(),
             need(vm, restore=restore),
             prefer=prefer,
             prefer_why=prefer_why,
@@ -128,7 +153,7 @@ class Spawner:
         """Fork children stay on the source's node while it has room (they share the
         snapshot's pages there); the rest spill to other nodes, which restore the snapshot
         from S3. Sets each child's node; returns each one's reason."""
-        loads = placement.loads(self.d.occupying())
+        loads = self.d.live.loads()
         nodes = self.placeable_nodes()
         reasons = []
         for child in children:
@@ -147,13 +172,18 @@ class Spawner:
             reasons.append(choice.reason)
         return reasons
 
+    def _images_of(self, node_id: str, reported: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A node's images: as asked, while that is newer than its heartbeats can be."""
+        asked = self._node_images.get(node_id)
+        fresh_s = 2 * self.d.settings.node_heartbeat_interval_s
+        if asked is not None and (self.d.nodes.is_local(node_id) or time.monotonic() - asked[0] < fresh_s):
+            return asked[1]
+        return reported
+
     def placeable_nodes(self) -> list[NodeRecord]:
         """The node records placement weighs, with the images each node last reported."""
         return [
-            dataclasses.replace(n, images=self._node_images[n.node_id])
-            if n.node_id in self._node_images
-            else n
-            for n in self.d.nodes.nodes()
+            dataclasses.replace(n, images=self._images_of(n.node_id, n.images)) for n in self.d.nodes.nodes()
         ]
 
     @property

@@ -16,11 +16,15 @@ registry, so tests and several schedulers in one process do not share counts.
 - ``pal_first_exec_seconds{after=schedule|resume|wake|fork|live-wake}``: the first exec of a
   VM's new incarnation (or after a live wake), from the request to its first event (a
   wake's includes the resume).
+- ``pal_loop_{ticks,seconds,rows,statements}{loop}``, ``pal_loop_max_seconds{loop}``: the
+  leader's loops, tick by tick (loops.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
+
+from pal.scheduler.loops import LoopClock
 
 # TCG guests: tens of ms (a warm exec) to a minute (a cold boot on a loaded host).
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -44,6 +48,9 @@ class Telemetry:
         self.first_exec = hist(
             "pal_first_exec_seconds", "First exec after a VM (re)started, to its first event", ("after",)
         )
+        # Each leader loop's ticks: time, CPU, store statements and rows (pal_loop_*).
+        self.loops = LoopClock()
+        self.registry.register(self.loops)
         # vm id -> how its current incarnation started, until its first exec is measured
         self._fresh: dict[str, str] = {}
 

@@ -13,19 +13,29 @@ tests/unit/test_lifecycle_writes.py proves nothing else writes them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pal.errors import NotFound, public_message
+from pal.errors import NotFound, QuotaExceeded, public_message
 from pal.scheduler import quotas, states
 from pal.scheduler.states import START, Action, IllegalTransition, VmState, holds_slot
 from pal.store import Store, VmRecord, WriteTx
 
 STATUS_EVENT = "status"
+T = TypeVar("T")
+# The threads transitions commit on: as many as commits worth waiting for together (the
+# database groups the commits that arrive together; the default pool has 6 on 2 cores).
+_WRITERS = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="pal-transition")
+# One create waiting for its tenant's next transaction: its rows, the snapshot bytes it
+# needs (a fork), and the future its caller awaits.
+_Create = tuple[Sequence[VmRecord], int, "asyncio.Future[None]"]
 log = logging.getLogger(__name__)
 
 
@@ -51,10 +61,16 @@ def _public_reason(vm_id: str, reason: str | None) -> str | None:
 
 
 class Transitioner:
-    def __init__(self, store: Store) -> None:
+    """``on_change``: told each row as a committed transaction left it (the leader's live
+    view, liveview.py, follows the store through it)."""
+
+    def __init__(self, store: Store, on_change: Callable[[VmRecord], None] | None = None) -> None:
         self._store = store
+        self._on_change = on_change or (lambda _vm: None)
         # Weakly held, like the scheduler's operation locks: one per VM in use, not per VM ever.
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._creating: dict[str, list[_Create]] = {}  # tenant id -> creates waiting
+        self._writing: set[str] = set()  # tenants whose creates are being written
 
     def lock(self, vm_id: str) -> asyncio.Lock:
         return self._locks.setdefault(vm_id, asyncio.Lock())
@@ -79,10 +95,53 @@ class Transitioner:
                 raise IllegalTransition(row.vm_id, START, action)
             row.state, row.marker = rule.to.value, rule.marker.value
             row.reason = _public_reason(row.vm_id, reasons[i] if reasons is not None else reason)
-        with self._store.write() as tx:
-            if new_snapshot_bytes:
-                quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
-            quotas.reserve_in(tx, tenant_id, new_vms=rows)
+
+        got: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._creating.setdefault(tenant_id, []).append((rows, new_snapshot_bytes, got))
+        if tenant_id not in self._writing:
+            self._writing.add(tenant_id)
+            asyncio.get_running_loop().create_task(self._write_creates(tenant_id))
+        await got
+        for row in rows:
+            self._on_change(row)
+
+    async def _write_creates(self, tenant_id: str) -> None:
+        """The creates of one tenant, those waiting written together in one transaction
+        (each reserving its slots under the tenant's lock): while one commits, the next
+        ones gather. One tenant's creates serialise on its quota either way; this makes
+        them share the lock and the commit instead of queueing for both one by one."""
+        try:
+            while batch := self._creating.pop(tenant_id, None):
+                try:
+                    refused = await self._in_tx(
+                        functools.partial(self._create_in, tenant_id=tenant_id, batch=batch)
+                    )
+                except BaseException as exc:
+                    refused = {id(f): exc for _, _, f in batch}
+                for _, _, fut in batch:
+                    if fut.done():
+                        continue
+                    err = refused.get(id(fut))
+                    if err is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(err)
+        finally:
+            self._writing.discard(tenant_id)
+
+    @staticmethod
+    def _create_in(tx: WriteTx, *, tenant_id: str, batch: list[_Create]) -> dict[int, BaseException]:
+        """Each create of ``batch`` that fits the tenant's quotas, in order; those that do
+        not are refused alone (the checks change nothing before they pass)."""
+        refused: dict[int, BaseException] = {}
+        for rows, new_snapshot_bytes, fut in batch:
+            try:
+                if new_snapshot_bytes:
+                    quotas.check_snapshot_bytes_in(tx, tenant_id, new_snapshot_bytes)
+                quotas.reserve_in(tx, tenant_id, new_vms=rows)
+            except (QuotaExceeded, NotFound) as exc:
+                refused[id(fut)] = exc
+                continue
             for row in rows:
                 tx.add_event(
                     row.vm_id,
@@ -92,6 +151,7 @@ class Transitioner:
                     marker=row.marker,
                     reason=row.reason,
                 )
+        return refused
 
     async def transition(
         self,
@@ -113,14 +173,19 @@ class Transitioner:
         whatever the limits, rather than lose one. ``fields`` are other columns that
         change with the state; ``details`` go with its status event (e.g. a spawn's timings);
         ``audit``: an event written with it (after the status event, in its transaction)."""
+
+        def write(tx: WriteTx) -> VmRecord:
+            if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
+                vm = tx.get_vm(vm_id)
+                if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
+                    quotas.check_pause_in(tx, vm)
+                    quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
+            return self._apply(tx, vm_id, action, reason, fields, details, audit)
+
         async with self.lock(vm_id):
-            with self._store.write() as tx:
-                if tenant_limits and action in (Action.PAUSE, Action.IDLE_PAUSE):
-                    vm = tx.get_vm(vm_id)
-                    if vm is not None and states.rule(VmState(vm.state), action, vm.marker) is not None:
-                        quotas.check_pause_in(tx, vm)
-                        quotas.check_snapshot_bytes_in(tx, vm.tenant_id, new_snapshot_bytes)
-                return self._apply(tx, vm_id, action, reason, fields, details, audit)
+            after = await self._in_tx(write)
+            self._on_change(after)
+            return after
 
     async def transition_all(
         self, changes: Sequence[tuple[str, dict[str, Any]]], action: Action, *, reason: str | None = None
@@ -132,13 +197,32 @@ class Transitioner:
         async with contextlib.AsyncExitStack() as stack:
             for vm_id in ids:  # always in the same order: no deadlock between two callers
                 await stack.enter_async_context(self.lock(vm_id))
-            with self._store.write() as tx:
+
+            def write(tx: WriteTx) -> list[VmRecord]:
                 out = []
                 for vm_id, fields in changes:
                     cols = dict(fields)
                     details = cols.pop("details", None)
                     out.append(self._apply(tx, vm_id, action, reason, cols, details))
                 return out
+
+            out = await self._in_tx(write)
+            for vm in out:
+                self._on_change(vm)
+            return out
+
+    async def _in_tx(self, work: Callable[[WriteTx], T]) -> T:
+        """``work`` in one write transaction, on a worker thread: the commit waits for the
+        database's disk, and the event loop serves everything else meanwhile (at a few
+        hundred transitions a second, commits made one after another on the loop were
+        what held the leader: docs/scale.md). The VM's lock is held by the caller."""
+
+        def run() -> T:
+            with self._store.write() as tx:
+                return work(tx)
+
+        # copy_context: the caller's counting (pal/store/counting.py) follows it there
+        return await asyncio.get_running_loop().run_in_executor(_WRITERS, contextvars.copy_context().run, run)
 
     @staticmethod
     def _apply(
@@ -161,14 +245,16 @@ class Transitioner:
         holds = holds_slot(rule.to, rule.marker)  # a live pause keeps its slot (states.py)
         if holds and not holds_slot(frm, vm.marker):
             quotas.reserve_in(tx, vm.tenant_id, existing=[vm_id])
-        if not tx.write_lifecycle(
+        after = tx.write_lifecycle(
             vm_id,
             expect_state=frm.value,
+            before=vm,
             state=rule.to.value,
             marker=rule.marker.value,
             reason=reason,
             **fields,
-        ):  # cannot happen under the row lock; refuse rather than log a false event
+        )
+        if after is None:  # cannot happen under the row lock; refuse rather than log a false event
             raise IllegalTransition(vm_id, frm, action, vm.marker, "VM changed state meanwhile")
         tx.add_event(
             vm_id,
@@ -189,19 +275,24 @@ class Transitioner:
                 reason=audit.reason,
                 details=audit.details,
             )
-        if not holds:
-            quotas.release_in(tx, vm_id)
-        after = tx.get_vm(vm_id)
-        assert after is not None
+        if not holds and quotas.release_in(tx, vm_id):
+            after.holds_slot = False
         return after
 
     async def repair_slot(self, vm_id: str) -> bool:
         """Reconciliation only: make the slot flag agree with the VM's state, quota or not
         (a VM found in a slot-holding state after a crash really uses a node). True if the
         flag changed."""
+
+        def write(tx: WriteTx) -> tuple[bool, VmRecord | None]:
+            vm = tx.get_vm(vm_id)
+            if vm is None:
+                return False, None
+            changed = quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
+            return changed, tx.get_vm(vm_id)
+
         async with self.lock(vm_id):
-            with self._store.write() as tx:
-                vm = tx.get_vm(vm_id)
-                if vm is None:
-                    return False
-                return quotas.force_in(tx, vm_id, holds_slot(vm.state, vm.marker))
+            changed, after = await self._in_tx(write)
+            if after is not None:
+                self._on_change(after)
+            return changed

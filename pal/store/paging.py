@@ -1,19 +1,61 @@
 """Paged reads of VMs and events (keyset pagination: each page starts after the last row of
-the one before, so rows added or removed meanwhile never shift it), the VM list's metadata
-filter, and the VMs whose lifetime is over. The cursors the API hands out encode these keys
-(pal/api/pagination.py); the store only sees the decoded keys.
+the one before, so rows added or removed meanwhile never shift it), and the VM list's
+metadata filter. The cursors the API hands out encode these keys (pal/api/pagination.py);
+the store only sees the decoded keys.
+
+Each page is one index range read from its start key, whatever the size of the fleet
+(docs/scale.md): the list reads ``ix_vms_listed`` (the tenant's listed VMs in list order:
+terminated ones leave it an hour after they end), the metadata filter the ``vm_tags`` rows
+of its first pair (each other pair a tag row of the same VM), the events ``ix_events_vm``.
+The ``*_query`` functions build the statements (tests/unit/test_query_plans.py explains
+them); the others run them.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import Select, and_, exists, or_, select, text
 
 from pal.store.records import EventRecord, VmRecord
 from pal.store.store import Store
-from pal.store.tables import events, vms
-from pal.store.write_tx import event_from_row, vm_from_row
+from pal.store.tables import LIFETIME_DUE, events, vm_tags, vms
+from pal.store.write_tx import event_from_row, tag_of, vm_from_row
+
+
+def vm_page_query(
+    tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str] | None = None
+) -> Select[tuple[object, ...]]:
+    pairs = sorted((metadata or {}).items())
+    if pairs:
+        key, value = pairs[0]
+        first = vm_tags.alias("t0")
+        at_col, id_col = first.c.created_at, first.c.vm_id
+        q = (
+            select(vms)
+            .select_from(first.join(vms, vms.c.vm_id == first.c.vm_id))
+            .where(first.c.tenant_id == tenant_id, first.c.tag == tag_of(key, value), text("vms.listed"))
+        )
+        # Each other pair is its own tag row of the same VM (a primary-key probe): the
+        # planner knows tags' frequencies, never those of a JSON expression.
+        for i, (k, v) in enumerate(pairs[1:], 1):
+            other = vm_tags.alias(f"t{i}")
+            q = q.where(
+                exists().where(
+                    other.c.tenant_id == first.c.tenant_id,
+                    other.c.tag == tag_of(k, v),
+                    other.c.created_at == first.c.created_at,
+                    other.c.vm_id == first.c.vm_id,
+                )
+            )
+    else:
+        at_col, id_col = vms.c.created_at, vms.c.vm_id
+        q = select(vms).where(vms.c.tenant_id == tenant_id, text("listed"))
+    if after is not None:
+        at, vm_id = after
+        # The first half bounds the index range; the second breaks ties on the time.
+        q = q.where(at_col >= at, or_(at_col > at, and_(at_col == at, id_col > vm_id)))
+    return q.order_by(at_col, id_col).limit(limit)
 
 
 def vm_page(
@@ -23,31 +65,25 @@ def vm_page(
     after: tuple[datetime, str] | None,
     limit: int,
     metadata: dict[str, str] | None = None,
-    terminated_since: datetime | None = None,
 ) -> list[VmRecord]:
-    """Up to ``limit`` of the tenant's VMs in (created_at, vm_id) order, after ``after``;
-    only those whose metadata holds every ``metadata`` pair (AND); terminated ones only if
-    they changed since ``terminated_since`` (when given)."""
-    q = select(vms).where(vms.c.tenant_id == tenant_id)
-    if terminated_since is not None:
-        q = q.where(or_(vms.c.state != "terminated", vms.c.updated_at >= terminated_since))
-    for key, value in sorted((metadata or {}).items()):
-        q = q.where(vms.c.metadata[key].as_string() == value)
-    if after is not None:
-        at, vm_id = after
-        q = q.where(or_(vms.c.created_at > at, and_(vms.c.created_at == at, vms.c.vm_id > vm_id)))
+    """Up to ``limit`` of the tenant's listed VMs in (created_at, vm_id) order, after
+    ``after``; only those whose metadata holds every ``metadata`` pair (AND)."""
     with store._read() as conn:
-        rows = conn.execute(q.order_by(vms.c.created_at, vms.c.vm_id).limit(limit)).all()
+        rows = conn.execute(vm_page_query(tenant_id, after=after, limit=limit, metadata=metadata)).all()
     return [vm_from_row(r) for r in rows]
+
+
+def event_page_query(vm_id: str, *, after: int | None, limit: int) -> Select[tuple[object, ...]]:
+    q = select(events).where(events.c.vm_id == vm_id)
+    if after is not None:
+        q = q.where(events.c.id > after)
+    return q.order_by(events.c.id).limit(limit)
 
 
 def event_page(store: Store, vm_id: str, *, after: int | None, limit: int) -> list[EventRecord]:
     """Up to ``limit`` of the VM's events in order, after the event ``after``."""
-    q = select(events).where(events.c.vm_id == vm_id)
-    if after is not None:
-        q = q.where(events.c.id > after)
     with store._read() as conn:
-        rows = conn.execute(q.order_by(events.c.id).limit(limit)).all()
+        rows = conn.execute(event_page_query(vm_id, after=after, limit=limit)).all()
     return [event_from_row(r) for r in rows]
 
 
@@ -61,10 +97,15 @@ def latest_events(store: Store, vm_id: str, *, before: int | None, limit: int) -
     return [event_from_row(r) for r in rows]
 
 
-def lifetime_over(store: Store, now: datetime) -> list[VmRecord]:
-    """VMs not terminated whose lifetime ended by ``now``, the most overdue first."""
-    q = select(vms).where(vms.c.lifetime_ends_at.is_not(None), vms.c.lifetime_ends_at <= now)
-    q = q.where(vms.c.state != "terminated").order_by(vms.c.lifetime_ends_at)
+def lifetime_over_query(now: datetime, limit: int) -> Select[tuple[object, ...]]:
+    # LIFETIME_DUE is the predicate of ix_vms_lifetime_due, word for word.
+    q = select(vms).where(text(LIFETIME_DUE), vms.c.lifetime_ends_at <= now)
+    return q.order_by(vms.c.lifetime_ends_at).limit(limit)
+
+
+def lifetime_over(store: Store, now: datetime, limit: int = 1000) -> list[VmRecord]:
+    """VMs not terminated whose lifetime ended by ``now``, the most overdue first (at most
+    ``limit``: the rest are the next sweep's)."""
     with store._read() as conn:
-        rows = conn.execute(q).all()
+        rows = conn.execute(lifetime_over_query(now, limit)).all()
     return [vm_from_row(r) for r in rows]

@@ -18,6 +18,10 @@ class Tenant:
     api_key_expires_at: datetime | None = None  # None: the key never expires
     prev_api_key_expires_at: datetime | None = None  # the rotated-out key works until then
     deleting_at: datetime | None = None  # `pal tenants rm` is under way
+    # What its quotas count, kept with the VM rows (pal/store/books.py)
+    slots_used: int = 0
+    paused_vms: int = 0
+    snapshot_bytes_used: int = 0
 
 
 @dataclass
@@ -61,6 +65,9 @@ class VmRecord:
     # The host limits its node applied when it last came up: {applied, skipped} (pal/manager/
     # models.py LimitsApplied); None before it first runs (or from before Pal recorded them).
     limits_applied: dict[str, Any] | None = None
+    listed: bool = True  # in the tenant's list (until an hour after it terminated)
+    # the nodes its snapshots were taken on (None: not known, from before they were kept)
+    snapshot_nodes: list[str] | None = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timedelta
@@ -47,9 +47,18 @@ from sqlalchemy.exc import IntegrityError
 
 from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest, NotFound, NotLeader
-from pal.store import migrate
+from pal.store import counting, migrate
 from pal.store.records import EventRecord, LeaseInfo, NodeRecord, PortLinkCheck, Tenant, VmRecord
-from pal.store.tables import events, leader_lease, nodes, port_link_revocations, tenant_cas, tenants, vms
+from pal.store.tables import (
+    events,
+    leader_lease,
+    nodes,
+    port_link_revocations,
+    tenant_cas,
+    tenants,
+    vm_tags,
+    vms,
+)
 from pal.store.write_tx import (
     WriteTx,
     event_from_row,
@@ -131,6 +140,7 @@ class Store:
         else:
             self.engine = create_engine(self.url)
         self.dialect = self.engine.dialect.name
+        counting.install(self.engine)
         if self.dialect == "sqlite":
             _sqlite_setup(self.engine)
         self._fence: Callable[[], int | None] | None = None
@@ -269,6 +279,12 @@ class Store:
             rows = conn.execute(select(tenants).order_by(tenants.c.created_at, tenants.c.name)).all()
         return [tenant_from_row(r) for r in rows]
 
+    def deleting_tenants(self) -> list[Tenant]:
+        """The tenants `pal tenants rm` marked and the leader has still to remove."""
+        with self._read() as conn:
+            rows = conn.execute(select(tenants).where(tenants.c.deleting_at.is_not(None))).all()
+        return [tenant_from_row(r) for r in rows]
+
     def set_tenant_limits(
         self,
         tenant_id: str,
@@ -350,6 +366,7 @@ class Store:
             if live:
                 return False
             tx._conn.execute(events.delete().where(events.c.tenant_id == tenant_id))
+            tx._conn.execute(vm_tags.delete().where(vm_tags.c.tenant_id == tenant_id))
             tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
             tx._conn.execute(tenant_cas.delete().where(tenant_cas.c.tenant_id == tenant_id))
             tx._conn.execute(
@@ -489,6 +506,19 @@ class Store:
             tx.add_event(vm_id, tenant_id, kind, **kw)
             tx.trim_events(vm_id, kind, keep)
 
+    def prune_events(self, before: datetime, limit: int, *, kinds: Collection[str] | None = None) -> int:
+        """Retention of the event log, whoever writes it: delete up to ``limit`` of the
+        events older than ``before`` (only those of ``kinds``, when given), oldest first
+        (``ix_events_at``); the number deleted. Leader only (fenced)."""
+        q = select(events.c.id).where(events.c.at < before)
+        if kinds is not None:
+            q = q.where(events.c.kind.in_(sorted(kinds)))
+        with self.write() as tx:
+            ids = [r[0] for r in tx._conn.execute(q.order_by(events.c.at).limit(limit)).all()]
+            if ids:
+                tx._conn.execute(events.delete().where(events.c.id.in_(ids)))
+        return len(ids)
+
     def list_events(self, vm_id: str) -> list[EventRecord]:
         with self._read() as conn:
             rows = conn.execute(select(events).where(events.c.vm_id == vm_id).order_by(events.c.id)).all()
@@ -497,24 +527,37 @@ class Store:
     # -- nodes ------------------------------------------------------------------------------
 
     def record_node(self, rec: NodeRecord) -> NodeRecord:
-        """Upsert a node from its heartbeat. Keeps ``registered_at`` and an operator's
-        ``draining``; a node marked lost that heartbeats again is active again (the caller
-        has stopped what it must not run)."""
+        """:meth:`record_nodes` of one."""
+        return self.record_nodes([rec])[0]
+
+    def record_nodes(self, recs: Sequence[NodeRecord]) -> list[NodeRecord]:
+        """Upsert nodes from their heartbeats, in one transaction. Keeps ``registered_at``
+        and an operator's ``draining``; a node marked lost that heartbeats again is active
+        again (the caller has stopped what it must not run). The records as stored."""
+        if not recs:
+            return []
+        ids = sorted({r.node_id for r in recs})
         with self.write() as tx:
-            row = tx._conn.execute(
-                select(nodes).where(nodes.c.node_id == rec.node_id).with_for_update()
-            ).first()
-            values = asdict(rec)
-            if row is None:
-                tx._conn.execute(insert(nodes).values(**values))
-            else:
-                old = record_of(NodeRecord, row)
-                values["registered_at"] = old.registered_at
-                if old.state == "draining":
-                    values["state"] = "draining"
-                tx._conn.execute(update(nodes).where(nodes.c.node_id == rec.node_id).values(**values))
-            got = tx._conn.execute(select(nodes).where(nodes.c.node_id == rec.node_id)).first()
-        return record_of(NodeRecord, got)
+            q = select(nodes).where(nodes.c.node_id.in_(ids)).with_for_update()
+            old = {r.node_id: record_of(NodeRecord, r) for r in tx._conn.execute(q).all()}
+            out = []
+            new, changed = [], []
+            for rec in recs:
+                values = asdict(rec)
+                prev = old.get(rec.node_id)
+                if prev is None:
+                    new.append(values)
+                else:
+                    values["registered_at"] = prev.registered_at
+                    if prev.state == "draining":
+                        values["state"] = "draining"
+                    changed.append(values)
+                out.append(NodeRecord(**values))
+            if new:
+                tx._conn.execute(insert(nodes), new)
+            for values in changed:
+                tx._conn.execute(update(nodes).where(nodes.c.node_id == values["node_id"]).values(**values))
+        return out
 
     def list_nodes(self) -> list[NodeRecord]:
         with self._read() as conn:

@@ -6,6 +6,7 @@ The migrations in ``migrations/versions`` create these; keep both in step.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -17,10 +18,12 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
     TypeDecorator,
+    text,
 )
 from sqlalchemy.engine import Dialect
 
@@ -44,6 +47,31 @@ class UtcDateTime(TypeDecorator[datetime]):
 
 metadata = MetaData()
 
+# The markers of a VM being snapshot-paused (states.py PAUSE_MARKERS; a test keeps the two
+# in step): such a VM counts as paused against its tenant's max_paused (books.py).
+PAUSING_MARKERS = ("scheduler:pausing", "scheduler:idle-pausing")
+# The automatic live pauses (pal/scheduler/states.py AUTO_LIVE_MARKERS; a test keeps the
+# two in step): the idle sweeper takes them to a snapshot after idleTimeoutSecs.
+AUTO_LIVE_MARKERS = ("live:idle", "live:wait")
+_AUTO = ", ".join(f"'{m}'" for m in AUTO_LIVE_MARKERS)
+# When the idle sweeper may next find a VM idle, as its row says (its host-observed last
+# activity plus its timeout; a heartbeat can only make it later: pal/scheduler/idle.py),
+# for the VMs it may take to each tier. The queries repeat these exact texts, so both
+# databases use the partial expression indexes below.
+IDLE_DUE = "(last_activity_unix_ms + idle_timeout_secs * 1000)"
+IDLE_DUE_WHERE = (
+    f"idle_timeout_secs > 0 AND (state = 'running' OR (state = 'paused' AND marker IN ({_AUTO})))"
+)
+IDLE_LIVE_DUE = "(last_activity_unix_ms + idle_live_pause_secs * 1000)"
+IDLE_LIVE_DUE_WHERE = "idle_live_pause_secs > 0 AND state = 'running'"
+LIFETIME_DUE = "lifetime_ends_at IS NOT NULL AND state <> 'terminated'"
+
+
+def _where(predicate: str) -> dict[str, Any]:
+    """A partial index's predicate, for both databases."""
+    return {"postgresql_where": text(predicate), "sqlite_where": text(predicate)}
+
+
 tenants = Table(
     "tenants",
     metadata,
@@ -58,6 +86,10 @@ tenants = Table(
     Column("prev_api_key_sha256", String(64)),  # the key before a rotation, during its grace
     Column("prev_api_key_expires_at", UtcDateTime),
     Column("deleting_at", UtcDateTime),  # `pal tenants rm` in progress: keys refused
+    # Running counts of what its quotas limit, kept with the VM rows (books.py).
+    Column("slots_used", Integer, nullable=False, default=0),
+    Column("paused_vms", Integer, nullable=False, default=0),
+    Column("snapshot_bytes_used", BigInteger, nullable=False, default=0),
     Index("ix_tenants_prev_key", "prev_api_key_sha256"),
 )
 
@@ -100,12 +132,40 @@ vms = Table(
     Column("lifetime_ends_at", UtcDateTime),
     Column("on_lifetime_end", String(8), nullable=False, default="delete"),  # pause | delete
     Column("limits_applied", JSON),  # {applied, skipped}: the host limits of its last start
+    # In the tenant's list: every VM until an hour after it terminated (the leader's
+    # retention sweep then clears it: pal/scheduler/retention.py), so a page never walks
+    # past the terminated VMs of the past.
+    Column("listed", Boolean, nullable=False, default=True),
+    # The nodes its snapshots were taken on (a delete asks those; null: from before this
+    # was kept, so every node is asked).
+    Column("snapshot_nodes", JSON),
     Index("ix_vms_tenant_slot", "tenant_id", "holds_slot"),
-    Index("ix_vms_state", "state"),
+    Index("ix_vms_state_marker", "state", "marker", "vm_id"),
     Index("ix_vms_parent", "parent_vm_id"),
+    Index("ix_vms_mem_snapshot", "mem_snapshot_id", **_where("mem_snapshot_id IS NOT NULL")),  # fork children
     Index("ix_vms_node", "node_id", "state"),
-    Index("ix_vms_lifetime", "lifetime_ends_at"),
-    Index("ix_vms_tenant_created", "tenant_id", "created_at", "vm_id"),  # the paged VM list
+    # Each index below serves one of the leader's loops or the paged list, so each reads
+    # what it acts on and never the fleet's idle or terminated VMs (docs/scale.md).
+    Index("ix_vms_slots", "node_id", "vm_id", **_where("holds_slot")),  # the VMs that use a node
+    Index("ix_vms_listed", "tenant_id", "created_at", "vm_id", **_where("listed")),  # the paged list
+    Index("ix_vms_unlist", "updated_at", **_where("listed AND state = 'terminated'")),
+    Index("ix_vms_lifetime_due", "lifetime_ends_at", **_where(LIFETIME_DUE)),
+    Index("ix_vms_idle_due", text(IDLE_DUE), **_where(IDLE_DUE_WHERE)),
+    Index("ix_vms_idle_live_due", text(IDLE_LIVE_DUE), **_where(IDLE_LIVE_DUE_WHERE)),
+)
+
+# A VM's metadata, one row per pair (``key=value``), for the list's metadata filter: the
+# first pair's rows, in list order, are an index range (pal/store/paging.py). Written with
+# the VM's row; the retention sweep drops them when the VM leaves the list.
+vm_tags = Table(
+    "vm_tags",
+    metadata,
+    Column("tenant_id", String(64), nullable=False),
+    Column("tag", String(330), nullable=False),  # key (<= 63) "=" value (<= 256)
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("vm_id", String(64), nullable=False),
+    PrimaryKeyConstraint("tenant_id", "tag", "created_at", "vm_id", name="pk_vm_tags"),
+    Index("ix_vm_tags_vm", "vm_id"),
 )
 
 events = Table(
@@ -122,6 +182,7 @@ events = Table(
     Column("reason", Text),
     Column("details", JSON),  # structured data of audit events (egress_denied: name, port, rule)
     Index("ix_events_vm", "vm_id", "id"),
+    Index("ix_events_at", "at"),  # retention (Store.prune_events)
 )
 
 # The nodes of the cluster, as their heartbeats describe them (pal/scheduler/nodes.py).

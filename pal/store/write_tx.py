@@ -4,15 +4,15 @@ row-to-record decoding every read shares. store.py opens it (``Store.write``).""
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
+from pal.store import books
 from pal.store.records import EventRecord, Tenant, VmRecord
-from pal.store.tables import events, tenants, vms
+from pal.store.tables import events, tenants, vm_tags, vms
 
 R = TypeVar("R")
 _VM_COLUMNS = [c.name for c in vms.columns]
@@ -39,6 +39,11 @@ LIFECYCLE_COLUMNS = frozenset(
         "paused_at",
     }
 )
+
+
+def tag_of(key: str, value: str) -> str:
+    """A metadata pair as one tag (a key never holds ``=``: pal/spec.py METADATA_KEY)."""
+    return f"{key}={value}"
 
 
 def record_of(cls: type[R], row: Any) -> R:
@@ -88,25 +93,6 @@ class WriteTx:
         )
         return [(str(r.vm_id), str(r.state)) for r in self._conn.execute(q)]
 
-    def count_paused(
-        self, tenant_id: str, *, pausing_markers: Collection[str], besides: str | None = None
-    ) -> int:
-        """The tenant's VMs that are paused or being paused (draining with one of
-        ``pausing_markers``: the scheduler's states.py names them, the store does not)."""
-        q = select(func.count()).where(
-            vms.c.tenant_id == tenant_id,
-            (vms.c.state == "paused")
-            | ((vms.c.state == "draining") & vms.c.marker.in_(sorted(pausing_markers))),
-        )
-        if besides is not None:
-            q = q.where(vms.c.vm_id != besides)
-        return int(self._conn.execute(q).scalar_one())
-
-    def snapshot_bytes(self, tenant_id: str) -> int:
-        """Bytes the tenant's snapshots take (what its VMs' rows say)."""
-        q = select(func.coalesce(func.sum(vms.c.snapshot_bytes), 0)).where(vms.c.tenant_id == tenant_id)
-        return int(self._conn.execute(q).scalar_one())
-
     def get_vm(self, vm_id: str) -> VmRecord | None:
         """Read the VM row, locking it where the database can (PostgreSQL: FOR UPDATE), so
         a decision taken on its state holds until this transaction ends."""
@@ -114,8 +100,29 @@ class WriteTx:
         return vm_from_row(row) if row else None
 
     def insert_vm(self, vm: VmRecord) -> None:
-        """A new VM row (the transition function's create, through quotas.reserve_in)."""
+        """A new VM row (the transition function's create, through quotas.reserve_in), and
+        its metadata's rows of the list's filter (tables.vm_tags)."""
         self._conn.execute(insert(vms).values(**asdict(vm)))
+        books.adjust(
+            self._conn,
+            vm.tenant_id,
+            slots=int(vm.holds_slot),
+            paused=int(books.counts_as_paused(vm.state, vm.marker)),
+            snapshot_bytes=vm.snapshot_bytes,
+        )
+        if vm.metadata:
+            self._conn.execute(
+                insert(vm_tags),
+                [
+                    {
+                        "tenant_id": vm.tenant_id,
+                        "tag": tag_of(k, v),
+                        "created_at": vm.created_at,
+                        "vm_id": vm.vm_id,
+                    }
+                    for k, v in sorted(vm.metadata.items())
+                ],
+            )
 
     def update_vm(self, vm_id: str, **fields: Any) -> bool:
         """Update columns that are not lifecycle state (activity stamps...)."""
@@ -125,22 +132,33 @@ class WriteTx:
                 f"{sorted(lifecycle)} are lifecycle columns: only the transition function "
                 "(pal/scheduler/transition.py) writes them"
             )
-        return self._update(vm_id, None, fields)
+        return self._update(vm_id, None, fields) is not None
 
-    def write_lifecycle(self, vm_id: str, *, expect_state: str, **fields: Any) -> bool:
+    def write_lifecycle(
+        self, vm_id: str, *, expect_state: str, before: VmRecord | None = None, **fields: Any
+    ) -> VmRecord | None:
         """The transition function's write: any columns, only if the row is still in
-        ``expect_state``."""
-        return self._update(vm_id, expect_state, fields)
+        ``expect_state``; the row as written (None: it was not in that state). ``before``:
+        the row as the caller read it under its lock (saves reading it again)."""
+        return self._update(vm_id, expect_state, fields, before)
 
-    def _update(self, vm_id: str, expect_state: str | None, fields: dict[str, Any]) -> bool:
+    def _update(
+        self, vm_id: str, expect_state: str | None, fields: dict[str, Any], before: Any = None
+    ) -> VmRecord | None:
         unknown = set(fields) - set(_VM_COLUMNS)
         if unknown:
             raise ValueError(f"unknown vm columns: {sorted(unknown)}")
+        counted = {"state", "marker", "snapshot_bytes"} & set(fields)
+        if counted and before is None:  # the row is locked already (get_vm): as it was
+            cols = (vms.c.tenant_id, vms.c.state, vms.c.marker, vms.c.snapshot_bytes)
+            before = self._conn.execute(select(*cols).where(vms.c.vm_id == vm_id).with_for_update()).first()
         q = update(vms).where(vms.c.vm_id == vm_id)
         if expect_state is not None:
             q = q.where(vms.c.state == expect_state)
-        res = self._conn.execute(q.values(updated_at=utcnow(), **fields))
-        return res.rowcount == 1
+        row = self._conn.execute(q.values(updated_at=utcnow(), **fields).returning(*vms.c)).first()
+        if row is not None and counted:
+            books.change(self._conn, before, fields)
+        return vm_from_row(row) if row is not None else None
 
     def set_holds_slot(self, vm_id: str, value: bool) -> bool:
         """Flip the flag only if it differs: True when this call changed it."""
@@ -148,8 +166,13 @@ class WriteTx:
             update(vms)
             .where(vms.c.vm_id == vm_id, vms.c.holds_slot.is_(not value))
             .values(holds_slot=value, updated_at=utcnow())
+            .returning(vms.c.tenant_id)
         )
-        return self._conn.execute(q).rowcount == 1
+        tenant_id = self._conn.execute(q).scalar_one_or_none()
+        if tenant_id is None:
+            return False
+        books.adjust(self._conn, str(tenant_id), slots=1 if value else -1)
+        return True
 
     def add_event(
         self,

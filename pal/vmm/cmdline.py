@@ -80,6 +80,9 @@ class VmSpec:
     # NIC itself is always there: a snapshot only loads into an identical machine.
     net_fd: int | None = None
     nic: bool = True  # False only to restore a snapshot taken before VMs had a NIC
+    # A virtio-balloon with free page reporting (the guest gives back what it frees):
+    # False only to restore a snapshot taken before VMs had one.
+    balloon: bool = True
     # What its host resources are named by (QEMU's -name, its cgroup): the manager's slot
     # of the VM (pal/manager/slots.py), or the vm id when none is given.
     slot: str = ""
@@ -213,6 +216,12 @@ def build_argv(
             f"id=cfg,if=none,file={cfg},format=raw,readonly=on,file.locking=off",
             *("-device", "virtio-blk-device,drive=cfg"),
         ]
+    if spec.balloon:
+        # Last, so the devices before it keep their virtio-mmio slots. The balloon is never
+        # inflated: it is there for free page reporting, whose ranges QEMU discards from
+        # the RAM backend (a hole punched in a share=on file: docs/lifecycle.md, "Memory
+        # a guest frees").
+        argv += ["-device", "virtio-balloon-device,free-page-reporting=on"]
     # No -device vmgenid: QEMU 7.2 takes the device on microvm but never describes it to
     # the guest (microvm's ACPI tables have no VMGENID device; only pc/q35 build one), and
     # the Debian cloud kernel has no CONFIG_VMGENID either. The harness reseeds the kernel

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pal.errors import Unavailable
+from pal.vmm import holefilter
 
 UID_BASE = 200_000  # above any distribution's dynamic range; never a login user
 UID_COUNT = 65_536
@@ -47,13 +48,19 @@ def _free(in_use: set[int], base: int, count: int, what: str) -> int:
     raise Unavailable(f"no free {what}: too many VMs on this node")
 
 
-def exec_kwargs(run_as: tuple[int, int] | None, groups: tuple[int, ...], accel: str) -> dict[str, Any]:
-    """Keyword arguments for the subprocess exec of a QEMU: identity and environment.
+def exec_kwargs(
+    run_as: tuple[int, int] | None, groups: tuple[int, ...], accel: str, *, private_ram: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments for the subprocess exec of a QEMU: identity and environment, and
+    for a QEMU that maps its RAM file private (a fork child), the filter that keeps it
+    from punching holes in the file its siblings map (holefilter.py).
 
     ``extra_groups`` is always given when dropping: without it the child would keep
     root's supplementary groups.
     """
     kw: dict[str, Any] = {"env": dict(QEMU_ENV)}
+    if private_ram:
+        kw["preexec_fn"] = holefilter.preexec  # after the drop below; survives the exec
     if run_as is None:
         return kw
     extra = list(groups)

@@ -184,6 +184,8 @@ class QemuVm:
             spec = dataclasses.replace(spec, config_drive=None)
         if meta.get("nic") is None and spec.nic:
             spec = dataclasses.replace(spec, nic=False)  # a snapshot from before VMs had a NIC
+        if not meta.get("balloon") and spec.balloon:
+            spec = dataclasses.replace(spec, balloon=False)  # from before VMs had a balloon
         vm = cls(spec)
         vm._snapshot_dir = snapshot_dir
         async with vm._killed_on_failure():
@@ -392,7 +394,7 @@ class QemuVm:
                     stderr=self._log_fd,
                     start_new_session=True,
                     pass_fds=h.pass_fds,
-                    **jail.exec_kwargs(spec.run_as, spec.groups, spec.accel),
+                    **jail.exec_kwargs(spec.run_as, spec.groups, spec.accel, private_ram=not self.mem_share),
                 )
             except OSError as exc:
                 raise VmmError(f"cannot start {binary}: {exc}") from exc
@@ -591,6 +593,7 @@ class QemuVm:
                 "vcpus": self.spec.vcpus,
                 "configDrive": self.spec.config_drive is not None,
                 "nic": self.spec.nic,
+                "balloon": self.spec.balloon,
                 "accel": self.spec.accel,
                 "qemuVersion": qemu_version(self.spec.binary),
                 "kernel": str(self.spec.image.kernel),

@@ -55,6 +55,8 @@ def misfit(meta: dict[str, Any], spec: VmSpec, rootfs_bytes: int, disk: Path) ->
         return f"{meta['vcpus']} vCPUs, not {spec.vcpus}"
     if meta.get("configDrive") is False or meta.get("nic") is None or spec.config_drive is None:
         return "another device set (config drive, NIC)"
+    if bool(meta.get("balloon")) != spec.balloon:
+        return "another device set (balloon)"
     if rootfs_bytes > disk.stat().st_size:
         return f"a disk of {rootfs_bytes} bytes, larger than {disk.stat().st_size}"
     return None

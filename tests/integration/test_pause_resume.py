@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import PalServer, assert_guest_clock_is_the_hosts, assert_runs_no_guest, qemu_pids_under
-from tests.leaks import vm_dir_of
+from tests.leaks import data_mib, vm_dir_of
 
 pytestmark = pytest.mark.vm
 
@@ -151,6 +151,34 @@ def test_a_paused_vm_parks_its_qemu_and_its_resume_continues_it(
     finally:
         api.delete(f"/v1/runtime/vms/{vm}")
     assert qemu_pids_under(vm_dir) == []
+
+
+def test_memory_the_guest_frees_leaves_the_host_and_its_next_snapshot(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
+    """Issue 39: the guest reports the pages it frees (virtio-balloon free page reporting),
+    QEMU punches them out of the VM's own RAM file: they leave the host, and the next
+    snapshot does not carry them. What the guest kept is intact."""
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    ram = vm_dir_of(pal_server.data_dir, vm) / "mem"
+    try:
+        sh(api, vm, "head -c 64M /dev/urandom > /dev/shm/big && echo kept > /dev/shm/state")
+        full = api.post(f"/v1/runtime/vms/{vm}/pause").json()["snapshotId"]
+        assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+        (full_mem,) = pal_server.data_dir.glob(f"snapshots/*/{vm}/{full}/mem")
+        with_big = data_mib(full_mem)
+        sh(api, vm, "rm /dev/shm/big")
+        deadline = time.monotonic() + 300  # a hang guard: the guest reports 2 s after a free
+        while data_mib(ram) > with_big - 48:
+            assert time.monotonic() < deadline, f"the freed 64 MiB stayed in {ram} ({data_mib(ram):.0f} MiB)"
+            time.sleep(0.5)
+        smaller = api.post(f"/v1/runtime/vms/{vm}/pause").json()["snapshotId"]
+        (smaller_mem,) = pal_server.data_dir.glob(f"snapshots/*/{vm}/{smaller}/mem")
+        assert data_mib(smaller_mem) <= with_big - 48, "the next snapshot carries no freed page"
+        assert api.post(f"/v1/runtime/vms/{vm}/resume").status_code == 200
+        assert sh(api, vm, "cat /dev/shm/state; ls /dev/shm")["stdout"] == "kept\nstate\n"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
 
 
 def test_wrong_state_calls_are_409(api: httpx.Client, vm: str) -> None:

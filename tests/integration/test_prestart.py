@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import PalServer, qemu_pids_under, scratch_run_dir, start_server, stop_server
 from tests.integration.test_pool import node_metric
-from tests.leaks import prestarted_qemus, problems, vm_slots
+from tests.leaks import data_mib, prestarted_qemus, problems, vm_dir_of, vm_slots
 
 pytestmark = pytest.mark.vm
 
@@ -120,6 +120,71 @@ def test_a_resume_and_a_fork_child_take_prestarted_qemus_with_their_data_intact(
     finally:
         stop_server(server)
     assert qemu_pids_under(run_dir / "vms") == [], "a stopped server leaves no pre-started QEMU"
+
+
+def ram_kib(pid: int, memory_mib: int = 256) -> tuple[int, int]:
+    """(Rss, Pss) in KiB of the QEMU's guest RAM mapping (the file-backed one of its size)."""
+    got, cur = [0, 0], False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = hi - lo == memory_mib << 20 and len(line.split()) > 5
+        elif cur and head in ("Rss:", "Pss:"):
+            got[head == "Pss:"] += int(line.split()[1])
+    return got[0], got[1]
+
+
+def test_ten_copies_of_one_snapshot_share_its_pages_and_a_copy_that_frees_hurts_no_sibling(
+    run_dir: Path,
+) -> None:
+    """Issue 39: with pre-started QEMUs waiting, ten copies of a guest holding state map one
+    page cache (each copy's guest RAM costs a fraction of the snapshot); and a copy whose
+    guest frees that state gives its pages back without taking them from its siblings."""
+    server = start_server(run_dir, PRESTART_ENV)
+    try:
+        key = server.tenant("prestart-copies", max_vms=11)
+        with server.client(key, timeout=DEADLINE_S) as c:
+            src = str(c.post("/v1/runtime/schedule", json={}).json()["vmId"])
+            state = sh(c, src, "head -c 48M /dev/urandom > /dev/shm/state && md5sum /dev/shm/state")
+            wait_prestarted(server, 2)  # there to be taken, if a copy wrongly would
+            r = c.post(f"/v1/runtime/vms/{src}/fork", json={"count": 10})
+            assert r.status_code == 200, r.text
+            snap = r.json()["snapshotId"]
+            kids = [f["vmId"] for f in r.json()["forks"] if f["state"] == "running"]
+            assert len(kids) == 10, r.text
+            for k in kids:
+                assert sh(c, k, "md5sum /dev/shm/state") == state  # reads every page of it
+            (snap_mem,) = run_dir.glob(f"snapshots/*/{src}/{snap}/mem")
+            snap_data = data_mib(snap_mem)
+            pids = {k: qemu_pids_under(vm_dir_of(run_dir, k))[0] for k in kids}
+            ram = {k: ram_kib(pid) for k, pid in pids.items()}
+            # Alone, a copy's guest RAM would hold the state and what its kernel touched: over
+            # a third of the snapshot. Shared ten ways, each holds a tenth of that and its own.
+            unshared = {
+                k: (rss >> 10, pss >> 10) for k, (rss, pss) in ram.items() if pss >> 10 > snap_data / 3
+            }
+            assert not unshared, (
+                f"copies that share no page of the snapshot ({snap_data:.0f} MiB): {unshared}"
+            )
+
+            # One copy frees its state: its guest reports the pages, its QEMU drops them...
+            first, other = kids[0], kids[1]
+            rss_before = ram[first][0]
+            sh(c, first, "rm /dev/shm/state")
+            deadline = time.monotonic() + DEADLINE_S
+            while ram_kib(pids[first])[0] > rss_before - (32 << 10):
+                assert time.monotonic() < deadline, "the guest's freed pages never left its QEMU"
+                time.sleep(0.5)
+            # ...and neither the fork memory its siblings map nor their state lost a byte.
+            fork_mem = run_dir / "snapshots" / ".fork-mem" / f"{snap}.mem"
+            assert data_mib(fork_mem) == snap_data
+            assert sh(c, other, "md5sum /dev/shm/state") == state
+            for v in (*kids, src):
+                assert c.delete(f"/v1/runtime/vms/{v}").status_code == 200
+            assert problems(run_dir) == []
+    finally:
+        stop_server(server)
 
 
 def test_with_prestart_off_a_resume_starts_its_own_qemu(run_dir: Path) -> None:

@@ -199,3 +199,48 @@ def test_wait_report_judges_each_target_and_a_wait_counts_only_if_it_was_paused(
     bare = wait_report(100)
     bare.update(scenario=[], baseline=[], repetition=None)
     assert "wait: body byte-exact" not in bench_wait.render(bare)
+
+
+def test_memory_report_puts_runs_side_by_side_and_reads_what_each_measured() -> None:
+    from pal.bench.memory import render_markdown
+
+    def run(pss: float, settled: float) -> dict:
+        copies = {
+            "stateMiB": 64,
+            "copies": 10,
+            "allAnsweredMs": 8000,
+            "pssMeanMiB": pss,
+            "pssMaxMiB": pss,
+            "ramPssMeanMiB": 20.0,
+            "sourcePssMiB": 160.0,
+            "byHow": {"new QEMU": {"n": 10, "pssMeanMiB": pss}},
+        }
+        cycles = {
+            "stateMiB": 0,
+            "cycles": 30,
+            "cycleMiB": 32,
+            "pssMiB": [150.0] * 30,
+            "pssSettledMiB": settled,
+            "pssSettledShare": settled / 256,
+            "ramPssSettledMiB": 60.0,
+            "snapshotMemMiB": [120.0, 118.0],
+            "pauseP50Ms": 200,
+            "resumeP50Ms": 80,
+            "resumedBy": {"parked QEMU": 30},
+        }
+        machine = {"cpu": "cpu", "cores": 2}
+        return {"date": "d", "machine": machine, "accel": "tcg", "load_start": 1.0, "load_end": 2.0,
+                "copies": [copies], "cycles": [cycles]}  # fmt: skip
+
+    page = render_markdown({"before": run(103.2, 180.7), "after": run(63.4, 157.5)})
+    assert "| | before | after |" in page
+    assert "| guest holding 64 MiB: PSS per copy, mean (max) | **103.2** (103.2) | **63.4** (63.4) |" in page
+    assert "**157.5** (62 %)" in page and "120.0 → 118.0" in page and "parked QEMU ×30" in page
+
+
+def test_the_latency_tables_memory_names_the_fork_of_a_guest_holding_state() -> None:
+    from pal.bench.latency_report import memory_lines
+
+    held = {"children": 10, "pss_kib_mean": 63.4 * 1024, "pss_kib_max": 70 * 1024, "guest_ram_kib": 262144}
+    text = "\n".join(memory_lines({"n10_held": {**held, "state_mib": 64}}))
+    assert "Fork N10 of a guest holding 64 MiB of random state: 10 children, PSS mean 63.4 MiB" in text

@@ -18,7 +18,7 @@ import pal.images.importer
 from pal.cli.main import app
 from pal.config import Settings
 from pal.errors import Unavailable
-from pal.images import assemble, builder, bundle
+from pal.images import assemble, builder, bundle, initramfs
 from pal.manager.templates import COMPLETE
 from pal.scheduler.node_client import HttpNode
 from pal.store import Store, VmRecord
@@ -69,6 +69,7 @@ def _fake_debian(calls: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str,
             "kind": "debian",
             "harnessHash": h,
             "builderVersion": builder.BUILDER_VERSION,
+            "initramfsHash": initramfs.recipe_hash(),
             "contentHash": f"{len(calls):02d}" + h[2:],
             "treeBytes": 300 * 1024**2,
             "builtAt": "2026-01-02T03:04:05Z",

@@ -21,6 +21,7 @@ OTHER_READERS = {
     "bench/network.py",
     "bench/cluster.py",
     "bench/s3.py",
+    "bench/control_plane.py",  # passes the environment on to the simulated nodes it starts
     "localcluster/demo.py",  # a demo launcher for developers
     "localcluster/processes.py",  # passes the environment on to the processes it starts
     "network/control.py",  # passes chosen variables on to the gateway process

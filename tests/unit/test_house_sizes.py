@@ -1,6 +1,6 @@
 """The house's size rules (issue 24): no file over 700 lines and no function over 80 lines in
-pal/, so that each module and each function can be read whole. Generated code would be
-listed in GENERATED with the reason; today there is none."""
+pal/, so that each module and each function can be read whole. Generated code is listed
+in GENERATED with the reason."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from pathlib import Path
 PAL = Path(__file__).resolve().parents[2] / "pal"
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 80
-GENERATED: dict[str, str] = {}  # path under pal/ -> why it is exempt
+# path under pal/ -> why it is exempt
+GENERATED: dict[str, str] = {
+    f"e2b/gen/{name}": "made by scripts/gen-e2b-proto.sh from pal/e2b/proto (test_e2b_proto.py)"
+    for name in ("filesystem_pb.py", "process_pb.py", "filesystem_connect.py", "process_connect.py")
+}
 
 
 def _sources() -> list[Path]:

@@ -10,7 +10,7 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import BackendError, InvalidRequest
-from pal.images import ImageNotFound, assemble, build_image, builder, bundle, load_image, rootfs
+from pal.images import ImageNotFound, assemble, build_image, builder, bundle, initramfs, load_image, rootfs
 from pal.images.apt_sources import host_sources
 
 
@@ -75,13 +75,14 @@ def _fake_build(calls: list[str], fail: bool = False) -> Any:
             "name": name,
             "harnessHash": h,
             "builderVersion": builder.BUILDER_VERSION,
+            "initramfsHash": initramfs.recipe_hash(),
             "contentHash": f"{len(calls):02d}" + h[2:],
         }
 
     return build_into
 
 
-def test_build_reuses_a_current_image_and_rebuilds_on_harness_change(
+def test_build_reuses_a_current_image_and_rebuilds_on_harness_or_initramfs_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = Settings(data_dir=tmp_path)
@@ -108,8 +109,15 @@ def test_build_reuses_a_current_image_and_rebuilds_on_harness_change(
     assert rebuilt.agent_version_id != first.agent_version_id
     assert rebuilt.vmlinux.read_bytes() == b"vmlinux-2"
 
+    # A new initramfs (one more module: its boot set changes) rebuilds it too.
+    monkeypatch.setattr(initramfs, "recipe_hash", lambda: "e" * 64)
+    build_image(settings, "default")
+    assert calls == ["default"] * 3
+    build_image(settings, "default")
+    assert calls == ["default"] * 3
+
     build_image(settings, "default", force=True)
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert [p.name for p in settings.images_dir.iterdir() if p.name.startswith(".build")] == []
 
 

@@ -215,9 +215,9 @@ async def test_every_node_is_reported_and_a_lost_one_is_down(env: SchedEnv) -> N
     second, third = FakeManager(node_id="node-2"), FakeManager(node_id="node-3")
     for fake in (second, third):
         env.sched.nodes.use_client(fake.node_id, fake)
-        env.sched.nodes.record(await fake.heartbeat(), url=f"http://127.0.0.1:1/{fake.node_id}")
+        await env.sched.nodes.record(await fake.heartbeat(), url=f"http://127.0.0.1:1/{fake.node_id}")
     second.alive["vm-x"] = FakeVm("vm-x", 1, "t")  # one QEMU there
-    env.store.set_node_state("node-3", "lost")
+    env.sched.nodes.set_state("node-3", "lost")
     app = create_app(env.sched, env.store, env.settings)
     async with _client(app, OPERATOR) as operator:
         fams = _families((await operator.get("/metrics")).text)

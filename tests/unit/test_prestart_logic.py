@@ -23,7 +23,7 @@ from pal.vmm.vmm_meta import misfit
 
 XFS_DIR = Path(os.environ.get("PAL_TEST_DATA_DIR", "/var/lib/pal-test"))
 MIB = 1 << 20
-META = {"memoryMib": 256, "vcpus": 1, "configDrive": True, "nic": True, "memoryKind": "file"}
+META = {"memoryMib": 256, "vcpus": 1, "configDrive": True, "nic": True, "balloon": True, "memoryKind": "file"}
 
 
 @pytest.fixture
@@ -64,6 +64,8 @@ def test_a_snapshot_fits_only_the_machine_it_was_taken_on(tmp_path: Path) -> Non
     assert misfit({**META, "vcpus": 2}, s, MIB, disk) == "2 vCPUs, not 1"
     assert misfit({**META, "configDrive": False}, s, MIB, disk) is not None
     assert misfit({k: v for k, v in META.items() if k != "nic"}, s, MIB, disk) is not None  # before NICs
+    before_balloons = {k: v for k, v in META.items() if k != "balloon"}
+    assert misfit(before_balloons, s, MIB, disk) == "another device set (balloon)"
     assert misfit(META, s, 4096 * MIB, disk) is not None  # a larger disk than the QEMU holds
 
 

@@ -367,7 +367,7 @@ async def test_a_failed_snapshot_of_a_live_paused_vm_leaves_it_running(env: Sche
     assert vm.state == S.RUNNING and vm.paused_by is None and vm.paused_at is None and vm.holds_slot
 
 
-async def test_fork_of_a_live_paused_vm_captures_it_in_place_and_offloadable_children_get_own_ram(
+async def test_fork_of_a_live_paused_vm_captures_it_in_place_and_offloadable_or_single_children_get_own_ram(
     env: SchedEnv,
 ) -> None:
     vm_id = await _vm(env, WAITING)
@@ -379,10 +379,14 @@ async def test_fork_of_a_live_paused_vm_captures_it_in_place_and_offloadable_chi
     assert _row(env, vm_id).state == S.PAUSED and _row(env, vm_id).marker == M.LIVE
     modes = {r.restore.mem_mode for r in env.manager.spawn_requests if r.restore is not None}
     assert modes == {"shared"}  # they may be wait-paused and offloaded: RAM of their own
+    for child in res.forks:
+        await env.sched.deleting.delete(env.tenant_id, child.vm_id)
     plain = await _vm(env)
-    await env.sched.forking.fork(env.tenant_id, plain, 1)
+    await env.sched.forking.fork(env.tenant_id, plain, 2)  # copies that share the snapshot's pages
+    assert [r.restore.mem_mode for r in env.manager.spawn_requests[-2:] if r.restore] == ["private"] * 2
+    await env.sched.forking.fork(env.tenant_id, plain, 1)  # one copy: nothing to share, RAM of its own
     assert env.manager.spawn_requests[-1].restore is not None
-    assert env.manager.spawn_requests[-1].restore.mem_mode == "private"
+    assert env.manager.spawn_requests[-1].restore.mem_mode == "shared"
 
 
 async def test_a_live_paused_vm_is_no_stray_and_still_occupies_its_node(env: SchedEnv) -> None:

@@ -95,7 +95,7 @@ async def test_sweep_deletes_snapshots_of_vms_gone_during_a_crash(tmp_path: Path
     await env.sched.deleting.delete(env.tenant_id, gone)
     del env.manager.delete_vm_snapshots
     assert _snaps_of(env, gone)
-    fixes = await env.sched.reconciler.sweep_snapshots()
+    fixes = await env.sched.snapshot_checks.sweep()
     assert len(fixes) == 2 and not _snaps_of(env, gone) and not _snaps_of(env, "vm-0123456789abcdef0123")
     assert _snaps_of(env, keep)  # a live VM's snapshot stays
 

@@ -74,6 +74,18 @@ def test_private_restore_maps_snapshot_copy_on_write_and_waits(tmp_path: Path, h
     assert _opt(argv, "-incoming") == ["defer"]
 
 
+def test_every_vm_has_a_balloon_for_free_page_reporting_last_unless_its_snapshot_had_none(
+    tmp_path: Path, h: Handoff
+) -> None:
+    argv = build_argv(
+        _spec(tmp_path, config_drive=tmp_path / "config.img"), h, mem_path=tmp_path / "mem", mem_share=True
+    )
+    devices = _opt(argv, "-device")
+    assert devices[-1] == "virtio-balloon-device,free-page-reporting=on"  # the others keep their slots
+    old = build_argv(_spec(tmp_path, balloon=False), h, mem_path=tmp_path / "mem", mem_share=True)
+    assert not [d for d in _opt(old, "-device") if "balloon" in d]
+
+
 def test_accelerator_args(tmp_path: Path, h: Handoff) -> None:
     tcg = build_argv(_spec(tmp_path), h, mem_path=tmp_path / "mem", mem_share=True)
     assert _opt(tcg, "-accel") == ["tcg,tb-size=64"] and _opt(tcg, "-cpu") == ["max"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pal.images import kernel
-from pal.vmm import jail
+from pal.vmm import holefilter, jail
 from pal.vmm.jail import GROUP_BASE, UID_BASE, Jail
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
@@ -59,6 +59,9 @@ def test_exec_identity_drops_root_groups_and_environment(monkeypatch: pytest.Mon
     assert out[0] == str(UID_BASE) and out[1].split() == [str(UID_BASE), str(GROUP_BASE)]
     assert "s3cr3t" not in "\n".join(out)
     assert jail.exec_kwargs(None, (), "tcg") == {"env": jail.QEMU_ENV}
+    # A QEMU mapping its RAM file private (a fork child) gets the hole filter (holefilter.py).
+    assert jail.exec_kwargs(None, (), "tcg", private_ram=True)["preexec_fn"] is holefilter.preexec
+    assert "preexec_fn" not in jail.exec_kwargs((UID_BASE, UID_BASE), (), "tcg")
 
 
 def test_kernel_download_dir_is_never_world_writable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

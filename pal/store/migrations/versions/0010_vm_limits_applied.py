@@ -1,8 +1,8 @@
 """The host limits a VM's node applied when it last came up ({applied, skipped}: which of
 CPU, memory, pids, IO weight and disk throttle hold on its host, and why a missing one is).
 
-Revision ID: 0011
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0011"
-down_revision = "0008"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
