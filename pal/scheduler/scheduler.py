@@ -154,6 +154,7 @@ class Scheduler:
             record_offload=self.live.record_offload,
             leader_since=lambda: self.lead.since,
             spawn_chore=self.chores.spawn,
+            books=books,
         )
         self.sweeper = IdleSweeper(d, self.pauses)
         self.retention = Retention(d)
