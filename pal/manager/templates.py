@@ -257,7 +257,11 @@ class TemplateCache:
         use or being built); returns the removed keys."""
         if not self.root.is_dir():
             return []
-        busy = set(self._in_use) | {k for k, t in self._building.items() if not t.done()}
+        # A build counts until its capture is complete; one that is only pruning after it
+        # (as this call may be, in another thread) holds nothing.
+        busy = set(self._in_use) | {
+            k for k, t in self._building.items() if not t.done() and not (self.root / k / COMPLETE).exists()
+        }
         complete = []
         for d in self.root.iterdir():
             with contextlib.suppress(OSError):

@@ -111,7 +111,7 @@ class Lifetimes:
 
         def ended(done: str) -> Audit:
             details = {"onLifetimeEnd": vm.on_lifetime_end, "action": done, "lifetimeSecs": lifetime_secs(vm)}
-            return Audit(ENDED_EVENT, f"lifetime ended ({vm.on_lifetime_end})", details)
+            return Audit(ENDED_EVENT, f"lifetime ended ({vm.on_lifetime_end})", details, from_state=st.value)
 
         if vm.on_lifetime_end == "delete":
             if not (

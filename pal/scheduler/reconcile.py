@@ -47,6 +47,7 @@ from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.deps import Deps, SpawnChore
 from pal.scheduler.liveview import LiveVm
 from pal.scheduler.snapshot_audit import snapshot_complete
+from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.states import (
     LIVE_MARKERS,
     SLOT_HOLDING,
@@ -128,6 +129,7 @@ class Reconciler:
     record_offload: Callable[[str, LiveState], bool]
     leader_since: Callable[[], float]  # when this replica last became leader (its clock)
     spawn_chore: SpawnChore
+    books: SnapshotBooks  # an interrupted delete releases the snapshots as the delete would have
     # Nodes whose VMs the last reconciliation could not settle: settled when they answer
     # again (reconcile_unanswered).
     unreconciled_nodes: set[str | None] = field(default_factory=set)
@@ -202,7 +204,8 @@ class Reconciler:
         if state == S.DRAINING and vm.marker == Marker.DELETING:
             if not await self.d.stop_quietly(vm):
                 return None
-            await t.transition(vid, A.FINISH_DELETE, reason="deleted")
+            gone = await t.transition(vid, A.FINISH_DELETE, reason="deleted")
+            await self.books.release(gone)
             return "interrupted delete -> terminated"
         if state == S.DRAINING:  # a pause (operator or idle) was under way
             return await self._fix_pause(vm, live)

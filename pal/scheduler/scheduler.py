@@ -124,15 +124,16 @@ class Scheduler:
         self.listing = Listing(d)
         self.lifetimes = Lifetimes(d, self.pauses, self.deleting)
         self.egress_events = EgressEvents(store, self.nodes)
-        self._leader_loops(d)
+        self._leader_loops(d, books)
 
-    def _leader_loops(self, d: Deps) -> None:
+    def _leader_loops(self, d: Deps, books: SnapshotBooks) -> None:
         """What only the leader runs: reconciliation, the idle sweeper, the chores."""
         self.reconciler = Reconciler(
             d,
             record_offload=self.live.record_offload,
             leader_since=lambda: self.lead.since,
             spawn_chore=self.chores.spawn,
+            books=books,
         )
         self.sweeper = IdleSweeper(d, self.pauses)
         self.retention = Retention(d)

@@ -47,6 +47,9 @@ class Audit:
     kind: str
     reason: str | None = None
     details: dict[str, Any] | None = None
+    # the state the story began in (a lifetime's end is told from ``running``, not from the
+    # ``draining`` its last transition leaves); None: the transition's own from-state
+    from_state: str | None = None
 
 
 def _public_reason(vm_id: str, reason: str | None) -> str | None:
@@ -271,7 +274,7 @@ class Transitioner:
                 vm_id,
                 vm.tenant_id,
                 audit.kind,
-                from_state=frm.value,
+                from_state=audit.from_state or frm.value,
                 reason=audit.reason,
                 details=audit.details,
             )
