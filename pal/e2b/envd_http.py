@@ -164,6 +164,15 @@ def _written(entry: ops.Entry) -> dict[str, Any]:
 
 
 def create_envd_http_app(files: ops.FilesystemOps, info: ops.AgentInfoOps, config: FilesConfig) -> Starlette:
+    return Starlette(
+        routes=[*_info_routes(info), *_file_routes(files, config)],
+        exception_handlers={PalError: _on_pal_error, HTTPException: _on_http_error},
+    )
+
+
+def _info_routes(info: ops.AgentInfoOps) -> list[Route]:
+    """``/health``, ``/envs``, ``/metrics``: the agent and its sandbox."""
+
     async def health(_request: Request) -> Response:
         return Response(status_code=204)
 
@@ -190,6 +199,16 @@ def create_envd_http_app(files: ops.FilesystemOps, info: ops.AgentInfoOps, confi
             }
         )
 
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/envs", envs, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+
+
+def _file_routes(files: ops.FilesystemOps, config: FilesConfig) -> list[Route]:
+    """``/files``: download one file; upload one or several."""
+
     async def download(request: Request) -> Response:
         path = request.query_params.get("path") or ""
         if not path:
@@ -211,7 +230,7 @@ def create_envd_http_app(files: ops.FilesystemOps, info: ops.AgentInfoOps, confi
         budget = _Budget(config.max_upload_bytes)
         if media == "multipart/form-data":
             counted = Request(request.scope, _bounded_receive(request.receive, budget))
-            written = await _multipart(counted, target, query_path, metadata)
+            written = await _multipart(files, counted, target, query_path, metadata)
         elif media in ("application/octet-stream", ""):
             if query_path is None:
                 raise InvalidRequest("an application/octet-stream upload needs path=")
@@ -228,36 +247,31 @@ def create_envd_http_app(files: ops.FilesystemOps, info: ops.AgentInfoOps, confi
             raise InvalidRequest(f"upload as multipart/form-data or application/octet-stream, not {media!r}")
         return JSONResponse([_written(e) for e in written])
 
-    async def _multipart(
-        request: Request, target: Target, query_path: str | None, metadata: Mapping[str, str]
-    ) -> list[ops.Entry]:
-        form = await request.form(max_files=MAX_FILES_PER_UPLOAD, max_fields=MAX_FILES_PER_UPLOAD)
-        try:
-            parts = [part for _, part in form.multi_items() if isinstance(part, UploadFile)]
-            if not parts:
-                raise InvalidRequest("the multipart body has no file part")
-            written = []
-            for part in parts:
-                path = query_path if query_path is not None and len(parts) == 1 else part.filename
-                if not path:
-                    raise InvalidRequest("each file part needs its path as its filename (or path=)")
-                who = _caller(request, target, path, "write")
-                written.append(await files.write(who, path, _upload_chunks(part), metadata))
-            return written
-        finally:
-            await form.close()
+    return [Route("/files", download, methods=["GET"]), Route("/files", upload, methods=["POST"])]
 
-    app = Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/envs", envs, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/files", download, methods=["GET"]),
-            Route("/files", upload, methods=["POST"]),
-        ],
-        exception_handlers={PalError: _on_pal_error, HTTPException: _on_http_error},
-    )
-    return app
+
+async def _multipart(
+    files: ops.FilesystemOps,
+    request: Request,
+    target: Target,
+    query_path: str | None,
+    metadata: Mapping[str, str],
+) -> list[ops.Entry]:
+    form = await request.form(max_files=MAX_FILES_PER_UPLOAD, max_fields=MAX_FILES_PER_UPLOAD)
+    try:
+        parts = [part for _, part in form.multi_items() if isinstance(part, UploadFile)]
+        if not parts:
+            raise InvalidRequest("the multipart body has no file part")
+        written = []
+        for part in parts:
+            path = query_path if query_path is not None and len(parts) == 1 else part.filename
+            if not path:
+                raise InvalidRequest("each file part needs its path as its filename (or path=)")
+            who = _caller(request, target, path, "write")
+            written.append(await files.write(who, path, _upload_chunks(part), metadata))
+        return written
+    finally:
+        await form.close()
 
 
 async def _counted_stream(request: Request, budget: _Budget) -> AsyncIterator[bytes]:

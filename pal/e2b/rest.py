@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -101,7 +101,18 @@ Tenant = Annotated[str, Depends(_tenant)]
 def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: RestConfig) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.check_key = check_key
-    domain = config.domain
+    _answer_errors(app)
+    # One router per group of E2B's calls, in the order their routes were always matched.
+    app.include_router(_sandbox_routes(sandboxes, config.domain))
+    app.include_router(_lifecycle_routes(sandboxes, config.domain))
+    app.include_router(_observation_routes(sandboxes))
+    app.include_router(_snapshot_routes(sandboxes))
+    app.include_router(_template_routes(sandboxes))
+    return app
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error as E2B's ``{"code", "message"}`` with E2B's status (errors.py)."""
 
     @app.exception_handler(PalError)
     async def _pal_error(_request: Request, exc: PalError) -> Response:
@@ -118,12 +129,17 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
     async def _http(_request: Request, exc: StarletteHTTPException) -> Response:
         return _error(exc.status_code, str(exc.detail))
 
-    @app.post("/sandboxes")
+
+def _sandbox_routes(sandboxes: ops.SandboxOps, domain: str | None) -> APIRouter:
+    """Create, list, read, kill a sandbox; its timeout."""
+    r = APIRouter()
+
+    @r.post("/sandboxes")
     async def create(body: m.NewSandbox, t: Tenant) -> Response:
         made = await sandboxes.create(t, body.spec())
         return _json(m.sandbox(made, domain), 201)
 
-    @app.get("/sandboxes")
+    @r.get("/sandboxes")
     async def list_v1(t: Tenant, metadata: str | None = None) -> Response:
         query = ops.SandboxQuery(states=("running",), metadata=parse_metadata_query(metadata))
         items: list[dict[str, Any]] = []
@@ -134,7 +150,7 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
                 return _json(items)
             query = ops.SandboxQuery(states=query.states, metadata=query.metadata, next_token=page.next_token)
 
-    @app.get("/v2/sandboxes")
+    @r.get("/v2/sandboxes")
     async def list_v2(
         t: Tenant,
         metadata: str | None = None,
@@ -162,36 +178,43 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         headers = {NEXT_TOKEN_HEADER: page.next_token} if page.next_token else None
         return _json([m.listed_sandbox(s) for s in page.items], headers=headers)
 
-    @app.get("/sandboxes/{sandbox_id}")
+    @r.get("/sandboxes/{sandbox_id}")
     async def get(sandbox_id: str, t: Tenant) -> Response:
         return _json(m.sandbox_detail(await sandboxes.get(t, sandbox_id), domain))
 
-    @app.delete("/sandboxes/{sandbox_id}")
+    @r.delete("/sandboxes/{sandbox_id}")
     async def kill(sandbox_id: str, t: Tenant) -> Response:
         await sandboxes.kill(t, sandbox_id)
         return _no_content()
 
-    @app.post("/sandboxes/{sandbox_id}/timeout")
+    @r.post("/sandboxes/{sandbox_id}/timeout")
     async def set_timeout(sandbox_id: str, body: m.TimeoutRequest, t: Tenant) -> Response:
         await sandboxes.set_timeout(t, sandbox_id, body.timeout)
         return _no_content()
 
-    @app.post("/sandboxes/{sandbox_id}/refreshes")
+    return r
+
+
+def _lifecycle_routes(sandboxes: ops.SandboxOps, domain: str | None) -> APIRouter:
+    """Keep a sandbox alive, pause it, connect to (resume) it, fork it."""
+    r = APIRouter()
+
+    @r.post("/sandboxes/{sandbox_id}/refreshes")
     async def refresh(sandbox_id: str, t: Tenant, body: m.RefreshRequest | None = None) -> Response:
         await sandboxes.connect(t, sandbox_id, body.duration if body else 0)
         return _no_content()
 
-    @app.post("/sandboxes/{sandbox_id}/pause")
+    @r.post("/sandboxes/{sandbox_id}/pause")
     async def pause(sandbox_id: str, t: Tenant, body: m.PauseRequest | None = None) -> Response:
         await sandboxes.pause(t, sandbox_id, body.memory if body else True)
         return _no_content()
 
-    @app.post("/sandboxes/{sandbox_id}/connect")
+    @r.post("/sandboxes/{sandbox_id}/connect")
     async def connect(sandbox_id: str, body: m.TimeoutRequest, t: Tenant) -> Response:
         sandbox, resumed = await sandboxes.connect(t, sandbox_id, body.timeout)
         return _json(m.sandbox(sandbox, domain), 201 if resumed else 200)
 
-    @app.post("/sandboxes/{sandbox_id}/resume")
+    @r.post("/sandboxes/{sandbox_id}/resume")
     async def resume(sandbox_id: str, body: m.ResumeRequest, t: Tenant) -> Response:
         current = await sandboxes.get(t, sandbox_id)
         if current.state != "paused":  # E2B's deprecated resume takes only a paused one
@@ -199,13 +222,20 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         sandbox, _ = await sandboxes.connect(t, sandbox_id, body.timeout)
         return _json(m.sandbox(sandbox, domain), 201)
 
-    @app.post("/sandboxes/{sandbox_id}/fork")
+    @r.post("/sandboxes/{sandbox_id}/fork")
     async def fork(sandbox_id: str, t: Tenant, body: m.ForkRequest | None = None) -> Response:
         count, timeout = (body.count, body.timeout) if body else (1, 15)
         outcomes = await sandboxes.fork(t, sandbox_id, count, timeout)
         return _json([m.fork_result(o, domain) for o in outcomes], 201)
 
-    @app.get("/sandboxes/{sandbox_id}/metrics")
+    return r
+
+
+def _observation_routes(sandboxes: ops.SandboxOps) -> APIRouter:
+    """A sandbox's metrics and logs, and its network policy."""
+    r = APIRouter()
+
+    @r.get("/sandboxes/{sandbox_id}/metrics")
     async def metrics(
         sandbox_id: str,
         t: Tenant,
@@ -215,7 +245,7 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         samples = await sandboxes.metrics(t, sandbox_id, _when(start), _when(end))
         return _json([m.metric(s) for s in samples])
 
-    @app.get("/sandboxes/{sandbox_id}/logs")
+    @r.get("/sandboxes/{sandbox_id}/logs")
     async def logs_v1(
         sandbox_id: str,
         t: Tenant,
@@ -227,7 +257,7 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         lines = [{"timestamp": m.rfc3339(e.timestamp), "line": e.message} for e in entries]
         return _json({"logs": lines, "logEntries": [m.log_entry(e) for e in entries]})
 
-    @app.get("/v2/sandboxes/{sandbox_id}/logs")
+    @r.get("/v2/sandboxes/{sandbox_id}/logs")
     async def logs_v2(
         sandbox_id: str,
         t: Tenant,
@@ -238,17 +268,24 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         entries = await sandboxes.logs(t, sandbox_id, since, limit)
         return _json({"logs": [m.log_entry(e) for e in entries]})
 
-    @app.put("/sandboxes/{sandbox_id}/network")
+    @r.put("/sandboxes/{sandbox_id}/network")
     async def network(sandbox_id: str, body: m.NetworkUpdate, t: Tenant) -> Response:
         await sandboxes.update_network(t, sandbox_id, body.policy())
         return _no_content()
 
-    @app.post("/sandboxes/{sandbox_id}/snapshots")
+    return r
+
+
+def _snapshot_routes(sandboxes: ops.SandboxOps) -> APIRouter:
+    """Named snapshots: take one, list them (a delete is a template's, below)."""
+    r = APIRouter()
+
+    @r.post("/sandboxes/{sandbox_id}/snapshots")
     async def create_snapshot(sandbox_id: str, body: m.SnapshotRequest, t: Tenant) -> Response:
         made = await sandboxes.create_snapshot(t, sandbox_id, body.name)
         return _json(m.snapshot(made), 201)
 
-    @app.get("/snapshots")
+    @r.get("/snapshots")
     async def list_snapshots(
         t: Tenant,
         sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
@@ -260,29 +297,36 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
         headers = {NEXT_TOKEN_HEADER: page.next_token} if page.next_token else None
         return _json([m.snapshot(s) for s in page.items], headers=headers)
 
-    @app.delete("/templates/{template_id:path}")
+    return r
+
+
+def _template_routes(sandboxes: ops.SandboxOps) -> APIRouter:
+    """Templates: Pal's images and snapshots as E2B's templates; building one is refused."""
+    r = APIRouter()
+
+    @r.delete("/templates/{template_id:path}")
     async def delete_template(template_id: str, t: Tenant) -> Response:
         # The SDKs delete snapshots here (a snapshot is a template to E2B).
         await sandboxes.delete_snapshot(t, template_id)
         return _no_content()
 
-    @app.get("/templates")
+    @r.get("/templates")
     async def templates(t: Tenant) -> Response:
         return _json([m.template(x) for x in await sandboxes.templates(t)])
 
-    @app.get("/templates/aliases/{alias:path}")
+    @r.get("/templates/aliases/{alias:path}")
     async def template_alias(alias: str, t: Tenant) -> Response:
         for x in await sandboxes.templates(t):
             if alias in x.aliases or alias == x.template_id:
                 return _json({"templateID": x.template_id, "public": x.public})
         raise NotFound(f"template {alias!r} not found")
 
-    @app.api_route("/v3/templates", methods=["POST"])
-    @app.api_route("/v2/templates", methods=["POST"])
-    @app.api_route("/templates", methods=["POST"])
-    @app.api_route("/templates/{template_id}", methods=["POST", "PATCH"])
-    @app.api_route("/v2/templates/{template_id:path}", methods=["POST", "PATCH"])
+    @r.api_route("/v3/templates", methods=["POST"])
+    @r.api_route("/v2/templates", methods=["POST"])
+    @r.api_route("/templates", methods=["POST"])
+    @r.api_route("/templates/{template_id}", methods=["POST", "PATCH"])
+    @r.api_route("/v2/templates/{template_id:path}", methods=["POST", "PATCH"])
     async def build_refused(_t: Tenant) -> Response:
         return _error(501, BUILD_REFUSAL)
 
-    return app
+    return r
