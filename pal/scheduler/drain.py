@@ -81,7 +81,7 @@ class Draining:
                     await self.books.publish(done, node_id, done.snapshot_id or "")
                     paused.append(vm.vm_id)
                     if migrate:
-                        moved = await self.pauses.resume_locked(vm.vm_id, trigger="migrate")
+                        moved = await self.pauses.resume_locked(d.reload(vm.vm_id), trigger="migrate")
                         migrated[vm.vm_id] = moved.node_id
             except Exception as exc:
                 failed[vm.vm_id] = as_pal(exc).message

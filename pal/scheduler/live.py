@@ -122,14 +122,15 @@ class LiveOps:
 
     # ------------------------------------------------------------------ resume
 
-    async def resume(self, vm_id: str, trigger: str, why: str | None = None) -> VmRecord:
-        """The same QEMU continues (caller holds the VM's operation lock).
+    async def resume(self, vm: VmRecord, trigger: str, why: str | None = None) -> VmRecord:
+        """The same QEMU continues. ``vm``: its record as the caller read it under the VM's
+        operation lock, which it holds (the wake of a request reads it once: wake.py).
 
         Prerequisites: LIVE_RESUME allowed (live-paused, any live marker).
         Success: running, the node first. Failure: 500; failed if its QEMU is gone."""
         s = self.d
         t0 = time.perf_counter()
-        vm = s.reload(vm_id)
+        vm_id = vm.vm_id
         states.check(vm_id, vm.state, A.LIVE_RESUME, vm.marker)
         try:
             res = await s.node(vm).call(verbs.LIVE_RESUME, VmRef(vm_id=vm_id))
@@ -197,7 +198,7 @@ class LiveOps:
                 or not states.allowed(S(vm.state), A.LIVE_RESUME, vm.marker)
             ):
                 return None
-            return await self.resume(vm_id, trigger, why)
+            return await self.resume(vm, trigger, why)
 
     def record_offload(self, vm_id: str, st: LiveState) -> bool:
         """Count the offload of the live pause ``st`` describes and say so in an event,

@@ -79,9 +79,10 @@ class PauseResume:
         the VM paused and resumable again."""
         self.d.own(tenant_id, vm_id)
         async with self.d.op_lock(vm_id):
-            if live_paused(self.d.reload(vm_id)):
-                return await self.live.resume(vm_id, "api", "resumed by operator")
-            return await self.resume_locked(vm_id)
+            vm = self.d.reload(vm_id)
+            if live_paused(vm):
+                return await self.live.resume(vm, "api", "resumed by operator")
+            return await self.resume_locked(vm)
 
     # -- the idle sweeper's (idle.py) ------------------------------------------------------------
 
@@ -208,13 +209,15 @@ class PauseResume:
         )
         raise BackendError(f"pause of VM {vm_id} failed and the VM is gone: {err.message}") from exc
 
-    async def resume_locked(self, vm_id: str, trigger: str = "api") -> VmRecord:
+    async def resume_locked(self, vm: VmRecord, trigger: str = "api") -> VmRecord:
         """Restore a snapshot-paused VM: paused -> spawning -> running, on its previous node
         when it fits, else elsewhere (its snapshot published to S3 first); an unreachable
-        node is tried around (MAX_RESUME_NODES). On failure back to paused, resumable."""
+        node is tried around (MAX_RESUME_NODES). On failure back to paused, resumable.
+        ``vm``: its record as the caller read it under the VM's operation lock, which it
+        holds."""
         d = self.d
         t0 = time.perf_counter()
-        vm = d.reload(vm_id)
+        vm_id = vm.vm_id
         states.check(vm_id, vm.state, A.RESUME, vm.marker)
         if not vm.snapshot_id:
             raise Conflict(f"VM {vm_id} has no snapshot to resume from")

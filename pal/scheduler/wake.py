@@ -45,11 +45,11 @@ Ev = TypeVar("Ev", bound=BaseModel)
 WAKE_RETRIES = 2
 AUTO_RESUME_EVENT = "auto_resume"
 
-# The two resumes a wake may take (the caller holds the VM's operation lock): live.py's
-# (vm id, trigger, why) and pause_resume.py's restore (vm id, trigger); each answers the
-# running VM's record.
-LiveResume = Callable[[str, str, str], Awaitable[VmRecord]]
-SnapshotResume = Callable[[str, str], Awaitable[VmRecord]]
+# The two resumes a wake may take (the caller holds the VM's operation lock and hands them
+# the record it read under it): live.py's (record, trigger, why) and pause_resume.py's
+# restore (record, trigger); each answers the running VM's record.
+LiveResume = Callable[[VmRecord, str, str], Awaitable[VmRecord]]
+SnapshotResume = Callable[[VmRecord, str], Awaitable[VmRecord]]
 
 
 def runs(vm: VmRecord) -> bool:
@@ -99,10 +99,10 @@ class Waker:
             if runs(vm):
                 return vm
             if vm.state == S.PAUSED and vm.marker in AUTO_LIVE_MARKERS:
-                running = await self.live_resume(vm_id, "wake", "resumed for an exec or file request")
+                running = await self.live_resume(vm, "wake", "resumed for an exec or file request")
                 why = "live-resumed for an exec or file request"
             elif vm.paused_by == "idle" and states.allowed(S(vm.state), A.RESUME, vm.marker):
-                running = await self.snapshot_resume(vm_id, "wake")
+                running = await self.snapshot_resume(vm, "wake")
                 why = "resumed for an exec or file request"
             else:
                 hint = (
