@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar, Union
 
 from fastapi.responses import StreamingResponse
 
@@ -153,7 +154,14 @@ def event_frame(ev: ExecEvent) -> bytes:
     return sse_frame("error", public_error(err.status, err.code, err.message))
 
 
-_DONE = object()
+class StreamEnd(enum.Enum):
+    DONE = "done"
+
+
+_DONE = StreamEnd.DONE  # the pump's last item: the stream ended
+E = TypeVar("E")
+# What a pump's queue carries: the stream's events, then a PalError if it failed, then _DONE.
+Pumped = Union[E, PalError, StreamEnd]  # noqa: UP007 (a generic alias: `|` cannot take a TypeVar at runtime)
 
 
 async def _aclose(events: AsyncIterator[Any]) -> None:
@@ -164,11 +172,11 @@ async def _aclose(events: AsyncIterator[Any]) -> None:
 
 
 def start_pump(
-    open_events: Callable[[], AsyncIterator[Any]], what: str
-) -> tuple[asyncio.Queue[Any], asyncio.Task[None]]:
+    open_events: Callable[[], AsyncIterator[E]], what: str
+) -> tuple[asyncio.Queue[Pumped[E]], asyncio.Task[None]]:
     """Drive ``open_events()`` in one task (the scheduler's iterator lives in a single
     task) into a small queue: its events, then a PalError if it failed, then ``_DONE``."""
-    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
+    queue: asyncio.Queue[Pumped[E]] = asyncio.Queue(maxsize=64)
 
     async def pump() -> None:
         events = open_events()
@@ -198,14 +206,14 @@ async def _stop(task: asyncio.Task[None]) -> None:
 
 
 async def pumped_sse(
-    open_events: Callable[[], AsyncIterator[Any]],
+    open_events: Callable[[], AsyncIterator[E]],
     what: str,
     *,
-    frame: Callable[[Any], bytes],
-    ends: Callable[[Any], bool],
+    frame: Callable[[E], bytes],
+    ends: Callable[[E], bool],
     done_frame: bytes,
     grace_s: float = FIRST_EVENT_GRACE_S,
-    first_headers: Callable[[Any], dict[str, str]] | None = None,
+    first_headers: Callable[[E], dict[str, str]] | None = None,
 ) -> StreamingResponse | JSONResponse:
     """A node stream as SSE, the one way exec, process output and code cells are streamed.
 
@@ -217,7 +225,7 @@ async def pumped_sse(
     the client goes away the response generator is cancelled, which cancels the pump, which
     closes the iterator."""
     queue, task = start_pump(open_events, what)
-    first: Any = None
+    first: Pumped[E] | None = None
     try:
         first = await asyncio.wait_for(queue.get(), timeout=grace_s)
     except TimeoutError:
@@ -228,7 +236,7 @@ async def pumped_sse(
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            item = first
+            item: Pumped[E] | None = first
             while True:
                 if item is None:
                     try:
@@ -236,7 +244,7 @@ async def pumped_sse(
                     except TimeoutError:
                         yield b": keepalive\n\n"
                         continue
-                if item is _DONE:
+                if isinstance(item, StreamEnd):
                     yield done_frame
                     return
                 if isinstance(item, PalError):
@@ -252,13 +260,13 @@ async def pumped_sse(
             await _stop(task)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    if first_headers is not None and first is not None:
+    if first_headers is not None and first is not None and not isinstance(first, StreamEnd):
         headers.update(first_headers(first))
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
-def _process_header(first: Any) -> dict[str, str]:
-    if isinstance(first, ExecEvent) and first.type == "process":
+def _process_header(first: ExecEvent) -> dict[str, str]:
+    if first.type == "process":
         return {PROCESS_ID_HEADER: str(first.process_id)}
     return {}
 

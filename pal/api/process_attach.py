@@ -47,7 +47,7 @@ from pal.wire.tunnel import run_until_one_ends
 from .body import decimal, json_value, require_json
 from .deps import scheduler_of
 from .errors import error_responses, public_error
-from .exec_stream import _DONE, FIRST_EVENT_GRACE_S, _stop, start_pump
+from .exec_stream import FIRST_EVENT_GRACE_S, Pumped, StreamEnd, _stop, start_pump
 from .port_links import Link, Links, OpenLinks, origin_ok
 from .ports import TOKEN_PARAM, _get, _header_items, _query_without_token, _refuse, key_tenant, signing_key
 from .shapes import Shape as _Model
@@ -158,7 +158,7 @@ async def attach(ws: WebSocket, vm_id: str, pid: int) -> None:
     at = AttachFrom(vm_id=vm_id, pid=pid, start=offset)
     queue, task = start_pump(lambda: guest.attach(tenant, at), "attach")
     try:
-        first: Any = await asyncio.wait_for(queue.get(), timeout=FIRST_EVENT_GRACE_S)
+        first: Pumped[ProcessEvent] | None = await asyncio.wait_for(queue.get(), timeout=FIRST_EVENT_GRACE_S)
     except TimeoutError:
         first = None
     if isinstance(first, PalError):  # before any output: the handshake's status (404, 409, 400)
@@ -201,7 +201,9 @@ class _Session:
             await self._error(401, "UNAUTHENTICATED", why)
             await self.ws.close(1008, why[:120])
 
-    async def run(self, queue: asyncio.Queue[Any], first: Any) -> None:
+    async def run(
+        self, queue: asyncio.Queue[Pumped[ProcessEvent]], first: Pumped[ProcessEvent] | None
+    ) -> None:
         await run_until_one_ends(self._output(queue, first), self._input())
 
     async def _notice(self, kind: str, **fields: Any) -> None:
@@ -210,12 +212,14 @@ class _Session:
     async def _error(self, status: int, code: str, message: str) -> None:
         await self._notice("error", status=status, **public_error(status, code, message))
 
-    async def _output(self, queue: asyncio.Queue[Any], first: Any) -> None:
+    async def _output(
+        self, queue: asyncio.Queue[Pumped[ProcessEvent]], first: Pumped[ProcessEvent] | None
+    ) -> None:
         item = first
         while True:
             if item is None:
                 item = await queue.get()
-            if item is _DONE:  # ended without an exit: never make one up
+            if isinstance(item, StreamEnd):  # ended without an exit: never make one up
                 await self._end("detached", reason="stream-ended")
                 return
             if isinstance(item, PalError):
