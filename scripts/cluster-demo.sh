@@ -11,4 +11,4 @@ if [[ "$(id -u)" -ne 0 ]]; then
   exit 1
 fi
 [[ -x .venv/bin/python ]] || { echo "run scripts/install.sh first" >&2; exit 1; }
-exec .venv/bin/python -m pal.localcluster.demo "$@"
+exec .venv/bin/python -m pal_tools.localcluster.demo "$@"

@@ -11,13 +11,13 @@ export PAL_TEST_DATA_DIR="${PAL_TEST_DATA_DIR:-/var/lib/pal-test}"
 PAL_DATA_DIR="$PAL_TEST_DATA_DIR" bash scripts/install.sh --for-tests
 
 echo "==> ruff check"
-.venv/bin/ruff check pal tests
-.venv/bin/ruff format --check pal tests
+.venv/bin/ruff check pal pal_tools tests
+.venv/bin/ruff format --check pal pal_tools tests
 
 # Types: mypy on the whole package, and --strict on the seams between the processes (the
 # API, the scheduler, the wire contract, the node's RPC server): no Any crosses them.
 echo "==> mypy"
-.venv/bin/mypy pal
+.venv/bin/mypy pal pal_tools
 .venv/bin/mypy --strict pal/api pal/scheduler pal/wire pal/manager/rpc.py
 
 # Before any VM test: one real VM under the settings the suite uses (this environment's

@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import qemu_pids_under
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import qemu_pids_under
 from tests.netservers import (
     ALLOW_INTERNAL_ENV,
     RESOLVE_ENV,

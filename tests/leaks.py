@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from pal.config import Settings
-from pal.localcluster.processes import qemu_pids_under
 from pal.manager.slots import slot_prefix
 from pal.network import netns
 from pal.scheduler.states import has_live_qemu, holds_slot, is_live_paused
 from pal.snapshots.layout import FORK_MEM_DIRNAME, STAGING_DIRNAME
 from pal.snapshots.local import LocalTier
 from pal.store import Store, VmRecord
+from pal_tools.localcluster.processes import qemu_pids_under
 
 IN_BETWEEN = frozenset({"pending", "spawning", "draining"})
 _VM_DIR = re.compile(rb"/vms/([A-Za-z0-9][A-Za-z0-9._-]*)/")

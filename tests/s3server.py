@@ -1,4 +1,4 @@
-"""The S3 server of the tests: pal/localcluster/s3.py's moto server.
+"""The S3 server of the tests: pal_tools/localcluster/s3.py's moto server.
 
 Use the session fixture ``s3_server`` (an :class:`S3Server`), or ``S3Server(port)`` as a
 context manager when a test must start/stop a server itself (e.g. "server comes back").
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pal.localcluster.s3 import TEST_ENV, S3Server, free_port
+from pal_tools.localcluster.s3 import TEST_ENV, S3Server, free_port
 
 __all__ = ["TEST_ENV", "S3Server", "free_port", "s3_server"]
 

@@ -1,5 +1,5 @@
 """`pal bench`: the benchmarks, each writing its report under docs/benchmarks/ (their
-modules are pal/bench/*, imported when the command runs)."""
+modules are pal_tools/bench/*, imported when the command runs)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def bench(
     steady state (repeated cycles of one VM, under load, readiness → first exec)."""
     if ctx.invoked_subcommand is not None:
         return
-    from pal.bench import latency as bench_mod
+    from pal_tools.bench import latency as bench_mod
 
     if only not in (None, *bench_mod.SECTIONS):
         raise typer.BadParameter(f"--only takes one of {', '.join(bench_mod.SECTIONS)}")
@@ -71,7 +71,7 @@ def bench_cluster(
     out_dir: Annotated[Path, typer.Option(help="where cluster.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Cluster on one machine: schedule throughput (1 vs 3 nodes), failover, resume from S3."""
-    from pal.bench import cluster as mod
+    from pal_tools.bench import cluster as mod
 
     mod.main(
         iterations=iterations,
@@ -101,8 +101,8 @@ def bench_control_plane(
     """The control plane at 10^4-10^6 sandbox records: PostgreSQL, 2 replicas, simulated nodes.
 
     docs/scale.md says what it measures; the report goes to control-plane.{json,md}."""
-    from pal.bench import control_plane as mod
-    from pal.bench.simnode import SimTimes
+    from pal_tools.bench import control_plane as mod
+    from pal_tools.bench.simnode import SimTimes
 
     times = SimTimes(spawn_ms=spawn_ms, restore_ms=restore_ms, snapshot_ms=snapshot_ms)
     opts = mod.Options(seconds=seconds, idle_secs=idle_secs, concurrency=concurrency, times=times)
@@ -116,7 +116,7 @@ def bench_s3(
     out_dir: Annotated[Path, typer.Option(help="where s3-snapshots.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Resume from S3 as a ratio to a warm exec, snapshots encrypted and not."""
-    from pal.bench import s3 as bench_s3
+    from pal_tools.bench import s3 as bench_s3
 
     bench_s3.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
@@ -128,7 +128,7 @@ def bench_density(
     out_dir: Annotated[Path, typer.Option(help="where density.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Sandboxes of 256 MiB per node until it refuses one: per tier, memory, wakes, GET/list."""
-    from pal.bench import density
+    from pal_tools.bench import density
 
     density.main(cap=cap, data_dir=data_dir, out_dir=out_dir)
 
@@ -146,7 +146,7 @@ def bench_network(
     gateway vs on the host, gateway CPU per GiB, refusal latency, namespace set-up, time to
     first byte through a port, a brokered HTTPS request vs a pass-through one, and the cost
     of the SNI/Host checks and of the response redaction as ratios."""
-    from pal.bench import network as bench_network
+    from pal_tools.bench import network as bench_network
 
     bench_network.main(iterations=iterations, size_mib=size_mib, data_dir=data_dir, out_dir=out_dir)
 
@@ -160,7 +160,7 @@ def bench_code(
     """The code interpreter against the same run's warm exec: a cell, schedule → first cell, fork ×5.
 
     Needs the code-interpreter image (`pal image build code-interpreter`)."""
-    from pal.bench import code as bench_code_mod
+    from pal_tools.bench import code as bench_code_mod
 
     bench_code_mod.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
@@ -176,7 +176,7 @@ def bench_images(
 
     Import, first schedule (cold) and schedule from its own template to the first exec,
     beside the default image's rows of the same run."""
-    from pal.bench import images as bench_images
+    from pal_tools.bench import images as bench_images
 
     bench_images.main(iterations=iterations, memory_mib=memory_mib, data_dir=data_dir, out_dir=out_dir)
 
@@ -195,8 +195,8 @@ def bench_fanout(
     Fork N=1/10/50 (every child up, per-child wait for CPU, restore, identify, first exec
     and CPU share), the snapshot pause with 64 MiB of live state, and the pause/resume
     cycles of one VM, as ratios to the same run's warm exec (docs/benchmarks/fanout.md)."""
-    from pal.bench import fanout as bench_fanout
     from pal.config import Settings
+    from pal_tools.bench import fanout as bench_fanout
 
     ns = (*bench_fanout.FORK_NS, 100) if n100 else bench_fanout.FORK_NS
     sections = (only,) if only else ("fork", "pause", "cycles")
@@ -223,8 +223,8 @@ def bench_prestart(
 
     Each as a ratio to the same mode's warm exec, in rounds alternating PAL_PRESTART=0
     and on (docs/benchmarks/prestart.md)."""
-    from pal.bench import prestart as bench_prestart
     from pal.config import Settings
+    from pal_tools.bench import prestart as bench_prestart
 
     bench_prestart.main(
         data_dir=data_dir or Settings.from_env().data_dir,
@@ -247,7 +247,7 @@ def bench_io(
 
     The quiet VM's p50/p99 write latency alone and beside a VM writing as fast as it can,
     without per-VM disk limits and with the defaults (docs/benchmarks/io.md)."""
-    from pal.bench import io as bench_io_mod
+    from pal_tools.bench import io as bench_io_mod
 
     bench_io_mod.main(rounds=rounds, seconds=seconds, data_dir=data_dir, out_dir=out_dir)
 
@@ -264,7 +264,7 @@ def bench_wait(
 
     Live pause and resume, offload, first exec after a wake (idle live tier), the wait
     scenario (a model answering after 10 s), waits in a row, fork RAM mapping."""
-    from pal.bench import wait as bench_wait
+    from pal_tools.bench import wait as bench_wait
 
     bench_wait.main(
         iterations=iterations, waits=waits, scenario_runs=scenario_runs, data_dir=data_dir, out_dir=out_dir
@@ -280,7 +280,7 @@ def bench_processes(
     out_dir: Annotated[Path, typer.Option(help="where processes.md goes")] = Path("docs/benchmarks"),
 ) -> None:
     """Processes: keystroke echo, output throughput over SSE, reattach after a resume, memory."""
-    from pal.bench import processes as bench_processes
+    from pal_tools.bench import processes as bench_processes
 
     bench_processes.main(
         iterations=iterations,
@@ -312,8 +312,8 @@ def bench_memory(
     came up; a VM through pause/resume cycles that allocate and free memory: its PSS and
     snapshot size (docs/benchmarks/memory.md). With --url, any Pal version running on this
     host is measured by the same protocol (the "before" of a change)."""
-    from pal.bench import memory as bench_memory_mod
     from pal.config import Settings
+    from pal_tools.bench import memory as bench_memory_mod
 
     bench_memory_mod.main(
         data_dir=data_dir or Settings.from_env().data_dir,
@@ -341,7 +341,7 @@ def bench_peer(
     Checkpoint, restore, first exec after it and warm exec of a container running Pal's
     default image tree, its workload holding 0 and 64 MiB; every p50 also as a ratio to the
     peer's own warm exec. Needs root, runsc and a built default image in the data dir."""
-    from pal.bench import peer as bench_peer
+    from pal_tools.bench import peer as bench_peer
 
     if platform not in bench_peer.PLATFORMS:
         raise typer.BadParameter(f"--platform takes one of {', '.join(bench_peer.PLATFORMS)}")

@@ -25,9 +25,9 @@ import boto3
 import httpx
 import pytest
 
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster, Proc, kill_qemus_under, qemu_pids_under
 from pal.store import Store
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster, Proc, kill_qemus_under, qemu_pids_under
 from tests.conftest import TEST_DATA_DIR, PalServer, pal_cli
 from tests.leaks import pooled_vms, qemus_by_vm, vm_dir_of
 from tests.s3server import S3Server

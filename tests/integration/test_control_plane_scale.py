@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pal.bench.control_plane import Options, Run, loop_window, start_cluster
-from pal.bench.cp_pg import PgFigures
-from pal.bench.fleet import FleetPlan, analyze, fill
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster
 from pal.store import Store
+from pal_tools.bench.control_plane import Options, Run, loop_window, start_cluster
+from pal_tools.bench.cp_pg import PgFigures
+from pal_tools.bench.fleet import FleetPlan, analyze, fill
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster
 
 RECORDS, NODES, IDLE_ADDED = 1_000, 20, 10_000
 SWEEPS = 3  # sweeps measured before and after

@@ -1,7 +1,7 @@
 """Issue 24: one exec error mapping. The same failing execs answer the same status and code
 from the REST API whether the VM runs on the embedded node (`pal up`: the manager behind
 its local RPC socket) or on a remote `pal node` reached over HTTP (a control plane with
-one node, as pal/localcluster starts them). The node's own errors keep their status across
+one node, as pal_tools/localcluster starts them). The node's own errors keep their status across
 the RPC, also in the middle of a stream (pal/manager/rpc.py); the guest's error codes are
 mapped once (pal/manager/guest_errors.py)."""
 
@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from pal.config import Settings
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster, kill_qemus_under
 from pal.scheduler.node_client import HttpNode
 from pal.store import Store
 from pal.wire import verbs
 from pal.wire.auth import node_token
 from pal.wire.models import LivePauseRequest, VmRef
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster, kill_qemus_under
 from tests.conftest import TEST_DATA_DIR, PalServer
 from tests.s3server import S3Server
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pal.bench import peer as bench_peer
+from pal_tools.bench import peer as bench_peer
 
 
 def report(samples: dict[str, dict[str, list[float]]], pal: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pal.bench import latency as bench
-from pal.bench import latency_report as bench_report
+from pal_tools.bench import latency as bench
+from pal_tools.bench import latency_report as bench_report
 
 
 def report(samples: dict[str, list[float]]) -> dict[str, Any]:
@@ -174,7 +174,7 @@ def _target(md: str, start: str) -> str:
 
 
 def test_wait_report_judges_each_target_and_a_wait_counts_only_if_it_was_paused() -> None:
-    from pal.bench import wait as bench_wait
+    from pal_tools.bench import wait as bench_wait
 
     md = bench_wait.render(wait_report(wait_pauses=100))
     assert "Some CPU model" in md and "accelerator **TCG**" in md
@@ -202,7 +202,7 @@ def test_wait_report_judges_each_target_and_a_wait_counts_only_if_it_was_paused(
 
 
 def test_memory_report_puts_runs_side_by_side_and_reads_what_each_measured() -> None:
-    from pal.bench.memory import render_markdown
+    from pal_tools.bench.memory import render_markdown
 
     def run(pss: float, settled: float) -> dict:
         copies = {
@@ -239,7 +239,7 @@ def test_memory_report_puts_runs_side_by_side_and_reads_what_each_measured() -> 
 
 
 def test_the_latency_tables_memory_names_the_fork_of_a_guest_holding_state() -> None:
-    from pal.bench.latency_report import memory_lines
+    from pal_tools.bench.latency_report import memory_lines
 
     held = {"children": 10, "pss_kib_mean": 63.4 * 1024, "pss_kib_max": 70 * 1024, "guest_ram_kib": 262144}
     text = "\n".join(memory_lines({"n10_held": {**held, "state_mib": 64}}))

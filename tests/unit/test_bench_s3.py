@@ -1,9 +1,9 @@
-"""`pal bench s3`'s report (pal/bench/s3.py): every figure also as a multiple of its own
+"""`pal bench s3`'s report (pal_tools/bench/s3.py): every figure also as a multiple of its own
 server's warm exec; encrypted against not as the ratio of the p50s (same load)."""
 
 from __future__ import annotations
 
-from pal.bench import s3 as bench_s3
+from pal_tools.bench import s3 as bench_s3
 
 
 def test_the_report_divides_by_each_runs_warm_exec() -> None:

@@ -17,13 +17,6 @@ OTHER_READERS = {
     "guest/harness.py",  # runs inside the VM
     "guest/system.py",  # runs inside the VM (PID 1 sets its own environment)
     "guest/kerneldriver.py",  # runs inside the VM (Jupyter's runtime dir for its kernels)
-    "bench/server.py",  # sets variables for the servers it starts
-    "bench/network.py",
-    "bench/cluster.py",
-    "bench/s3.py",
-    "bench/control_plane.py",  # passes the environment on to the simulated nodes it starts
-    "localcluster/demo.py",  # a demo launcher for developers
-    "localcluster/processes.py",  # passes the environment on to the processes it starts
     "network/control.py",  # passes chosen variables on to the gateway process
 }
 CLIENT_SIDE = {"PAL_URL", "PAL_API_KEY"}

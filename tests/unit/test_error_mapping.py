@@ -18,7 +18,7 @@ from pal.errors import BY_STATUS, PalError, from_wire
 def _all_error_classes() -> list[type[PalError]]:
     for mod in pkgutil.walk_packages(pal.__path__, "pal."):
         if mod.name.startswith(
-            ("pal.guest", "pal.bench", "pal.sdk", "pal.store.migrations")
+            ("pal.guest", "pal_tools.bench", "pal.sdk", "pal.store.migrations")
         ) or mod.name.endswith("__main__"):
             continue
         importlib.import_module(mod.name)

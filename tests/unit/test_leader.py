@@ -13,12 +13,12 @@ import pytest
 from sqlalchemy import text, update
 
 from pal.errors import NotLeader
-from pal.localcluster.postgres import LocalPostgres
 from pal.scheduler.leader import LeaseLeader
 from pal.scheduler.states import Action
 from pal.scheduler.transition import Transitioner
 from pal.store import Store, VmRecord
 from pal.store.tables import leader_lease
+from pal_tools.localcluster.postgres import LocalPostgres
 
 
 @pytest.fixture
@@ -148,9 +148,9 @@ def test_a_server_whose_owner_died_is_reaped_by_the_next_one() -> None:
     import subprocess
     import sys
 
-    from pal.localcluster import postgres as pgmod
+    from pal_tools.localcluster import postgres as pgmod
 
-    code = "from pal.localcluster.postgres import LocalPostgres; pg = LocalPostgres().start(); print(pg.base, flush=True); import time; time.sleep(600)"  # noqa: E501
+    code = "from pal_tools.localcluster.postgres import LocalPostgres; pg = LocalPostgres().start(); print(pg.base, flush=True); import time; time.sleep(600)"  # noqa: E501
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     base = Path(child.stdout.readline().strip())

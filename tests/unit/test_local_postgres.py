@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pal.localcluster import postgres
+from pal_tools.localcluster import postgres
 
 
 def test_the_newest_installed_major_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

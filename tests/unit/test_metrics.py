@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pal.api.app import create_app
 from pal.config import Settings
-from pal.localcluster.s3 import free_port
 from pal.manager.metrics import MetricsBook, RawReading
 from pal.manager.runtime import NodeRuntime
 from pal.snapshots.layout import SnapshotRef
@@ -21,6 +20,7 @@ from pal.snapshots.s3 import S3Mirror
 from pal.snapshots.store import SnapshotStore
 from pal.vmm import usage
 from pal.vmm.accel import AccelInfo
+from pal_tools.localcluster.s3 import free_port
 from tests.fakes import FakeManager, FakeVm, SchedEnv, make_env
 
 # -- the node's sample rings ---------------------------------------------------------------

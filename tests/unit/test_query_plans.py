@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from sqlalchemy import event
 
-from pal.bench.fleet import Fleet, FleetPlan, fill
-from pal.bench.simnode import SimNode, SimNodeConfig, SimTimes
 from pal.config import Settings
-from pal.localcluster.postgres import LocalPostgres
 from pal.scheduler.scheduler import Scheduler
 from pal.spec import AgentSpec, PauseRequest
 from pal.store import Store
+from pal_tools.bench.fleet import Fleet, FleetPlan, fill
+from pal_tools.bench.simnode import SimNode, SimNodeConfig, SimTimes
+from pal_tools.localcluster.postgres import LocalPostgres
 from tests.fakes import InProcessNode
 
 LARGE = ("vms", "events", "vm_tags")  # the tables that grow with the fleet

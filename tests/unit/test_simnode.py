@@ -1,4 +1,4 @@
-"""The benchmark's simulated node (pal/bench/simnode.py) stands where a node runtime stands:
+"""The benchmark's simulated node (pal_tools/bench/simnode.py) stands where a node runtime stands:
 the real node RPC app serves its handler table, the real client reaches it, and it serves
 every verb a node serves but those of guests it does not have (so a verb added to the node
 shows up here first)."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pal.bench.simnode import SIM_AGENT_VERSION, SimNode, SimNodeConfig, SimTimes
 from pal.errors import Conflict, Unauthorized
 from pal.manager import rpc
 from pal.scheduler.node_client import HttpNode
 from pal.wire import verbs
 from pal.wire.models import Empty, RestoreFrom, SnapshotAt, SnapshotRequest, SpawnRequest, StopVm
+from pal_tools.bench.simnode import SIM_AGENT_VERSION, SimNode, SimNodeConfig, SimTimes
 
 # What a simulated node has no guest for: processes, code contexts, ports.
 UNSERVED = {

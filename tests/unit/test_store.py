@@ -10,8 +10,8 @@ import pytest
 
 from pal.config import Settings
 from pal.errors import Conflict, InvalidRequest
-from pal.localcluster.postgres import LocalPostgres
 from pal.store import LIFECYCLE_COLUMNS, Store, VmRecord, hash_api_key
+from pal_tools.localcluster.postgres import LocalPostgres
 
 
 def _vm(vm_id: str, tenant_id: str, **kw: object) -> VmRecord:

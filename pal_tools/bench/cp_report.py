@@ -42,7 +42,7 @@ def render(report: dict[str, Any]) -> str:
         f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memGiB', '?')} GiB, "
         f"kernel {m.get('kernel', '?')}. "
         "Everything on this one machine: PostgreSQL 15 (fsync, synchronous commit and full page writes on), "
-        "2 `pal server` replicas, the simulated nodes (pal/bench/simnode.py: the real node RPC and "
+        "2 `pal server` replicas, the simulated nodes (pal_tools/bench/simnode.py: the real node RPC and "
         "heartbeats, a VMM that only keeps state) and the load generator.",
         "",
         "| records | nodes | date | load (start / during / end) | schedules/s | schedule p50 / p99 ms | "

@@ -43,7 +43,7 @@ def qemu_floor_ms(iterations: int) -> list[float]:
 
 NATIVE_HARNESS = """
 import os, sys, tempfile
-from pal.bench.common import pct, timed
+from pal_tools.bench.common import pct, timed
 from pal.guest.harness import Harness
 ws = tempfile.mkdtemp()
 Harness(int(sys.argv[1]), workspace=ws, workload_user=None, heartbeat_interval=60).serve()

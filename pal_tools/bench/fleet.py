@@ -26,11 +26,11 @@ from typing import Any
 
 import psycopg
 
-from pal.bench.simnode import SIM_AGENT_VERSION, SIM_IMAGE, SIM_SNAPSHOT_BYTES
 from pal.scheduler.views import OFFLOADED_PAUSE
 from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 from pal.store import Store, books
 from pal.store.store import hash_api_key, new_api_key
+from pal_tools.bench.simnode import SIM_AGENT_VERSION, SIM_IMAGE, SIM_SNAPSHOT_BYTES
 
 BIG_TENANT = "bench"
 TEAMS = 50  # metadata "team": one of these (a list filter that keeps 2 %)

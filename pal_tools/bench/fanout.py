@@ -25,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import Api, load_average, machine, pct, qemu_pid_of, timed
-from pal.bench.server import local_server
+from pal_tools.bench.common import Api, load_average, machine, pct, qemu_pid_of, timed
+from pal_tools.bench.server import local_server
 
 LIVE_MIB = 64
 # Fresh pages each time (a new file): what the pause must capture and the host write back.

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from pal.localcluster.throwaway import ThrowawayServer, free_port
+from pal_tools.localcluster.throwaway import ThrowawayServer, free_port
 
 # Credentials the S3 client reads from the environment; moto accepts any.
 TEST_ENV = {

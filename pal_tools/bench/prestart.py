@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, pct, report_of, timed, write_report
-from pal.bench.latency import restore_steps
-from pal.bench.server import local_server, server_accel, wait_template
+from pal_tools.bench.common import Api, pct, report_of, timed, write_report
+from pal_tools.bench.latency import restore_steps
+from pal_tools.bench.server import local_server, server_accel, wait_template
 
 FORK_N = 10
 STEP_KEYS = (

@@ -3,7 +3,7 @@ ratios to the same run's warm exec), and the restore's steps."""
 
 from __future__ import annotations
 
-from pal.bench import steady as bench_steady
+from pal_tools.bench import steady as bench_steady
 
 # The reference's published p50s (its lifecycle specification's "Cost and latency" table).
 REFERENCE_MS = {

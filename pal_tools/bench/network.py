@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, machine, pct
-from pal.bench.server import local_server, server_accel, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
+from pal_tools.bench.common import Api, machine, pct
+from pal_tools.bench.server import local_server, server_accel, wait_template
 
 HOST = "127.0.0.2"
 NAME = "bench.test"

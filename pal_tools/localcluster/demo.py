@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 
 from pal.config import Settings
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster
-from pal.localcluster.s3 import TEST_ENV, S3Server
 from pal.store import Store
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster
+from pal_tools.localcluster.s3 import TEST_ENV, S3Server
 
 
 def say(msg: str) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from pal.localcluster.throwaway import free_port
 from pal.wire.auth import node_token
+from pal_tools.localcluster.throwaway import free_port
 
 
 @dataclass

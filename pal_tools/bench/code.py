@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from pal.bench.latency import Api, local_server, machine, pct, server_accel, timed
-from pal.bench.server import OPERATOR_TOKEN
 from pal.sizes import DEFAULT_MEMORY_MIB, pool_entry, size_name
+from pal_tools.bench.latency import Api, local_server, machine, pct, server_accel, timed
+from pal_tools.bench.server import OPERATOR_TOKEN
 
 IMAGE = "code-interpreter"
 POOL = f"{pool_entry(IMAGE, size_name(DEFAULT_MEMORY_MIB))}:1"  # the second server's PAL_POOL

@@ -44,18 +44,18 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import machine
-from pal.bench.cp_load import Load, OpResult, operations, reads
-from pal.bench.cp_pg import BENCH_SETTINGS, PgFigures
-from pal.bench.cp_report import render
-from pal.bench.cpu import CpuMeter, children_of, cpu_secs
-from pal.bench.fleet import Fleet, FleetPlan, fill, split_seeds
-from pal.bench.plans import hot_reads
-from pal.bench.simnode import SimTimes
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster, Proc
-from pal.localcluster.throwaway import free_port
 from pal.store import Store
+from pal_tools.bench.common import machine
+from pal_tools.bench.cp_load import Load, OpResult, operations, reads
+from pal_tools.bench.cp_pg import BENCH_SETTINGS, PgFigures
+from pal_tools.bench.cp_report import render
+from pal_tools.bench.cpu import CpuMeter, children_of, cpu_secs
+from pal_tools.bench.fleet import Fleet, FleetPlan, fill, split_seeds
+from pal_tools.bench.plans import hot_reads
+from pal_tools.bench.simnode import SimTimes
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster, Proc
+from pal_tools.localcluster.throwaway import free_port
 
 LADDER = ((10_000, 10), (100_000, 100), (1_000_000, 1000))
 NODES_PER_PROCESS = 250
@@ -178,7 +178,15 @@ def start_sims(run: Run, fleet: Fleet, opts: Options, log: Log) -> None:
     for k, group in enumerate(split_seeds(fleet, procs)):
         seed = run.base / f"sim{k}.json"
         seed.write_text(json.dumps(group))
-        argv = [sys.executable, "-m", "pal.bench.simnodes", "--seed", str(seed), "--port", str(free_port())]
+        argv = [
+            sys.executable,
+            "-m",
+            "pal_tools.bench.simnodes",
+            "--seed",
+            str(seed),
+            "--port",
+            str(free_port()),
+        ]
         for s in servers:
             argv += ["--server", s]
         argv += ["--interval", str(opts.heartbeat_s), "--spawn-ms", str(t.spawn_ms), "--restore-ms",

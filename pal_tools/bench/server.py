@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import Api, report_of
-from pal.localcluster.throwaway import free_port
 from pal.ops.progress import Steps
 from pal.sizes import size_name
+from pal_tools.bench.common import Api, report_of
+from pal_tools.localcluster.throwaway import free_port
 
 # The operator token of the servers this process starts: /healthz names the accelerator
 # only to the operator (a remote server's comes from PAL_ADMIN_TOKEN).

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import (
+from pal_tools.bench.common import (
     Api,
     data_dir_lines,
     pct,
@@ -32,7 +32,7 @@ from pal.bench.common import (
     timed,
     write_report,
 )
-from pal.bench.server import measure_on_local_server
+from pal_tools.bench.server import measure_on_local_server
 
 MEMORY_MIB = 256
 IDLE_LIVE_S = 5  # idle seconds before the live tier (the shortest that lets the workload end)

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench import memory as bench_memory
-from pal.bench import steady as bench_steady
-from pal.bench.common import (
+from pal.sizes import DEFAULT_MEMORY_MIB
+from pal_tools.bench import memory as bench_memory
+from pal_tools.bench import steady as bench_steady
+from pal_tools.bench.common import (
     Api,
     data_dir_info,
     load_average,
@@ -34,20 +35,19 @@ from pal.bench.common import (
     vm_pss_kib,
     write_report,
 )
-from pal.bench.floors import native_guest_path_ms, qemu_floor_ms
-from pal.bench.latency_report import render_markdown, warm_base
-from pal.bench.latency_rows import (
+from pal_tools.bench.floors import native_guest_path_ms, qemu_floor_ms
+from pal_tools.bench.latency_report import render_markdown, warm_base
+from pal_tools.bench.latency_rows import (
     ROWS,
     SECTIONS,
 )
-from pal.bench.server import (
+from pal_tools.bench.server import (
     drop_default_template,
     local_server,
     server_accel,
     wait_image_template,
     wait_template,
 )
-from pal.sizes import DEFAULT_MEMORY_MIB
 
 
 def first_schedule_ms(api: Api, memory_mib: int) -> float:

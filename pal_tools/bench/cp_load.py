@@ -3,7 +3,7 @@ every replica in turn (a follower forwards what only the leader does), many in f
 with each call's latency; and the reads (GET, list pages by cursor, the metadata filter).
 
 The control plane's own time of an operation is its latency minus what the simulated node
-took (:class:`pal.bench.simnode.SimTimes`), which the caller subtracts.
+took (:class:`pal_tools.bench.simnode.SimTimes`), which the caller subtracts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import pct
+from pal_tools.bench.common import pct
 
 RUNTIME = "/v1/runtime"
 

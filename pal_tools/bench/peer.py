@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import machine, pct
+from pal_tools.bench.common import machine, pct
 
 SIZES_MIB = (0, 64)
 PLATFORMS = ("ptrace", "systrap", "kvm")  # systrap exists only in runsc releases from 2023 on

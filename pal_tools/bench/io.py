@@ -38,11 +38,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, data_dir_lines, load_average, pct, qemu_pid_of, write_report
-from pal.bench.server import measure_on_local_server
 from pal.config import DEFAULT_DISK_IOPS, DEFAULT_DISK_READ_MIBPS, DEFAULT_DISK_WRITE_MIBPS
 from pal.ops.progress import Steps
 from pal.vmm.blockdev import BlockHost
+from pal_tools.bench.common import Api, data_dir_lines, load_average, pct, qemu_pid_of, write_report
+from pal_tools.bench.server import measure_on_local_server
 
 MODES = ("unbounded", "bounded")
 BOUNDED = {

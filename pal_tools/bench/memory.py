@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, load_average, pct, pss_kib, qemu_pids, report_of, timed
-from pal.bench.server import local_server, server_accel
 from pal.snapshots.hashing import data_extents
+from pal_tools.bench.common import Api, load_average, pct, pss_kib, qemu_pids, report_of, timed
+from pal_tools.bench.server import local_server, server_accel
 
 MIB = 1024 * 1024
 STATE_MIB = 64  # the random state a guest holds (issue 39's protocol)

@@ -6,7 +6,7 @@ plane's client reaches it as it reaches any node (``HttpNode(url=...)``). Each n
 pushes its heartbeat with the real ``pal.node.Heartbeats`` (one shared HTTP client),
 the first ones spread over one interval.
 
-Run: ``python -m pal.bench.simnodes --seed SEED.json --port P --server URL...`` with
+Run: ``python -m pal_tools.bench.simnodes --seed SEED.json --port P --server URL...`` with
 ``PAL_CLUSTER_SECRET`` in the environment (the nodes' tokens derive from it). The seed
 names the nodes and what each already runs and holds (the benchmark's fill). ``GET
 /_sim`` answers the nodes' call counts and live VMs (loopback, no token: bench only).
@@ -31,14 +31,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Mount, Route
 
-from pal.bench.simnode import SimNode, SimNodeConfig, SimTimes
 from pal.config import Settings
 from pal.manager.rpc import create_rpc_app
 from pal.node import Heartbeats
 from pal.server import _Server, http_config
 from pal.wire.auth import node_token
+from pal_tools.bench.simnode import SimNode, SimNodeConfig, SimTimes
 
-log = logging.getLogger("pal.bench.simnodes")
+log = logging.getLogger("pal_tools.bench.simnodes")
 PREFIX = "/n/"
 
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Self
 
-from pal.localcluster.throwaway import ThrowawayServer, free_port
 from pal.pids import pid_alive
+from pal_tools.localcluster.throwaway import ThrowawayServer, free_port
 
 # Debian keeps each major's programs in /usr/lib/postgresql/<major>/bin (not on PATH).
 DEBIAN_BIN_GLOB = "/usr/lib/postgresql/*/bin"

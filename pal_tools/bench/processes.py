@@ -27,8 +27,8 @@ from typing import Any
 
 import httpx
 
-from pal.bench.common import Api, data_dir_lines, pct, timed, write_report
-from pal.bench.server import measure_on_local_server
+from pal_tools.bench.common import Api, data_dir_lines, pct, timed, write_report
+from pal_tools.bench.server import measure_on_local_server
 
 MB = 1_000_000
 SSE = {"Accept": "text/event-stream"}

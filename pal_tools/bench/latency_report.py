@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pal.bench import steady as bench_steady
-from pal.bench.common import data_dir_lines, pct
-from pal.bench.latency_rows import (
+from pal_tools.bench import steady as bench_steady
+from pal_tools.bench.common import data_dir_lines, pct
+from pal_tools.bench.latency_rows import (
     BASELINES,
     BOUNDS_NOTES,
     CYCLE_DRIFT_TARGET,

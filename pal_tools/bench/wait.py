@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import (
+from pal.sizes import DEFAULT_MEMORY_MIB
+from pal_tools.bench.common import (
     Api,
     data_dir_lines,
     pct,
@@ -41,8 +42,7 @@ from pal.bench.common import (
     timed,
     write_report,
 )
-from pal.bench.server import measure_on_local_server, wait_template
-from pal.sizes import DEFAULT_MEMORY_MIB
+from pal_tools.bench.server import measure_on_local_server, wait_template
 
 POLL_TIMEOUT_S = 300  # how long a pause, an offload or a wake may take to show
 HOST = "127.0.0.2"

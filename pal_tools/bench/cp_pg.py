@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 
-from pal.bench.fleet import libpq_url
+from pal_tools.bench.fleet import libpq_url
 
 # What the benchmark's PostgreSQL runs with (besides its defaults: fsync, synchronous commit
 # and full page writes on). shared_buffers: a quarter of a node with 8 GiB, as one sizes it.

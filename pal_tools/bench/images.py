@@ -8,7 +8,7 @@ baseline):
 - a custom image (pal/images/sample.py: a static-busybox OCI archive, no libc, no Python):
   `pal image import` (skopeo, umoci, mkfs.ext4), its first schedule (cold: no template yet)
   → first exec, and schedules from its own template → first exec.
-These are the same rows `pal bench` measures (pal/bench/latency.py), without the pause/fork/floor
+These are the same rows `pal bench` measures (pal_tools/bench/latency.py), without the pause/fork/floor
 rows, so they can be measured on their own. Writes JSON and docs/benchmarks/images.md.
 """
 
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pal.bench.common import Api, pct, timed, write_report
-from pal.bench.latency import cold_boot_rows, custom_image_rows
-from pal.bench.latency_rows import BASELINES, ROWS
-from pal.bench.server import measure_on_local_server, wait_template
 from pal.sizes import DEFAULT_MEMORY_MIB
+from pal_tools.bench.common import Api, pct, timed, write_report
+from pal_tools.bench.latency import cold_boot_rows, custom_image_rows
+from pal_tools.bench.latency_rows import BASELINES, ROWS
+from pal_tools.bench.server import measure_on_local_server, wait_template
 
 KEYS = (
     "template_to_first_exec",

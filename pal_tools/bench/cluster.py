@@ -29,12 +29,12 @@ from typing import Any
 
 import boto3
 
-from pal.bench.common import Api, machine, pct, poll_until
 from pal.config import Settings
-from pal.localcluster.postgres import LocalPostgres
-from pal.localcluster.processes import LocalCluster, kill_qemus_under
-from pal.localcluster.s3 import TEST_ENV, S3Server
 from pal.store import Store
+from pal_tools.bench.common import Api, machine, pct, poll_until
+from pal_tools.localcluster.postgres import LocalPostgres
+from pal_tools.localcluster.processes import LocalCluster, kill_qemus_under
+from pal_tools.localcluster.s3 import TEST_ENV, S3Server
 
 
 def _s3_has(s3: Any, bucket: str, vm_id: str, snapshot_id: str) -> bool:

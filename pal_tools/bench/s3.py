@@ -32,10 +32,10 @@ from typing import Any
 
 import boto3
 
-from pal.bench.common import Api, machine, pct, timed
-from pal.bench.server import local_server, server_accel
 from pal.config import Settings
-from pal.localcluster.s3 import TEST_ENV, S3Server
+from pal_tools.bench.common import Api, machine, pct, timed
+from pal_tools.bench.server import local_server, server_accel
+from pal_tools.localcluster.s3 import TEST_ENV, S3Server
 
 MODES = ("encrypted", "plaintext")
 ROWS = [
