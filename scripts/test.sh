@@ -15,10 +15,12 @@ echo "==> ruff check"
 .venv/bin/ruff format --check pal pal_tools tests
 
 # Types: mypy on the whole package, and --strict on the seams between the processes (the
-# API, the scheduler, the wire contract, the node's RPC server): no Any crosses them.
+# API, the scheduler, the wire contract, the node's RPC layer: its server and socket, the
+# guest relay, and the handler table NodeRuntime binds): no Any crosses them.
 echo "==> mypy"
 .venv/bin/mypy pal pal_tools
-.venv/bin/mypy --strict pal/api pal/scheduler pal/wire pal/manager/rpc.py
+.venv/bin/mypy --strict pal/api pal/scheduler pal/wire \
+  pal/manager/rpc.py pal/manager/rpc_socket.py pal/manager/guest_relay.py pal/manager/runtime.py
 
 # Before any VM test: one real VM under the settings the suite uses (this environment's
 # PAL_*). A host where no VM can start stops the run here, within two minutes, with the
