@@ -46,7 +46,7 @@ class Deleting:
         lifetime's end). ``audit`` and ``fields`` go with the transition to terminated."""
         d = self.d
         d.telemetry.forget(vm_id)
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             vm = d.reload(vm_id)
             if vm.state == S.TERMINATED:
                 return vm  # deleting twice answers the same

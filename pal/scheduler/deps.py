@@ -127,9 +127,6 @@ class Deps:
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
-    def op_lock(self, vm_id: str) -> asyncio.Lock:
-        return self.locks.op_lock(vm_id)
-
     def own(self, tenant_id: str, vm_id: str) -> VmRecord:
         """The tenant's VM; 404 for a VM of another tenant as for a missing one."""
         vm = self.store.get_vm(vm_id)

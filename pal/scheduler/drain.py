@@ -72,7 +72,7 @@ class Draining:
 
         async def one(vm: VmRecord) -> None:
             try:
-                async with d.op_lock(vm.vm_id):
+                async with d.locks.op_lock(vm.vm_id):
                     fresh = d.reload(vm.vm_id)
                     if not has_live_qemu(fresh.state, fresh.marker) or fresh.node_id != node_id:
                         return
@@ -119,7 +119,7 @@ class Draining:
             action = _suspend_action(vm)
             if states.allowed(S(vm.state), action, vm.marker):
                 try:
-                    async with d.op_lock(vm.vm_id):
+                    async with d.locks.op_lock(vm.vm_id):
                         await self.pauses.pause_locked(vm.vm_id, action, reason=SHUTDOWN_REASON)
                     return
                 except Exception as exc:

@@ -42,7 +42,7 @@ class EgressAndSecrets:
         egress_changed event. Failure: the node's error, nothing stored."""
         d = self.d
         d.own(tenant_id, vm_id)
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             vm = d.reload(vm_id)
             states.check(vm_id, vm.state, A.SET_EGRESS, vm.marker)
             if has_live_qemu(vm.state, vm.marker):
@@ -72,7 +72,7 @@ class EgressAndSecrets:
         secret_rotated event. Failure: the node's error, nothing stored."""
         d = self.d
         d.own(tenant_id, vm_id)
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             vm = d.reload(vm_id)
             new = self.brokering.rotated(vm.tenant_id, vm.secrets, name, update.value)
             states.check(vm_id, vm.state, A.SET_SECRET, vm.marker)

@@ -97,7 +97,7 @@ class Forking:
             raise InvalidRequest(f"count must be between 1 and {limit} (PAL_MAX_FORK_COUNT), got {count}")
         d.own(tenant_id, vm_id)
         t0 = time.perf_counter()
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             src = d.reload(vm_id)
             states.check(vm_id, src.state, A.FORK_FROM, src.marker)
             # A live source (running, or live-paused: it stays paused) is captured now; a
@@ -178,7 +178,7 @@ class Forking:
         sem = asyncio.Semaphore(max(1, d.settings.fork_concurrency))
         async with contextlib.AsyncExitStack() as stack:
             for c in sorted(children, key=lambda c: c.vm_id):
-                await stack.enter_async_context(d.op_lock(c.vm_id))
+                await stack.enter_async_context(d.locks.op_lock(c.vm_id))
             here = Counter(c.node_id for c in children)  # the copies each node makes
             results = await asyncio.gather(
                 *(self._spawn_child(src, c.vm_id, snap_id, sem, here[c.node_id]) for c in children)

@@ -69,7 +69,7 @@ class Lifetimes:
         sweep) and a ``lifetime_changed`` event."""
         d = self.d
         d.own(tenant_id, vm_id)
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             vm = d.reload(vm_id)
             if vm.state == S.TERMINATED:
                 raise Conflict(f"VM {vm_id} is terminated")
@@ -121,7 +121,7 @@ class Lifetimes:
             await self.deleting.delete_vm(vm_id, audit=ended("deleted"), lifetime_ends_at=None)
             done = "deleted"
         else:
-            async with d.op_lock(vm_id):
+            async with d.locks.op_lock(vm_id):
                 vm = d.reload(vm_id)
                 st = S(vm.state)
                 if states.allowed(st, A.PAUSE, vm.marker):

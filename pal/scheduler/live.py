@@ -175,7 +175,7 @@ class LiveOps:
 
         Prerequisites: wait management on, WAIT_PAUSE allowed (running); else None."""
         s = self.d
-        async with s.op_lock(vm_id):
+        async with s.locks.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)
             if vm is None or not vm.wait_pause or not states.allowed(S(vm.state), A.WAIT_PAUSE, vm.marker):
                 return None
@@ -188,7 +188,7 @@ class LiveOps:
 
         Prerequisites: marker live:wait and LIVE_RESUME allowed; else None."""
         s = self.d
-        async with s.op_lock(vm_id):
+        async with s.locks.op_lock(vm_id):
             vm = s.store.get_vm(vm_id)
             # The table allows a live resume of any live pause; data and timers wake only
             # the wait pauses.
@@ -236,7 +236,7 @@ class LiveOps:
             freed_mib=n.freed_mib or 0,
             resident_mib=n.resident_mib,
         )
-        async with self.d.op_lock(n.vm_id):
+        async with self.d.locks.op_lock(n.vm_id):
             self.record_offload(n.vm_id, st)
 
     # ------------------------------------------------------------------ notices

@@ -61,7 +61,7 @@ class PauseResume:
         a snapshot that fails leaves the VM running (500, 507 for no disk) or, its QEMU gone,
         failed (500)."""
         self.d.own(tenant_id, vm_id)
-        async with self.d.op_lock(vm_id):
+        async with self.d.locks.op_lock(vm_id):
             if req is not None and req.mode == "live":
                 paused = await self.live.pause(
                     vm_id, A.LIVE_PAUSE, offload=req.offload, reason="live-paused by operator"
@@ -78,7 +78,7 @@ class PauseResume:
         node). Failure: 404, 409, 402 (no slot), 503 (no node); a restore that fails leaves
         the VM paused and resumable again."""
         self.d.own(tenant_id, vm_id)
-        async with self.d.op_lock(vm_id):
+        async with self.d.locks.op_lock(vm_id):
             vm = self.d.reload(vm_id)
             if live_paused(vm):
                 return await self.live.resume(vm, "api", "resumed by operator")
@@ -91,7 +91,7 @@ class PauseResume:
 
         Prerequisites: IDLE_LIVE_PAUSE allowed (running), no request in flight, and
         ``still_idle`` of the fresh row. Success: paused (live:idle). None: skipped."""
-        async with self.d.op_lock(vm_id):
+        async with self.d.locks.op_lock(vm_id):
             if not self._still_idle(vm_id, A.IDLE_LIVE_PAUSE, still_idle):
                 return None
             paused = await self.live.pause(
@@ -104,7 +104,7 @@ class PauseResume:
 
         Prerequisites: IDLE_PAUSE allowed (running, or an automatic live pause), no request
         in flight, ``still_idle``. Success: paused (snapshot, by idle). None: skipped."""
-        async with self.d.op_lock(vm_id):
+        async with self.d.locks.op_lock(vm_id):
             if not self._still_idle(vm_id, A.IDLE_PAUSE, still_idle):
                 return None
             return await self.pause_locked(vm_id, A.IDLE_PAUSE, reason=IDLE_REASON)

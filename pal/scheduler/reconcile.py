@@ -404,7 +404,7 @@ class Reconciler:
     async def _settle(self, vm_id: str, alive: dict[str, VmActivity]) -> list[str]:
         """The fixes one VM needs, under its operation lock, from its fresh row."""
         fixes = []
-        async with self.d.op_lock(vm_id):
+        async with self.d.locks.op_lock(vm_id):
             # One fix may lead to another (an interrupted snapshot of a live-paused VM
             # rolls back to running, and the node says it is live-paused).
             for _ in range(3):
@@ -511,7 +511,7 @@ class Reconciler:
         alive = {a.vm_id: a for a in hb.vms if a.alive}
         a = alive.get(vm.vm_id)
         if _alive(alive, vm) and a is not None and (vm.state == S.RUNNING) != (a.live is None):
-            async with self.d.op_lock(vm.vm_id):
+            async with self.d.locks.op_lock(vm.vm_id):
                 fresh = self.d.store.get_vm(vm.vm_id)
                 if fresh is None or (fresh.state, fresh.incarnation, fresh.node_id) != (
                     vm.state,
@@ -530,7 +530,7 @@ class Reconciler:
         if _alive(alive, vm) and not stale:
             return []
         reason = f"harness silent for {silent_ms // 1000} s of CPU time" if stale else "QEMU exited"
-        async with self.d.op_lock(vm.vm_id):
+        async with self.d.locks.op_lock(vm.vm_id):
             fresh = self.d.store.get_vm(vm.vm_id)
             if (
                 fresh is None
@@ -593,7 +593,7 @@ class Reconciler:
         return fixes
 
     async def _lose(self, vm: VmRecord) -> str | None:
-        lock = self.d.op_lock(vm.vm_id)
+        lock = self.d.locks.op_lock(vm.vm_id)
         try:
             await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
         except TimeoutError:

@@ -46,7 +46,7 @@ class Scheduling:
         placement.check_satisfiable(d.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))
         t0 = time.perf_counter()
         vm = self._row(tenant_id, spec)
-        async with d.op_lock(vm.vm_id):
+        async with d.locks.op_lock(vm.vm_id):
             await d.transitions.create(tenant_id, [vm], A.SCHEDULE)  # 402 here leaves no row
             failpoints.hit("schedule:reserved")
             async with self.spawner.placing:

@@ -67,7 +67,7 @@ class SnapshotChecks:
         answers = await asyncio.gather(*(complete(vm) for vm in asked))
         fixes = []
         for vm in (vm for vm, ok in zip(asked, answers, strict=True) if ok is False):
-            async with self.d.op_lock(vm.vm_id):
+            async with self.d.locks.op_lock(vm.vm_id):
                 fresh = self.d.store.get_vm(vm.vm_id)
                 if fresh is None or (fresh.state, fresh.marker, fresh.snapshot_id) != (
                     vm.state,

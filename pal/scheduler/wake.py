@@ -94,7 +94,7 @@ class Waker:
         transparent resume of an automatic pause (an auto_resume event says so). Failure:
         409 for any other state (an operator's pause: "resume it first"), or the resume's."""
         d = self.d
-        async with d.op_lock(vm_id):
+        async with d.locks.op_lock(vm_id):
             vm = d.reload(vm_id)
             if runs(vm):
                 return vm

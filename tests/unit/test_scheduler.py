@@ -303,8 +303,8 @@ async def test_a_server_keeps_no_lock_of_vms_it_is_done_with(env: SchedEnv) -> N
         await env.sched.pauses.resume(env.tenant_id, vm_id)
         await env.sched.deleting.delete(env.tenant_id, vm_id)
     assert not set(vms) & env.sched.locks.locked_ids() and not set(vms) & set(env.sched.transitions._locks)
-    held = env.sched.deps.op_lock(vms[0])
-    assert env.sched.deps.op_lock(vms[0]) is held, "one lock per VM while anyone holds it"
+    held = env.sched.locks.op_lock(vms[0])
+    assert env.sched.locks.op_lock(vms[0]) is held, "one lock per VM while anyone holds it"
 
 
 async def test_delete_of_a_paused_vm_releases_its_snapshot(env: SchedEnv) -> None:
