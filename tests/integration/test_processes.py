@@ -322,7 +322,9 @@ def test_a_processs_stats_come_from_the_guest(
     r = api.get(f"{base}/{idle}/stats")
     assert r.status_code == 200, r.text
     now = r.json()
-    assert now["processId"] == idle and now["running"] is True and now["state"] == "S", now
+    # /proc's word now: S once sleep blocks; before that R (the shell exec'ing it) or D
+    # (sleep paged in from the disk), on a slow guest (TCG)
+    assert now["processId"] == idle and now["running"] is True and now["state"] in ("R", "S", "D"), now
     assert now["threads"] == 1 and now["rssBytes"] > 0 and now["cpuUserMs"] >= 0, now
     # a shell that counted to 300 000 spent CPU time, which its own figures show
     busy = start(api, vm, "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; echo done; read x", stdin=True)
