@@ -216,8 +216,10 @@ def test_only_attached_or_keep_awake_processes_keep_the_vm_awake(host: Host) -> 
 
 def test_finished_processes_are_evicted_oldest_first(host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(processes, "MAX_FINISHED", 2)
-    pids = [start(host, "/bin/true")["pid"] for _ in range(4)]
-    for pid in pids:
+    pids = []
+    for _ in range(4):  # each finishes before the next starts: the finishing order is known
+        pid = start(host, "/bin/true")["pid"]
+        pids.append(pid)
         while (
             call(host, p.K_PGET, pid=pid)["k"] == p.K_OK
             and call(host, p.K_PGET, pid=pid)["result"]["process"]["running"]
