@@ -50,6 +50,7 @@ from .errors import error_responses, public_error
 from .exec_stream import FIRST_EVENT_GRACE_S, Pumped, StreamEnd, _stop, start_pump
 from .port_links import Link, Links, OpenLinks, origin_ok
 from .ports import TOKEN_PARAM, _get, _header_items, _query_without_token, _refuse, key_tenant, signing_key
+from .processes import Pid
 from .shapes import Shape as _Model
 
 MAX_INPUT_FRAME = 64 * 1024  # one stdin frame from a client (a paste; the SDK splits more)
@@ -99,7 +100,7 @@ attach_router = APIRouter(prefix="/v1/runtime/vms/{vm_id}/processes", tags=["pro
     dependencies=[Depends(require_json)],
     responses=error_responses(400, 401, 404, 409, 415, 429, 503),  # as the processes routes
 )
-async def attach_url(vm_id: str, pid: int, body: AttachUrlRequest, request: Request) -> AttachUrlOut:
+async def attach_url(vm_id: str, pid: Pid, body: AttachUrlRequest, request: Request) -> AttachUrlOut:
     state = request.app.state
     tenant, key_hash = await signing_key(request)
     # 404 for unknown VMs and processes

@@ -195,7 +195,9 @@ class Snapshots:
     # ------------------------------------------------------------------ the store
     async def status(self, agent_version_id: str, vm_id: str, snapshot_id: str) -> SnapshotStatus:
         ref = SnapshotRef(agent_version_id, vm_id, snapshot_id, "")
-        ok = await asyncio.to_thread(self.d.store.verify, ref)
+        # Complete where a resume finds it: here, or only in S3 (a node that lost its
+        # local tier, or a copy cleaned after upload).
+        ok = await asyncio.to_thread(self.d.store.restorable, ref)
         meta = await asyncio.to_thread(self.d.store.read_meta, ref) if ok else None
         return SnapshotStatus(complete=ok, meta=meta)
 

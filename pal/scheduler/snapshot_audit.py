@@ -111,6 +111,8 @@ class SnapshotChecks:
                 return []
             self._sweep_queue = [(node_id, av, vm_id) for av, vm_id in owners]
         page, self._sweep_queue = self._sweep_queue[:SWEEP_PAGE], self._sweep_queue[SWEEP_PAGE:]
+        if not page:
+            return []  # the node holds no snapshots
         node_id = page[0][0]
         rows = vms_by_ids(self.d.store, {vm_id for _, _, vm_id in page})
         orphans = [(av, v) for _, av, v in page if v not in rows or rows[v].state in FINAL]

@@ -104,6 +104,21 @@ class StoreReads(StoreCore):
         except InvalidRequest:
             return None
 
+    def restorable(self, ref: SnapshotRef) -> bool:
+        """A resume could load it: the local copy verifies, or there is none and S3 holds a
+        sealed copy this store signed (``locate`` downloads it then). A local copy that
+        fails its checks is not restorable even if S3 has one: it is what ``locate`` would
+        load. BackendError when S3 cannot be read: unknown, not missing."""
+        if self.verify(ref):
+            return True
+        try:
+            if self._local_meta(self._local.path(ref), ref) is not None or self.mirror is None:
+                return False
+        except MetaNotAuthentic:
+            return False
+        meta = self._remote_meta(ref)
+        return meta is not None and self._owned(meta, ref) and is_sealed(meta)
+
     def locate(self, ref: SnapshotRef) -> Path:
         """Path of a complete local copy; downloads it from S3 first if only S3 has it."""
         local = self._local.path(ref)

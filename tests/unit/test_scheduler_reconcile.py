@@ -276,6 +276,15 @@ async def test_paused_with_missing_snapshot_ends_failed(env: SchedEnv) -> None:
     assert _vm(env, lost).state == S.FAILED
 
 
+async def test_the_snapshot_sweep_of_a_node_that_holds_none_finds_nothing(env: SchedEnv) -> None:
+    """A fresh node lists no snapshots: the sweep's turn on it is empty, not an error that
+    fails the leader's background tick."""
+    await _running(env)
+    assert not env.manager.snapshots
+    assert await env.sched.snapshot_checks.sweep() == []
+    assert ("snapshot_owners", "") in env.manager.calls
+
+
 async def test_unknown_qemu_on_the_node_is_stopped(env: SchedEnv) -> None:
     vm_id = await _running(env)
     await env.sched.deleting.delete(env.tenant_id, vm_id)

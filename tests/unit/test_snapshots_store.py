@@ -608,3 +608,45 @@ def test_the_store_of_a_node_knows_since_when_it_signs(tmp_path: Path) -> None:
         assert s._signed_since_ns == os.stat(settings.snapshot_key_path).st_mtime_ns
     finally:
         s.close()
+
+
+class MetaOnlyBucket:
+    """An S3 mirror that holds one snapshot's meta.json (what ``restorable`` reads)."""
+
+    def __init__(self, meta: dict[str, Any] | None) -> None:
+        self.meta = meta
+
+    def read_meta(self, ref: SnapshotRef) -> dict[str, Any] | None:
+        return self.meta
+
+
+def test_a_snapshot_only_s3_holds_is_restorable_and_a_broken_local_copy_is_not(
+    store: SnapshotStore,
+) -> None:
+    """What the snapshot audit asks a node before it fails a paused VM: a copy cleaned
+    from the node's disk but sealed in S3 is one a resume downloads, so the VM stays
+    paused; a local copy that fails its checks is what a resume would load, so it is not."""
+    ref = SnapshotRef(AV, "vm-1", "s1", "t")
+    path = take(store, ref)
+    meta = store.read_meta(ref)
+    for artifact in path.iterdir():
+        artifact.unlink()
+    path.rmdir()
+    assert not store.restorable(ref)  # no S3: gone is gone
+    try:
+        store.mirror = MetaOnlyBucket(meta)  # type: ignore[assignment]
+        assert store.restorable(ref)
+        assert not store.restorable(SnapshotRef(AV, "vm-1", "s1", "another-tenant"))
+        store.mirror = MetaOnlyBucket({**meta, "sealed": False})  # type: ignore[assignment]
+        with pytest.raises(BackendError, match="not authentic"):
+            store.restorable(ref)  # an altered meta: not known restorable, not known gone
+        store.mirror = MetaOnlyBucket(None)  # type: ignore[assignment]
+        assert not store.restorable(ref)
+
+        store.mirror = None
+        local = take(store, SnapshotRef(AV, "vm-1", "s2", "t"))
+        store.mirror = MetaOnlyBucket(meta)  # type: ignore[assignment]
+        os.truncate(local / "rootfs", (64 << 20) - 4096)
+        assert not store.restorable(SnapshotRef(AV, "vm-1", "s2", "t"))
+    finally:
+        store.mirror = None
