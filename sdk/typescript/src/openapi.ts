@@ -5426,6 +5426,7 @@ export interface operations {
             header?: never;
             path: {
                 vm_id: string;
+                /** @description the process's id (`processId`) */
                 pid: number;
             };
             cookie?: never;
