@@ -247,8 +247,9 @@ class Proxy:
     server in the host's. ``cut()`` drops every connection (what a netns torn down at a
     pause does to them)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, source: str = "127.0.0.1") -> None:
         self.name = name
+        self.source = source  # the loopback address the server sees this VM as
         self.conns: list[asyncio.StreamWriter] = []
         self.servers: list[asyncio.AbstractServer] = []
         self.accepted = 0
@@ -261,7 +262,7 @@ class Proxy:
 
     async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, port: int) -> None:
         self.accepted += 1
-        ur, uw = await asyncio.open_connection("127.0.0.1", port)
+        ur, uw = await asyncio.open_connection("127.0.0.1", port, local_addr=(self.source, 0))
         self.conns += [w, uw]
 
         async def pipe(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
@@ -613,5 +614,134 @@ async def main() -> None:
         (WORK / f"result-v{VERS}.log").write_text("\n".join(LOG) + "\n")
 
 
+# ---------------------------------------------------------------- isolation (``acl`` mode)
+ACL_EXPORT = """
+EXPORT {{
+    Export_Id = {id};
+    Path = {path};
+    Pseudo = /{name};
+    Access_Type = None;
+    Squash = All_Squash;
+    Anonymous_Uid = 1000;
+    Anonymous_Gid = 1000;
+    Protocols = 3;
+    Transports = TCP;
+    SecType = sys;
+    FSAL {{ Name = VFS; }}
+    {clients}
+}}
+"""
+
+
+def acl_conf(exports: list[tuple[int, str, str]]) -> str:
+    """The server's config with these exports: (id, name, CLIENT blocks)."""
+    head = GANESHA_CONF.split("EXPORT {{")[0].format(nfs=NFS_PORT, mnt=MNT_PORT)
+    body = "".join(
+        ACL_EXPORT.format(id=i, path=WORK / "vols" / name, name=name, clients=clients)
+        for i, name, clients in exports
+    )
+    return head + body
+
+
+def rw(*addrs: str) -> str:
+    return f"CLIENT {{ Clients = {', '.join(addrs)}; Access_Type = RW; }}"
+
+
+def ro(*addrs: str) -> str:
+    return f"CLIENT {{ Clients = {', '.join(addrs)}; Access_Type = RO; }}"
+
+
+def v3_mount(export: str) -> str:
+    opts = f"vers=3,proto=tcp,port={GUEST_NFS},mountport={GUEST_MNT},mountproto=tcp,nolock"
+    return f"mount -t nfs -o {opts} 10.0.2.2:{WORK / 'vols' / export} /mnt/{export}"
+
+
+async def acl() -> None:
+    """Each VM is its own loopback address to the server; an export names the VMs that mount
+    it (RW or RO). Checks: a VM mounts only its volumes; RO is the server's; a squashed
+    write is uid 1000's on the host; an export added to the running server (SIGHUP)."""
+    vmlinux, initrd = build_boot()
+    for name in ("vol1", "vol2"):
+        d = WORK / "vols" / name
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        os.chown(d, 1000, 1000)  # the squashed uid owns the volume's files (and its root)
+    (WORK / "vols" / "vol2" / "seed.txt").write_text("seeded\n")
+    conf = WORK / "ganesha-acl.conf"
+    conf.write_text(acl_conf([(1, "vol1", rw("127.0.0.2", "127.0.0.3"))]))
+    rpcbind = start_rpcbind()
+    log = WORK / "ganesha-acl.log"
+    log.unlink(missing_ok=True)
+    ganesha = subprocess.Popen(  # noqa: ASYNC220
+        ["ganesha.nfsd", "-F", "-L", str(log), "-f", str(conf), "-p", str(WORK / "g.pid")]
+    )
+    proxies: dict[str, Proxy] = {}
+    guests: list[Guest] = []
+    try:
+        for _ in range(200):
+            with socket.socket() as sk:
+                if sk.connect_ex(("127.0.0.1", NFS_PORT)) == 0:
+                    break
+            await asyncio.sleep(0.1)
+        for n, src in (("volexp-a", "127.0.0.2"), ("volexp-b", "127.0.0.3")):
+            netns(n)
+            proxies[n] = Proxy(n, src)
+            await proxies[n].start()
+        a = Guest("a", "volexp-a", vmlinux, initrd)
+        b = Guest("b", "volexp-b", vmlinux, initrd)
+        guests += [a, b]
+        for g in (a, b):
+            say(f"{g.name}: booted in {await asyncio.to_thread(g.boot):.2f}s")
+            await asyncio.to_thread(g.sh, "mkdir -p /mnt/vol1 /mnt/vol2")
+        for g in (a, b):
+            await asyncio.to_thread(expect, g, v3_mount("vol1") + " && echo mounted", "mounted")
+        await asyncio.to_thread(expect, a, "echo as-root > /mnt/vol1/f && ls -ln /mnt/vol1/f", " 1000 ")
+        st = (WORK / "vols/vol1/f").stat()
+        say(f"host: vol1/f is uid {st.st_uid} gid {st.st_gid} (squashed to the workload user)")
+        # vol2 is not exported to anyone yet; then added for B alone, read-only.
+        st_b, out_b = await asyncio.to_thread(b.sh, v3_mount("vol2"), 60, True)
+        say(f"b: mount vol2 before it is exported to b -> {st_b} {out_b[-120:]!r}")
+        conf.write_text(acl_conf([(1, "vol1", rw("127.0.0.2", "127.0.0.3")), (2, "vol2", ro("127.0.0.3"))]))
+        ganesha.send_signal(signal.SIGHUP)
+        t0 = time.monotonic()
+        while True:
+            st_b, out_b = await asyncio.to_thread(b.sh, v3_mount("vol2"), 60, True)
+            if st_b == 0 or time.monotonic() - t0 > 20:
+                break
+            await asyncio.sleep(0.5)
+        say(f"b: mount vol2 after SIGHUP added it for b (RO) -> {st_b} after {time.monotonic() - t0:.1f}s")
+        await asyncio.to_thread(expect, b, "cat /mnt/vol2/seed.txt", "seeded")
+        st_w, out_w = await asyncio.to_thread(b.sh, "echo x > /mnt/vol2/new.txt", 60, True)
+        say(f"b: write into the RO export (mounted rw by the guest) -> {st_w} {out_w[-100:]!r}")
+        st_a, out_a = await asyncio.to_thread(a.sh, v3_mount("vol2"), 60, True)
+        say(f"a: mount vol2, exported to b only -> {st_a} {out_a[-120:]!r}")
+        # B stops mounting vol2 (its VM stops, say): the export drops it. The server checks
+        # every request against the export's clients, so the mount B still has (and any file
+        # handle it kept or forged) reads nothing more.
+        conf.write_text(acl_conf([(1, "vol1", rw("127.0.0.2", "127.0.0.3")), (2, "vol2", ro("127.0.0.4"))]))
+        ganesha.send_signal(signal.SIGHUP)
+        await asyncio.sleep(1)
+        st_r, out_r = await asyncio.to_thread(
+            b.sh, "echo 3 > /proc/sys/vm/drop_caches; cat /mnt/vol2/seed.txt", 60, True
+        )
+        say(f"b: read vol2 after the export dropped b -> {st_r} {out_r[-100:]!r}")
+        await asyncio.to_thread(expect, b, "cat /mnt/vol1/f", "as-root")
+        ok = st_b == 0 and st_w != 0 and st_a != 0 and st.st_uid == 1000 and st_r != 0
+        say("ACL CHECKS PASSED" if ok else "ACL CHECKS FAILED")
+    finally:
+        for g in guests:
+            g.kill()
+        for pr in proxies.values():
+            await pr.close()
+        ganesha.terminate()
+        ganesha.wait()
+        if rpcbind is not None:
+            rpcbind.terminate()
+            rpcbind.wait()
+        for n in proxies:
+            run("ip", "netns", "del", n, check=False)
+        (WORK / "result-acl.log").write_text("\n".join(LOG) + "\n")
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(acl() if VERS == "acl" else main())
