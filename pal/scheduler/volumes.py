@@ -11,6 +11,7 @@ holds its lock (``VmLocks.op_lock`` of the volume's id: the ids never meet VMs')
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ class Volumes:
                 req = VolumeCreate(volume_id=vol.volume_id, tenant_id=tenant_id, size_mib=size_mib)
                 await self._node(vol).call(verbs.CREATE_VOLUME, req)
             except Exception as exc:
+                # A node that made it and failed after (a lost answer) must not keep it.
+                with contextlib.suppress(Exception):
+                    await self._node(vol).call(verbs.DELETE_VOLUME, VolumeRef(volume_id=vol.volume_id))
                 rows.remove(self.d.store, vol.volume_id)
                 raise as_pal(exc) from exc
             return rows.set_state(self.d.store, vol.volume_id, "ready", expect="creating")

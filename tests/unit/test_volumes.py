@@ -185,6 +185,8 @@ async def test_a_failed_node_leaves_nothing_behind(env: ApiEnv, client: httpx.As
     assert (await client.get("/v1/volumes")).json() == {"volumes": []}
     t = env.sched.store.get_tenant(_tenant(env))
     assert t is not None and (t.volumes_used, t.volume_bytes_used) == (0, 0)
+    assert ("delete_volume", env.manager.calls[-1][1]) == env.manager.calls[-1], "what it made goes"
+    assert env.manager.volume_files.ids() == []
     # A resize the node refuses keeps the old size and count.
     await _create(client, "v", sizeMib=1024)
     env.manager.fail("resize_volume", BackendError("no"))
