@@ -726,7 +726,28 @@ async def acl() -> None:
         )
         say(f"b: read vol2 after the export dropped b -> {st_r} {out_r[-100:]!r}")
         await asyncio.to_thread(expect, b, "cat /mnt/vol1/f", "as-root")
-        ok = st_b == 0 and st_w != 0 and st_a != 0 and st.st_uid == 1000 and st_r != 0
+        # Exports change whenever a VM of the node starts or stops: reloads while another VM
+        # writes must not disturb it.
+        writing = asyncio.create_task(
+            asyncio.to_thread(
+                b.sh,
+                "dd if=/dev/urandom of=/mnt/vol1/big bs=1M count=32 conv=fsync 2>&1 | tail -1;"
+                " md5sum /mnt/vol1/big",
+                300,
+            )
+        )
+        reloads = 0
+        while not writing.done():
+            extra = [(2, "vol2", ro("127.0.0.4"))] if reloads % 2 else []
+            conf.write_text(acl_conf([(1, "vol1", rw("127.0.0.2", "127.0.0.3")), *extra]))
+            ganesha.send_signal(signal.SIGHUP)
+            reloads += 1
+            await asyncio.sleep(0.2)
+        st_d, out_d = await writing
+        host_md5 = run("md5sum", str(WORK / "vols/vol1/big")).split()[0]
+        same = host_md5 in out_d
+        say(f"b: 32 MiB written during {reloads} reloads -> {st_d}, md5 the same on the host: {same}")
+        ok = st_b == 0 and st_w != 0 and st_a != 0 and st.st_uid == 1000 and st_r != 0 and st_d == 0 and same
         say("ACL CHECKS PASSED" if ok else "ACL CHECKS FAILED")
     finally:
         for g in guests:
