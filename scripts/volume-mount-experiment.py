@@ -289,6 +289,26 @@ class Proxy:
 
 
 # ---------------------------------------------------------------- a guest
+def bundle_image() -> Path:
+    """Pal's guest bundle (its Python, libc and harness: what the guest has at /.pal) as a
+    read-only ext4 disk, so the guest can run the harness's own reset_tcp_connections."""
+    img = WORK / "bundle.ext4"
+    if not img.exists():
+        src = sorted((DATA / "images/.cache").glob("bundle-*"))[0]
+        with img.open("wb") as f:
+            f.truncate(128 << 20)
+        run("mkfs.ext4", "-q", "-d", str(src), str(img))
+    return img
+
+
+# What the harness runs after every restore (pal/guest/netsetup.py), here by hand.
+RESET = (
+    "/.pal/lib/ld-linux-x86-64.so.2 --library-path /.pal/lib --inhibit-cache /.pal/bin/python3 -I -S -c "
+    '\'import sys; sys.path.insert(0, "/.pal/harness"); from pal.guest import netsetup; '
+    'print("reset", netsetup.reset_tcp_connections())\''
+)
+
+
 def tsc_khz() -> int:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("cpu MHz"):
@@ -333,6 +353,8 @@ class Guest:
             "-device", "virtio-net-device,netdev=n0,mac=02:50:41:4c:00:0f",
             "-drive", f"id=d0,if=none,file={disk},format=raw,cache=unsafe,aio=threads",
             "-device", "virtio-blk-device,drive=d0",
+            "-drive", f"id=d1,if=none,file={bundle_image()},format=raw,readonly=on",
+            "-device", "virtio-blk-device,drive=d1",
             "-qmp", f"unix:{self.dir}/qmp.sock,server=on,wait=off",
         ]  # fmt: skip
         return a + (["-incoming", "defer"] if incoming else [])
@@ -360,6 +382,7 @@ class Guest:
             f.truncate(256 << 20)
         self._start(mem, incoming=False)
         self.sh("stty -echo", timeout=120, tolerant=True)
+        self.sh("mkdir -p /.pal && mount -t ext4 -o ro /dev/vdb /.pal")
         return time.monotonic() - t0
 
     def _qmp_read(self) -> dict[str, object]:
@@ -385,28 +408,40 @@ class Guest:
 
     def sh(self, cmd: str, timeout: float = 60, tolerant: bool = False) -> tuple[int, str]:
         """Run a shell command in the guest; (status, output)."""
+        n = self.send(cmd)
+        status, out = self.wait(n, timeout)
+        if status != 0 and not tolerant:
+            say(f"{self.name}: `{cmd}` exited {status}: {out[-300:]}")
+        return status, out
+
+    def send(self, cmd: str) -> int:
+        """Send a command without waiting for it; its number, for :meth:`wait`."""
         assert self.con is not None
         self.n += 1
-        marker = f"__END{self.n}__"
         self.con.sendall(f'{cmd}; echo __END{self.n}"__" $?\n'.encode())
+        return self.n
+
+    def wait(self, n: int, timeout: float) -> tuple[int, str]:
+        """The status and output of command ``n``, read from the console connected now."""
+        assert self.con is not None
+        marker = f"__END{n}__"
         self.con.settimeout(timeout)
         buf = b""
         deadline = time.monotonic() + timeout
         while marker.encode() not in buf:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: {cmd!r} gave no answer in {timeout}s: {buf[-400:]!r}")
+                raise TimeoutError(f"{self.name}: command {n} gave no answer in {timeout}s: {buf[-400:]!r}")
             try:
                 chunk = self.con.recv(65536)
             except TimeoutError:
                 continue
+            if not chunk:
+                raise ConnectionError(f"{self.name}: the console closed (its QEMU stopped)")
             buf += chunk
         text = buf.decode(errors="replace")
         head, _, tail = text.partition(marker)
         status = int(tail.split()[0]) if tail.split() else -1
-        out = head.replace("\r", "").strip()
-        if status != 0 and not tolerant:
-            say(f"{self.name}: `{cmd}` exited {status}: {out[-300:]}")
-        return status, out
+        return status, head.replace("\r", "").strip()
 
     def snapshot(self, dest: Path) -> float:
         """pal/vmm's capture: stop, device state with x-ignore-shared, the RAM file kept."""
@@ -542,6 +577,13 @@ async def main() -> None:
         # Resume A (same namespace, new QEMU).
         say(f"a: restored in {await asyncio.to_thread(a.restore, snap):.2f}s")
         await asyncio.to_thread(first_answer, a)
+        # What the harness does after a restore: abort every TCP connection. Is the NFS
+        # client's kernel socket among them (/proc/net/tcp: 0202000A:0801 is 10.0.2.2:2049)?
+        nfs = "cut -c1-40 /proc/net/tcp | tail -n +2 | tr '\\n' '|'; echo"
+        _, before = await asyncio.to_thread(a.sh, nfs, 60, True)
+        _, out = await asyncio.to_thread(a.sh, RESET, 120, True)
+        _, after = await asyncio.to_thread(a.sh, nfs, 60, True)
+        say(f"a: NFS socket states (hex) before the reset {before!r}; {out[-20:]!r}; after {after!r}")
         t0 = time.monotonic()
         await asyncio.to_thread(expect, a, "cat /mnt/paused.txt", "while-a-paused")
         say(f"a: first NFS answer after the restore: {time.monotonic() - t0:.2f}s")
@@ -574,6 +616,26 @@ async def main() -> None:
         say(f"a: restored again in {await asyncio.to_thread(a.restore, snap2):.2f}s")
         await asyncio.to_thread(expect, a, "cat /mnt/c.txt", "from-c")
         rss = run("ps", "-o", "rss=", "-p", str(ganesha.pid)).strip()
+
+        # A request in flight when the pause comes: the server stopped (SIGSTOP) so that A's
+        # read waits on it, A snapshotted and killed, the server continued, A restored. Its
+        # read was sent on a connection that is gone: how long until it is answered?
+        ganesha.send_signal(signal.SIGSTOP)
+        pending = a.send("echo 3 > /proc/sys/vm/drop_caches; cat /mnt/c.txt")
+        await asyncio.sleep(1)
+        snap3 = WORK / "snap-a3"
+        shutil.rmtree(snap3, ignore_errors=True)
+        say(f"a: snapshot with an NFS read in flight in {await asyncio.to_thread(a.snapshot, snap3):.2f}s")
+        a.kill()
+        proxies["volexp-a"].cut()
+        ganesha.send_signal(signal.SIGCONT)
+        say(f"a: restored in {await asyncio.to_thread(a.restore, snap3):.2f}s")
+        t0 = time.monotonic()
+        st_p, out_p = await asyncio.to_thread(a.wait, pending, 180)
+        say(
+            f"a: the read in flight at the pause answered {time.monotonic() - t0:.2f}s after the restore:"
+            f" {st_p} {out_p[-40:]!r}"
+        )
 
         # The server killed (SIGKILL) after an fsync'd write, and started again: the node
         # restarts. NFSv3 keeps no client state, and the file handles are the file system's.
