@@ -682,6 +682,7 @@ EXPORT {{
     Export_Id = {id};
     Path = {path};
     Pseudo = /{name};
+    Tag = {name};
     Access_Type = None;
     Squash = All_Squash;
     Anonymous_Uid = 1000;
@@ -715,7 +716,7 @@ def ro(*addrs: str) -> str:
 
 def v3_mount(export: str) -> str:
     opts = f"vers=3,proto=tcp,port={GUEST_NFS},mountport={GUEST_MNT},mountproto=tcp,nolock"
-    return f"mount -t nfs -o {opts} 10.0.2.2:{WORK / 'vols' / export} /mnt/{export}"
+    return f"mount -t nfs -o {opts} 10.0.2.2:{export} /mnt/{export}"  # by its Tag: no host path
 
 
 async def acl() -> None:
