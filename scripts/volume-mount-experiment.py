@@ -11,10 +11,13 @@ kills it, lets the other guest write, restores it (resume), restores the same sn
 second time in a fresh namespace (a fork, and what a move to another node looks like to the
 guest), and checks that every guest sees every other's writes. Findings: docs/volumes.md.
 
-Needs root, nfs-ganesha + nfs-ganesha-vfs, busybox-static, the Pal kernel package in
-``$DATA/images/.cache`` and a boot set in ``$DATA/images/.boot`` (any Pal data dir that built
-an image). Usage: ``python3 scripts/volume-mount-experiment.py /var/lib/pal-fairshare [vers]``
-(vers: 3, the default, or 4.1).
+Needs root, nfs-ganesha + nfs-ganesha-vfs + rpcbind (started here when none listens),
+busybox-static, the Pal kernel package and guest bundle in ``$DATA/images/.cache`` and a
+boot set in ``$DATA/images/.boot`` (any Pal data dir that built an image). Usage:
+``python3 scripts/volume-mount-experiment.py /var/lib/pal [MODE]``; MODE ``3`` (the
+default) or ``4.1``: the NFS version of the run above; ``acl``: the isolation checks
+instead (exports by tag, per-VM client addresses, read-only and squash enforced by the
+server, exports reloaded with SIGHUP). Each run writes ``$DATA/volexp/result-<MODE>.log``.
 """
 
 from __future__ import annotations
@@ -673,7 +676,7 @@ async def main() -> None:
             rpcbind.wait()
         for n in proxies:
             run("ip", "netns", "del", n, check=False)
-        (WORK / f"result-v{VERS}.log").write_text("\n".join(LOG) + "\n")
+        (WORK / f"result-{VERS}.log").write_text("\n".join(LOG) + "\n")
 
 
 # ---------------------------------------------------------------- isolation (``acl`` mode)
