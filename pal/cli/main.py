@@ -416,14 +416,15 @@ def tenants_rm(
     data_dir: DataDir = None,
     database: Database = None,
 ) -> None:
-    """Remove a tenant: its keys are refused at once, then its VMs and snapshots go.
+    """Remove a tenant: its keys are refused at once, then its VMs, snapshots and volumes go.
 
     The server (its leader) deletes the tenant's VMs and their snapshots, locally and in S3,
-    and finally the tenant."""
+    its volumes with their files, and finally the tenant."""
     t = _with_store(
         data_dir, database, lambda store: store.mark_tenant_deleting(_find_tenant(store, tenant).id)
     )
-    print_json({**_tenant_json(t), "note": "keys refused now; the server deletes its VMs and snapshots"})
+    note = "keys refused now; the server deletes its VMs, snapshots and volumes"
+    print_json({**_tenant_json(t), "note": note})
 
 
 TENANT_COLUMNS = [
