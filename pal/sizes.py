@@ -12,6 +12,9 @@ DEFAULT_DISK_MIB = 2048
 VCPUS_RANGE = (1, 16)
 MEMORY_MIB_RANGE = (128, 16384)
 DISK_MIB_RANGE = (512, 65536)
+# A volume's size (docs/volumes.md): 1 MiB to 1 TiB, 1 GiB unless the request names one.
+DEFAULT_VOLUME_MIB = 1024
+VOLUME_MIB_RANGE = (1, 1 << 20)
 # Sizes that get a warm template when first scheduled (PAL_TEMPLATE_SIZES): the default and
 # a few common ones. Any other size boots cold, so tenants cannot make a node build (and
 # keep) a template per size they invent.

@@ -9,7 +9,10 @@ import asyncio
 import contextlib
 import json
 import shlex
+import shutil
+import tempfile
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +24,7 @@ from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.channel import HarnessChannel
 from pal.manager.vm import LiveVm
+from pal.manager.volumes import VolumeFiles
 from pal.scheduler.scheduler import Scheduler
 from pal.spec import ExecRequest
 from pal.store import Store
@@ -258,6 +262,16 @@ class FakeManager(InProcessNode):
         self.notice_log: list[Notice] = []
         self.notice_epoch = "fake-notices-1"
         self._posted = asyncio.Event()
+        self._volume_files: VolumeFiles | None = None
+
+    @property
+    def volume_files(self) -> VolumeFiles:
+        """The node's real volume code, over a temporary dir made on first use."""
+        if self._volume_files is None:
+            root = Path(tempfile.mkdtemp(prefix="pal-fake-volumes-"))
+            weakref.finalize(self, shutil.rmtree, root, True)
+            self._volume_files = VolumeFiles(root / "volumes")
+        return self._volume_files
 
     # -- scripting ------------------------------------------------------------------------
 
@@ -714,6 +728,16 @@ class FakeManager(InProcessNode):
     # -- the verbs it serves: each bound to the method of its name above, looked up when
     #    called (a test may replace one) -------------------------------------------------
 
+    def _volume_call(self, name: str, fn: Any) -> Any:
+        """A volume verb, recorded and failing as scripted (``fail(name, exc)``)."""
+
+        async def call(r: Any) -> Any:
+            self.calls.append((name, r.volume_id))
+            self._maybe_fail(name, r.volume_id)
+            return await fn(r)
+
+        return call
+
     def handlers(self) -> Handlers:
         h = Handlers()
 
@@ -792,6 +816,9 @@ class FakeManager(InProcessNode):
         h.on(v.SET_BROKERED, set_brokered)
         h.on(v.EGRESS_COUNTERS, egress_counters)
         h.on(v.EGRESS_EVENTS, lambda r: self.egress_events(r.after, r.epoch))
+        h.on(v.CREATE_VOLUME, self._volume_call("create_volume", lambda r: self.volume_files.create(r)))
+        h.on(v.RESIZE_VOLUME, self._volume_call("resize_volume", lambda r: self.volume_files.resize(r)))
+        h.on(v.DELETE_VOLUME, self._volume_call("delete_volume", lambda r: self.volume_files.delete(r)))
         h.on(v.SNAPSHOT_OWNERS, lambda _: self.snapshot_owners())
         h.on(v.LIST_SNAPSHOTS, snapshots)
         h.on(v.DELETE_VM_SNAPSHOTS, delete_vm_snapshots)

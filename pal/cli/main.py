@@ -22,6 +22,7 @@ from .settings import say, server_settings
 from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 from .vm_processes import vm_app as _processes  # noqa: F401  (registers shell, ps, attach, kill)
+from .volumes import volumes_app
 
 cli_help.install()
 app = typer.Typer(
@@ -45,6 +46,7 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
+app.add_typer(volumes_app, name="volumes")
 app.add_typer(node_app, name="node")
 app.add_typer(snapshots_app, name="snapshots")
 app.add_typer(e2b_app, name="e2b")
@@ -225,14 +227,21 @@ def _store_settings(data_dir: Path | None, database: str | None) -> Any:
     return settings
 
 
+def _gib(n: int | None) -> float | None:
+    return n / (1 << 30) if n is not None else None
+
+
 def _tenant_json(t: Any) -> dict[str, Any]:
-    gib = t.max_snapshot_bytes / (1 << 30) if t.max_snapshot_bytes is not None else None
     return {
         "id": t.id,
         "name": t.name,
         "maxVms": t.max_vms,
         "maxPaused": t.max_paused,
-        "maxSnapshotGib": gib,
+        "maxSnapshotGib": _gib(t.max_snapshot_bytes),
+        "maxVolumes": t.max_volumes,
+        "maxVolumeGib": _gib(t.max_volume_bytes),
+        "volumes": t.volumes_used,
+        "volumeGib": _gib(t.volume_bytes_used),
         "keyExpiresAt": t.api_key_expires_at.isoformat() if t.api_key_expires_at else None,
         "deleting": t.deleting_at is not None,
         "createdAt": t.created_at.isoformat(),
@@ -255,6 +264,10 @@ def _limit(value: str | None, what: str, scale: float = 1) -> int | None:
 MaxPaused = Annotated[str | None, typer.Option("--max-paused", help="paused VMs at once (none: no limit)")]
 MaxSnapshotGib = Annotated[
     str | None, typer.Option("--max-snapshot-gib", help="GiB of snapshots kept (none: no limit)")
+]
+MaxVolumes = Annotated[str | None, typer.Option("--max-volumes", help="volumes at once (none: no limit)")]
+MaxVolumeGib = Annotated[
+    str | None, typer.Option("--max-volume-gib", help="GiB of volumes, by their sizes (none: no limit)")
 ]
 KeyTtlDays = Annotated[
     float | None, typer.Option("--key-ttl-days", help="the API key expires after this many days")
@@ -299,6 +312,8 @@ def tenants_create(
     max_vms: Annotated[int, typer.Option("--max-vms", help="concurrent VM quota")] = 10,
     max_paused: MaxPaused = None,
     max_snapshot_gib: MaxSnapshotGib = None,
+    max_volumes: MaxVolumes = None,
+    max_volume_gib: MaxVolumeGib = None,
     key_ttl_days: KeyTtlDays = None,
     data_dir: DataDir = None,
     database: Database = None,
@@ -321,6 +336,8 @@ def tenants_create(
     limits = {
         "max_paused": _limit(max_paused, "--max-paused"),
         "max_snapshot_bytes": _limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30),
+        "max_volumes": _limit(max_volumes, "--max-volumes"),
+        "max_volume_bytes": _limit(max_volume_gib, "--max-volume-gib", 1 << 30),
     }
 
     def create(store: Any) -> tuple[Any, str]:
@@ -344,6 +361,8 @@ def tenants_set(
     max_vms: Annotated[int | None, typer.Option("--max-vms", help="concurrent VM quota")] = None,
     max_paused: MaxPaused = None,
     max_snapshot_gib: MaxSnapshotGib = None,
+    max_volumes: MaxVolumes = None,
+    max_volume_gib: MaxVolumeGib = None,
     data_dir: DataDir = None,
     database: Database = None,
 ) -> None:
@@ -357,6 +376,10 @@ def tenants_set(
         changes["max_paused"] = _limit(max_paused, "--max-paused")
     if max_snapshot_gib is not None:
         changes["max_snapshot_bytes"] = _limit(max_snapshot_gib, "--max-snapshot-gib", 1 << 30)
+    if max_volumes is not None:
+        changes["max_volumes"] = _limit(max_volumes, "--max-volumes")
+    if max_volume_gib is not None:
+        changes["max_volume_bytes"] = _limit(max_volume_gib, "--max-volume-gib", 1 << 30)
     updated = _with_store(
         data_dir, database, lambda store: store.set_tenant_limits(_find_tenant(store, tenant).id, **changes)
     )
@@ -393,17 +416,28 @@ def tenants_rm(
     data_dir: DataDir = None,
     database: Database = None,
 ) -> None:
-    """Remove a tenant: its keys are refused at once, then its VMs and snapshots go.
+    """Remove a tenant: its keys are refused at once, then its VMs, snapshots and volumes go.
 
     The server (its leader) deletes the tenant's VMs and their snapshots, locally and in S3,
-    and finally the tenant."""
+    its volumes with their files, and finally the tenant."""
     t = _with_store(
         data_dir, database, lambda store: store.mark_tenant_deleting(_find_tenant(store, tenant).id)
     )
-    print_json({**_tenant_json(t), "note": "keys refused now; the server deletes its VMs and snapshots"})
+    note = "keys refused now; the server deletes its VMs, snapshots and volumes"
+    print_json({**_tenant_json(t), "note": note})
 
 
-TENANT_COLUMNS = ["id", "name", "maxVms", "maxPaused", "maxSnapshotGib", "keyExpiresAt", "createdAt"]
+TENANT_COLUMNS = [
+    "id",
+    "name",
+    "maxVms",
+    "maxPaused",
+    "maxSnapshotGib",
+    "maxVolumes",
+    "maxVolumeGib",
+    "keyExpiresAt",
+    "createdAt",
+]
 
 
 @tenants_app.command("ls")

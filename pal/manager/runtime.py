@@ -25,6 +25,7 @@ are the scheduler's. What each verb promises is declared in pal/wire/verbs.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -55,6 +56,7 @@ from pal.manager.stop import Stopper, VmFiles
 from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
+from pal.manager.volumes import VolumeFiles
 from pal.manager.waits import WaitWatcher
 from pal.snapshots.store import SnapshotStore
 from pal.vmm.accel import AccelInfo
@@ -102,6 +104,7 @@ class NodeRuntime:
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
         self.guest = GuestCalls(reg)
+        self.volumes = VolumeFiles(settings.data_dir / "volumes")  # docs/volumes.md
         self.processes = GuestProcesses(reg)
         self.code = GuestCode(reg)  # code contexts
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
@@ -149,6 +152,7 @@ class NodeRuntime:
         previous manager left (returns those adopted and those killed), then settle the
         gateway on what runs."""
         await self.egress.start(self.waits)
+        await asyncio.to_thread(self.volumes.sweep)  # deletes a crash interrupted
         adopted, killed = await self.adopter.adopt_all()
         await self.egress.settle(self.parking.vms, self.live, self.waits)
         return adopted, killed
@@ -251,6 +255,9 @@ class NodeRuntime:
         h.on(v.SET_BROKERED, set_brokered)
         h.on(v.EGRESS_COUNTERS, egress_counters)
         h.on(v.EGRESS_EVENTS, lambda r: self.egress.events(r.after, r.epoch))
+        h.on(v.CREATE_VOLUME, self.volumes.create)
+        h.on(v.RESIZE_VOLUME, self.volumes.resize)
+        h.on(v.DELETE_VOLUME, self.volumes.delete)
 
     def _bind_snapshots(self, h: Handlers) -> None:
         snaps = self.snapshots

@@ -19,6 +19,7 @@ from pal.scheduler.deps import Deps, as_pal
 from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.states import Action, VmState
 from pal.scheduler.transition import Audit
+from pal.scheduler.volumes import Volumes
 from pal.store import VmRecord
 from pal.wire import verbs
 from pal.wire.models import StopVm
@@ -31,6 +32,7 @@ S, A = VmState, Action
 class Deleting:
     d: Deps
     books: SnapshotBooks
+    volumes: Volumes
 
     async def delete(self, tenant_id: str, vm_id: str) -> VmRecord:
         """Prerequisites: the tenant's VM (404); DELETE allowed (every state but
@@ -73,7 +75,7 @@ class Deleting:
 
     async def purge_deleted_tenants(self) -> list[str]:
         """`pal tenants rm` marked a tenant (its keys refused since): delete its VMs and
-        their snapshots, then the tenant and its rows. Leader only; resumed after a crash.
+        their snapshots, its volumes, then the tenant and its rows. Leader only; resumed after a crash.
         Returns the tenants removed."""
         store = self.d.store
         done = []
@@ -88,6 +90,7 @@ class Deleting:
                     log.warning(
                         "deleting VM %s of removed tenant %s: %s (retried)", vm.vm_id, tenant.name, exc
                     )
+            await self.volumes.purge(tenant.id)
             if store.delete_tenant(tenant.id):
                 log.info("tenant %s (%s) deleted with its VMs and snapshots", tenant.name, tenant.id)
                 done.append(tenant.id)

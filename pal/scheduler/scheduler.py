@@ -66,6 +66,7 @@ from pal.scheduler.streams import StreamBudget
 from pal.scheduler.telemetry import Telemetry
 from pal.scheduler.transition import Transitioner
 from pal.scheduler.views import ForkChild, ForkResult
+from pal.scheduler.volumes import Volumes
 from pal.scheduler.wake import Waker
 from pal.store import Store
 from pal.wire.handlers import NodeCalls
@@ -111,7 +112,8 @@ class Scheduler:
         self.scheduling = Scheduling(d, spawner, self.brokering)
         self.pauses = PauseResume(d, spawner, books, self.live, self.chores.spawn)
         self.forking = Forking(d, spawner, books)
-        self.deleting = Deleting(d, books)
+        self.volumes = Volumes(d)
+        self.deleting = Deleting(d, books, self.volumes)
         streams = StreamBudget(settings.tenant_max_streams, settings.vm_max_streams)
         # A guest request's VM, resolved once (wake.py); a WebSocket session's input frames
         # use it directly: each is then one node call.

@@ -13,6 +13,7 @@ from ._wire import ExecOptions
 from .code import AsyncCode, CodeOptions, CodeResult
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import AsyncProcesses
+from .volumes import AsyncVolumes
 
 
 class AsyncClient:
@@ -32,6 +33,7 @@ class AsyncClient:
         self._http = http_client or httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
         self._http.headers.update(_wire.headers(self.api_key))
         self.runtime = AsyncRuntime(self)
+        self.volumes = AsyncVolumes(self)  # create/list/get/delete/resize (docs/volumes.md)
 
     async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:

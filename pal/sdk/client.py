@@ -13,6 +13,7 @@ from ._wire import ExecOptions
 from .code import Code, CodeOptions, CodeResult
 from .models import ExecEvent, ExecResult, FileBytes, FileText
 from .processes import Processes
+from .volumes import Volumes
 
 
 class Client:
@@ -32,6 +33,7 @@ class Client:
         self._http = http_client or httpx.Client(base_url=self.base_url, timeout=timeout)
         self._http.headers.update(_wire.headers(self.api_key))
         self.runtime = Runtime(self)
+        self.volumes = Volumes(self)  # create/list/get/delete/resize (docs/volumes.md)
 
     def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:

@@ -1,6 +1,6 @@
 """Durable state: tenants, VMs and their events, behind one repository interface."""
 
-from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord
+from pal.store.records import EventRecord, LeaseInfo, NodeRecord, Tenant, VmRecord, VolumeRecord
 from pal.store.store import Store, database_url, hash_api_key, redacted
 from pal.store.write_tx import LIFECYCLE_COLUMNS, WriteTx, utcnow
 
@@ -12,6 +12,7 @@ __all__ = [
     "Store",
     "Tenant",
     "VmRecord",
+    "VolumeRecord",
     "WriteTx",
     "database_url",
     "hash_api_key",

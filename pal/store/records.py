@@ -22,6 +22,10 @@ class Tenant:
     slots_used: int = 0
     paused_vms: int = 0
     snapshot_bytes_used: int = 0
+    max_volumes: int | None = None  # volumes at once; None: no limit
+    max_volume_bytes: int | None = None  # bytes of volumes (their sizes); None: no limit
+    volumes_used: int = 0
+    volume_bytes_used: int = 0
 
 
 @dataclass
@@ -118,3 +122,18 @@ class LeaseInfo:
     url: str
     token: int
     expires_in_ms: int  # by the database's clock; <= 0: expired
+
+
+@dataclass
+class VolumeRecord:
+    """A volume (pal/store/volumes.py): ``size_mib`` counts against its tenant's bytes."""
+
+    volume_id: str
+    tenant_id: str
+    name: str
+    size_mib: int
+    state: str  # creating | ready | deleting
+    created_at: datetime
+    updated_at: datetime
+    node_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)

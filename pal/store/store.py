@@ -58,6 +58,7 @@ from pal.store.tables import (
     tenants,
     vm_tags,
     vms,
+    volumes,
 )
 from pal.store.write_tx import (
     WriteTx,
@@ -81,7 +82,12 @@ def new_api_key() -> str:
     return "pal_" + secrets.token_urlsafe(32)
 
 
-def _check_limits(max_vms: int, max_paused: int | None, max_snapshot_bytes: int | None) -> None:
+def _check_limits(
+    max_vms: int, max_paused: int | None, max_snapshot_bytes: int | None, **others: int | None
+) -> None:
+    for name, value in others.items():
+        if value is not None and value < 0:
+            raise InvalidRequest(f"{name} must be 0 or more (or no limit)")
     if max_vms < 0:
         raise InvalidRequest("max_vms must be 0 or more")
     if max_paused is not None and max_paused < 0:
@@ -201,13 +207,21 @@ class Store:
         *,
         max_paused: int | None = None,
         max_snapshot_bytes: int | None = None,
+        max_volumes: int | None = None,
+        max_volume_bytes: int | None = None,
         key_ttl: timedelta | None = None,
     ) -> tuple[Tenant, str]:
         """Create a tenant; returns it and its API key (shown once: only a sha256 is kept).
         ``key_ttl``: the key expires that long from now (None: never)."""
         if not name.strip():
             raise InvalidRequest("tenant name must not be empty")
-        _check_limits(max_vms, max_paused, max_snapshot_bytes)
+        _check_limits(
+            max_vms,
+            max_paused,
+            max_snapshot_bytes,
+            max_volumes=max_volumes,
+            max_volume_bytes=max_volume_bytes,
+        )
         key = new_api_key()
         now = utcnow()
         values = {
@@ -218,6 +232,8 @@ class Store:
             "created_at": now,
             "max_paused": max_paused,
             "max_snapshot_bytes": max_snapshot_bytes,
+            "max_volumes": max_volumes,
+            "max_volume_bytes": max_volume_bytes,
             "api_key_expires_at": now + key_ttl if key_ttl is not None else None,
         }
         try:
@@ -292,6 +308,8 @@ class Store:
         max_vms: int = _KEEP,
         max_paused: int | None = _KEEP,
         max_snapshot_bytes: int | None = _KEEP,
+        max_volumes: int | None = _KEEP,
+        max_volume_bytes: int | None = _KEEP,
     ) -> Tenant:
         """Change some limits (None: no limit; an argument not given keeps its value).
         A lower limit applies to what comes next: nothing running is stopped."""
@@ -301,11 +319,17 @@ class Store:
                 ("max_vms", max_vms),
                 ("max_paused", max_paused),
                 ("max_snapshot_bytes", max_snapshot_bytes),
+                ("max_volumes", max_volumes),
+                ("max_volume_bytes", max_volume_bytes),
             )
             if v is not _KEEP
         }
         _check_limits(
-            int(changes.get("max_vms") or 0), changes.get("max_paused"), changes.get("max_snapshot_bytes")
+            int(changes.get("max_vms") or 0),
+            changes.get("max_paused"),
+            changes.get("max_snapshot_bytes"),
+            max_volumes=changes.get("max_volumes"),
+            max_volume_bytes=changes.get("max_volume_bytes"),
         )
         with self.write() as tx:
             if changes:
@@ -353,7 +377,8 @@ class Store:
 
     def delete_tenant(self, tenant_id: str) -> bool:
         """Remove a tenant marked for deletion and its VM rows and events; refuses (False)
-        while any of its VMs is not terminated."""
+        while any of its VMs is not terminated or any of its volumes is left (the leader
+        deletes those first, files and all)."""
         with self.write() as tx:
             row = tx._conn.execute(select(tenants).where(tenants.c.id == tenant_id).with_for_update()).first()
             if row is None:
@@ -364,6 +389,8 @@ class Store:
                 select(func.count()).where(vms.c.tenant_id == tenant_id, vms.c.state != "terminated")
             ).scalar_one()
             if live:
+                return False
+            if tx._conn.execute(select(volumes.c.volume_id).where(volumes.c.tenant_id == tenant_id)).first():
                 return False
             tx._conn.execute(events.delete().where(events.c.tenant_id == tenant_id))
             tx._conn.execute(vm_tags.delete().where(vm_tags.c.tenant_id == tenant_id))

@@ -23,6 +23,7 @@ from sqlalchemy import (
     Table,
     Text,
     TypeDecorator,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.engine import Dialect
@@ -90,6 +91,12 @@ tenants = Table(
     Column("slots_used", Integer, nullable=False, default=0),
     Column("paused_vms", Integer, nullable=False, default=0),
     Column("snapshot_bytes_used", BigInteger, nullable=False, default=0),
+    # Volumes (pal/store/volumes.py): limits (None: none) and running counts, kept with the
+    # volume rows as the counts above are with the VM rows.
+    Column("max_volumes", Integer),
+    Column("max_volume_bytes", BigInteger),
+    Column("volumes_used", Integer, nullable=False, default=0),
+    Column("volume_bytes_used", BigInteger, nullable=False, default=0),
     Index("ix_tenants_prev_key", "prev_api_key_sha256"),
 )
 
@@ -238,4 +245,47 @@ port_link_revocations = Table(
     Column("link_id", String(64), primary_key=True),
     Column("revoked_at", UtcDateTime, nullable=False),
     Column("expires_at", UtcDateTime, nullable=False),
+)
+
+# Volumes: storage that outlives VMs (docs/volumes.md; pal/store/volumes.py). A name is
+# unique within its tenant; ``size_mib`` is what counts against the tenant's byte limit.
+volumes = Table(
+    "volumes",
+    metadata,
+    Column("volume_id", String(64), primary_key=True),
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    Column("name", String(64), nullable=False),
+    Column("size_mib", Integer, nullable=False),
+    Column("state", String(16), nullable=False),  # creating | ready | deleting
+    Column("node_id", String(128)),  # the node that holds its files
+    Column("metadata", JSON, nullable=False, default=dict),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("updated_at", UtcDateTime, nullable=False),
+    UniqueConstraint("tenant_id", "name", name="uq_volumes_tenant_name"),
+    Index("ix_volumes_tenant", "tenant_id", "created_at", "volume_id"),  # the paged list
+)
+
+# A volume's metadata, one row per pair, for the list's filter (as vm_tags for VMs).
+volume_tags = Table(
+    "volume_tags",
+    metadata,
+    Column("tenant_id", String(64), nullable=False),
+    Column("tag", String(330), nullable=False),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("volume_id", String(64), nullable=False),
+    PrimaryKeyConstraint("tenant_id", "tag", "created_at", "volume_id", name="pk_volume_tags"),
+    Index("ix_volume_tags_volume", "volume_id"),
+)
+
+# Which VMs mount which volume: a volume with a row here is mounted (a delete is refused
+# unless forced). Written with the VM's row by the mount's phase (docs/volumes.md, "Design").
+volume_mounts = Table(
+    "volume_mounts",
+    metadata,
+    Column("volume_id", String(64), ForeignKey("volumes.volume_id"), primary_key=True),
+    Column("vm_id", String(64), primary_key=True),
+    Column("tenant_id", String(64), nullable=False),
+    Column("path", String(512), nullable=False),
+    Column("read_only", Boolean, nullable=False, default=False),
+    Index("ix_volume_mounts_vm", "vm_id"),
 )

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from pal.wire import code as c
 from pal.wire import models as m
 from pal.wire import processes as pr
+from pal.wire import volumes as vol
 from pal.wire.guest_errors import Op
 
 Req = TypeVar("Req", bound=BaseModel)
@@ -336,6 +337,37 @@ DELETE_SNAPSHOT = Call(
     m.SnapshotAt,
     m.SnapshotDeleted,
     "Delete a snapshot on both tiers.",
+)
+
+# ---------------------------------------------------------------------- volumes
+# A volume's files on the node that holds them (docs/volumes.md; pal/manager/volumes.py).
+CREATE_VOLUME = Call(
+    "create_volume",
+    "POST",
+    "/volumes",
+    vol.VolumeCreate,
+    vol.VolumeInfo,
+    "Make a volume's storage. Idempotent: a volume of that id and tenant already there is "
+    "answered as it is (409 if another tenant's). Success: its directory exists, empty when "
+    "new, and its size is recorded. Failure: nothing of it is left.",
+)
+RESIZE_VOLUME = Call(
+    "resize_volume",
+    "POST",
+    "/volumes/{volumeId}/resize",
+    vol.VolumeResize,
+    vol.VolumeInfo,
+    "Grow a volume to ``sizeMib`` (400 for a smaller size, 404 for no such volume). Success: "
+    "the new size is recorded. Failure: the old size stays.",
+)
+DELETE_VOLUME = Call(
+    "delete_volume",
+    "DELETE",
+    "/volumes/{volumeId}",
+    vol.VolumeRef,
+    vol.VolumeDeleted,
+    "Delete a volume's storage, its files with it. Idempotent (``deleted`` false: nothing was "
+    "there). Success: nothing of it is left on the node.",
 )
 
 # ---------------------------------------------------------------------- in the guest

@@ -61,6 +61,7 @@ from pal.wire.models import (
     WarmResult,
     WarmTemplate,
 )
+from pal.wire.volumes import VolumeCreate, VolumeDeleted, VolumeInfo, VolumeRef, VolumeResize
 
 # The one image every simulated node has (its digest is made up: nothing is booted).
 SIM_IMAGE = "default"
@@ -122,6 +123,7 @@ class SimNode:
         # (agent version, vm id) -> snapshot id -> its info
         self.snapshots: dict[tuple[str, str], dict[str, SnapshotInfo]] = {}
         self.files: dict[tuple[str, str], bytes] = {}
+        self.volumes: dict[str, tuple[str, int]] = {}  # volume id -> (tenant, size MiB)
         self._pids = 1000
         self._notice = asyncio.Event()  # never set: a simulated guest never waits on I/O
         self.calls: dict[str, int] = {}
@@ -511,4 +513,32 @@ class SimNode:
         h.on(v.READ_FILE, read_file)
         h.on(v.WRITE_FILE, lambda r: self.write_file(r.vm_id, r.path, r.data))
         h.on(v.DELETE_FILE, lambda r: self.delete_file(r.vm_id, r.path))
+        self._bind_volumes(h)
         return h
+
+    def _bind_volumes(self, h: Handlers) -> None:
+        """Volumes as the node keeps them (pal/manager/volumes.py), in memory."""
+
+        async def create(r: VolumeCreate) -> VolumeInfo:
+            tenant, size = self.volumes.setdefault(r.volume_id, (r.tenant_id, r.size_mib))
+            if tenant != r.tenant_id:
+                raise Conflict(f"volume {r.volume_id} exists on this node for another tenant")
+            return VolumeInfo(volume_id=r.volume_id, size_mib=size)
+
+        async def resize(r: VolumeResize) -> VolumeInfo:
+            if r.volume_id not in self.volumes:
+                raise NotFound(f"volume {r.volume_id} not found on this node")
+            tenant, size = self.volumes[r.volume_id]
+            if r.size_mib < size:
+                raise InvalidRequest(f"volume {r.volume_id} is {size} MiB: a volume only grows")
+            self.volumes[r.volume_id] = (tenant, r.size_mib)
+            return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
+
+        async def delete(r: VolumeRef) -> VolumeDeleted:
+            return VolumeDeleted(
+                volume_id=r.volume_id, deleted=self.volumes.pop(r.volume_id, None) is not None
+            )
+
+        h.on(v.CREATE_VOLUME, create)
+        h.on(v.RESIZE_VOLUME, resize)
+        h.on(v.DELETE_VOLUME, delete)

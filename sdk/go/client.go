@@ -38,6 +38,8 @@ type Client struct {
 	Runtime *RuntimeService
 	// Images lists the images a tenant may schedule.
 	Images *ImagesService
+	// Volumes holds the /v1/volumes calls: storage that outlives a VM (volumes.go).
+	Volumes *VolumesService
 
 	baseURL   string
 	apiKey    string
@@ -96,6 +98,7 @@ func NewClient(opts ...Option) *Client {
 	}
 	c.Runtime = &RuntimeService{c: c, Processes: &ProcessesService{c: c}}
 	c.Images = &ImagesService{c: c}
+	c.Volumes = &VolumesService{c: c}
 	return c
 }
 

@@ -57,6 +57,13 @@ var (
 	routeListContexts = route{"GET", "/v1/runtime/vms/{vm_id}/code/contexts"}
 	routeDelContext   = route{"DELETE", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}"}
 	routeInterrupt    = route{"POST", "/v1/runtime/vms/{vm_id}/code/contexts/{ctx}/interrupt"}
+
+	// volumes.go
+	routeCreateVolume = route{"POST", "/v1/volumes"}
+	routeListVolumes  = route{"GET", "/v1/volumes"}
+	routeGetVolume    = route{"GET", "/v1/volumes/{volume}"}
+	routeDeleteVolume = route{"DELETE", "/v1/volumes/{volume}"}
+	routeResizeVolume = route{"POST", "/v1/volumes/{volume}/resize"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

@@ -150,16 +150,19 @@ def go_routes(sdk: Path) -> set[Route]:
 
 PY_SDK = REPO / "pal" / "sdk"
 SDKS = {
-    # runtime.processes (processes.py) and runtime.code (code.py) hold both clients' calls
+    # runtime.processes (processes.py), runtime.code (code.py) and volumes (volumes.py) hold
+    # both clients' calls
     "Python Client (pal/sdk/client.py)": lambda: (
         python_routes(PY_SDK / "client.py")
         | python_routes(PY_SDK / "processes.py")
         | python_routes(PY_SDK / "code.py")
+        | python_routes(PY_SDK / "volumes.py")
     ),
     "Python AsyncClient (pal/sdk/async_client.py)": lambda: (
         python_routes(PY_SDK / "async_client.py")
         | python_routes(PY_SDK / "processes.py")
         | python_routes(PY_SDK / "code.py")
+        | python_routes(PY_SDK / "volumes.py")
     ),
     "TypeScript (sdk/typescript/src)": lambda: typescript_routes(REPO / "sdk" / "typescript" / "src"),
     "Go (sdk/go/routes.go)": lambda: go_routes(REPO / "sdk" / "go"),

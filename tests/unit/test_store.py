@@ -177,6 +177,10 @@ def test_records_are_their_tables_columns() -> None:
     assert names(EventRecord) == {c.name for c in events.columns}
     never_read_back = {"api_key_sha256", "prev_api_key_sha256"}
     assert names(Tenant) == {c.name for c in tenants.columns} - never_read_back
+    from pal.store.records import VolumeRecord
+    from pal.store.tables import volumes
+
+    assert names(VolumeRecord) == {c.name for c in volumes.columns}
 
 
 def test_migrations_build_the_schema_the_code_declares(tmp_path: Path, db_url: str) -> None:

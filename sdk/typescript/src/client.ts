@@ -7,6 +7,7 @@ import { Code, type CodeResult, type RunCodeOptions } from "./code.js";
 import { PalConnectionError, PalError, errorFromResponse } from "./errors.js";
 import { Processes } from "./processes.js";
 import { SseParser } from "./sse.js";
+import { Volumes } from "./volumes.js";
 import { collect, pageQuery, paginate, type PageOptions, type VmListOptions } from "./pages.js";
 import type {
   AgentSpec,
@@ -81,6 +82,8 @@ interface Call {
 export class Pal {
   readonly url: string;
   readonly runtime: Runtime;
+  /** Volumes: create, list, get, delete, resize (volumes.ts; docs/volumes.md). */
+  readonly volumes: Volumes;
   private readonly apiKey: string | undefined;
   private readonly timeoutMs: number;
   private readonly fetchImpl: typeof fetch;
@@ -93,6 +96,7 @@ export class Pal {
     if (typeof f !== "function") throw new Error("no fetch available: pass options.fetch (Node >= 18 has one)");
     this.fetchImpl = f.bind(globalThis);
     this.runtime = new Runtime(this);
+    this.volumes = new Volumes(this);
   }
 
   /** GET /healthz: `{ok, ...}` (ok is false when the server cannot schedule VMs). */

@@ -28,6 +28,7 @@ export type {
   StdinWritten,
 } from "./processes.js";
 export { SseParser } from "./sse.js";
+export { Volumes } from "./volumes.js";
 export type { PageOptions, VmListOptions } from "./pages.js";
 export type { SseMessage } from "./sse.js";
 export type {
@@ -58,4 +59,6 @@ export type {
   Vm,
   VmEvent,
   VmMetrics,
+  Volume,
+  VolumeCreate,
 } from "./types.js";

@@ -37,6 +37,10 @@ export type VmMetrics = Schemas["VmMetricsOut"];
 export type MetricSample = Schemas["MetricSampleOut"];
 export type Snapshot = Schemas["SnapshotOut"];
 export type Image = Schemas["ImageOut"];
+/** A volume: `{volumeId, name, sizeMib, state, metadata, createdAt, updatedAt, mountedBy?}`. */
+export type Volume = Schemas["VolumeOut"];
+/** POST /v1/volumes: `{ name, sizeMib?, metadata? }`. */
+export type VolumeCreate = Schemas["VolumeCreate"];
 /** PUT .../lifetime: `{ lifetimeSecs }` (from the schedule; 0: none) or `{ extendSecs }`, and `onLifetimeEnd`. */
 export type LifetimeUpdate = Schemas["LifetimeUpdate"];
 

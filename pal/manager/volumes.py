@@ -1,0 +1,138 @@
+"""The node's volumes (docs/volumes.md): each one a directory of the node's volumes root
+(``<data dir>/volumes/<volume id>/``), holding ``volume.json`` (its tenant and size) and
+``data/``, the volume's files, which a mount exports and the files API reads.
+
+A directory rather than a sparse image file: several VMs mount a volume at once (an image
+holds one file system with one writer), a file-level server (NFS, docs/volumes.md,
+"Design") exports a directory, and the files API needs no mount on the host. The size is a
+limit, not a reservation: nothing is allocated until written.
+
+Root's alone (0700, like everything in the data dir); every write is a rename of a whole
+file, so a crash leaves the old ``volume.json`` or the new one. A delete renames the
+directory out of the way first (``.deleting-<id>``), so a volume is there whole or not at
+all, and a crash in the middle is finished by the next delete or :meth:`VolumeFiles.sweep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pal.errors import Conflict, InvalidRequest, NotFound
+from pal.ids import validate_id
+from pal.wire.volumes import VolumeCreate, VolumeDeleted, VolumeInfo, VolumeRef, VolumeResize
+
+META = "volume.json"
+DATA = "data"
+DELETING = ".deleting-"
+
+
+class VolumeFiles:
+    """The volumes of one node, under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = asyncio.Lock()  # one change at a time: creates and deletes are rare
+
+    def path(self, volume_id: str) -> Path:
+        return self.root / validate_id(volume_id, "volume id")
+
+    def data_dir(self, volume_id: str) -> Path:
+        """Where the volume's files are (what a mount exports)."""
+        return self.path(volume_id) / DATA
+
+    def _meta(self, volume_id: str) -> dict[str, Any] | None:
+        try:
+            meta = json.loads((self.path(volume_id) / META).read_text())
+        except FileNotFoundError:
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def _write_meta(self, volume_id: str, meta: dict[str, Any]) -> None:
+        d = self.path(volume_id)
+        tmp = d / f".{META}.tmp"
+        with tmp.open("w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / META)
+        _fsync_dir(d)
+
+    async def create(self, r: VolumeCreate) -> VolumeInfo:
+        async with self._lock:
+            return await asyncio.to_thread(self._create, r)
+
+    def _create(self, r: VolumeCreate) -> VolumeInfo:
+        meta = self._meta(r.volume_id)
+        if meta is not None:
+            if meta.get("tenantId") != r.tenant_id:
+                raise Conflict(f"volume {r.volume_id} exists on this node for another tenant")
+            return VolumeInfo(volume_id=r.volume_id, size_mib=int(meta["sizeMib"]))
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        d = self.path(r.volume_id)
+        d.mkdir(mode=0o700, exist_ok=True)  # a create that died before its meta: reused
+        (d / DATA).mkdir(mode=0o700, exist_ok=True)
+        self._write_meta(
+            r.volume_id, {"volumeId": r.volume_id, "tenantId": r.tenant_id, "sizeMib": r.size_mib}
+        )
+        _fsync_dir(self.root)
+        return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
+
+    async def resize(self, r: VolumeResize) -> VolumeInfo:
+        async with self._lock:
+            return await asyncio.to_thread(self._resize, r)
+
+    def _resize(self, r: VolumeResize) -> VolumeInfo:
+        meta = self._meta(r.volume_id)
+        if meta is None:
+            raise NotFound(f"volume {r.volume_id} not found on this node")
+        if r.size_mib < int(meta["sizeMib"]):
+            raise InvalidRequest(
+                f"volume {r.volume_id} is {meta['sizeMib']} MiB: a volume only grows (asked {r.size_mib} MiB)"
+            )
+        self._write_meta(r.volume_id, {**meta, "sizeMib": r.size_mib})
+        return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
+
+    async def delete(self, r: VolumeRef) -> VolumeDeleted:
+        async with self._lock:
+            return await asyncio.to_thread(self._delete, r.volume_id)
+
+    def _delete(self, volume_id: str) -> VolumeDeleted:
+        d = self.path(volume_id)
+        gone = self.root / f"{DELETING}{volume_id}"
+        existed = d.exists()
+        if existed:
+            os.replace(d, gone)  # replaces a leftover of an earlier delete that died
+            _fsync_dir(self.root)
+        if gone.exists():
+            shutil.rmtree(gone)
+        return VolumeDeleted(volume_id=volume_id, deleted=existed)
+
+    def sweep(self) -> int:
+        """Finish the deletes a crash interrupted (the node's start); how many."""
+        if not self.root.is_dir():
+            return 0
+        left = [p for p in self.root.iterdir() if p.name.startswith(DELETING)]
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True)
+        return len(left)
+
+    def ids(self) -> list[str]:
+        """The volumes this node holds."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / META).exists()
+        )
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
