@@ -21,6 +21,5 @@ def test_run_code_keeps_state_and_reports_errors(real_e2b: RealE2b, code_image: 
             assert second.text == "42"
             failed = sbx.run_code("1 / 0")
             assert failed.error is not None and failed.error.name == "ZeroDivisionError"
-            assert sbx.run_code("echo $((6 * 7))", language="bash").logs.stdout == ["42\n"]
         finally:
             sbx.kill()

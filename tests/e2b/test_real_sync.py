@@ -245,7 +245,7 @@ def test_metrics(sbx: Sandbox) -> None:
 
 def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
     counter = sbx.commands.run(
-        "i=0; while [ $i -lt 200 ]; do echo line$i; i=$((i+1)); sleep 0.05; done", background=True
+        "i=0; while [ $i -lt 100 ]; do echo line$i; i=$((i+1)); sleep 0.05; done", background=True
     )
     before: list[str] = []
     started = threading.Event()
@@ -270,7 +270,7 @@ def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
     assert again.get_info().state == SandboxState.RUNNING
     after = again.commands.connect(counter.pid).wait()
     lines = ("".join(before) + after.stdout).splitlines()
-    assert lines == [f"line{i}" for i in range(200)]
+    assert lines == [f"line{i}" for i in range(100)]
     assert again.commands.run("echo back").stdout == "back\n"
 
 
