@@ -35,8 +35,9 @@ RESERVED_PREFIX = "e2b."
 
 # Run once as root when the sandbox is made: uid 1000 (the image's workload user) becomes
 # `user` with home /home/user (passwd, group and their shadows edited in place: no PAM, a few
-# processes), so that `whoami`, `~` and a login shell are E2B's. Idempotent: a fork or a
-# resumed sandbox has it already.
+# processes), so that `whoami`, `~` and a login shell are E2B's; its home is Pal's workspace
+# (a bind mount: Pal's own files verbs serve E2B's files there in one guest request, and
+# Pal's API sees the same files). Idempotent: a fork or a resumed sandbox has it already.
 SETUP_SCRIPT = r"""
 name=$(sed -n 's/^\([^:]*\):[^:]*:1000:.*/\1/p' /etc/passwd)
 if [ -n "$name" ] && [ "$name" != user ]; then
@@ -44,7 +45,8 @@ if [ -n "$name" ] && [ "$name" != user ]; then
   sed -i "s#^[^:]*:\([^:]*\):1000:#user:\1:1000:#" /etc/group
   for f in /etc/shadow /etc/gshadow; do if [ -f $f ]; then sed -i "s#^$name:#user:#" $f; fi; done
 fi
-mkdir -p /home/user && chown 1000:1000 /home/user && chmod 0750 /home/user
+mkdir -p /home/user
+mountpoint -q /home/user || mount --bind /workspace /home/user
 """
 
 
@@ -66,6 +68,15 @@ def absolute(user: str | None, path: str) -> str:
     if "\x00" in path:
         raise InvalidRequest("path contains a NUL byte")
     return posixpath.normpath(posixpath.join(home_of(user), path or "."))
+
+
+def in_workspace(user: str | None, full: str) -> str | None:
+    """``full`` as a path of Pal's workspace (what Pal's files verbs take) when the default
+    user's home holds it: /home/user is /workspace (SETUP_SCRIPT's bind mount)."""
+    home = HOMES[DEFAULT_USER] + "/"
+    if pal_user(user) is not None or not full.startswith(home) or full == home:
+        return None
+    return full[len(home) :]
 
 
 def process_env(sandbox_id: str, user: str | None, envs: Mapping[str, str]) -> dict[str, str]:
