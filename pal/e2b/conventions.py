@@ -34,19 +34,22 @@ OPEN_KEY = "e2b.open"  # "true": made with secure=false (no access token)
 RESERVED_PREFIX = "e2b."
 
 # Run once as root when the sandbox is made: uid 1000 (the image's workload user) becomes
-# `user` with home /home/user (passwd, group and their shadows edited in place: no PAM, a few
-# processes), so that `whoami`, `~` and a login shell are E2B's; its home is Pal's workspace
+# `user` with home /home/user (passwd, group and their shadows edited in place by one sed: no
+# PAM), so that `whoami`, `~` and a login shell are E2B's; its home is Pal's workspace
 # (a bind mount: Pal's own files verbs serve E2B's files there in one guest request, and
 # Pal's API sees the same files). Idempotent: a fork or a resumed sandbox has it already.
 SETUP_SCRIPT = r"""
-name=$(sed -n 's/^\([^:]*\):[^:]*:1000:.*/\1/p' /etc/passwd)
+name=
+while IFS=: read -r n _ u _; do if [ "$u" = 1000 ]; then name=$n; break; fi; done < /etc/passwd
 if [ -n "$name" ] && [ "$name" != user ]; then
-  sed -i "s#^$name:\([^:]*\):1000:\([^:]*\):\([^:]*\):[^:]*:#user:\1:1000:\2:\3:/home/user:#" /etc/passwd
-  sed -i "s#^[^:]*:\([^:]*\):1000:#user:\1:1000:#" /etc/group
-  for f in /etc/shadow /etc/gshadow; do if [ -f $f ]; then sed -i "s#^$name:#user:#" $f; fi; done
+  files=/etc/passwd
+  for f in /etc/group /etc/shadow /etc/gshadow; do if [ -f $f ]; then files="$files $f"; fi; done
+  sed -i -e "s#^$name:\([^:]*\):1000:\([^:]*\):\([^:]*\):[^:]*:#user:\1:1000:\2:\3:/home/user:#" \
+    -e "s#^[^:]*:\([^:]*\):1000:#user:\1:1000:#" -e "s#^$name:#user:#" $files
 fi
-mkdir -p /home/user
-mountpoint -q /home/user || mount --bind /workspace /home/user
+mounted=
+while read -r _ m _; do if [ "$m" = /home/user ]; then mounted=1; fi; done < /proc/mounts
+if [ -z "$mounted" ]; then mkdir -p /home/user && mount --bind /workspace /home/user; fi
 """
 
 
