@@ -274,6 +274,20 @@ def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
     assert again.commands.run("echo back").stdout == "back\n"
 
 
+def test_fork(sandboxes: tuple[Sandbox, Sandbox]) -> None:
+    _, open_ = sandboxes
+    open_.files.write("forked.txt", "before the fork")
+    (child,) = Sandbox.fork(open_.sandbox_id, count=1)
+    assert isinstance(child, Sandbox), child
+    try:
+        assert child.sandbox_id != open_.sandbox_id
+        assert child.files.read("forked.txt") == "before the fork"
+        assert child.commands.run("whoami").stdout == "user\n"
+        assert child.get_info().metadata == {"suite": "real-sync", "n": "2"}
+    finally:
+        assert child.kill() is True
+
+
 def test_kill(sandboxes: tuple[Sandbox, Sandbox]) -> None:
     _, open_ = sandboxes
     assert open_.kill() is True
