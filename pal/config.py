@@ -24,8 +24,10 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from pal import sizes
 from pal.config_env import (
+    E2B_PORT_DOC,
     EnvSource,
     clamp,
+    read_e2b_port,
     read_egress_dns,
     read_exec_default_timeout,
     read_int,
@@ -48,9 +50,8 @@ from pal.config_env import (
 from pal.spec import MAX_EXEC_TIMEOUT_S, Egress, WaitPause, parse_egress_default, parse_wait_pause_default
 
 DEFAULT_DATA_DIR = Path("/var/lib/pal")
-# The ports listener (VM ports on origins of their own): the API's port + 2 unless set
-# (8082 beside 8080, and a node RPC's 8081: a node may run on the same machine), so two
-# servers on one machine do not collide; a free port when that one is taken.
+# The ports listener (VM ports on origins of their own): the API's port + 2 unless set (8082
+# beside 8080 and a node RPC's 8081), so servers on one machine do not collide.
 PORTS_PORT_OFFSET = 2
 DEFAULT_PORTS_PORT = 8080 + PORTS_PORT_OFFSET
 FORK_COUNT_CEILING = 1000
@@ -59,9 +60,8 @@ FORK_COUNT_CEILING = 1000
 DEFAULT_DISK_READ_MIBPS = 200
 DEFAULT_DISK_WRITE_MIBPS = 100
 DEFAULT_DISK_IOPS = 4000
-# A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT):
-# a command that never ends (waiting on a fifo, a prompt) must not hold a request open until
-# the VM is deleted. Streamed exec has no default: its reader sees the output and can stop it.
+# A buffered exec without timeoutSecs is killed after this long (PAL_EXEC_DEFAULT_TIMEOUT): a
+# command that never ends must not hold a request open. Streamed exec has no default.
 EXEC_DEFAULT_TIMEOUT_S = 300.0
 S3_SSE_MODES = ("AES256", "aws:kms")
 _KEYS = "`$PAL_DATA_DIR/keys/"
@@ -250,6 +250,7 @@ class Settings(BaseSettings):
         read=read_ports_port,
         shown="`--port` + 2 (`8082`)",
     )
+    e2b_port: int = setting(49983, "PAL_E2B_PORT", E2B_PORT_DOC, read=read_e2b_port)
     ports_domain: str | None = setting(
         None,
         "PAL_PORTS_DOMAIN",

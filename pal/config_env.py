@@ -134,6 +134,19 @@ def read_exec_default_timeout(name: str, raw: str) -> float | None:
     return secs or None
 
 
+E2B_PORT_DOC = (
+    "the E2B agent listener of `pal up` (docs/e2b.md): every sandbox's envd and code"
+    " interpreter for E2B's SDKs (`E2B_SANDBOX_URL`), on the API's address; `0` turns it off"
+)
+
+
+def read_e2b_port(name: str, raw: str) -> int:
+    port = read_int(name, raw)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be a TCP port (1-65535), or 0 for none, got {port}")
+    return port
+
+
 def read_ports_port(name: str, raw: str) -> int:
     port = read_int(name, raw)
     if not 1 <= port <= 65535:

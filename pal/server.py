@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -197,6 +197,7 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
     from pal.store import Store
 
     ports_sock = bind_ports_listener(settings, host, port)  # checked before anything starts
+    e2b_sock = bind_e2b_listener(settings, host)
     prepare_data_dir(settings)
     if not settings.admin_token:
         log.info("operator token: %s (root's `pal` CLI on this host reads it)", operator.token_path(settings))
@@ -232,6 +233,11 @@ async def serve(settings: Settings, host: str = "127.0.0.1", port: int = 8080) -
         scheduler, store, settings, health, load_secret(settings), names, node_host_checks(settings)
     )
     served = _serve(app, host, port, ports_sock)
+    if e2b_sock is not None:
+        agent = _Server(http_config(app.state.e2b_agent, lifespan="off"))
+        served.tasks.append(asyncio.create_task(agent.serve(sockets=[e2b_sock]), name="e2b-agent"))
+        served.extra.append(agent)
+        log.info("E2B agent listener on %s:%d (`pal e2b env`)", *e2b_sock.getsockname()[:2])
     log.info(
         "Pal is up on http://%s:%d (data dir %s, accel %s); dashboard at http://%s:%d/runtime; %s",
         host,
@@ -313,10 +319,13 @@ class _Listeners:
     ports: _Server
     tasks: list[asyncio.Task[None]]
     stop: asyncio.Event
+    extra: list[_Server] = field(default_factory=list)  # the E2B agent listener of `pal up`
 
     def exit(self) -> None:
         self.api.should_exit = True
         self.ports.should_exit = True
+        for server in self.extra:
+            server.should_exit = True
 
 
 def _serve(app: Any, host: str, port: int, ports_sock: socket.socket) -> _Listeners:
@@ -368,6 +377,21 @@ def bind_ports_listener(settings: Settings, host: str, api_port: int) -> socket.
         settings.ports_port = sock.getsockname()[1]
         return sock
     raise AssertionError("port 0 always binds or raises")
+
+
+def bind_e2b_listener(settings: Settings, host: str) -> socket.socket | None:
+    """The E2B agent listener's socket (PAL_E2B_PORT on the API's address; None when it
+    is 0), bound before anything starts so that a port in use is said at once."""
+    if not settings.e2b_port:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), settings.e2b_port), family=family)
+    except OSError as exc:
+        raise SystemExit(
+            f"the E2B agent listener cannot listen on {host}:{settings.e2b_port}: {exc.strerror or exc} "
+            "(choose another with PAL_E2B_PORT, or 0 for none)"
+        ) from None
 
 
 def _ports_line(app: Any, sock: socket.socket) -> str:
@@ -468,7 +492,35 @@ def control_plane_app(
         max_per_tenant=settings.tenant_max_streams,
         cors_origins=tuple(settings.cors_origins),
     )
+    install_e2b(app, scheduler, store, secret)
     return app
+
+
+def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes) -> None:
+    """E2B's protocol (docs/e2b.md): its REST API mounted at /e2b (the API's middleware,
+    so leader forwarding and host checks, around it), and the agent listener's app, which
+    `pal up` serves on PAL_E2B_PORT (``app.state.e2b_agent``). Both over the scheduler's
+    operations, bound once here (pal/e2b/binding.py)."""
+    from pal.api.auth import key_check
+    from pal.e2b.agent import AgentConfig, create_agent_app
+    from pal.e2b.binding import Operations, bind
+    from pal.e2b.rest import RestConfig, create_rest_app
+
+    s = scheduler
+    on = Operations(
+        s.scheduling,
+        s.reads,
+        s.listing,
+        s.deleting,
+        s.lifetimes,
+        s.pauses,
+        s.forking,
+        s.egress_secrets,
+        s.guest,
+    )
+    bound = bind(on, store, secret, lambda key: key_check(store, key))
+    app.mount("/e2b", create_rest_app(bound.sandboxes, bound.keys.check, RestConfig(), bound.keys))
+    app.state.e2b_agent = create_agent_app(bound.backend, AgentConfig())
 
 
 async def serve_control_plane(

@@ -59,6 +59,7 @@ XDIST_GROUPS = {
     "tests/integration/test_code.py": "code-image",
     "tests/integration/test_pool.py": "code-image",
     "tests/e2e/test_dashboard_code.py": "code-image",
+    "tests/e2b/test_real_interpreter.py": "code-image",
 }
 
 
@@ -167,6 +168,7 @@ class PalServer:
     proc: subprocess.Popen[bytes]
     log_path: Path
     ports_port: int = 0  # the ports listener: {port}-{vm}.localhost:ports_port
+    e2b_port: int = 0  # the E2B agent listener (PAL_E2B_PORT; 0: off)
     keys: dict[str, str] = field(default_factory=dict)
 
     def port_origin(self, vm: str, port: int) -> str:
@@ -276,7 +278,7 @@ def start_server(
         link = run_dir / shared
         if not link.exists():
             link.symlink_to(TEST_DATA_DIR / shared)
-    port, ports_port = free_port(), free_port()
+    port, ports_port, e2b_port = free_port(), free_port(), free_port()
     log_path = run_dir / "server.log"
     env = {
         **os.environ,
@@ -302,6 +304,8 @@ def start_server(
         # The ports listener (VM ports on origins of their own): never the default 8081,
         # which servers of other tests (or people) on this machine may hold.
         "PAL_PORTS_PORT": str(ports_port),
+        # The E2B agent listener: never the default 49983, which another server may hold.
+        "PAL_E2B_PORT": str(e2b_port),
         **(extra_env or {}),
     }
     with open(log_path, "ab") as logf:
@@ -318,6 +322,7 @@ def start_server(
         proc=proc,
         log_path=log_path,
         ports_port=int((extra_env or {}).get("PAL_PORTS_PORT") or ports_port),
+        e2b_port=int((extra_env or {}).get("PAL_E2B_PORT") or e2b_port),
     )
     _STARTED.append(server)
     deadline = time.time() + within_s

@@ -19,7 +19,7 @@ BenchDataDir = Annotated[
 
 bench_app = typer.Typer(
     help="Benchmarks: the latency table, `images`, `network`, `cluster`, `control-plane`, `wait`, "
-    "`processes`, `io`,"
+    "`processes`, `io`, `e2b`,"
     " `memory`, `peer`."
 )
 
@@ -289,6 +289,21 @@ def bench_processes(
         data_dir=data_dir,
         out_dir=out_dir,
     )
+
+
+@bench_app.command("e2b")
+def bench_e2b(
+    iterations: Annotated[int, typer.Option(min=1, help="iterations per row (p50/p90)")] = 10,
+    data_dir: DataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where e2b.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """E2B's SDK on Pal beside Pal's own SDK: create, run, 1 MiB files, pause → connect.
+
+    Each row (create → first run, run warm, 1 MiB write+read, pause → connect → run) as the
+    ratio to the same work through Pal's own SDK (issue 40's target: at most 1.2x)."""
+    from pal_tools.bench import e2b as bench_e2b_mod
+
+    bench_e2b_mod.main(iterations=iterations, data_dir=data_dir, out_dir=out_dir)
 
 
 @bench_app.command("memory")

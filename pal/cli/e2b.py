@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shlex
+from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -40,6 +44,49 @@ def env_lines(url: str, key: str, sandbox_port: int = ENVD_PORT) -> list[str]:
     return lines
 
 
+def _cache_path() -> Path:
+    return Path.home() / ".config" / "pal" / "e2b-keys.json"
+
+
+def e2b_key_for(url: str, pal_key: str, make: bool = True) -> str | None:
+    """The E2B key this machine made for ``pal_key`` on the server at ``url`` (kept in
+    ~/.config/pal/e2b-keys.json, 0600, by the hash of the Pal key), or a new one made
+    through the server's ``POST /e2b/api-keys``; None when the server made none."""
+    import httpx
+
+    path = _cache_path()
+    slot = hashlib.sha256(f"{url.rstrip('/')}\n{pal_key}".encode()).hexdigest()
+    try:
+        cached: dict[str, str] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if slot in cached and is_e2b_key(cached[slot]):
+        return cached[slot]
+    if not make:
+        return None
+    try:
+        r = httpx.post(
+            url.rstrip("/") + "/e2b/api-keys",
+            headers={"X-API-KEY": pal_key},
+            json={"name": "pal e2b env"},
+            timeout=30,
+        )
+    except httpx.HTTPError as exc:
+        err_console.print(f"no E2B key made ({exc}): using the Pal key with E2B_VALIDATE_API_KEY=false")
+        return None
+    if r.status_code != 201:
+        err_console.print(f"no E2B key made ({r.status_code} {r.text[:200]}): using the Pal key")
+        return None
+    key = str(r.json()["key"])
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    cached[slot] = key
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cached))
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+    return key
+
+
 @e2b_app.command("env")
 def env(
     url: Annotated[
@@ -55,15 +102,24 @@ def env(
     sandbox_port: Annotated[
         int, typer.Option(metavar="PORT", help="the server's agent listener (PAL_E2B_PORT)")
     ] = ENVD_PORT,
+    pal_key: Annotated[
+        bool,
+        typer.Option(
+            "--pal-key", help="print the Pal key itself (E2B_VALIDATE_API_KEY=false), make no E2B key"
+        ),
+    ] = False,
 ) -> None:
     """Print the export lines for E2B's SDKs: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY.
 
-    The key is PAL_API_KEY. A Pal key (pal_...) works with E2B_VALIDATE_API_KEY=false,
-    printed too; a key of E2B's form (e2b_ and hex) needs nothing more.
+    With a Pal key (PAL_API_KEY, pal_...) the server makes the tenant an E2B key (e2b_ and
+    hex, as E2B's SDKs want; once per machine: ~/.config/pal/e2b-keys.json keeps it);
+    revoke it with `pal tenants keys revoke`. An E2B key in PAL_API_KEY is used as it is.
     """
     if not key:
         err_console.print("PAL_API_KEY is not set: export a tenant's key first (pal tenants create)")
         raise typer.Exit(2)
+    if not is_e2b_key(key) and not pal_key:
+        key = e2b_key_for(url, key) or key
     try:
         lines = env_lines(url, key, sandbox_port)
     except ValueError as exc:

@@ -451,5 +451,68 @@ def tenants_ls(
     print_rows(rows, TENANT_COLUMNS, table)
 
 
+tenant_keys_app = typer.Typer(
+    help="A tenant's E2B keys (e2b_...): for E2B's SDKs on /e2b (docs/e2b.md), revocable one by one.",
+    no_args_is_help=True,
+)
+tenants_app.add_typer(tenant_keys_app, name="keys")
+
+
+@tenant_keys_app.command("add")
+def tenant_keys_add(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    name: Annotated[str, typer.Option("--name", help="what the key is for")] = "",
+    data_dir: DataDir = None,
+    database: Database = None,
+) -> None:
+    """Make an E2B key of the tenant's and print it (shown once: only its hash is kept)."""
+    from pal.e2b.keys import new_key
+    from pal.store import e2b_keys
+
+    key = new_key()
+    made = _with_store(
+        data_dir, database, lambda store: e2b_keys.add_key(store, _find_tenant(store, tenant).id, key, name)
+    )
+    print_json({"id": made.key_id, "tenantId": made.tenant_id, "name": made.name, "apiKey": key})
+
+
+@tenant_keys_app.command("ls")
+def tenant_keys_ls(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    data_dir: DataDir = None,
+    database: Database = None,
+    table: Table = False,
+) -> None:
+    """The tenant's E2B keys (their ids and masks, never the keys)."""
+    from pal.store import e2b_keys
+
+    rows = _with_store(
+        data_dir, database, lambda store: e2b_keys.list_keys(store, _find_tenant(store, tenant).id)
+    )
+    out = [
+        {"id": k.key_id, "name": k.name, "mask": k.mask, "createdAt": k.created_at.isoformat()} for k in rows
+    ]
+    print_rows(out, ["id", "name", "mask", "createdAt"], table)
+
+
+@tenant_keys_app.command("revoke")
+def tenant_keys_revoke(
+    tenant: Annotated[str, typer.Argument(help="tenant name or id")],
+    key_id: Annotated[str, typer.Argument(help="the key's id (`pal tenants keys ls`)")],
+    data_dir: DataDir = None,
+    database: Database = None,
+) -> None:
+    """Revoke one of the tenant's E2B keys: refused from the next request on."""
+    from pal.errors import NotFound
+    from pal.store import e2b_keys
+
+    def revoke(store: Any) -> None:
+        if not e2b_keys.revoke_key(store, _find_tenant(store, tenant).id, key_id):
+            raise NotFound(f"the tenant has no E2B key {key_id!r}")
+
+    _with_store(data_dir, database, revoke)
+    print_json({"id": key_id, "revoked": True})
+
+
 if __name__ == "__main__":
     app()

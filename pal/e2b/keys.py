@@ -1,12 +1,12 @@
 """The E2B API key form: ``e2b_`` and hex, which both SDKs insist on before they send
 anything (``^e2b_[0-9a-f]+$``, unless ``E2B_VALIDATE_API_KEY=false``).
 
-Storage (phase 2, migration ``0013_e2b_keys``): an E2B key is an extra key of a tenant,
-kept like its Pal key as a sha256 only (``pal.store.store.hash_api_key``), in a table of
-its own (``tenant_e2b_keys``: tenant id, key hash unique, created, expires, last used),
-so a tenant may hold several (one per app) beside its rotating Pal key. The key check the
-E2B surface is given (``ops.KeyCheck``) accepts either kind; revoking deletes the row
-(``pal e2b keys revoke``, the dashboard), and removing a tenant deletes its rows with its
+Storage (migration ``0012_e2b_keys``, pal/store/e2b_keys.py): an E2B key is an extra key
+of a tenant, kept like its Pal key as a sha256 only, in a table of its own
+(``tenant_e2b_keys``: id, tenant id, key hash unique, name, mask, created), so a tenant may
+hold several (one per app) beside its rotating Pal key. The key check the E2B surface is
+given (binding.py) accepts either kind; revoking deletes the row (``pal tenants keys
+revoke``, ``DELETE /e2b/api-keys/{id}``), and removing a tenant deletes its rows with its
 VMs and events. An E2B key never authenticates `/v1`: it is for the E2B surface.
 """
 

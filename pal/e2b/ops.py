@@ -2,9 +2,9 @@
 
 `pal/e2b` translates E2B's protocol (REST, Connect-RPC, envd's HTTP, the code
 interpreter's NDJSON) onto these operations and owns no lifecycle logic and no state of
-its own. Phase 2 of issue 40 binds each Protocol to Pal's typed operations (the scheduler's
+its own. binding.py binds each Protocol to Pal's typed operations (the scheduler's
 schedule, pause/resume, fork, delete, lifetimes, processes, files, code contexts); the
-tests bind them to a fake.
+protocol tests bind them to a fake.
 
 Every operation raises :class:`pal.errors.PalError` (its subclasses) for what went wrong,
 with the status Pal's own API would answer: ``errors.py`` turns that into E2B's REST error,
@@ -488,3 +488,27 @@ class AgentBackend:
     files: FilesystemOps
     info: AgentInfoOps
     interpreter: InterpreterOps
+
+
+# -- the tenant's E2B keys (``/api-keys``: what `pal e2b env` makes its key with) ----------
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One of the tenant's E2B keys (``key`` only when it was just made: shown once)."""
+
+    key_id: str
+    name: str
+    mask: str
+    created_at: datetime
+    key: str | None = None
+
+
+class KeyOps(Protocol):
+    async def create_key(self, tenant: str, name: str) -> ApiKey: ...
+
+    async def list_keys(self, tenant: str) -> list[ApiKey]: ...
+
+    async def revoke_key(self, tenant: str, key_id: str) -> None:
+        """404 when the tenant has no key of that id."""
+        ...

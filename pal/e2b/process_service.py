@@ -2,7 +2,7 @@
 
 Each method turns its request into an operation's arguments, and the operation's events or
 answer into the messages of ``gen/process_pb.py``; nothing here keeps a process or any
-state (phase 2 binds the operations to Pal's processes and their journals).
+state (processes.py binds the operations to Pal's processes and their journals).
 """
 
 from __future__ import annotations

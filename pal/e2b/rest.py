@@ -98,7 +98,9 @@ async def _tenant(request: Request) -> str:
 Tenant = Annotated[str, Depends(_tenant)]
 
 
-def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: RestConfig) -> FastAPI:
+def create_rest_app(
+    sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: RestConfig, keys: ops.KeyOps | None = None
+) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.check_key = check_key
     _answer_errors(app)
@@ -108,6 +110,8 @@ def create_rest_app(sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: 
     app.include_router(_observation_routes(sandboxes))
     app.include_router(_snapshot_routes(sandboxes))
     app.include_router(_template_routes(sandboxes))
+    if keys is not None:
+        app.include_router(_key_routes(keys))
     return app
 
 
@@ -328,5 +332,47 @@ def _template_routes(sandboxes: ops.SandboxOps) -> APIRouter:
     @r.api_route("/v2/templates/{template_id:path}", methods=["POST", "PATCH"])
     async def build_refused(_t: Tenant) -> Response:
         return _error(501, BUILD_REFUSAL)
+
+    return r
+
+
+def _api_key(k: ops.ApiKey) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": k.key_id,
+        "name": k.name,
+        "mask": {
+            "prefix": "e2b_",
+            "valueLength": 44,
+            "maskedValuePrefix": k.mask[:8],
+            "maskedValueSuffix": k.mask[-4:],
+        },
+        "createdAt": m.rfc3339(k.created_at),
+        "createdBy": None,
+        "lastUsed": None,
+    }
+    if k.key is not None:
+        out["key"] = k.key
+    return out
+
+
+def _key_routes(keys: ops.KeyOps) -> APIRouter:
+    """The tenant's E2B keys (E2B's ``/api-keys``): make one (shown once), list, revoke.
+    Any of the tenant's keys authenticates these, its Pal key too: `pal e2b env` makes
+    its key so."""
+    r = APIRouter()
+
+    @r.post("/api-keys")
+    async def create_key(t: Tenant, body: m.NewApiKey | None = None) -> Response:
+        made = await keys.create_key(t, body.name if body else "")
+        return _json(_api_key(made), 201)
+
+    @r.get("/api-keys")
+    async def list_keys(t: Tenant) -> Response:
+        return _json([_api_key(k) for k in await keys.list_keys(t)])
+
+    @r.delete("/api-keys/{key_id}")
+    async def revoke_key(key_id: str, t: Tenant) -> Response:
+        await keys.revoke_key(t, key_id)
+        return _no_content()
 
     return r

@@ -101,6 +101,10 @@ class SnapshotRequest(_In):
     name: str | None = Field(None, max_length=256)
 
 
+class NewApiKey(_In):
+    name: str = Field("", max_length=200)
+
+
 def rfc3339(t: datetime) -> str:
     return t.astimezone(UTC).isoformat().replace("+00:00", "Z")
 

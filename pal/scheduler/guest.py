@@ -82,7 +82,7 @@ class GuestCalls:
 
     # -- a process's output ----------------------------------------------------------------------
 
-    async def attach(self, tenant_id: str, req: AttachFrom) -> AsyncIterator[ProcessEvent]:
+    async def attach(self, tenant_id: str, req: AttachFrom) -> AsyncGenerator[ProcessEvent, None]:
         """The process's output from ``from`` on, as it comes (as :meth:`stream`). It ends
         with ``exit``, or with ``detached`` (never a made-up exit) when the VM stopped
         running or its node went away; the reader reattaches from the last offset."""

@@ -46,6 +46,12 @@ class Reads:
     async def get(self, tenant_id: str, vm_id: str) -> VmRecord:
         return self.d.own(tenant_id, vm_id)
 
+    async def find(self, vm_id: str) -> VmRecord | None:
+        """The VM of that id, whoever owns it (None: none): for a front end that
+        authenticates a call by the VM's id and a credential of the VM's own (the E2B agent
+        listener's access tokens, pal/e2b/agent.py), then acts with the VM's tenant."""
+        return self.d.store.get_vm(vm_id)
+
     async def list_vms(self, tenant_id: str) -> list[VmRecord]:
         """All the tenant's listed VMs (terminated ones leave the list an hour after they
         ended: retention.py)."""

@@ -55,6 +55,7 @@ from pal.store.tables import (
     nodes,
     port_link_revocations,
     tenant_cas,
+    tenant_e2b_keys,
     tenants,
     vm_tags,
     vms,
@@ -396,6 +397,7 @@ class Store:
             tx._conn.execute(vm_tags.delete().where(vm_tags.c.tenant_id == tenant_id))
             tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
             tx._conn.execute(tenant_cas.delete().where(tenant_cas.c.tenant_id == tenant_id))
+            tx._conn.execute(tenant_e2b_keys.delete().where(tenant_e2b_keys.c.tenant_id == tenant_id))
             tx._conn.execute(
                 port_link_revocations.delete().where(port_link_revocations.c.tenant_id == tenant_id)
             )

@@ -289,3 +289,19 @@ volume_mounts = Table(
     Column("read_only", Boolean, nullable=False, default=False),
     Index("ix_volume_mounts_vm", "vm_id"),
 )
+
+# A tenant's keys of E2B's form (`e2b_` + hex; pal/e2b/keys.py), beside its Pal key: each
+# authenticates the E2B surface only (/e2b, docs/e2b.md), several at once (one per app),
+# each revocable on its own. Kept as a sha256 only, like the Pal key.
+tenant_e2b_keys = Table(
+    "tenant_e2b_keys",
+    metadata,
+    Column("key_id", String(32), primary_key=True),
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    Column("key_sha256", String(64), nullable=False, unique=True),
+    Column("name", String(200), nullable=False, default=""),
+    Column("mask", String(32), nullable=False, default=""),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("last_used_at", UtcDateTime),
+    Index("ix_tenant_e2b_keys_tenant", "tenant_id"),
+)

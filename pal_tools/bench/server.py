@@ -64,6 +64,7 @@ def local_server(
         "PAL_LOG_LEVEL": "WARNING",
         "PAL_ADMIN_TOKEN": OPERATOR_TOKEN,
         "PAL_PORTS_PORT": str(ports_port),  # beside whatever else runs here
+        "PAL_E2B_PORT": str(free_port()),  # the E2B agent listener, likewise
         **(extra_env or {}),
     }
     pal = [sys.executable, "-m", "pal.cli.main"]

@@ -1,14 +1,19 @@
 """Fixtures of the E2B compatibility tests: Pal's E2B surface (the REST app under /e2b and
 the agent listener) served on loopback, and the environment the unmodified SDKs read.
 
-Phase 1 (issue 40) serves it over the in-memory binding of tests/e2b/fake.py: what these
-tests check is the protocol layer (what the SDKs send, what they get back, how errors turn
-into their exceptions). Phase 2 adds the same SDK calls against a real `pal up`.
+The protocol tests (test_sdk_*.py, test_connect_wire.py) serve it over the in-memory
+binding of tests/e2b/fake.py: what they check is the protocol layer (what the SDKs send,
+what they get back, how errors turn into their exceptions), fast. The test_real_*.py
+files drive the same SDKs against a real `pal up` with real VMs (`real_e2b`): what Pal's
+binding does (conventions, processes and journals, files, pause and connect), with few
+sandboxes, each shared by its module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -23,6 +28,7 @@ from pal.e2b.agent import AgentConfig, create_agent_app
 from pal.e2b.envd_http import FilesConfig
 from pal.e2b.keys import new_key
 from pal.e2b.rest import RestConfig, create_rest_app
+from tests.conftest import PalServer, pal_cli
 from tests.e2b.fake import FakePal, backend
 
 MAX_UPLOAD = 8 * 1024 * 1024
@@ -98,3 +104,46 @@ def e2b_env(e2b_server: E2bServer, monkeypatch: pytest.MonkeyPatch) -> E2bServer
     for name, value in e2b_server.env().items():
         monkeypatch.setenv(name, value)
     return e2b_server
+
+
+# -- the same SDKs against a real `pal up` (tests/conftest.py's server, real VMs) ----------
+
+
+@dataclass(frozen=True)
+class RealE2b:
+    """A real server's E2B surface: its /e2b and its agent listener, a tenant's E2B key
+    (made as an operator makes one: `pal tenants keys add`), another tenant's."""
+
+    server: PalServer
+    key: str
+    other_key: str
+
+    def env(self, key: str | None = None) -> dict[str, str]:
+        return {
+            "E2B_API_URL": self.server.url + "/e2b",
+            "E2B_SANDBOX_URL": f"http://127.0.0.1:{self.server.e2b_port}",
+            "E2B_API_KEY": key or self.key,
+        }
+
+
+def e2b_key(server: PalServer, tenant: str) -> str:
+    out = pal_cli("tenants", "keys", "add", tenant, "--name", "tests", "--data-dir", str(server.data_dir))
+    return str(json.loads(out.stdout)["apiKey"])
+
+
+@pytest.fixture(scope="session")
+def real_e2b(pal_server: PalServer, tenant_key: str) -> RealE2b:
+    del tenant_key  # tenant it-main, its template warm
+    pal_server.tenant("e2b-other", max_vms=2)
+    return RealE2b(pal_server, e2b_key(pal_server, "it-main"), e2b_key(pal_server, "e2b-other"))
+
+
+@contextlib.contextmanager
+def e2b_environ(real: RealE2b) -> Iterator[None]:
+    """The three variables `pal e2b env` prints, and nothing else of E2B's."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_VALIDATE_API_KEY", "E2B_ACCESS_TOKEN"):
+            mp.delenv(name, raising=False)
+        for name, value in real.env().items():
+            mp.setenv(name, value)
+        yield

@@ -262,8 +262,11 @@ def test_a_huge_upload_is_refused_before_it_is_read(sbx: Sandbox, e2b_env: E2bSe
         )
         status_line = conn.makefile("rb").readline()
     assert status_line.split()[1] == b"413"
-    with pytest.raises(SandboxException, match="413"):
+    # Through the SDK: its 413, or (the server answered and closed before the client was done
+    # sending, seen under load) the connection reset under the rest of the body.
+    with pytest.raises((SandboxException, httpx.TransportError)) as refused:
         sbx.files.write("/tmp/big", b"x" * (MAX_UPLOAD + 1))
+    assert isinstance(refused.value, httpx.TransportError) or "413" in str(refused.value)
     assert not sbx.files.exists("/tmp/big")
 
 

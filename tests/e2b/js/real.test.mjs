@@ -1,0 +1,31 @@
+// The unmodified E2B JavaScript SDK against a real `pal up` and one real VM.
+// tests/e2b/test_real_js.py runs this under `node --test` with E2B_API_URL,
+// E2B_SANDBOX_URL and E2B_API_KEY pointing at that server.
+import assert from 'node:assert/strict'
+import { test } from 'node:test'
+import { Sandbox, CommandExitError, NotFoundError } from 'e2b'
+
+test('a real sandbox: create, commands, files, list, kill', async () => {
+  const sbx = await Sandbox.create({ metadata: { suite: 'real-js' }, timeoutMs: 600_000 })
+  try {
+    const out = await sbx.commands.run('echo hello; whoami; pwd')
+    assert.equal(out.stdout, 'hello\nuser\n/home/user\n')
+    await assert.rejects(sbx.commands.run('exit 4'), (err) => err instanceof CommandExitError && err.exitCode === 4)
+    const cat = await sbx.commands.run('cat', { background: true, stdin: true })
+    await sbx.commands.sendStdin(cat.pid, 'from js\n')
+    await sbx.commands.closeStdin(cat.pid)
+    assert.equal((await cat.wait()).stdout, 'from js\n')
+    await sbx.files.write([
+      { path: '/tmp/a.txt', data: 'A' },
+      { path: 'b.txt', data: 'B' },
+    ])
+    assert.equal(await sbx.files.read('/home/user/b.txt'), 'B')
+    assert.equal(await sbx.files.exists('/tmp/none'), false)
+    await assert.rejects(sbx.files.read('/tmp/missing.txt'), NotFoundError)
+    const page = await Sandbox.list({ query: { metadata: { suite: 'real-js' } } }).nextItems()
+    assert.deepEqual(page.map((s) => s.sandboxId), [sbx.sandboxId])
+  } finally {
+    assert.equal(await sbx.kill(), true)
+  }
+  assert.equal(await Sandbox.kill(sbx.sandboxId), false)
+})
