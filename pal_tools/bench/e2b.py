@@ -161,6 +161,11 @@ def run(url: str, key: str, sandbox_url: str, n: int, log: Callable[[str], None]
             "samples_ms": {"e2b": e2b, "pal": pal}}  # fmt: skip
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    g = m.get
+    return f"{g('cpu')}, {g('cores')} cores, {g('memGiB')} GiB, Linux {g('kernel')}, {g('qemu')}"
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         "# E2B's SDK on Pal (`pal bench e2b`)",
@@ -169,7 +174,10 @@ def render(report: dict[str, Any]) -> str:
         "beside the same work through Pal's own Python SDK in the same run (docs/e2b.md).",
         f"Target (issue 40): each row of the E2B path at most {TARGET_X}x Pal's own.",
         "",
-        f"- Machine: {report.get('machine', '?')}; accelerator {report.get('accel', '?')}",
+        f"Measured {report.get('date', '?')}.",
+        "",
+        f"- Machine: {machine_line(report.get('machine') or {})}; accelerator **{report.get('accel', '?')}**",
+        f"- Load average (1 min) at the start / end: {report.get('load_start')} / {report.get('load_end')}",
         *data_dir_lines(report),
         f"- Iterations: {report['iterations']}; Pal's warm exec p50: {report['pal_warm_exec_p50_ms']} ms",
         "",
@@ -186,9 +194,10 @@ def render(report: dict[str, Any]) -> str:
     lines += [
         "",
         "What the E2B path adds: a command is `/bin/bash -l -c` (a login shell) where Pal's exec",
-        "runs its argv directly; a file goes through a process in the guest (`cat`, stdin and the",
-        "output journal) where Pal's files API is one guest request; a create also sets E2B's",
-        "user up (one exec as root).",
+        "runs its argv directly, and a command is two node calls (start, then follow its output);",
+        "a file of at most 1 MiB under `/home/user` (this row's) is one guest request as Pal's",
+        "files API is, behind the SDK's multipart upload; a larger one, or one elsewhere, goes",
+        "through a process in the guest; a create also sets E2B's user up (one exec as root).",
         "",
     ]
     return "\n".join(lines)
