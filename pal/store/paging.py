@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Select, and_, exists, or_, select, text
+from sqlalchemy import Select, Table, and_, exists, or_, select, text
 
 from pal.store.records import EventRecord, VmRecord
 from pal.store.store import Store
@@ -23,39 +23,59 @@ from pal.store.tables import LIFETIME_DUE, events, vm_tags, vms
 from pal.store.write_tx import event_from_row, tag_of, vm_from_row
 
 
-def vm_page_query(
-    tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str] | None = None
+def tagged_page_query(
+    table: Table,
+    tags: Table,
+    key: str,
+    tenant_id: str,
+    *,
+    after: tuple[datetime, str] | None,
+    limit: int,
+    metadata: dict[str, str] | None = None,
+    listed: bool = False,
 ) -> Select[tuple[object, ...]]:
+    """The tenant's rows of ``table`` in (created_at, ``key``) order after ``after``, holding
+    every ``metadata`` pair (``tags``: one row per pair, as ``vm_tags``); ``listed``: only
+    those in the list (the VMs' partial index). The keyset rule of every list (VMs,
+    volumes) in one place."""
     pairs = sorted((metadata or {}).items())
     if pairs:
-        key, value = pairs[0]
-        first = vm_tags.alias("t0")
-        at_col, id_col = first.c.created_at, first.c.vm_id
+        first = tags.alias("t0")
+        at_col, id_col = first.c.created_at, first.c[key]
+        where = [first.c.tenant_id == tenant_id, first.c.tag == tag_of(*pairs[0])]
         q = (
-            select(vms)
-            .select_from(first.join(vms, vms.c.vm_id == first.c.vm_id))
-            .where(first.c.tenant_id == tenant_id, first.c.tag == tag_of(key, value), text("vms.listed"))
+            select(table)
+            .select_from(first.join(table, table.c[key] == first.c[key]))
+            .where(*where, *([text(f"{table.name}.listed")] if listed else []))
         )
-        # Each other pair is its own tag row of the same VM (a primary-key probe): the
+        # Each other pair is its own tag row of the same row (a primary-key probe): the
         # planner knows tags' frequencies, never those of a JSON expression.
         for i, (k, v) in enumerate(pairs[1:], 1):
-            other = vm_tags.alias(f"t{i}")
+            other = tags.alias(f"t{i}")
             q = q.where(
                 exists().where(
                     other.c.tenant_id == first.c.tenant_id,
                     other.c.tag == tag_of(k, v),
                     other.c.created_at == first.c.created_at,
-                    other.c.vm_id == first.c.vm_id,
+                    other.c[key] == first.c[key],
                 )
             )
     else:
-        at_col, id_col = vms.c.created_at, vms.c.vm_id
-        q = select(vms).where(vms.c.tenant_id == tenant_id, text("listed"))
+        at_col, id_col = table.c.created_at, table.c[key]
+        q = select(table).where(table.c.tenant_id == tenant_id, *([text("listed")] if listed else []))
     if after is not None:
-        at, vm_id = after
+        at, row_id = after
         # The first half bounds the index range; the second breaks ties on the time.
-        q = q.where(at_col >= at, or_(at_col > at, and_(at_col == at, id_col > vm_id)))
+        q = q.where(at_col >= at, or_(at_col > at, and_(at_col == at, id_col > row_id)))
     return q.order_by(at_col, id_col).limit(limit)
+
+
+def vm_page_query(
+    tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str] | None = None
+) -> Select[tuple[object, ...]]:
+    return tagged_page_query(
+        vms, vm_tags, "vm_id", tenant_id, after=after, limit=limit, metadata=metadata, listed=True
+    )
 
 
 def vm_page(

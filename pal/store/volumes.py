@@ -13,10 +13,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, and_, delete, exists, func, insert, or_, select, update
+from sqlalchemy import Connection, Select, delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from pal.errors import Conflict, NotFound, QuotaExceeded
+from pal.store.paging import tagged_page_query
 from pal.store.records import Tenant, VolumeRecord
 from pal.store.store import Store
 from pal.store.tables import tenants, volume_mounts, volume_tags, volumes
@@ -179,32 +180,9 @@ def page_query(
 ) -> Select[tuple[object, ...]]:
     """The tenant's volumes in (created_at, volume_id) order after ``after``, holding every
     ``metadata`` pair: one index range, as pal/store/paging.py reads VMs."""
-    pairs = sorted((metadata or {}).items())
-    if pairs:
-        first = volume_tags.alias("t0")
-        at_col, id_col = first.c.created_at, first.c.volume_id
-        q = (
-            select(volumes)
-            .select_from(first.join(volumes, volumes.c.volume_id == first.c.volume_id))
-            .where(first.c.tenant_id == tenant_id, first.c.tag == tag_of(*pairs[0]))
-        )
-        for i, (k, v) in enumerate(pairs[1:], 1):
-            other = volume_tags.alias(f"t{i}")
-            q = q.where(
-                exists().where(
-                    other.c.tenant_id == first.c.tenant_id,
-                    other.c.tag == tag_of(k, v),
-                    other.c.created_at == first.c.created_at,
-                    other.c.volume_id == first.c.volume_id,
-                )
-            )
-    else:
-        at_col, id_col = volumes.c.created_at, volumes.c.volume_id
-        q = select(volumes).where(volumes.c.tenant_id == tenant_id)
-    if after is not None:
-        at, volume_id = after
-        q = q.where(at_col >= at, or_(at_col > at, and_(at_col == at, id_col > volume_id)))
-    return q.order_by(at_col, id_col).limit(limit)
+    return tagged_page_query(
+        volumes, volume_tags, "volume_id", tenant_id, after=after, limit=limit, metadata=metadata
+    )
 
 
 def page(
