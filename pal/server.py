@@ -503,11 +503,12 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes) -> No
     operations, bound once here (pal/e2b/binding.py)."""
     from pal.api.auth import key_check
     from pal.e2b.agent import AgentConfig, create_agent_app
-    from pal.e2b.binding import Operations, bind
+    from pal.e2b.binding import bind
     from pal.e2b.rest import RestConfig, create_rest_app
+    from pal.e2b.sandboxes import PalSandboxes
 
     s = scheduler
-    on = Operations(
+    sandboxes = PalSandboxes(
         s.scheduling,
         s.reads,
         s.listing,
@@ -517,8 +518,9 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes) -> No
         s.forking,
         s.egress_secrets,
         s.guest,
+        secret,
     )
-    bound = bind(on, store, secret, lambda key: key_check(store, key))
+    bound = bind(sandboxes, store, lambda key: key_check(store, key))
     app.mount("/e2b", create_rest_app(bound.sandboxes, bound.keys.check, RestConfig(), bound.keys))
     app.state.e2b_agent = create_agent_app(bound.backend, AgentConfig())
 

@@ -10,15 +10,6 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from pal.errors import NotFound
-from pal.scheduler.delete import Deleting
-from pal.scheduler.egress_secrets import EgressAndSecrets
-from pal.scheduler.fork import Forking
-from pal.scheduler.guest import GuestCalls
-from pal.scheduler.lifetime import Lifetimes
-from pal.scheduler.listing import Listing
-from pal.scheduler.pause_resume import PauseResume
-from pal.scheduler.reads import Reads
-from pal.scheduler.schedule import Scheduling
 from pal.store import Store, e2b_keys
 
 from . import ops
@@ -27,21 +18,6 @@ from .files import PalFiles
 from .keys import is_e2b_key, new_key
 from .processes import PalProcesses
 from .sandboxes import PalSandboxes
-
-
-@dataclass(frozen=True)
-class Operations:
-    """The scheduler's operations the E2B surface calls (the composition root's objects)."""
-
-    scheduling: Scheduling
-    reads: Reads
-    listing: Listing
-    deleting: Deleting
-    lifetimes: Lifetimes
-    pauses: PauseResume
-    forking: Forking
-    egress: EgressAndSecrets
-    guest: GuestCalls
 
 
 @dataclass(frozen=True)
@@ -80,24 +56,14 @@ class E2bBinding:
     keys: TenantKeys
 
 
-def bind(o: Operations, store: Store, secret: bytes, pal_key_check: Any) -> E2bBinding:
-    sandboxes = PalSandboxes(
-        o.scheduling,
-        o.reads,
-        o.listing,
-        o.deleting,
-        o.lifetimes,
-        o.pauses,
-        o.forking,
-        o.egress,
-        o.guest,
-        secret,
-    )
+def bind(sandboxes: PalSandboxes, store: Store, pal_key_check: Any) -> E2bBinding:
+    """The agent's side over the same operations as the REST API's ``sandboxes``."""
+    guest = sandboxes.guest
     backend = ops.AgentBackend(
         access=sandboxes.access,
-        processes=PalProcesses(o.guest),
-        files=PalFiles(o.guest),
-        info=PalAgentInfo(o.reads),
-        interpreter=PalInterpreter(o.guest),
+        processes=PalProcesses(guest),
+        files=PalFiles(guest),
+        info=PalAgentInfo(sandboxes.reads),
+        interpreter=PalInterpreter(guest),
     )
     return E2bBinding(sandboxes, backend, TenantKeys(store, pal_key_check))
