@@ -111,7 +111,9 @@ async def test_the_http_endpoint_runs_tools_with_the_callers_key(env: ApiEnv) ->
             theirs = await other.call_tool("get_sandbox", {"vmId": vm})
             assert theirs.is_error and "404" in theirs.content[0].text
             assert (await other.call_tool("list_sandboxes", {})).structured_content == {"sandboxes": []}
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=60
+        ) as api:
             events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
     audited = [e["details"] for e in events if e["kind"] == "mcp_tool"]
     # Bob's refused call is on no log of Alice's VM; Alice's two calls are.
@@ -144,7 +146,9 @@ async def test_files_as_tools_and_as_resources(env: ApiEnv) -> None:
             assert base64.b64decode(read.contents[0].blob) == b"\xff\x00\xfe"
             with pytest.raises(MCPError, match="not a Pal resource"):
                 await c.read_resource("file:///etc/passwd")
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=60
+        ) as api:
             events = (await api.get(f"/v1/runtime/vms/{vm}/events")).json()["events"]
     tools = [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
     assert tools == [
@@ -166,7 +170,9 @@ async def test_a_fork_is_audited_on_the_parent_and_each_child(env: ApiEnv) -> No
             assert not forked.is_error, forked.content
             kids = [f["vmId"] for f in forked.structured_content["forks"]]
             assert len(kids) == 1 and kids[0] in forked.content[0].text
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}) as api:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=60
+        ) as api:
             for one in (vm, kids[0]):
                 events = (await api.get(f"/v1/runtime/vms/{one}/events")).json()["events"]
                 assert "fork_sandbox" in [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
@@ -176,7 +182,7 @@ async def test_the_http_endpoint_refuses_a_wrong_key(env: ApiEnv) -> None:
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
     headers = {"Accept": "application/json, text/event-stream"}
     with serve(env.app) as url:
-        async with httpx.AsyncClient(base_url=url) as anon:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as anon:
             for auth in ({}, {"Authorization": "Bearer pal_wrong"}, {"Authorization": f"Basic {env.key_a}"}):
                 r = await anon.post("/mcp", json=body, headers={**headers, **auth})
                 assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED"
