@@ -39,6 +39,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pal.guest import protocol as P
 from pal.limits import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from pal.limits import STRICT, Limits
+from pal.volume_spec import MAX_VOLUME_MOUNTS, VolumeMountSpec, check_mounts
 
 IMAGE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
@@ -422,6 +423,13 @@ class AgentSpec(_Model):
         0, ge=0, le=MAX_LIFETIME_SECS, description="end it this long after its schedule; 0 = never"
     )
     on_lifetime_end: LifetimeEnd = Field("delete", description="what its lifetime's end does")
+    volumes: list[VolumeMountSpec] = Field(
+        default_factory=list,
+        max_length=MAX_VOLUME_MOUNTS,
+        description="the tenant's volumes to mount, `[{name, path, readOnly}]` (docs/volumes.md)",
+    )
+
+    _volumes = field_validator("volumes")(check_mounts)
 
     @field_validator("image")
     @classmethod

@@ -45,6 +45,7 @@ PACKAGES=(
   postgresql
   golang-go
   protobuf-compiler
+  nfs-ganesha nfs-ganesha-vfs rpcbind
 )
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -62,6 +63,14 @@ if ((${#missing[@]})); then
 else
   log "Debian packages already installed"
 fi
+# Volumes (docs/volumes.md): each node runs its own nfs-ganesha (and rpcbind) in namespaces
+# of its own; Debian's ganesha service would serve /etc/ganesha on every interface (the
+# host's own rpcbind, if it runs one, is left alone: Pal's registers in a private /run).
+for unit in nfs-ganesha.service nfs-ganesha-lock.service; do
+  if command -v systemctl >/dev/null && systemctl list-unit-files "$unit" >/dev/null 2>&1; then
+    systemctl disable --now "$unit" >/dev/null 2>&1 || true
+  fi
+done
 
 # Pal needs Python 3.11: Debian 12's python3 is 3.11; prefer an explicit python3.11 on PATH.
 PY=""

@@ -52,6 +52,18 @@ Allow = Annotated[list[str] | None, typer.Option(help="only this destination (re
 Deny = Annotated[list[str] | None, typer.Option(help="everything but this destination (repeatable)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM id")]
 Meta = Annotated[list[str] | None, typer.Option("--meta", help="K=V metadata tag (repeatable)")]
+Volumes = Annotated[
+    list[str] | None, typer.Option("--volume", help="NAME:/path[:ro]: mount the volume there (repeatable)")
+]
+
+
+def parse_volume(raw: str) -> dict[str, object]:
+    """``NAME:/path[:ro]`` -> ``{name, path, readOnly}``."""
+    name, _, rest = raw.partition(":")
+    path, ro = (rest[:-3], True) if rest.endswith(":ro") else (rest, False)
+    if not name or not path.startswith("/"):
+        raise typer.BadParameter(f"--volume {raw!r}: NAME:/path or NAME:/path:ro")
+    return {"name": name, "path": path, "readOnly": ro}
 
 
 @vm_app.command(
@@ -94,6 +106,7 @@ def schedule(
     ] = None,
     disk_iops: Annotated[int | None, typer.Option(help="disk IOPS cap (default: the server's)")] = None,
     meta: Meta = None,
+    volume: Volumes = None,
     lifetime: Annotated[
         int, typer.Option(help="end the VM N seconds after its schedule, busy or not (0 = never)")
     ] = 0,
@@ -132,6 +145,7 @@ def schedule(
         spec["metadata"] = parse_pairs(meta, "--meta")
     if lifetime:
         spec["lifetimeSecs"], spec["onLifetimeEnd"] = lifetime, on_lifetime_end
+    spec |= {"volumes": [parse_volume(v) for v in volume]} if volume else {}
     policy = egress_option(egress, allow, deny)
     if policy is not None:
         spec["egress"] = policy

@@ -16,12 +16,13 @@ import os
 import pwd
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from pal.guest import netsetup, portrelay, procrequests, system
+from pal.guest import netsetup, portrelay, procrequests, system, volumes
 from pal.guest import protocol as P
 from pal.guest.channel import Channel, Credits
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
@@ -248,6 +249,14 @@ class Harness:
                         self.ca_env = env
                 except OSError as exc:
                     log(f"cannot install the brokered-secrets CA: {exc}")
+        if self.system:
+            # Before the answer: a command never sees a volume missing (docs/volumes.md).
+            try:
+                volumes.ensure(volumes.parse(msg.get("mounts")))
+            except (OSError, subprocess.SubprocessError) as exc:
+                log(f"volume mount failed: {exc}")
+                self._reply(rid, P.K_ERR, code=P.ERR_IO, msg=f"volume mount failed: {exc}")
+                return
         was = self.vm_id
         self._apply_identity(msg)
         if msg.get("own") is True and not self.boot_id:

@@ -25,7 +25,7 @@ from pal.config import Settings
 from pal.errors import InvalidRequest
 from pal.guest.protocol import GATEWAY_IP
 from pal.images import bundle, initramfs, rootfs
-from pal.images.boot import BootSet
+from pal.images.boot import MODULES, BootSet
 from pal.images.config import ImageConfig, OciRunConfig, resolve
 from pal.images.paths import META, ROOTFS, ImagePaths, image_dir
 from pal.images.tree import in_root, make_public_dirs, write_public
@@ -34,7 +34,7 @@ from pal.pids import pid_alive
 # Bump when the assembly recipe changes in a way the input hashes do not capture.
 # 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077;
 # 5: /.pal readable by the workload user (code contexts run its python)
-BUILDER_VERSION = 5
+BUILDER_VERSION = 6  # 6: /.pal/modules (the NFS client, docs/volumes.md)
 CONFIG_FILE = "config.json"  # /.pal/config.json
 HOSTNAME = "pal"
 
@@ -45,10 +45,16 @@ def quiet(_step: str, _fraction: float) -> None:
     pass
 
 
-def finish_tree(root: Path, bundle_dir: Path, run: OciRunConfig) -> ImageConfig:
-    """Add Pal's part to the tree at ``root``; returns the image's resolved exec defaults."""
+def finish_tree(
+    root: Path, bundle_dir: Path, run: OciRunConfig, boot_set: BootSet | None = None
+) -> ImageConfig:
+    """Add Pal's part to the tree at ``root``; returns the image's resolved exec defaults.
+    With ``boot_set``, its volume modules go to ``/.pal/modules`` (the harness loads them
+    at a VM's first volume mount)."""
     cfg = resolve(root, run)
     bundle.install(bundle_dir, root)
+    if boot_set is not None and (boot_set.dir / MODULES).is_dir():
+        shutil.copytree(boot_set.dir / MODULES, root / bundle.PAL_DIR / MODULES)
     write_public(root / bundle.PAL_DIR / CONFIG_FILE, json.dumps(cfg.to_json(), sort_keys=True) + "\n")
     # Not followed if it is a link: Pal gives the workload user this directory, not
     # whatever it points to (/etc, say).

@@ -26,11 +26,12 @@ from pal.images import initramfs, kernel
 from pal.images.bundle import file_sha256
 from pal.images.modes import guest_umask
 
-BOOT_VERSION = 1
+BOOT_VERSION = 2  # 2: the volume (NFS) modules kept in modules/
 BOOT_DIRNAME = ".boot"
 VMLINUX = "vmlinux"
 INITRD = "initrd.img"
 BOOT_META = "boot.json"
+MODULES = "modules"  # the volume (NFS) client's modules, decompressed, with their load order
 
 Progress = Callable[[str, float], None]
 
@@ -110,6 +111,7 @@ def _ensure(settings: Settings, progress: Progress | None) -> BootSet:
         kernel.vmlinux_from_bzimage(extracted.vmlinuz, staging / VMLINUX)
         report("building initramfs", 0.8)
         modules = initramfs.build_initramfs(extracted.modules_dir, staging, staging / INITRD)
+        volume_modules = initramfs.save_volume_modules(extracted.modules_dir, staging / MODULES, modules)
         shutil.rmtree(staging / "kernel")
         shutil.rmtree(staging / "initramfs", ignore_errors=True)
         for name in (VMLINUX, INITRD):
@@ -121,6 +123,7 @@ def _ensure(settings: Settings, progress: Progress | None) -> BootSet:
             "kernelVersion": extracted.release,
             "kernelPackage": f"{pkg.package}={pkg.version}",
             "modules": modules,
+            "volumeModules": volume_modules,
             "sha256": {VMLINUX: file_sha256(staging / VMLINUX), INITRD: file_sha256(staging / INITRD)},
         }
         (staging / BOOT_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -98,7 +98,7 @@ def _build_into(settings: Settings, staging: Path, name: str, report: Progress) 
     root = staging / "root"
     tarball, bundle_dir = debian_tree(settings, root, report)
     report("installing harness", 0.84)
-    cfg = assemble.finish_tree(root, bundle_dir, OciRunConfig())
+    cfg = assemble.finish_tree(root, bundle_dir, OciRunConfig(), boot_set)
     report("making ext4", 0.86)
     sizes = assemble.pack(root, staging)
     meta = assemble.base_meta(name, boot_set, cfg, KIND_DEBIAN)

@@ -121,7 +121,7 @@ def _assemble(
             "userland, or busybox)"
         )
     report("adding the harness", 0.7)
-    cfg = assemble.finish_tree(root, bundle_dir, OciRunConfig.parse(image.config))
+    cfg = assemble.finish_tree(root, bundle_dir, OciRunConfig.parse(image.config), boot_set)
     report("making ext4", 0.8)
     sizes = assemble.pack(root, staging, max_bytes)
     meta = assemble.base_meta(name, boot_set, cfg, kind)

@@ -34,6 +34,10 @@ WANTED_MODULES = (
     "virtio_balloon",
 )
 OPTIONAL_MODULES = frozenset({"virtio_pci", "virtio_rng"})
+# Not in the initramfs (every cold boot decompresses it): the NFS client a volume mount
+# needs (docs/volumes.md). The boot set keeps them decompressed; each image carries them at
+# /.pal/modules, and the harness loads them at its first mount.
+VOLUME_MODULES = ("nfsv3",)
 REPORTING_ORDER = 7  # free page reporting's smallest block: 2^7 pages, 512 KiB
 
 INIT_TEMPLATE = """#!/bin/busybox sh
@@ -95,11 +99,13 @@ def _depends(path: Path) -> list[str]:
     return [d.replace("-", "_") for d in out.split(",") if d]
 
 
-def module_load_order(modules_dir: Path) -> list[tuple[str, Path]]:
-    """Wanted modules plus their dependencies, dependencies first."""
+def module_load_order(
+    modules_dir: Path, wanted: tuple[str, ...] = WANTED_MODULES, skip: frozenset[str] = frozenset()
+) -> list[tuple[str, Path]]:
+    """Wanted modules plus their dependencies, dependencies first (none of ``skip``)."""
     index = _module_index(modules_dir)
     order: list[tuple[str, Path]] = []
-    seen: set[str] = set()
+    seen: set[str] = set(skip)
 
     def visit(name: str) -> None:
         if name in seen:
@@ -112,7 +118,7 @@ def module_load_order(modules_dir: Path) -> list[tuple[str, Path]]:
             visit(dep)
         order.append((name, path))
 
-    for name in WANTED_MODULES:
+    for name in wanted:
         if name not in index:
             if name in OPTIONAL_MODULES:
                 continue
@@ -132,6 +138,18 @@ def _copy_module(src: Path, dst: Path) -> None:
         dst.write_bytes(gzip.decompress(src.read_bytes()))
     else:
         shutil.copyfile(src, dst)
+
+
+def save_volume_modules(modules_dir: Path, out: Path, loaded: list[str]) -> list[str]:
+    """The NFS client's modules (and what they need beyond ``loaded``, the initramfs's),
+    decompressed into ``out`` with ``order`` naming them in load order; their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    order = module_load_order(modules_dir, VOLUME_MODULES, frozenset(loaded))
+    for name, path in order:
+        _copy_module(path, out / f"{name}.ko")
+    names = [n for n, _ in order]
+    (out / "order").write_text("\n".join(names) + "\n")
+    return names
 
 
 def build_initramfs(modules_dir: Path, work: Path, out: Path, busybox: Path = BUSYBOX) -> list[str]:

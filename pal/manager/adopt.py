@@ -40,6 +40,7 @@ from pal.vmm.handoff import qemu_opt
 from pal.vmm.host_cpu import LoadSampler, Stretch
 from pal.vmm.jail import Jail, real_uid
 from pal.vmm.qemu import QemuVm, VmSpec
+from pal.wire.models import VolumeMount
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ class Adopter:
             await self.d.net.reregister(
                 spec.vm_id, spec.host_id, egress, net_limits, brokered, wait_rule(wait)
             )
+        volumes = [VolumeMount.model_validate(v) for v in st.get("volumes") or []]
+        if volumes:  # the server this node process starts exports them again
+            await self.d.net.export_volumes(spec.vm_id, volumes, image)
         if live is not None:  # it holds already, unless the crash came mid-resume
             await self.d.net.hold(spec.vm_id)
         qemu = await QemuVm.adopt(
@@ -202,6 +206,7 @@ class Adopter:
             wait=wait,
             live_paused_ms_total=int(st.get("livePausedMs") or 0),
             slot=spec.host_id,
+            volumes=volumes,
         )
 
 

@@ -29,6 +29,7 @@ class Identity:
     mac: str = ""
     ca: str = ""  # PEM of the tenant CA (brokered secrets), else ""
     own: bool = True  # a tenant's VM (False: a template's or a pooled VM's; protocol.py)
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # {export, path, ro} (volumes)
 
     def message(self, hb_interval: float) -> p.Message:
         return {
@@ -43,6 +44,7 @@ class Identity:
             "seed": secrets.token_hex(64),
             "env": self.env,
             "hb_interval": hb_interval,
+            "mounts": self.mounts,
         }
 
 

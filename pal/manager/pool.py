@@ -268,6 +268,7 @@ class WarmPool(StandingSet[PooledVm]):
         await lv.qemu.limit_disk(disk_limits(req))  # the tenant's, before its first request
         await lv.qemu.cont()
         t_cont = time.perf_counter()
+        await self.d.net.mount_volumes(req, lv.image)
         who = identity_of(req, self.d.net.new_mac())
         settings = self.d.settings
         timeout = settings.harness_ready_timeout_ms / 1000
@@ -280,7 +281,7 @@ class WarmPool(StandingSet[PooledVm]):
             dict(req.env),
         )
         lv.egress, lv.net_limits, lv.mac, lv.brokered = req.egress, limits, who.mac, brokered
-        lv.wait, lv.pooled = req.wait_pause, False
+        lv.wait, lv.pooled, lv.volumes = req.wait_pause, False, list(req.volumes)
         lv.touch()
         self.d.registry.vms[req.vm_id] = lv
         self.d.registry.write_state(lv)  # the commit: from now on the tenant's VM

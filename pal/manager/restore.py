@@ -73,7 +73,10 @@ def identity_of(req: SpawnRequest, mac: str) -> Identity:
     ca = req.tenant_ca.cert if req.tenant_ca and req.brokered else ""
     # A template's or a pool's VM has no tenant: it must not fix what each VM restored from
     # it should draw for itself (the kernel's boot_id).
-    return Identity(req.vm_id, req.incarnation, req.token, req.env, mac, ca, own=bool(req.tenant_id))
+    mounts = [{"export": v.volume_id, "path": v.path, "ro": v.read_only} for v in req.volumes]
+    return Identity(
+        req.vm_id, req.incarnation, req.token, req.env, mac, ca, own=bool(req.tenant_id), mounts=mounts
+    )
 
 
 def continued_timings(
@@ -130,6 +133,7 @@ class Restores:
             req.token,
             dict(req.env),
         )
+        lv.volumes = list(req.volumes)
         lv.egress, lv.net_limits, lv.mac, lv.brokered, lv.wait = (
             req.egress,
             limits,
@@ -179,6 +183,7 @@ class Restores:
                 await asyncio.wait_for(asyncio.shield(prefetch), PARKED_PREFETCH_WAIT_S)
         t_prefetch = time.perf_counter()
         await lv.qemu.limit_disk(disk_limits(req))  # the operator's defaults may have changed
+        await self.d.net.mount_volumes(req, lv.image)
         await lv.qemu.cont()
         t_vmm = time.perf_counter()
         who = identity_of(req, self.d.net.new_mac())

@@ -67,6 +67,7 @@ from pal.wire import processes as pr
 from pal.wire import verbs as v
 from pal.wire.handlers import Handlers
 from pal.wire.tunnel import Opened
+from pal.wire.volumes import VolumeDeleted, VolumeRef
 
 
 class NodeRuntime:
@@ -153,6 +154,7 @@ class NodeRuntime:
         gateway on what runs."""
         await self.egress.start(self.waits)
         await asyncio.to_thread(self.volumes.sweep)  # deletes a crash interrupted
+        self.net.volumes.sweep()  # a volume server a dead node process left: its exports died with it
         adopted, killed = await self.adopter.adopt_all()
         await self.egress.settle(self.parking.vms, self.live, self.waits)
         return adopted, killed
@@ -173,6 +175,7 @@ class NodeRuntime:
         """`pal up` ends: every VM stopped, the egress gateway stopped, long polls ended."""
         await self.stop_all()
         await self.net.gateway.stop()
+        await self.net.volumes.stop()
         self.notices_board.close()
 
     async def detach(self) -> None:
@@ -257,7 +260,12 @@ class NodeRuntime:
         h.on(v.EGRESS_EVENTS, lambda r: self.egress.events(r.after, r.epoch))
         h.on(v.CREATE_VOLUME, self.volumes.create)
         h.on(v.RESIZE_VOLUME, self.volumes.resize)
-        h.on(v.DELETE_VOLUME, self.volumes.delete)
+        h.on(v.DELETE_VOLUME, self.delete_volume)
+
+    async def delete_volume(self, r: VolumeRef) -> VolumeDeleted:
+        """A volume's export goes before its files (a forced delete: VMs still mount it)."""
+        await self.net.volumes.drop(r.volume_id)
+        return await self.volumes.delete(r)
 
     def _bind_snapshots(self, h: Handlers) -> None:
         snaps = self.snapshots

@@ -30,6 +30,7 @@ from pal.snapshots.layout import SnapshotRef
 from pal.spec import Egress, WaitPause, egress_to_json
 from pal.vmm.qemu import QemuVm
 from pal.vmm.usage import ProcessMemory
+from pal.wire.models import VolumeMount
 
 
 def _set_event() -> asyncio.Event:
@@ -127,6 +128,7 @@ class LiveVm:
     parked_snapshot: str | None = None  # parked (parked.py) after this snapshot
     slot: str = ""  # what its host resources are named by (slots.py)
     pooled: bool = False  # in the warm pool, no tenant's yet (pool.py)
+    volumes: list[VolumeMount] = field(default_factory=list)  # exported to it (docs/volumes.md)
 
     def paused_ms(self) -> int:
         """Live-paused time of this incarnation, the current pause included."""
@@ -292,4 +294,5 @@ class VmRegistry:
             # A pooled VM is never adopted (a restart kills it); a claim commits by this
             # file no longer saying so (pool.py).
             "pooled": lv.pooled,
+            "volumes": [v.model_dump() for v in lv.volumes],  # exported again on adoption
         }

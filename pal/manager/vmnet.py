@@ -15,6 +15,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import secrets
 import socket
 import urllib.parse
@@ -25,13 +26,17 @@ from typing import Any
 from pal import keyfile
 from pal.config import Settings
 from pal.errors import Unavailable
+from pal.images.paths import ImagePaths
+from pal.manager.volume_server import SOURCE_PREFIX, VolumeServer
 from pal.network import netns
 from pal.network.control import GatewayProcess
 from pal.secretbox import SecretBox
 from pal.snapshots.layout import NET_ARTIFACT
 from pal.spec import Egress, WaitPause, egress_to_json
+from pal.wire.models import SpawnRequest, VolumeMount
 
 log = logging.getLogger(__name__)
+GUEST_NFS_PORT, GUEST_MOUNT_PORT = 2049, 20048  # what the guest connects to (pal/guest/volumes.py)
 
 
 @dataclass
@@ -95,6 +100,8 @@ class VmNetworking:
         self.tag = netns.node_tag(settings.data_dir)
         self._bytes: dict[str, tuple[int, int]] = {}
         self._box: SecretBox | None = None
+        self.volumes = VolumeServer(settings.data_dir / "run")
+        self._sources: dict[str, str] = {}  # VM id -> its source address toward the volume server
         self.gateway = GatewayProcess(
             settings.data_dir,
             resolve=settings.egress_resolve,
@@ -160,6 +167,7 @@ class VmNetworking:
             "limits": limits,
             "names": names,
             "wait": wait,
+            "volumeSource": self.source_of(vm_id),
         }
         if brokered is not None and brokered.rules:
             msg["brokered"] = brokered.rules
@@ -225,8 +233,55 @@ class VmNetworking:
             return dict((await self.gateway.call(msg)).get("state") or {})
         return dict((await self.gateway.call(msg)).get("states") or {})
 
+    # -- volumes (docs/volumes.md) ---------------------------------------------------------------
+
+    def source_of(self, vm_id: str) -> str:
+        """The VM's own loopback address toward the volume server (kept while it lives)."""
+        addr = self._sources.get(vm_id)
+        if addr is None:
+            used = set(self._sources.values())
+            addr = next(
+                f"{SOURCE_PREFIX}.{n >> 8}.{n & 255}" for n in range(1, 65534)
+                if f"{SOURCE_PREFIX}.{n >> 8}.{n & 255}" not in used
+            )  # fmt: skip
+            self._sources[vm_id] = addr
+        return addr
+
+    async def mount_volumes(self, req: SpawnRequest, image: ImagePaths) -> None:
+        await self.export_volumes(req.vm_id, req.volumes, image)
+
+    async def export_volumes(self, vm_id: str, volumes: list[VolumeMount], image: ImagePaths) -> None:
+        """The VM's volumes (``req.volumes``) exported to it before its guest mounts them
+        (identify); each volume's ``data/`` made the image's workload user's (All_Squash
+        writes as that user)."""
+        cfg = image.config
+        mounts = []
+        for v in volumes:
+            data = self.settings.data_dir / "volumes" / v.volume_id / "data"
+            st = await asyncio.to_thread(data.stat)  # FileNotFoundError: not on this node
+            if (st.st_uid, st.st_gid) != (cfg.uid, cfg.gid):
+                await asyncio.to_thread(os.chown, data, cfg.uid, cfg.gid)
+            mounts.append((v.volume_id, data, v.read_only))
+        await self.attach_volumes(vm_id, mounts, cfg.uid, cfg.gid)
+
+    async def attach_volumes(
+        self, vm_id: str, mounts: list[tuple[str, Path, bool]], uid: int, gid: int
+    ) -> None:
+        """Before the guest mounts: the server exports each volume to this VM (and no
+        longer anything it does not mount), and the gateway knows where the server is."""
+        if not mounts:
+            await self.volumes.detach(vm_id)
+            return
+        nfs, mnt = await self.volumes.attach(vm_id, self.source_of(vm_id), mounts, uid, gid)
+        ports = {str(GUEST_NFS_PORT): nfs, str(GUEST_MOUNT_PORT): mnt}
+        if self.gateway.volume_ports != ports:
+            self.gateway.volume_ports = ports
+            await self.gateway.call({"op": "volumeServer", "ports": ports})
+
     async def release(self, vm_id: str, slot: str) -> dict[str, Any] | None:
         """Unregister from the gateway and remove the namespace; the final counters."""
+        await self.volumes.detach(vm_id)
+        self._sources.pop(vm_id, None)
         counters = None
         try:
             reply = await self.gateway.call({"op": "unregister", "vmId": vm_id})
@@ -284,6 +339,9 @@ class VmNetworking:
 
     async def registered(self) -> set[str]:
         reply = await self.gateway.call({"op": "ping"})
+        sources = reply.get("volumeSources")
+        for vm_id, source in sources.items() if isinstance(sources, dict) else ():
+            self._sources.setdefault(str(vm_id), str(source))  # adopted VMs keep theirs
         return set(reply.get("vms") or [])
 
     async def sync(self, vm_ids: set[str], slots: set[str]) -> None:

@@ -121,6 +121,7 @@ class GatewayProcess:
         self.api_addresses = api_addresses or []  # the control plane's: internal like the host's
         self.budgets = budgets or {}  # node totals and name servers (config.NetBudgets.gateway_json)
         self.on_restart = on_restart
+        self.volume_ports: dict[str, int] = {}  # the node's volume server's (vmnet.py)
         self.pid: int | None = None
         self.adopted = False
         self._proc: asyncio.subprocess.Process | None = None
@@ -152,6 +153,7 @@ class GatewayProcess:
             "caBundle": self.ca_bundle,
             "apiAddresses": self.api_addresses,
             "budgets": self.budgets,
+            "volumePorts": self.volume_ports,
         }
 
     async def _try_adopt(self) -> bool:

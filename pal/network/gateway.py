@@ -75,6 +75,9 @@ class Gateway:
         self.clients = 0
         self._idle_since = time.monotonic()
         self.sinks: set[ControlConnection] = set()  # node connections that asked to watch
+        # The node's volume server (pal/manager/volume_server.py): guest port -> its port
+        # on 127.0.0.1; empty until the node starts one.
+        self.volume_ports: dict[int, int] = {}
 
     def emit(self, ev: dict[str, Any]) -> None:
         """Tell every watching node (``watch``) about ``ev`` (never blocks the relay)."""
@@ -127,6 +130,11 @@ class Gateway:
         self.events.vm_registered(vm_id)
         vm = VmGateway(self, vm_id, policy, dict(msg.get("limits") or {}), table, rules, ca)
         vm.set_wait(msg.get("wait"))
+        source = msg.get("volumeSource")
+        vm.volume_source = source if isinstance(source, str) and source.startswith("127.") else None
+        for other in self.vms.values():  # one VM per source address, ever (a VM a node
+            if other.volume_source == vm.volume_source:  # restart adopted keeps none)
+                other.volume_source = None
         loop = asyncio.get_running_loop()
         listener.setblocking(False)
         dns_sock.setblocking(False)
@@ -135,6 +143,11 @@ class Gateway:
         vm.servers = [server, transport]
         self.vms[vm_id] = vm
         return {"vmId": vm_id}
+
+    def set_volume_ports(self, raw: Any) -> None:
+        """``{guest port: server port}`` of the node's volume server (None: none runs)."""
+        if isinstance(raw, dict):
+            self.volume_ports = {int(k): int(v) for k, v in raw.items()}
 
     def vm(self, msg: dict[str, Any]) -> VmGateway:
         vm = self.vms.get(str(msg.get("vmId")))
@@ -145,7 +158,8 @@ class Gateway:
     async def handle(self, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "ping":
-            return {"pid": os.getpid(), "vms": sorted(self.vms)}
+            sources = {v.vm_id: v.volume_source for v in self.vms.values() if v.volume_source}
+            return {"pid": os.getpid(), "vms": sorted(self.vms), "volumeSources": sources}
         if op == "configure":
             self.configure(
                 msg.get("resolve"),
@@ -155,6 +169,10 @@ class Gateway:
                 budgets=msg.get("budgets") if isinstance(msg.get("budgets"), dict) else None,
             )
             self.tls.configure(msg.get("caBundle") or None)
+            self.set_volume_ports(msg.get("volumePorts"))
+            return {}
+        if op == "volumeServer":
+            self.set_volume_ports(msg.get("ports"))
             return {}
         if op == "register":
             return await self.register(msg, fds)

@@ -22,6 +22,7 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
+from pal.guest.protocol import GATEWAY_IP
 from pal.network import broker, namecheck, sniff
 from pal.network.broker import EGRESS_DENIED
 from pal.network.budgets import (
@@ -41,6 +42,7 @@ from pal.spec import DEFAULT_HOLD_BUFFER, DEFAULT_MAX_CONNECTIONS
 log = logging.getLogger("pal.gateway")
 
 SO_ORIGINAL_DST = 80
+VOLUME_SERVER_ADDRESS = GATEWAY_IP  # the host side of every VM's link (netns.py)
 # Waiting for a ClientHello / request head on a bare-IP connection when a name rule could
 # apply. A client may take a while to send them (curl loads its CA bundle after connect();
 # seconds under TCG on a busy host); a server-speaks-first protocol waits this long before
@@ -68,6 +70,7 @@ class NodeGateway(Protocol):
     buffer_pool: Pool
     fd_pool: Pool
     max_buffer: int
+    volume_ports: dict[int, int]
 
     def emit(self, ev: dict[str, Any]) -> None: ...
 
@@ -113,6 +116,8 @@ class VmGateway:
         self._ev_suppressed = 0
         self._dns_inflight = 0
         self.servers: list[Any] = []
+        # This VM's loopback address toward the node's volume server (None: it reaches none).
+        self.volume_source: str | None = None
         # accept -> upstream connected, ms, of the latest connections (pal bench network)
         self.setup_ms: deque[float] = deque(maxlen=2000)
         # Wait management (live pause): the VM's rule, whether the node holds it, and
@@ -247,6 +252,9 @@ class VmGateway:
 
     async def _decide_and_connect(self, conn: Connection) -> None:
         ip_s, port = conn.dst
+        if ip_s == VOLUME_SERVER_ADDRESS and port in self.gw.volume_ports and self.volume_source:
+            await self._to_volume_server(conn, port)
+            return
         ip = ipaddress.ip_address(ip_s)
         policy = self.policy
         name: str | None = None
@@ -317,6 +325,32 @@ class VmGateway:
             return
         log.info("VM %s: upstream %s:%d unreachable: %s", self.vm_id, name or ip_s, port, last)
         conn.reset()
+
+    async def _to_volume_server(self, conn: Connection, port: int) -> None:
+        """The guest's NFS or MOUNT connection (docs/volumes.md): to the node's volume
+        server, from this VM's own source address, which the server's exports list for the
+        volumes this VM mounts (and for no other); outside the egress policy."""
+        assert self.volume_source is not None
+        conn.name, conn.rule, conn.state = None, "volume", "connecting"
+        try:
+            transport, _ = await asyncio.wait_for(
+                asyncio.get_running_loop().create_connection(
+                    lambda: UpstreamSide(conn),
+                    "127.0.0.1",
+                    self.gw.volume_ports[port],
+                    local_addr=(self.volume_source, 0),
+                ),
+                timeout=CONNECT_TIMEOUT_S,
+            )
+        except (OSError, TimeoutError) as exc:
+            log.info("VM %s: the volume server is unreachable: %s", self.vm_id, exc)
+            conn.reset()
+            return
+        if conn.state == "closed":
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=READ_LIMIT)
+        conn.attach_upstream(transport, ("127.0.0.1", self.gw.volume_ports[port]))  # type: ignore[arg-type]
 
     def _still_allowed(self, conn: Connection, decided_by: Policy, addr: Address, port: int) -> bool:
         """Right before a connection starts relaying: was it decided by the policy in force?

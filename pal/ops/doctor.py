@@ -79,7 +79,22 @@ def host_checks(settings: Settings, view: HostView | None = None) -> list[Check]
         _run("image", image),
         Check("egress", None, egress),
         Check("snapshots", None, f"{settings.snapshots_root}; S3 mirror {s3}"),
+        _volumes(),
     ]
+
+
+def _volumes() -> Check:
+    """Whether sandboxes can mount volumes here (docs/volumes.md: the node's nfs-ganesha)."""
+    from pal.manager.volume_server import PACKAGES, missing_tools
+
+    missing = missing_tools()
+    if missing:
+        return Check(
+            "volumes",
+            None,
+            f"cannot be mounted: {', '.join(missing)} missing (apt-get install {' '.join(PACKAGES)})",
+        )
+    return Check("volumes", True, "can be mounted (nfs-ganesha, rpcbind; started at the first mount)")
 
 
 def store_check(settings: Settings) -> Check:

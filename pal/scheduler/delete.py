@@ -21,6 +21,7 @@ from pal.scheduler.states import Action, VmState
 from pal.scheduler.transition import Audit
 from pal.scheduler.volumes import Volumes
 from pal.store import VmRecord
+from pal.store import volumes as volume_rows
 from pal.wire import verbs
 from pal.wire.models import StopVm
 
@@ -70,6 +71,8 @@ class Deleting:
                 vm = await d.transitions.transition(
                     vm_id, A.FINISH_DELETE, reason="deleted", audit=audit, **fields
                 )
+        if vm.state == S.TERMINATED:
+            volume_rows.remove_mounts(d.store, vm_id)  # its volumes are no longer mounted
         await self.books.release(vm)
         return vm
 

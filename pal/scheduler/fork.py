@@ -25,6 +25,7 @@ from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
 from pal.store import VmRecord, utcnow
+from pal.store import volumes as volume_rows
 from pal.wire import verbs
 from pal.wire.models import RestoreFrom, SnapshotRequest, SnapshotResult
 
@@ -127,6 +128,7 @@ class Forking:
                 for c in children:
                     d.live.forget(c.vm_id)
                 raise
+            volume_rows.copy_mounts(d.store, vm_id, [c.vm_id for c in children])  # docs/volumes.md
             failpoints.hit("fork:reserved")
             if live_source:
                 taken = await self._snapshot(src, snap_id)

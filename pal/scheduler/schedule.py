@@ -8,15 +8,18 @@ import time
 from dataclasses import dataclass
 
 from pal import failpoints
-from pal.errors import PalError
+from pal.errors import Conflict, InvalidRequest, PalError
 from pal.scheduler import ceilings, placement
 from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps, as_pal, new_token, new_vm_id
 from pal.scheduler.lifetime import ends_at
 from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action
+from pal.scheduler.volumes import Volumes
 from pal.spec import AgentSpec, WaitPause, egress_to_json
-from pal.store import VmRecord, utcnow
+from pal.store import VmRecord, VolumeRecord, utcnow
+from pal.store import volumes as volume_rows
+from pal.volume_spec import VolumeMountSpec
 from pal.wire import verbs
 
 A = Action
@@ -45,9 +48,12 @@ class Scheduling:
         await d.nodes.register_local()
         placement.check_satisfiable(d.nodes.nodes(), spec.placement.region, dict(spec.placement.labels))
         t0 = time.perf_counter()
+        mounts = self._volumes(tenant_id, spec)  # 404 for another tenant's, as for none
         vm = self._row(tenant_id, spec)
         async with d.locks.op_lock(vm.vm_id):
             await d.transitions.create(tenant_id, [vm], A.SCHEDULE)  # 402 here leaves no row
+            for vol, m in mounts:
+                volume_rows.add_mount(d.store, vol.volume_id, vm.vm_id, m.path, read_only=m.read_only)
             failpoints.hit("schedule:reserved")
             async with self.spawner.placing:
                 try:
@@ -82,6 +88,18 @@ class Scheduling:
         d.telemetry.schedule.labels(boot=res.method).observe(time.perf_counter() - t0)
         d.telemetry.started(vm.vm_id, "schedule")
         return vm, res.method
+
+    def _volumes(self, tenant_id: str, spec: AgentSpec) -> list[tuple[VolumeRecord, VolumeMountSpec]]:
+        """The tenant's ready volumes the spec mounts (docs/volumes.md)."""
+        out = []
+        for m in spec.volumes:
+            vol = Volumes(self.d).own(tenant_id, m.name)
+            if vol.state != "ready":
+                raise Conflict(f"volume {vol.name!r} is {vol.state}")
+            out.append((vol, m))
+        if len({v.volume_id for v, _ in out}) != len(out):
+            raise InvalidRequest("each volume at most once (by name or id)")
+        return out
 
     def _row(self, tenant_id: str, spec: AgentSpec) -> VmRecord:
         now = utcnow()

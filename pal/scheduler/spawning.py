@@ -19,8 +19,9 @@ from pal.scheduler.brokering import SecretBroker
 from pal.scheduler.deps import Deps
 from pal.spec import Placement, WaitPause, egress_from_json
 from pal.store import NodeRecord, VmRecord
+from pal.store import volumes as volume_rows
 from pal.wire import verbs
-from pal.wire.models import Empty, ImageInfo, RestoreFrom, SpawnRequest, SpawnResult
+from pal.wire.models import Empty, ImageInfo, RestoreFrom, SpawnRequest, SpawnResult, VolumeMount
 
 log = logging.getLogger(__name__)
 ASK_AT_ONCE = 32  # nodes asked for their images at the same time
@@ -145,7 +146,7 @@ class Spawner:
             need(vm, restore=restore),
             prefer=prefer,
             prefer_why=prefer_why,
-            exclude=exclude,
+            exclude=(*exclude, *self.off_volume_nodes(vm)),
             silent_after_s=self.silent_after_s,
         )
 
@@ -163,6 +164,7 @@ class Spawner:
                 need(child, restore=True),
                 prefer=src.node_id,
                 prefer_why="the source's node (shares its pages)",
+                exclude=self.off_volume_nodes(src),
                 silent_after_s=self.silent_after_s,
             )
             child.node_id = choice.node_id
@@ -217,7 +219,19 @@ class Spawner:
             disk_iops=size.disk_iops,
             **self._brokered(vm),
             wait_pause=WaitPause.model_validate(vm.wait_pause) if vm.wait_pause else None,
+            volumes=[
+                VolumeMount(volume_id=vid, path=path, read_only=ro)
+                for vid, path, ro, _ in volume_rows.mounts_of(self.d.store, vm.vm_id)
+            ],
         )
+
+    def off_volume_nodes(self, vm: VmRecord) -> tuple[str, ...]:
+        """A VM that mounts volumes runs on their home node only (docs/volumes.md: a volume
+        on another node is not reachable yet): every other node, to exclude."""
+        homes = {node for *_, node in volume_rows.mounts_of(self.d.store, vm.vm_id)}
+        if not homes:
+            return ()
+        return tuple(n.node_id for n in self.d.nodes.nodes() if n.node_id not in homes)
 
     def _brokered(self, vm: VmRecord) -> dict[str, Any]:
         rules = self.brokering.rules(vm.tenant_id, vm.secrets)

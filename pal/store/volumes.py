@@ -211,3 +211,30 @@ def recount(conn: Connection) -> None:
     n = select(func.count()).where(v.tenant_id == tenants.c.id).scalar_subquery()
     mib = select(func.coalesce(func.sum(v.size_mib), 0)).where(v.tenant_id == tenants.c.id).scalar_subquery()
     conn.execute(update(tenants).values(volumes_used=n, volume_bytes_used=mib * MIB))
+
+
+def mounts_of(store: Store, vm_id: str) -> list[tuple[str, str, bool, str]]:
+    """The VM's mounts: (volume id, path, read only, the volume's node), in path order."""
+    with store._read() as conn:
+        q = (
+            select(
+                volume_mounts.c.volume_id, volume_mounts.c.path, volume_mounts.c.read_only, volumes.c.node_id
+            )
+            .join(volumes, volumes.c.volume_id == volume_mounts.c.volume_id)
+            .where(volume_mounts.c.vm_id == vm_id)
+            .order_by(volume_mounts.c.path)
+        )
+        return [(str(r[0]), str(r[1]), bool(r[2]), str(r[3] or "")) for r in conn.execute(q)]
+
+
+def copy_mounts(store: Store, src_vm_id: str, vm_ids: list[str]) -> None:
+    """Fork children mount what their source mounts."""
+    for volume_id, path, read_only, _ in mounts_of(store, src_vm_id):
+        for vm_id in vm_ids:
+            add_mount(store, volume_id, vm_id, path, read_only=read_only)
+
+
+def remove_mounts(store: Store, vm_id: str) -> None:
+    """The VM is gone: it mounts nothing."""
+    with store.write() as tx:
+        tx._conn.execute(delete(volume_mounts).where(volume_mounts.c.vm_id == vm_id))

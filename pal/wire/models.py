@@ -75,6 +75,14 @@ class BrokeredSetResult(_Model):
     rules: int
 
 
+class VolumeMount(_Model):
+    """A volume the VM mounts (docs/volumes.md): its id (resolved at schedule), where."""
+
+    volume_id: SafeId
+    path: str
+    read_only: bool = False
+
+
 class SpawnRequest(_Model):
     """Sizes have no defaults here: the caller passes what the AgentSpec resolved."""
 
@@ -100,6 +108,7 @@ class SpawnRequest(_Model):
     brokered: list[BrokeredRule] = Field(default_factory=list)
     tenant_ca: TenantCa | None = None
     wait_pause: WaitPause | None = None  # the node watches for wait pauses (None: off)
+    volumes: list[VolumeMount] = Field(default_factory=list)  # mounted before identify
 
 
 class LimitsApplied(_Model):

@@ -43,6 +43,8 @@ type AgentSpec struct {
 	LifetimeSecs int `json:"lifetimeSecs,omitempty"`
 	// OnLifetimeEnd is what the end does: "delete" (the default) or "pause".
 	OnLifetimeEnd string `json:"onLifetimeEnd,omitempty"`
+	// Volumes are the tenant's volumes to mount (docs/volumes.md).
+	Volumes []VolumeMount `json:"volumes,omitempty"`
 }
 
 // LifetimeUpdate is SetLifetime's change: exactly one of LifetimeSecs (the new lifetime,
@@ -389,4 +391,12 @@ type SecretRotated struct {
 // Health answers Client.Health.
 type Health struct {
 	OK bool `json:"ok"`
+}
+
+// VolumeMount is a volume an AgentSpec mounts: the tenant's volume by name or id, at an
+// absolute path in the guest, read-only or not (the server enforces it).
+type VolumeMount struct {
+	Name     string `json:"name"`
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"readOnly,omitempty"`
 }

@@ -875,6 +875,11 @@ export interface components {
              * @enum {string}
              */
             onLifetimeEnd?: "pause" | "delete";
+            /**
+             * Volumes
+             * @description the tenant's volumes to mount, `[{name, path, readOnly}]` (docs/volumes.md)
+             */
+            volumes?: components["schemas"]["VolumeMountSpec"][];
         };
         /** AttachUrlOut */
         AttachUrlOut: {
@@ -2419,6 +2424,25 @@ export interface components {
             nextCursor?: string | null;
             /** Volumes */
             volumes: components["schemas"]["VolumeOut"][];
+        };
+        /** VolumeMountSpec */
+        VolumeMountSpec: {
+            /**
+             * Name
+             * @description the volume's name or id (`vol-...`)
+             */
+            name: string;
+            /**
+             * Path
+             * @description absolute path in the guest
+             */
+            path: string;
+            /**
+             * Readonly
+             * @description mount read-only (the server enforces it)
+             * @default false
+             */
+            readOnly?: boolean;
         };
         /** VolumeOut */
         VolumeOut: {

@@ -1,0 +1,120 @@
+"""The guest's volume mounts (docs/volumes.md): NFSv3 from the node's volume server, at
+``10.0.2.2`` (the host side of every VM's network; the egress gateway hands ports 2049 and
+20048 to the server from this VM's own source address), each export named by its volume id.
+
+The NFS client's modules are not in the initramfs (every cold boot would decompress them):
+the image carries them at ``/.pal/modules`` (with ``order``), loaded here at the first
+mount. The mount is busybox's (it speaks MOUNT itself: no rpcbind, no mount.nfs in the
+image). A mount already there (a resume, a fork child: the kernel's mount came with the
+memory) is kept: its client reconnects to the server at its next request.
+
+Stdlib only, like the whole guest package.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Any
+
+MODULES_DIR = "/.pal/modules"
+BUSYBOX = "/.pal/bin/busybox"
+SERVER = "10.0.2.2"
+# hard: a request waits for the server (a node restart) rather than failing the workload's
+# write; timeo 5 s, then the client retries on a new connection.
+NFS_OPTS = "vers=3,proto=tcp,port=2049,mountport=20048,mountproto=tcp,nolock,hard,timeo=50,retrans=3"
+MOUNT_TIMEOUT_S = 60.0
+MAX_MOUNTS = 16
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as \\ooo
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounted() -> dict[str, str]:
+    """Mount point -> source of the NFS mounts now in place."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] in ("nfs", "nfs4"):
+                    out[_unescape(parts[1])] = parts[0]
+    except OSError:
+        pass
+    return out
+
+
+def load_modules(modules_dir: str = MODULES_DIR) -> None:
+    """Load the NFS client's modules (those not loaded yet), in their order."""
+    if os.path.isdir("/sys/module/nfsv3"):
+        return
+    try:
+        with open(os.path.join(modules_dir, "order")) as f:
+            names = [n.strip() for n in f if n.strip()]
+    except OSError as exc:
+        raise OSError(f"this image has no NFS client modules ({modules_dir}): rebuild it") from exc
+    for name in names:
+        if os.path.isdir(f"/sys/module/{name}"):
+            continue
+        r = subprocess.run(
+            [BUSYBOX, "insmod", os.path.join(modules_dir, f"{name}.ko")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if r.returncode != 0 and not os.path.isdir(f"/sys/module/{name}"):
+            raise OSError(f"insmod {name}: {(r.stderr or r.stdout).strip()[:200]}")
+
+
+def parse(raw: Any) -> list[tuple[str, str, bool]]:
+    """The identify message's ``mounts``: (export, path, read_only), checked."""
+    if not isinstance(raw, list) or len(raw) > MAX_MOUNTS:
+        return []
+    out = []
+    for m in raw:
+        if not isinstance(m, dict):
+            continue
+        export, path, ro = m.get("export"), m.get("path"), m.get("ro") is True
+        if not isinstance(export, str) or not export.replace("-", "").isalnum():
+            continue
+        if not isinstance(path, str) or not path.startswith("/") or "\0" in path or ".." in path.split("/"):
+            continue
+        out.append((export, os.path.normpath(path), ro))
+    return out
+
+
+def ensure(mounts: list[tuple[str, str, bool]]) -> None:
+    """Mount each volume at its path unless already there; OSError naming what failed."""
+    if not mounts:
+        return
+    have = mounted()
+    todo = [(e, p, ro) for e, p, ro in mounts if have.get(p) != f"{SERVER}:{e}"]
+    if not todo:
+        return
+    load_modules()
+    for export, path, ro in todo:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        opts = ",".join(["nosuid", "nodev", "ro" if ro else "rw", NFS_OPTS])
+        try:
+            r = subprocess.run(
+                [BUSYBOX, "mount", "-t", "nfs", "-o", opts, f"{SERVER}:{export}", path],
+                capture_output=True,
+                text=True,
+                timeout=MOUNT_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise OSError(
+                f"mounting volume {export} at {path}: no answer in {MOUNT_TIMEOUT_S:.0f} s"
+            ) from exc
+        if r.returncode != 0:
+            raise OSError(f"mounting volume {export} at {path}: {(r.stderr or r.stdout).strip()[:300]}")

@@ -1,0 +1,135 @@
+"""Issue 34, volumes mounted into sandboxes (docs/volumes.md, docs/lifecycle.md "Volumes"):
+two sandboxes share one volume read-write (close-to-open), a snapshot pause keeps the
+mount and the resume sees the other's writes, a fork child mounts its parent's volumes,
+the files are the sandbox default user's, the data outlives every sandbox; another tenant
+cannot mount it, and a guest cannot reach an export it does not mount."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.conftest import PalServer
+
+pytestmark = pytest.mark.vm
+
+MNT = "/mnt/vol"
+
+
+def sh(api: httpx.Client, vm: str, line: str) -> dict:
+    r = api.post(f"/v1/runtime/vms/{vm}/exec", json={"command": "/bin/sh", "argv": ["-c", line]})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ok(api: httpx.Client, vm: str, line: str) -> str:
+    out = sh(api, vm, line)
+    assert out["exitCode"] == 0, out
+    return str(out["stdout"])
+
+
+def schedule(api: httpx.Client, **spec: object) -> str:
+    r = api.post("/v1/runtime/schedule", json=spec)
+    assert r.status_code == 200, r.text
+    return str(r.json()["vmId"])
+
+
+def test_two_sandboxes_share_a_volume_across_pause_fork_and_delete(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    vol = api.post("/v1/volumes", json={"name": name, "sizeMib": 64}).json()
+    vms: list[str] = []
+    try:
+        mount = [{"name": name, "path": MNT}]
+        a = schedule(api, volumes=mount)
+        vms.append(a)
+        b = schedule(api, volumes=[{"name": vol["volumeId"], "path": MNT}])
+        vms.append(b)
+        got = api.get(f"/v1/volumes/{name}").json()
+        assert sorted(got["mountedBy"]) == sorted([a, b])
+        r = api.delete(f"/v1/volumes/{name}")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "VOLUME_MOUNTED", r.text
+
+        # close-to-open: what one closed, the other's next open sees
+        ok(api, a, f"echo from-a > {MNT}/a.txt")
+        assert ok(api, b, f"cat {MNT}/a.txt") == "from-a\n"
+        ok(api, b, f"echo from-b >> {MNT}/a.txt && sync")
+        assert ok(api, a, f"cat {MNT}/a.txt") == "from-a\nfrom-b\n"
+        # the sandbox's default user owns what root and the user write
+        uid = ok(api, a, "id -u").strip()
+        assert ok(api, a, f"stat -c %u {MNT}/a.txt").strip() == uid
+        mounts = ok(api, a, "grep ' nfs ' /proc/mounts")
+        assert MNT in mounts and "nosuid" in mounts and "nodev" in mounts, mounts
+
+        # a snapshot pause keeps the mount; the resume sees what B wrote meanwhile
+        r = api.post(f"/v1/runtime/vms/{a}/pause")
+        assert r.status_code == 200, r.text
+        ok(api, b, f"echo while-paused > {MNT}/b.txt")
+        r = api.post(f"/v1/runtime/vms/{a}/resume")
+        assert r.status_code == 200, r.text
+        assert ok(api, a, f"cat {MNT}/b.txt") == "while-paused\n"
+        ok(api, a, f"echo after-resume > {MNT}/c.txt")
+        assert ok(api, b, f"cat {MNT}/c.txt") == "after-resume\n"
+
+        # a fork child mounts what its parent mounts
+        r = api.post(f"/v1/runtime/vms/{a}/fork", json={"count": 1})
+        assert r.status_code == 200, r.text
+        child = r.json()["forks"][0]["vmId"]
+        vms.append(child)
+        assert ok(api, child, f"cat {MNT}/b.txt") == "while-paused\n"
+        ok(api, child, f"echo from-child > {MNT}/d.txt")
+        assert ok(api, b, f"cat {MNT}/d.txt") == "from-child\n"
+        assert child in api.get(f"/v1/volumes/{name}").json()["mountedBy"]
+
+        # fsync'd data outlives every sandbox: read back through a new one
+        ok(api, a, f"dd if=/dev/urandom of={MNT}/big bs=64k count=16 conv=fsync 2>/dev/null")
+        want = ok(api, a, f"md5sum < {MNT}/big")
+        for vm in vms:
+            assert api.delete(f"/v1/runtime/vms/{vm}").status_code == 200
+        vms.clear()
+        assert api.get(f"/v1/volumes/{name}").json()["mountedBy"] == []
+        reader = schedule(api, volumes=[{"name": name, "path": "/data", "readOnly": True}])
+        vms.append(reader)
+        assert ok(api, reader, "md5sum < /data/big") == want
+        assert ok(api, reader, "cat /data/a.txt /data/d.txt") == "from-a\nfrom-b\nfrom-child\n"
+        # read-only is the server's word, not only the guest's mount flag
+        assert sh(api, reader, "echo x > /data/x")["exitCode"] != 0
+    finally:
+        for vm in vms:
+            api.delete(f"/v1/runtime/vms/{vm}")
+        api.delete(f"/v1/volumes/{name}", params={"force": "true"})
+
+
+def test_another_tenant_cannot_mount_or_reach_a_volume(pal_server: PalServer, api: httpx.Client) -> None:
+    mine, theirs = f"mine-{uuid.uuid4().hex[:8]}", f"theirs-{uuid.uuid4().hex[:8]}"
+    other = pal_server.client(pal_server.tenant(f"vol-other-{uuid.uuid4().hex[:6]}", max_vms=2))
+    vol = api.post("/v1/volumes", json={"name": mine}).json()
+    assert other.post("/v1/volumes", json={"name": theirs}).status_code == 200
+    vms: list[str] = []
+    try:
+        # 404 at schedule, by name and by id, exactly as for a missing one
+        for ref in (mine, vol["volumeId"], "no-such-volume"):
+            r = other.post("/v1/runtime/schedule", json={"volumes": [{"name": ref, "path": MNT}]})
+            assert r.status_code == 404, r.text
+        bad = api.post("/v1/runtime/schedule", json={"volumes": [{"name": mine, "path": "/etc"}]})
+        assert bad.status_code == 400, bad.text
+        # from inside a guest: the export of a volume this VM does not mount is refused
+        vm = schedule(other, volumes=[{"name": theirs, "path": MNT}])
+        vms.append(vm)
+        opts = "vers=3,proto=tcp,port=2049,mountport=20048,mountproto=tcp,nolock,soft,timeo=20,retrans=1"
+        out = sh(
+            other,
+            vm,
+            f"mkdir -p /mnt/x && /.pal/bin/busybox mount -t nfs -o {opts} 10.0.2.2:{vol['volumeId']} /mnt/x",
+        )
+        assert out["exitCode"] != 0, out
+        assert "denied" in (out["stdout"] + out["stderr"]).lower(), out
+    finally:
+        for v in vms:
+            other.delete(f"/v1/runtime/vms/{v}")
+        other.delete(f"/v1/volumes/{theirs}", params={"force": "true"})
+        api.delete(f"/v1/volumes/{mine}", params={"force": "true"})
+        other.close()

@@ -1,0 +1,149 @@
+"""Volume mounts (docs/volumes.md): the AgentSpec's ``volumes``, ``--volume``, the node's
+export config, the guest's parse of identify's ``mounts``, and the node's ganesha itself
+(started, reloaded, stopped: a real server, no VM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import typer
+from pydantic import ValidationError
+
+from pal.cli.vm import parse_volume
+from pal.guest import volumes as guest_volumes
+from pal.manager.volume_server import VolumeServer, missing_tools
+from pal.spec import AgentSpec
+
+
+def test_the_spec_takes_absolute_non_system_paths_once_each() -> None:
+    spec = AgentSpec.model_validate(
+        {
+            "volumes": [
+                {"name": "cache", "path": "/mnt/cache/"},
+                {"name": "vol-1", "path": "/data", "readOnly": True},
+            ]
+        }
+    )
+    assert [(m.name, m.path, m.read_only) for m in spec.volumes] == [
+        ("cache", "/mnt/cache", False),
+        ("vol-1", "/data", True),
+    ]
+    for bad in (
+        [{"name": "a", "path": "/"}],
+        [{"name": "a", "path": "/etc"}],
+        [{"name": "a", "path": "/usr/local"}],
+        [{"name": "a", "path": "/.pal"}],
+        [{"name": "a", "path": "data"}],
+        [{"name": "a", "path": "/x/../etc"}],
+        [{"name": "a", "path": "/x"}, {"name": "a", "path": "/y"}],
+        [{"name": "a", "path": "/x"}, {"name": "b", "path": "/x"}],
+        [{"name": "a", "path": "/x"}, {"name": "b", "path": "/x/y"}],
+        [{"name": f"v{i}", "path": f"/m{i}"} for i in range(9)],
+        [{"name": "a", "path": "/x", "rw": True}],
+    ):
+        with pytest.raises(ValidationError):
+            AgentSpec.model_validate({"volumes": bad})
+
+
+def test_the_cli_reads_name_path_and_ro() -> None:
+    assert parse_volume("cache:/mnt/cache") == {"name": "cache", "path": "/mnt/cache", "readOnly": False}
+    assert parse_volume("data:/data:ro") == {"name": "data", "path": "/data", "readOnly": True}
+    for bad in ("cache", ":/x", "cache:x"):
+        with pytest.raises(typer.BadParameter):
+            parse_volume(bad)
+
+
+def test_the_guest_takes_only_well_formed_mounts() -> None:
+    raw = [
+        {"export": "vol-abc", "path": "/mnt/a", "ro": True},
+        {"export": "vol-abc;rm", "path": "/mnt/b"},
+        {"export": "vol-c", "path": "relative"},
+        {"export": "vol-d", "path": "/x/../etc"},
+        "nonsense",
+    ]
+    assert guest_volumes.parse(raw) == [("vol-abc", "/mnt/a", True)]
+    assert guest_volumes.parse("nope") == []
+
+
+def test_exports_list_each_vm_by_source_with_its_access(tmp_path: Path) -> None:
+    server = VolumeServer(tmp_path)
+    server.ports = (12049, 12048)
+    server.exports = {}
+    from pal.manager.volume_server import _Export, _Mount
+
+    server.exports["vol-a"] = _Export(1, tmp_path / "a", {"vm-1": _Mount("127.77.0.1", False, 1000, 1000)})
+    server.exports["vol-a"].mounts["vm-2"] = _Mount("127.77.0.2", True, 1000, 1000)
+    server.exports["vol-b"] = _Export(2, tmp_path / "b", {})
+    conf = server.render()
+    a = conf[conf.index("Tag = vol-a") : conf.index("Tag = vol-b")]
+    assert "Clients = 127.77.0.1;\n        Access_Type = RW" in a
+    assert "Clients = 127.77.0.2;\n        Access_Type = RO" in a
+    b = conf[conf.index("Tag = vol-b") :]
+    assert "CLIENT" not in b and "Access_Type = None" in b  # nobody mounts it: nobody reaches it
+    assert "Bind_addr = 127.0.0.1" in conf and "NFS_Port = 12049" in conf and "Squash = All_Squash" in a
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or bool(missing_tools()), reason="needs root and nfs-ganesha")
+def test_the_node_server_starts_serves_reloads_and_stops(tmp_path: Path) -> None:
+    async def run() -> None:
+        server = VolumeServer(tmp_path / "run")
+        data = tmp_path / "vol" / "data"
+        data.mkdir(parents=True)
+        try:
+            await check(server, data)
+        finally:
+            await server.stop()
+
+    async def check(server: VolumeServer, data: Path) -> None:
+        nfs, mnt = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+        for port in (nfs, mnt):
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        # listening on 127.0.0.1 only (the host's namespace: what the gateway reaches)
+        loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, v4 or v4-mapped
+        assert _listeners(nfs) and _listeners(nfs) <= loopback and _listeners(mnt) <= loopback
+        assert server._proc is not None
+        pid = server._proc.pid
+        ganesha = server._ganesha_pid()
+        assert ganesha is not None
+        await server.detach("vm-1")
+        assert "127.77.0.9" not in server.conf.read_text()
+        assert server.running  # a reload (SIGHUP), not a restart
+        assert server._proc.pid == pid
+        await server.stop()
+        assert not server.running
+        for p in (pid, ganesha):  # the whole group: the wrapper, ganesha (and rpcbind)
+            for _ in range(200):
+                if not Path(f"/proc/{p}").exists() or _zombie(p):
+                    break
+                await asyncio.sleep(0.02)
+            assert not Path(f"/proc/{p}").exists() or _zombie(p)
+
+    asyncio.run(run())
+
+
+def _listeners(port: int) -> set[str]:
+    """The addresses (hex, as /proc/net/tcp has them) listening on ``port``."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if state == "0A" and int(p, 16) == port:
+            out.add(addr)
+    for line in Path("/proc/net/tcp6").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if state == "0A" and int(p, 16) == port:
+            out.add(addr)
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
