@@ -252,6 +252,23 @@ def bench_io(
     bench_io_mod.main(rounds=rounds, seconds=seconds, data_dir=data_dir, out_dir=out_dir)
 
 
+@bench_app.command("volumes")
+def bench_volumes(
+    rounds: Annotated[int, typer.Option(min=1, help="rounds (p50 over them)")] = 3,
+    size_mib: Annotated[int, typer.Option(min=1, help="MiB written and read sequentially")] = 256,
+    ops: Annotated[int, typer.Option(min=1, help="random 4 KiB reads and writes each")] = 2000,
+    data_dir: BenchDataDir = None,
+    out_dir: Annotated[Path, typer.Option(help="where volumes.md goes")] = Path("docs/benchmarks"),
+) -> None:
+    """Volumes: a volume against the sandbox's own disk; the mount's cost at schedule.
+
+    Sequential and random read and write on a volume and on the sandbox's disk, schedule
+    with and without a volume, two sandboxes writing one volume at once (docs/volumes.md)."""
+    from pal_tools.bench import volumes as bench_volumes_mod
+
+    bench_volumes_mod.main(rounds=rounds, size_mib=size_mib, ops=ops, data_dir=data_dir, out_dir=out_dir)
+
+
 @bench_app.command("wait")
 def bench_wait(
     iterations: Annotated[int, typer.Option(help="iterations per latency (p50/p90)")] = 20,

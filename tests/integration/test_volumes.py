@@ -6,12 +6,15 @@ cannot mount it, and a guest cannot reach an export it does not mount."""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import PalServer
+from tests.conftest import PalServer, scratch_run_dir, start_server, stop_server
 
 pytestmark = pytest.mark.vm
 
@@ -74,6 +77,14 @@ def test_two_sandboxes_share_a_volume_across_pause_fork_and_delete(
         ok(api, a, f"echo after-resume > {MNT}/c.txt")
         assert ok(api, b, f"cat {MNT}/c.txt") == "after-resume\n"
 
+        # a live pause (memory offloaded) keeps the QEMU and its mount; B writes meanwhile
+        r = api.post(f"/v1/runtime/vms/{b}/pause", json={"mode": "live", "offload": True})
+        assert r.status_code == 200 and r.json()["pause"]["kind"] == "live", r.text
+        ok(api, a, f"echo while-live-paused > {MNT}/e.txt")
+        r = api.post(f"/v1/runtime/vms/{b}/resume")
+        assert r.status_code == 200, r.text
+        assert ok(api, b, f"cat {MNT}/e.txt") == "while-live-paused\n"
+
         # a fork child mounts what its parent mounts
         r = api.post(f"/v1/runtime/vms/{a}/fork", json={"count": 1})
         assert r.status_code == 200, r.text
@@ -133,3 +144,81 @@ def test_another_tenant_cannot_mount_or_reach_a_volume(pal_server: PalServer, ap
         other.delete(f"/v1/volumes/{theirs}", params={"force": "true"})
         api.delete(f"/v1/volumes/{mine}", params={"force": "true"})
         other.close()
+
+
+# Appends 4 KiB records to the volume, each fsync'd before its number is recorded on the
+# sandbox's own disk: a number there is a write the volume acknowledged.
+WRITER = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+i = 0
+while True:
+    os.write(fd, (b"%08d" % i) * 512)
+    os.fsync(fd)
+    i += 1
+    with open("/workspace/acked.tmp", "w") as f:
+        f.write(str(i))
+    os.replace("/workspace/acked.tmp", "/workspace/acked")
+"""
+
+CHECK = r"""
+import sys
+data = open(sys.argv[1], "rb").read()
+n = len(data) // 4096
+good = 0
+for i in range(n):
+    if data[i * 4096 : (i + 1) * 4096] != (b"%08d" % i) * 512:
+        break
+    good += 1
+print(good)
+"""
+
+
+def _kill_volume_server(run_dir: Path) -> None:
+    """Whatever a failed test left of the run's volume server (its process group)."""
+    try:
+        pid = int((run_dir / "run" / "volumes" / "server.pid").read_text())
+        if b"pal-volumes" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.killpg(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+def test_every_fsynced_write_survives_a_server_sigkill_and_the_sandboxes(warm_template: None) -> None:
+    with scratch_run_dir("volkill") as run_dir:
+        server = start_server(run_dir)
+        try:
+            key = server.tenant("vol-kill", max_vms=3)
+            with server.client(key, timeout=120) as c:
+                assert c.post("/v1/volumes", json={"name": "durable"}).status_code == 200
+                w = schedule(c, volumes=[{"name": "durable", "path": "/vol"}])
+                c.put(f"/v1/runtime/vms/{w}/files/content", params={"path": "writer.py"}, content=WRITER)
+                ok(
+                    c,
+                    w,
+                    "setsid python3 writer.py /vol/log >/dev/null 2>&1 & echo $! > /workspace/writer.pid",
+                )
+                ok(c, w, "while [ $(cat /workspace/acked 2>/dev/null || echo 0) -lt 20 ]; do sleep 0.1; done")
+            server.proc.kill()  # kill -9 in the middle of the writes: the VM and its writer live on
+            server.proc.wait(60)
+            server = start_server(run_dir)
+            with server.client(key, timeout=120) as c:
+                assert c.get(f"/v1/runtime/vms/{w}").json()["state"] == "running"
+                ok(
+                    c,
+                    w,
+                    "P=$(cat /workspace/writer.pid); kill $P; "
+                    "while [ -e /proc/$P ] && [ \"$(cut -d' ' -f3 /proc/$P/stat)\" != Z ]; do "
+                    "sleep 0.05; done",
+                )
+                acked = int(ok(c, w, "cat /workspace/acked"))
+                assert acked >= 20
+                assert c.delete(f"/v1/runtime/vms/{w}").status_code == 200
+                r = schedule(c, volumes=[{"name": "durable", "path": "/vol", "readOnly": True}])
+                c.put(f"/v1/runtime/vms/{r}/files/content", params={"path": "check.py"}, content=CHECK)
+                good = int(ok(c, r, "python3 check.py /vol/log"))
+                assert good >= acked, f"{acked} records acknowledged, {good} intact"
+                assert c.delete(f"/v1/runtime/vms/{r}").status_code == 200
+        finally:
+            stop_server(server)
+            _kill_volume_server(run_dir)
