@@ -24,6 +24,7 @@ from typing import Any
 
 from pal.errors import Conflict, InvalidRequest, NotFound
 from pal.ids import validate_id
+from pal.manager import volume_quota
 from pal.wire.volumes import VolumeCreate, VolumeDeleted, VolumeInfo, VolumeRef, VolumeResize
 
 META = "volume.json"
@@ -76,9 +77,11 @@ class VolumeFiles:
         d = self.path(r.volume_id)
         d.mkdir(mode=0o700, exist_ok=True)  # a create that died before its meta: reused
         (d / DATA).mkdir(mode=0o700, exist_ok=True)
-        self._write_meta(
-            r.volume_id, {"volumeId": r.volume_id, "tenantId": r.tenant_id, "sizeMib": r.size_mib}
-        )
+        meta = {"volumeId": r.volume_id, "tenantId": r.tenant_id, "sizeMib": r.size_mib}
+        if volume_quota.supported(self.root):  # sizeMib held by an XFS project quota
+            meta["project"] = volume_quota.next_project(self._projects())
+            volume_quota.apply(d / DATA, meta["project"], r.size_mib)
+        self._write_meta(r.volume_id, meta)
         _fsync_dir(self.root)
         return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
 
@@ -94,6 +97,8 @@ class VolumeFiles:
             raise InvalidRequest(
                 f"volume {r.volume_id} is {meta['sizeMib']} MiB: a volume only grows (asked {r.size_mib} MiB)"
             )
+        if isinstance(meta.get("project"), int):
+            volume_quota.apply(self.data_dir(r.volume_id), meta["project"], r.size_mib)
         self._write_meta(r.volume_id, {**meta, "sizeMib": r.size_mib})
         return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
 
@@ -105,11 +110,14 @@ class VolumeFiles:
         d = self.path(volume_id)
         gone = self.root / f"{DELETING}{volume_id}"
         existed = d.exists()
+        project = (self._meta(volume_id) or {}).get("project") if existed else None
         if existed:
             os.replace(d, gone)  # replaces a leftover of an earlier delete that died
             _fsync_dir(self.root)
         if gone.exists():
             shutil.rmtree(gone)
+        if isinstance(project, int):
+            volume_quota.release(self.root, project)
         return VolumeDeleted(volume_id=volume_id, deleted=existed)
 
     def sweep(self) -> int:
@@ -120,6 +128,10 @@ class VolumeFiles:
         for p in left:
             shutil.rmtree(p, ignore_errors=True)
         return len(left)
+
+    def _projects(self) -> set[int]:
+        """The XFS project ids of this node's volumes (volume_quota.py)."""
+        return {p for v in self.ids() if isinstance(p := (self._meta(v) or {}).get("project"), int)}
 
     def ids(self) -> list[str]:
         """The volumes this node holds."""

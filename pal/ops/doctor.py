@@ -79,12 +79,14 @@ def host_checks(settings: Settings, view: HostView | None = None) -> list[Check]
         _run("image", image),
         Check("egress", None, egress),
         Check("snapshots", None, f"{settings.snapshots_root}; S3 mirror {s3}"),
-        _volumes(),
+        _volumes(settings.data_dir),
     ]
 
 
-def _volumes() -> Check:
-    """Whether sandboxes can mount volumes here (docs/volumes.md: the node's nfs-ganesha)."""
+def _volumes(data_dir: Path) -> Check:
+    """Whether sandboxes can mount volumes here (docs/volumes.md: the node's nfs-ganesha),
+    and whether a volume's sizeMib is enforced (XFS project quotas on the data dir)."""
+    from pal.manager import volume_quota
     from pal.manager.volume_server import PACKAGES, missing_tools
 
     missing = missing_tools()
@@ -94,7 +96,14 @@ def _volumes() -> Check:
             None,
             f"cannot be mounted: {', '.join(missing)} missing (apt-get install {' '.join(PACKAGES)})",
         )
-    return Check("volumes", True, "can be mounted (nfs-ganesha, rpcbind; started at the first mount)")
+    sizes = (
+        "sizeMib enforced (XFS project quotas)"
+        if volume_quota.supported(data_dir)
+        else "sizeMib not enforced: mount the data dir's XFS with prjquota to hold volumes to their size"
+    )
+    return Check(
+        "volumes", True, f"can be mounted (nfs-ganesha, rpcbind; started at the first mount); {sizes}"
+    )
 
 
 def store_check(settings: Settings) -> Check:

@@ -5,8 +5,11 @@ export config, the guest's parse of identify's ``mounts``, and the node's ganesh
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +18,11 @@ from pydantic import ValidationError
 
 from pal.cli.vm import parse_volume
 from pal.guest import volumes as guest_volumes
+from pal.manager import volume_quota
 from pal.manager.volume_server import VolumeServer, missing_tools
+from pal.manager.volumes import VolumeFiles
 from pal.spec import AgentSpec
+from pal.wire.volumes import VolumeCreate, VolumeRef, VolumeResize
 
 
 def test_the_spec_takes_absolute_non_system_paths_once_each() -> None:
@@ -147,3 +153,42 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("mkfs.xfs") or not shutil.which("xfs_quota"),
+    reason="needs root, mkfs.xfs and xfs_quota (a loop XFS with project quotas)",
+)
+def test_size_is_held_by_an_xfs_project_quota(tmp_path: Path) -> None:
+    img, mnt = tmp_path / "xfs.img", tmp_path / "mnt"
+    with img.open("wb") as f:
+        f.truncate(320 << 20)
+    subprocess.run(["mkfs.xfs", "-q", str(img)], check=True)
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-o", "loop,prjquota", str(img), str(mnt)], capture_output=True)
+    if mounted.returncode != 0:  # e.g. "XFS: quota support not available in this kernel"
+        pytest.skip(f"this kernel cannot mount XFS with project quotas: {mounted.stderr.decode()[:200]}")
+    try:
+        assert volume_quota.supported(mnt) and not volume_quota.supported(tmp_path)
+        files = VolumeFiles(mnt / "volumes")
+        asyncio.run(files.create(VolumeCreate(volume_id="vol-q1", tenant_id="t", size_mib=1)))
+        asyncio.run(files.create(VolumeCreate(volume_id="vol-q2", tenant_id="t", size_mib=8)))
+        data = files.data_dir("vol-q1")
+        with pytest.raises(OSError) as err:
+            _write_mib(data / "big", 2)
+        assert err.value.errno == errno.EDQUOT
+        _write_mib(files.data_dir("vol-q2") / "big", 2)  # its own project, its own limit
+        asyncio.run(files.resize(VolumeResize(volume_id="vol-q1", size_mib=4)))
+        _write_mib(data / "big", 2)
+        asyncio.run(files.delete(VolumeRef(volume_id="vol-q1")))
+        asyncio.run(files.delete(VolumeRef(volume_id="vol-q2")))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _write_mib(path: Path, mib: int) -> None:
+    with path.open("wb") as f:
+        for _ in range(mib):
+            f.write(b"\0" * (1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
