@@ -52,8 +52,12 @@ class Scheduling:
         vm = self._row(tenant_id, spec)
         async with d.locks.op_lock(vm.vm_id):
             await d.transitions.create(tenant_id, [vm], A.SCHEDULE)  # 402 here leaves no row
-            for vol, m in mounts:
-                volume_rows.add_mount(d.store, vol.volume_id, vm.vm_id, m.path, read_only=m.read_only)
+            try:
+                for vol, m in mounts:
+                    volume_rows.add_mount(d.store, vol.volume_id, vm.vm_id, m.path, read_only=m.read_only)
+            except PalError as exc:  # a volume deleted since it was checked
+                await d.transitions.transition(vm.vm_id, A.FAIL_SPAWN, reason=exc.message)
+                raise
             failpoints.hit("schedule:reserved")
             async with self.spawner.placing:
                 try:

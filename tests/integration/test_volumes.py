@@ -91,6 +91,8 @@ def test_two_sandboxes_share_a_volume_across_pause_fork_and_delete(
         child = r.json()["forks"][0]["vmId"]
         vms.append(child)
         assert ok(api, child, f"cat {MNT}/b.txt") == "while-paused\n"
+        # the child kept the mount it came with (no second one stacked on it)
+        assert ok(api, child, f"grep -c ' {MNT} nfs ' /proc/mounts").strip() == "1"
         ok(api, child, f"echo from-child > {MNT}/d.txt")
         assert ok(api, b, f"cat {MNT}/d.txt") == "from-child\n"
         assert child in api.get(f"/v1/volumes/{name}").json()["mountedBy"]

@@ -392,3 +392,37 @@ def test_tenants_show_and_set_the_volume_limits(tmp_path: Path) -> None:
     assert json.loads(res.stdout)["maxVolumes"] is None and json.loads(res.stdout)["maxVolumeGib"] == 2.5
     res = runner.invoke(app, ["tenants", "ls", "--table", "--data-dir", data])
     assert "maxVolumeGib" in res.stdout
+
+
+# -- mounts (the scheduler's side; the mount itself: tests/integration/test_volumes.py) ----
+
+
+async def test_a_schedule_records_its_mounts_and_a_delete_ends_them(
+    env: ApiEnv, client: httpx.AsyncClient
+) -> None:
+    vol = await _create(client, "work")
+    spec = {"volumes": [{"name": "work", "path": "/mnt/work"}]}
+    resp = await client.post("/v1/runtime/schedule", json=spec)
+    assert resp.status_code == 200, resp.text
+    vm = resp.json()["vmId"]
+    assert (await client.get("/v1/volumes/work")).json()["mountedBy"] == [vm]
+    assert rows.mounts_of(env.sched.store, vm)[0][:3] == (vol["volumeId"], "/mnt/work", False)
+    resp = await client.delete("/v1/volumes/work")
+    assert resp.status_code == 409 and _code(resp) == "VOLUME_MOUNTED"
+    assert (await client.delete(f"/v1/runtime/vms/{vm}")).status_code == 200
+    assert (await client.get("/v1/volumes/work")).json()["mountedBy"] == []
+    assert (await client.delete("/v1/volumes/work")).status_code == 200
+
+
+async def test_another_tenants_volume_is_a_404_at_schedule_like_a_missing_one(
+    env: ApiEnv, client: httpx.AsyncClient
+) -> None:
+    vol = await _create(client, "mine")
+    async with _client(env, env.key_b) as bob:
+        for ref in ("mine", str(vol["volumeId"]), "none-such"):
+            resp = await bob.post("/v1/runtime/schedule", json={"volumes": [{"name": ref, "path": "/v"}]})
+            assert resp.status_code == 404, resp.text
+            assert "not found" in resp.json()["error"]["message"]
+    resp = await client.post("/v1/runtime/schedule", json={"volumes": [{"name": "mine", "path": "/etc"}]})
+    assert resp.status_code == 400
+    assert (await client.get("/v1/volumes/mine")).json()["mountedBy"] == []
