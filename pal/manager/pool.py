@@ -255,6 +255,7 @@ class WarmPool(StandingSet[PooledVm]):
         t0 = time.perf_counter()
         failpoints.hit("manager:pool-taken")  # taken; its state file still says pooled
         self.d.registry.slots.rekey(lv.vm_id, req.vm_id)
+        self.d.net.rekey_source(lv.vm_id, req.vm_id)
         lv.vm_id = lv.channel.vm_id = lv.qemu.spec.vm_id = req.vm_id
         prefetch = asyncio.create_task(asyncio.to_thread(offload.prefetch, lv.qemu.mem_path, pv.working_set))
         limits, brokered = limits_json(req.egress_mbps, req.max_connections), brokered_of(req)

@@ -25,7 +25,7 @@ from typing import Any
 
 from pal import keyfile
 from pal.config import Settings
-from pal.errors import Unavailable
+from pal.errors import NotFound, Unavailable
 from pal.images.paths import ImagePaths
 from pal.manager.volume_server import SOURCE_PREFIX, VolumeServer
 from pal.network import netns
@@ -247,6 +247,11 @@ class VmNetworking:
             self._sources[vm_id] = addr
         return addr
 
+    def rekey_source(self, old_vm_id: str, new_vm_id: str) -> None:
+        """A pooled VM claimed under a tenant's id keeps its address (it mounted nothing)."""
+        if old_vm_id in self._sources:
+            self._sources[new_vm_id] = self._sources.pop(old_vm_id)
+
     async def mount_volumes(self, req: SpawnRequest, image: ImagePaths) -> None:
         await self.export_volumes(req.vm_id, req.volumes, image)
 
@@ -258,7 +263,10 @@ class VmNetworking:
         mounts = []
         for v in volumes:
             data = self.settings.data_dir / "volumes" / v.volume_id / "data"
-            st = await asyncio.to_thread(data.stat)  # FileNotFoundError: not on this node
+            try:
+                st = await asyncio.to_thread(data.stat)
+            except FileNotFoundError:
+                raise NotFound(f"volume {v.volume_id} is not on this node") from None
             if (st.st_uid, st.st_gid) != (cfg.uid, cfg.gid):
                 await asyncio.to_thread(os.chown, data, cfg.uid, cfg.gid)
             mounts.append((v.volume_id, data, v.read_only))
@@ -349,6 +357,7 @@ class VmNetworking:
         slots no VM holds, and those of data dirs that were deleted (their nodes will
         never sweep them)."""
         await self.gateway.call({"op": "sync", "vmIds": sorted(vm_ids)})
+        self._sources = {k: v for k, v in self._sources.items() if k in vm_ids}
         keep = {self.ns_name(s) for s in slots}
         gone = await asyncio.to_thread(netns.sweep, self.tag, keep)
         if gone:
