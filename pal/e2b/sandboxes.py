@@ -34,7 +34,8 @@ from pal.scheduler.schedule import Scheduling
 from pal.scheduler.states import AUTO_LIVE_MARKERS
 from pal.spec import MAX_LIFETIME_SECS, AgentSpec, EgressUpdate, LifetimeUpdate, PauseRequest
 from pal.store import VmRecord
-from pal.wire.models import ExecCall
+from pal.wire import verbs
+from pal.wire.models import WorkloadUserName
 
 from . import conventions as conv
 from . import ops
@@ -160,23 +161,13 @@ class PalSandboxes:
         return self.view(vm)
 
     async def _setup(self, tenant: str, vm_id: str) -> None:
-        """E2B's user and home (conventions.SETUP_SCRIPT), as root, before the sandbox is
-        handed out."""
-        call = ExecCall.model_validate(
-            {"vmId": vm_id, "command": "/bin/sh", "argv": ["-c", conv.SETUP_SCRIPT], "user": "root",
-             "timeoutSecs": 60}
-        )  # fmt: skip
-        errors: list[str] = []
-        code: int | None = None
-        async for ev in self.guest.exec_stream(tenant, call):
-            if ev.type == "stderr" and ev.data:
-                errors.append(ev.data)
-            elif ev.type == "exit":
-                code = ev.exit_code
-            elif ev.type == "error":
-                raise PalError(f"setting the sandbox up failed: {ev.message or ev.code or 'guest error'}")
-        if code != 0:
-            raise PalError(f"setting the sandbox up failed ({code}): {''.join(errors)[-300:]}")
+        """E2B's user and home (conventions.py) before the sandbox is handed out: one guest
+        request, no process (the harness renames uid 1000 and bind-mounts its home)."""
+        req = WorkloadUserName(vm_id=vm_id, name=conv.DEFAULT_USER, home=conv.HOMES[conv.DEFAULT_USER])
+        try:
+            await self.guest.call(tenant, verbs.RENAME_USER, req)
+        except PalError as exc:
+            raise PalError(f"setting the sandbox up failed: {exc.message}") from None
 
     async def get(self, tenant: str, sandbox_id: str) -> ops.Sandbox:
         return self.view(await self._own(tenant, sandbox_id))

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from pal.guest import netsetup, portrelay, procrequests, system
+from pal.guest import netsetup, portrelay, procrequests, system, usernames
 from pal.guest import protocol as P
 from pal.guest.channel import Channel, Credits
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
@@ -38,7 +38,7 @@ from pal.guest.workspace import Workspace
 FILE_KINDS = frozenset({P.K_LS, P.K_READ, P.K_WRITE, P.K_RM})
 PROCESS_KINDS = procrequests.KINDS
 CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRUN})
-TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART}
+TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART, P.K_URENAME}
 
 
 class Harness:
@@ -198,6 +198,11 @@ class Harness:
                 self._reply(rid, P.K_OK, result=self.workspace.write(msg.get("path"), P.payload(msg)))
             elif kind == P.K_RM:
                 self._reply(rid, P.K_OK, result=self.workspace.remove(msg.get("path")))
+            elif kind == P.K_URENAME:
+                if not self.system or self.uid is None or self.gid is None:
+                    raise ExecError(P.ERR_INVAL, "no workload user to rename here")
+                result = usernames.rename_workload_user(self.uid, self.gid, msg, self.workspace.root)
+                self._reply(rid, P.K_OK, result=result)
         except ExecError as exc:
             self._reply(rid, P.K_ERR, code=exc.code, msg=exc.msg)
         except OSError as exc:

@@ -195,6 +195,8 @@ K_CDELETE = "cdelete"
 K_CINTERRUPT = "cinterrupt"
 K_CRUN = "crun"
 K_CEV = "cev"
+# The workload user under another name (usernames.py: E2B's conventions).
+K_URENAME = "urename"
 # Guest -> host, inside an exec or pattach stream.
 K_STARTED = "started"
 K_GAP = "gap"

@@ -543,6 +543,20 @@ class FileContent(_Model):
     truncated: bool
 
 
+class WorkloadUserName(_Model):
+    """The workload user under another name, its home a view of the workspace (E2B's `user`)."""
+
+    vm_id: SafeId
+    name: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    home: str = Field(pattern=r"^(/[A-Za-z0-9._-]+)+$", max_length=200)
+
+
+class WorkloadUserNamed(_Model):
+    name: str = Field(max_length=32)
+    home: str = Field(max_length=200)
+    changed: bool  # false: it had that name and home already
+
+
 class VmSnapshots(_Model):
     agent_version_id: SafeId
     vm_id: SafeId

@@ -421,6 +421,17 @@ DELETE_FILE = Call(
     m.FileDeleted,
     "Remove a file or symlink (404 FILE_NOT_FOUND, 400 for a directory). " + _guest("file"),
 )
+RENAME_USER = Call(
+    "rename_user",
+    "PUT",
+    "/vms/{vmId}/user",
+    m.WorkloadUserName,
+    m.WorkloadUserNamed,
+    "The workload user (its uid) takes ``name`` in passwd, group and their shadows, with home "
+    "``home``, a bind mount of /workspace: E2B's `user` (pal/e2b/conventions.py), done by the "
+    "harness with no process. Idempotent. " + _guest("exec"),
+    guest=GuestOp("urename", "exec"),
+)
 
 # Processes (docs/processes.md; the node side: pal/manager/processes.py).
 START_PROCESS = Call(

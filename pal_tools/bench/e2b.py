@@ -197,7 +197,8 @@ def render(report: dict[str, Any]) -> str:
         "runs its argv directly, and a command is two node calls (start, then follow its output);",
         "a file of at most 1 MiB under `/home/user` (this row's) is one guest request as Pal's",
         "files API is, behind the SDK's multipart upload; a larger one, or one elsewhere, goes",
-        "through a process in the guest; a create also sets E2B's user up (one exec as root).",
+        "through a process in the guest; a create also sets E2B's user up (one guest request,",
+        "no process).",
         "",
     ]
     return "\n".join(lines)

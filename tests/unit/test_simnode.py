@@ -28,6 +28,7 @@ UNSERVED = {
     "resize_process",
     "wait_process",
     "process_stats",
+    "rename_user",
     "run_code",
     "create_context",
     "list_contexts",
