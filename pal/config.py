@@ -251,6 +251,12 @@ class Settings(BaseSettings):
         shown="`--port` + 2 (`8082`)",
     )
     e2b_port: int = setting(49983, "PAL_E2B_PORT", E2B_PORT_DOC, read=read_e2b_port)
+    e2b_idle_timeout_s: int = setting(
+        0,
+        "PAL_E2B_IDLE_TIMEOUT",
+        "seconds an E2B sandbox may sit idle before Pal's idle suspend pauses it (it wakes on the"
+        " SDK's next call, and E2B still sees it running: docs/e2b.md); 0: never",
+    )
     ports_domain: str | None = setting(
         None,
         "PAL_PORTS_DOMAIN",

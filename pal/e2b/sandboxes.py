@@ -47,6 +47,7 @@ DEFAULT_ALIASES = {"base": "default", "code-interpreter-v1": "code-interpreter"}
 # What a template's sandboxes need beyond Pal's default size (a Jupyter kernel's memory).
 TEMPLATE_LIMITS: dict[str, dict[str, int]] = {"code-interpreter": {"memoryMib": 512}}
 MIB = 1 << 20
+MAX_IDLE_SECS = 7 * 24 * 3600  # AgentSpec.idle_timeout_secs's bound
 
 
 def _egress(network: ops.NetworkPolicy) -> object | None:
@@ -87,6 +88,7 @@ class PalSandboxes:
     egress: EgressAndSecrets
     guest: GuestCalls
     secret: bytes  # the access tokens' key (conventions.access_token)
+    idle_timeout_s: int = 0  # PAL_E2B_IDLE_TIMEOUT: Pal's idle suspend for E2B's sandboxes
     now: Callable[[], datetime] = lambda: datetime.now(UTC)
 
     # -- views ------------------------------------------------------------------------------
@@ -148,6 +150,7 @@ class PalSandboxes:
                     "lifetimeSecs": min(max(spec.timeout_s, 1), MAX_LIFETIME_SECS),
                     "onLifetimeEnd": "pause" if spec.auto_pause else "delete",
                     "egress": _egress(spec.network),
+                    "idleTimeoutSecs": min(self.idle_timeout_s, MAX_IDLE_SECS),
                 }
             )
         except ValueError as exc:
