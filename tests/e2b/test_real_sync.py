@@ -169,17 +169,32 @@ def test_files(sbx: Sandbox) -> None:
 
 
 def test_watch(sbx: Sandbox) -> None:
+    """inotify in the guest (pal/guest/watches.py): each event as E2B's envd names it, a
+    rename's old name, a recursive watch following a directory made under it."""
     sbx.files.make_dir("/tmp/w")
     sbx.files.write("/tmp/w/old.txt", "1")
     handle = sbx.files.watch_dir("/tmp/w", include_entry=True)
+    deep = sbx.files.watch_dir("/tmp/w", recursive=True)
     sbx.files.write("/tmp/w/new.txt", "2")
     sbx.files.remove("/tmp/w/old.txt")
+    sbx.files.make_dir("/tmp/w/sub")
+    sbx.files.write("/tmp/w/sub/a.txt", "a")
+    sbx.files.rename("/tmp/w/sub/a.txt", "/tmp/w/sub/b.txt")
     events = handle.get_new_events()
     handle.stop()
-    assert sorted((e.name, e.type) for e in events) == [
-        ("new.txt", FilesystemEventType.CREATE),
-        ("old.txt", FilesystemEventType.REMOVE),
-    ]
+    C, W, REM, REN = (
+        FilesystemEventType.CREATE,
+        FilesystemEventType.WRITE,
+        FilesystemEventType.REMOVE,
+        FilesystemEventType.RENAME,
+    )
+    flat = {(e.name, e.type) for e in events}
+    assert flat == {("new.txt", C), ("new.txt", W), ("old.txt", REM), ("sub", C)}
+    made = next(e for e in events if e.name == "new.txt" and e.type == C)
+    assert made.entry is not None and made.entry.type == FileType.FILE
+    got = {(e.name, e.type) for e in deep.get_new_events()}
+    deep.stop()
+    assert {("sub", C), ("sub/a.txt", C), ("sub/a.txt", REN), ("sub/b.txt", C)} <= got, got
     with pytest.raises(NotFoundException):
         sbx.files.watch_dir("/tmp/missing")
 
