@@ -259,6 +259,9 @@ def test_metrics(sbx: Sandbox) -> None:
 
 
 def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/tmp/pw")
+    watch = sbx.files.watch_dir("/tmp/pw")  # a polling watcher: it lives in the guest
+    sbx.files.write("/tmp/pw/before.txt", "b")
     counter = sbx.commands.run(
         "i=0; while [ $i -lt 100 ]; do echo line$i; i=$((i+1)); sleep 0.05; done", background=True
     )
@@ -287,6 +290,10 @@ def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
     lines = ("".join(before) + after.stdout).splitlines()
     assert lines == [f"line{i}" for i in range(100)]
     assert again.commands.run("echo back").stdout == "back\n"
+    again.files.write("/tmp/pw/after.txt", "a")
+    created = {e.name for e in watch.get_new_events() if e.type == FilesystemEventType.CREATE}
+    assert created == {"before.txt", "after.txt"}  # what it saw before the pause, and after
+    watch.stop()
 
 
 def test_fork(sandboxes: tuple[Sandbox, Sandbox]) -> None:
