@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ConfigDict, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from pal import sizes
+from pal import config_env, sizes
 from pal.config_env import (
     E2B_PORT_DOC,
     EnvSource,
@@ -38,9 +38,7 @@ from pal.config_env import (
     reading_env,
     setting,
 )
-from pal.config_env import (
-    parse_labels as parse_labels,
-)
+from pal.config_env import parse_labels as parse_labels
 from pal.config_env import (
     parse_pool as parse_pool,
 )
@@ -251,6 +249,7 @@ class Settings(BaseSettings):
         shown="`--port` + 2 (`8082`)",
     )
     e2b_port: int = setting(49983, "PAL_E2B_PORT", E2B_PORT_DOC, read=read_e2b_port)
+    e2b_idle_timeout_s: int = setting(0, "PAL_E2B_IDLE_TIMEOUT", config_env.E2B_IDLE_DOC)
     ports_domain: str | None = setting(
         None,
         "PAL_PORTS_DOMAIN",

@@ -134,6 +134,10 @@ def read_exec_default_timeout(name: str, raw: str) -> float | None:
     return secs or None
 
 
+E2B_IDLE_DOC = (
+    "seconds an E2B sandbox may sit idle before Pal's idle suspend pauses it (it wakes on the"
+    " SDK's next call, and E2B still sees it running: docs/e2b.md); 0: never"
+)
 E2B_PORT_DOC = (
     "the E2B agent listener of `pal up` (docs/e2b.md): every sandbox's envd and code"
     " interpreter for E2B's SDKs (`E2B_SANDBOX_URL`), on the API's address; `0` turns it off"

@@ -492,11 +492,11 @@ def control_plane_app(
         max_per_tenant=settings.tenant_max_streams,
         cors_origins=tuple(settings.cors_origins),
     )
-    install_e2b(app, scheduler, store, secret)
+    install_e2b(app, scheduler, store, secret, settings.e2b_idle_timeout_s)
     return app
 
 
-def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes) -> None:
+def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes, idle_timeout_s: int = 0) -> None:
     """E2B's protocol (docs/e2b.md): its REST API mounted at /e2b (the API's middleware,
     so leader forwarding and host checks, around it), and the agent listener's app, which
     `pal up` serves on PAL_E2B_PORT (``app.state.e2b_agent``). Both over the scheduler's
@@ -519,6 +519,7 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes) -> No
         s.egress_secrets,
         s.guest,
         secret,
+        idle_timeout_s=idle_timeout_s,
     )
     bound = bind(sandboxes, store, lambda key: key_check(store, key))
     app.mount("/e2b", create_rest_app(bound.sandboxes, bound.keys.check, RestConfig(), bound.keys))

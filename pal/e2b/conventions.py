@@ -33,24 +33,11 @@ TEMPLATE_KEY = "e2b.template"  # the template the sandbox was made of (its name 
 OPEN_KEY = "e2b.open"  # "true": made with secure=false (no access token)
 RESERVED_PREFIX = "e2b."
 
-# Run once as root when the sandbox is made: uid 1000 (the image's workload user) becomes
-# `user` with home /home/user (passwd, group and their shadows edited in place by one sed: no
-# PAM), so that `whoami`, `~` and a login shell are E2B's; its home is Pal's workspace
-# (a bind mount: Pal's own files verbs serve E2B's files there in one guest request, and
-# Pal's API sees the same files). Idempotent: a fork or a resumed sandbox has it already.
-SETUP_SCRIPT = r"""
-name=
-while IFS=: read -r n _ u _; do if [ "$u" = 1000 ]; then name=$n; break; fi; done < /etc/passwd
-if [ -n "$name" ] && [ "$name" != user ]; then
-  files=/etc/passwd
-  for f in /etc/group /etc/shadow /etc/gshadow; do if [ -f $f ]; then files="$files $f"; fi; done
-  sed -i -e "s#^$name:\([^:]*\):1000:\([^:]*\):\([^:]*\):[^:]*:#user:\1:1000:\2:\3:/home/user:#" \
-    -e "s#^[^:]*:\([^:]*\):1000:#user:\1:1000:#" -e "s#^$name:#user:#" $files
-fi
-mounted=
-while read -r _ m _; do if [ "$m" = /home/user ]; then mounted=1; fi; done < /proc/mounts
-if [ -z "$mounted" ]; then mkdir -p /home/user && mount --bind /workspace /home/user; fi
-"""
+# Done once when the sandbox is made, by the guest's harness with no process (the verb
+# RENAME_USER, pal/guest/usernames.py): uid 1000 (the image's workload user) becomes `user`
+# with home /home/user, so that `whoami`, `~` and a login shell are E2B's; its home is Pal's
+# workspace (a bind mount: Pal's own files verbs serve E2B's files there in one guest
+# request, and Pal's API sees the same files). A fork or a resumed sandbox has it already.
 
 
 def pal_user(user: str | None) -> str | None:
@@ -75,7 +62,7 @@ def absolute(user: str | None, path: str) -> str:
 
 def in_workspace(user: str | None, full: str) -> str | None:
     """``full`` as a path of Pal's workspace (what Pal's files verbs take) when the default
-    user's home holds it: /home/user is /workspace (SETUP_SCRIPT's bind mount)."""
+    user's home holds it: /home/user is /workspace (RENAME_USER's bind mount)."""
     home = HOMES[DEFAULT_USER] + "/"
     if pal_user(user) is not None or not full.startswith(home) or full == home:
         return None

@@ -9,21 +9,20 @@ the guest's coreutils, run as that user through the scheduler's :class:`GuestCal
   a follower that is behind holds the process back, nothing is dropped);
 - an upload: ``cat > path`` as a process fed through its stdin, 1 MiB a write.
 
-- watching a directory: it is listed again (``WatchDir``: every ``WATCH_POLL_S``; the
-  polling watchers: at each ``GetWatcherEvents``) and compared with the last listing.
+- watching a directory: a watch of the guest's harness (inotify, pal/guest/watches.py:
+  bounded, kept across a pause), read by ``WatchDir`` as long polls and by each
+  ``GetWatcherEvents``; the polling watcher's id is the guest watch's. Events its bound
+  dropped end a ``WatchDir`` stream (after the events it had) and fail that poll, with
+  how many: never a silent gap.
 
-What differs from envd: file metadata (``X-Metadata-*``) is not kept; a watch sees changes
-between two listings (a file made and removed between them is no event, a rename is a
-REMOVE and a CREATE), not each inotify event.
+What differs from envd: file metadata (``X-Metadata-*``) is not kept.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import posixpath
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,7 +31,7 @@ from pal.errors import Conflict, Forbidden, InvalidRequest, NotFound, PalError, 
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.scheduler.guest import GuestCalls
 from pal.wire import verbs
-from pal.wire.models import ExecCall, FileRef, FileWrite
+from pal.wire.models import ExecCall, FileRef, FileWrite, WatchEvents, WatchNew, WatchRead, WatchRef
 from pal.wire.processes import MAX_STDIN_BYTES, AttachFrom, ProcessEvent, ProcessStart, StdinWrite
 
 from . import conventions as conv
@@ -41,10 +40,17 @@ from .errors import ALREADY_EXISTS
 
 FILES_TAG = "pal-e2b:files"  # the helper processes (hidden from Process/List)
 TIMEOUT_S = 120
-WATCH_POLL_S = 0.5  # how often a WatchDir stream lists its directory again
-WATCH_DEPTH = 16  # a recursive watch's depth
-MAX_WATCHERS_PER_SANDBOX = 16
-MAX_WATCHERS = 4096
+WATCH_WAIT_MS = 5000  # a WatchDir stream's long poll of its guest watch
+MAX_WATCHERS_PER_SANDBOX = 16  # the guest's bound (pal/guest/watches.py)
+MAX_WATCH_EVENTS = 4096  # held by a guest watch between two reads
+MAX_WATCHERS = 4096  # polling watchers whose entries this server remembers
+EVENT_TYPES = {
+    "create": ops.FsEventType.CREATE,
+    "write": ops.FsEventType.WRITE,
+    "remove": ops.FsEventType.REMOVE,
+    "rename": ops.FsEventType.RENAME,
+    "chmod": ops.FsEventType.CHMOD,
+}
 _FMT = r"%y\t%s\t%m\t%M\t%u\t%g\t%T@\t%l\t%p\0"
 FS_SCRIPT = (
     'op=$1; shift; fmt="' + _FMT + '"\n'
@@ -110,9 +116,9 @@ def parse_entries(out: str) -> list[ops.Entry]:
 @dataclass(frozen=True)
 class PalFiles:
     guest: GuestCalls
-    # The polling watchers (sync SDK): id -> (sandbox, what, the last listing). In memory:
-    # a restarted server knows none (the SDK's next poll is a 404).
-    watchers: dict[str, tuple[str, ops.Watch, dict[str, ops.Entry]]] = field(default_factory=dict)
+    # The polling watchers (sync SDK) this server made: (sandbox, id) -> what and its root
+    # (the watch itself is the guest's: another replica, or this one restarted, reads it too).
+    watchers: dict[tuple[str, str], tuple[ops.Watch, str]] = field(default_factory=dict)
 
     def _argv(self, op: str, *args: str) -> list[str]:
         return ["-c", FS_SCRIPT, "sh", op, *args]
@@ -168,55 +174,86 @@ class PalFiles:
     async def remove(self, caller: ops.Caller, path: str) -> None:
         await self._run(caller, "remove", conv.absolute(caller.user, path))
 
-    # -- watching: the directory listed again and compared ----------------------------------
+    # -- watching: inotify in the guest ----------------------------------------------------
 
-    async def _snapshot(self, caller: ops.Caller, watch: ops.Watch) -> dict[str, ops.Entry]:
+    async def _new_watch(self, caller: ops.Caller, watch: ops.Watch) -> tuple[str, str]:
         root = conv.absolute(caller.user, watch.path)
-        depth = str(WATCH_DEPTH if watch.recursive else 1)
-        return {
-            posixpath.relpath(e.path, root): e
-            for e in parse_entries(await self._run(caller, "list", root, depth))
-        }
+        req = WatchNew(vm_id=caller.sandbox_id, path=root, recursive=watch.recursive)
+        try:
+            made = await self.guest.call(caller.tenant, verbs.CREATE_WATCH, req)
+        except NotFound:
+            raise NotFound(f"path '{root}' does not exist") from None
+        except TooManyRequests:
+            raise TooManyRequests(
+                f"at most {MAX_WATCHERS_PER_SANDBOX} watchers a sandbox: remove one first"
+            ) from None
+        return made.watch_id, root
+
+    async def _fs_events(
+        self, caller: ops.Caller, watch: ops.Watch, root: str, got: WatchEvents
+    ) -> list[ops.FsEvent]:
+        out = []
+        for ev in got.events:
+            kind = EVENT_TYPES[ev.op]
+            entry = None
+            if watch.include_entry and kind not in (ops.FsEventType.REMOVE, ops.FsEventType.RENAME):
+                with contextlib.suppress(PalError):  # gone again already: no entry
+                    entry = await self._one(caller, "stat", posixpath.join(root, ev.name))
+            out.append(ops.FsEvent(ev.name, kind, entry))
+        return out
 
     async def watch(self, caller: ops.Caller, watch: ops.Watch) -> AsyncIterator[ops.FsEvent]:
-        seen = await self._snapshot(caller, watch)  # 404 now for a missing directory
+        watch_id, root = await self._new_watch(caller, watch)  # 404 now for a missing directory
 
         async def events() -> AsyncIterator[ops.FsEvent]:
-            nonlocal seen
-            while True:
-                await asyncio.sleep(WATCH_POLL_S)
-                now = await self._snapshot(caller, watch)
-                for event in changes(seen, now, watch.include_entry):
-                    yield event
-                seen = now
+            try:
+                while True:
+                    req = WatchRead(vm_id=caller.sandbox_id, watch_id=watch_id, wait_ms=WATCH_WAIT_MS)
+                    got = await self.guest.call(caller.tenant, verbs.READ_WATCH, req)
+                    for event in await self._fs_events(caller, watch, root, got):
+                        yield event
+                    if got.dropped:
+                        raise _dropped(got.dropped)
+            finally:
+                with contextlib.suppress(PalError):
+                    ref = WatchRef(vm_id=caller.sandbox_id, watch_id=watch_id)
+                    await self.guest.call(caller.tenant, verbs.DELETE_WATCH, ref)
 
         return events()
 
     async def create_watcher(self, caller: ops.Caller, watch: ops.Watch) -> str:
-        mine = [w for w in self.watchers.values() if w[0] == caller.sandbox_id]
-        if len(mine) >= MAX_WATCHERS_PER_SANDBOX or len(self.watchers) >= MAX_WATCHERS:
-            raise TooManyRequests(f"at most {MAX_WATCHERS_PER_SANDBOX} watchers a sandbox: remove one first")
-        seen = await self._snapshot(caller, watch)
-        watcher_id = "w-" + secrets.token_hex(8)
-        self.watchers[watcher_id] = (caller.sandbox_id, watch, seen)
-        return watcher_id
+        watch_id, root = await self._new_watch(caller, watch)
+        self.watchers[(caller.sandbox_id, watch_id)] = (watch, root)
+        while len(self.watchers) > MAX_WATCHERS:  # forgotten ones: the guest's bound is 16 a VM
+            self.watchers.pop(next(iter(self.watchers)))
+        return watch_id
 
-    def _watcher(self, caller: ops.Caller, watcher_id: str) -> tuple[str, ops.Watch, dict[str, ops.Entry]]:
-        got = self.watchers.get(watcher_id)
-        if got is None or got[0] != caller.sandbox_id:
-            raise NotFound(f"watcher {watcher_id} not found")
-        return got
+    def _ref(self, caller: ops.Caller, watcher_id: str) -> WatchRef:
+        try:
+            return WatchRef(vm_id=caller.sandbox_id, watch_id=watcher_id)
+        except ValueError:
+            raise NotFound(f"watcher {watcher_id} not found") from None
 
     async def watcher_events(self, caller: ops.Caller, watcher_id: str) -> list[ops.FsEvent]:
-        sandbox, watch, seen = self._watcher(caller, watcher_id)
-        now = await self._snapshot(caller, watch)
-        if watcher_id in self.watchers:
-            self.watchers[watcher_id] = (sandbox, watch, now)
-        return changes(seen, now, watch.include_entry)
+        ref = self._ref(caller, watcher_id)
+        try:
+            got = await self.guest.call(caller.tenant, verbs.READ_WATCH, WatchRead(**ref.model_dump()))
+        except NotFound:
+            raise NotFound(f"watcher {watcher_id} not found") from None
+        if got.dropped:
+            raise _dropped(got.dropped)
+        # A watcher this server did not make (another replica's, or before a restart) has
+        # no entries asked of it: its events come without.
+        watch, root = self.watchers.get((caller.sandbox_id, watcher_id), (ops.Watch(""), ""))
+        return await self._fs_events(caller, watch, root, got)
 
     async def remove_watcher(self, caller: ops.Caller, watcher_id: str) -> None:
-        self._watcher(caller, watcher_id)
-        self.watchers.pop(watcher_id, None)
+        ref = self._ref(caller, watcher_id)
+        self.watchers.pop((caller.sandbox_id, watcher_id), None)
+        try:
+            await self.guest.call(caller.tenant, verbs.DELETE_WATCH, ref)
+        except NotFound:
+            raise NotFound(f"watcher {watcher_id} not found") from None
 
     # -- contents: processes -----------------------------------------------------------------
 
@@ -348,22 +385,8 @@ def _written(path: str, size: int) -> ops.Entry:
     )  # fmt: skip
 
 
-def changes(
-    before: Mapping[str, ops.Entry], after: Mapping[str, ops.Entry], entries: bool
-) -> list[ops.FsEvent]:
-    """What changed between two listings of a watched directory: new paths are CREATE,
-    gone ones REMOVE, a file whose size or mtime moved WRITE, a mode that moved CHMOD."""
-    out = []
-    for name, e in after.items():
-        old = before.get(name)
-        if old is None:
-            kind = ops.FsEventType.CREATE
-        elif (old.size, old.modified_time) != (e.size, e.modified_time) and e.type != ops.FileType.DIRECTORY:
-            kind = ops.FsEventType.WRITE
-        elif old.mode != e.mode:
-            kind = ops.FsEventType.CHMOD
-        else:
-            continue
-        out.append(ops.FsEvent(name, kind, e if entries else None))
-    out += [ops.FsEvent(name, ops.FsEventType.REMOVE) for name in before if name not in after]
-    return out
+def _dropped(n: int) -> PalError:
+    return TooManyRequests(
+        f"{n} events of this watch were dropped (at most {MAX_WATCH_EVENTS} are held between "
+        "two reads): list the directory again, and read the watch more often"
+    )

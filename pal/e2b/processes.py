@@ -4,7 +4,7 @@ resolves the tenant's VM, wakes an automatically paused one, counts it in flight
 
 - ``Start``: a Pal process (stdin kept open unless the SDK said no, a terminal when asked)
   as E2B's user, in its home, with E2B's environment (conventions.py), followed from the
-  first byte of its journal.
+  first byte of its journal: one node call and one guest request (``start_attached``).
 - ``Connect``: the same process followed again from the last byte this server handed to a
   stream of it (its journal holds everything since: a client whose stream broke on a
   pause loses nothing), or from now for a process no stream of this server followed.
@@ -29,11 +29,13 @@ from pal.wire.models import VmRef
 from pal.wire.processes import (
     MAX_STDIN_BYTES,
     AttachFrom,
+    ProcessEvent,
     ProcessInfo,
     ProcessRef,
     ProcessResize,
     ProcessSignal,
     ProcessStart,
+    StartedEvent,
     StdinWrite,
 )
 
@@ -46,6 +48,7 @@ MAX_FOLLOWED = 10_000  # (sandbox, pid) -> offset pairs kept for reconnects
 REATTACH_TRIES = 20  # a stream detached by live pauses in a row
 SIGNALS = {128 + 9: "signal: killed", 128 + 15: "signal: terminated", 128 + 2: "signal: interrupt"}
 STDIN_TRIES = 100  # writes in a row the process takes nothing of
+MORE, END, AGAIN = "more", "end", "again"  # a followed stream after an event
 
 
 def ended(exit_code: int | None, timed_out: bool | None) -> ops.ProcessEnded:
@@ -104,11 +107,27 @@ class PalProcesses:
         )
 
         async def events() -> AsyncIterator[ops.ProcessEvent]:
-            info = await self.guest.call(caller.tenant, verbs.START_PROCESS, req)
-            self._mark(caller, info.process_id, 0)
-            yield ops.ProcessStarted(info.process_id)
-            async for ev in self._follow(caller, info.process_id, 0, spec.pty is not None):
-                yield ev
+            # One guest request starts it and follows it (start_attached); a stream a live
+            # pause detached goes on as Connect's does, from where it stopped.
+            pid, pty, offset = 0, spec.pty is not None, 0
+            stream = self.guest.stream(caller.tenant, verbs.START_ATTACHED, req)
+            async with contextlib.aclosing(stream) as started:
+                async for ev in started:
+                    if ev.type == "started" and ev.process_id is not None:
+                        pid = ev.process_id
+                        self._mark(caller, pid, 0)
+                        yield ops.ProcessStarted(pid)
+                        continue
+                    out, offset, how = self._step(caller, pid, offset, ev, pty)
+                    if out is not None:
+                        yield out
+                    if how != MORE:
+                        break
+                else:
+                    return
+            if how == AGAIN:
+                async for more in self._follow(caller, pid, offset, pty):
+                    yield more
 
         return events()
 
@@ -126,37 +145,46 @@ class PalProcesses:
 
         return events()
 
+    def _step(
+        self, caller: ops.Caller, pid: int, offset: int, ev: ProcessEvent | StartedEvent, pty: bool
+    ) -> tuple[ops.ProcessEvent | None, int, str]:
+        """One event of a followed process: what to hand on, the offset after it, and
+        whether the stream goes on (MORE), ended (END) or must attach again (AGAIN)."""
+        if ev.type == "output" and ev.data is not None:
+            stream = "pty" if pty else (ev.stream or "stdout")
+            offset = ev.offset if ev.offset is not None else offset
+            self._mark(caller, pid, offset)
+            return ops.ProcessOutput(stream, base64.b64decode(ev.data)), offset, MORE  # type: ignore[arg-type]
+        if ev.type == "gap":
+            offset = ev.offset if ev.offset is not None else offset
+            self._mark(caller, pid, offset)
+            return None, offset, MORE
+        if ev.type == "exit":
+            self.followed.pop((caller.sandbox_id, pid), None)
+            return ended(ev.exit_code, ev.timed_out), offset, END
+        if ev.type == "detached":
+            if ev.reason not in ("live-paused", "detached"):
+                raise Unavailable(f"the sandbox stopped running ({ev.reason}): connect to it again")
+            return None, offset, AGAIN  # attach again where it stopped (the VM is woken)
+        if ev.type == "error":
+            raise Unavailable(f"the process's output broke off: {ev.message or ev.code}")
+        return None, offset, MORE
+
     async def _follow(
         self, caller: ops.Caller, pid: int, start: int, pty: bool
     ) -> AsyncIterator[ops.ProcessEvent]:
         offset = start
         for _ in range(REATTACH_TRIES):
             req = AttachFrom(vm_id=caller.sandbox_id, pid=pid, start=offset)
-            again = False
+            how = END
             async with contextlib.aclosing(self.guest.attach(caller.tenant, req)) as events:
                 async for ev in events:
-                    if ev.type == "output" and ev.data is not None:
-                        stream = "pty" if pty else (ev.stream or "stdout")
-                        yield ops.ProcessOutput(stream, base64.b64decode(ev.data))  # type: ignore[arg-type]
-                        offset = ev.offset if ev.offset is not None else offset
-                        self._mark(caller, pid, offset)
-                    elif ev.type == "gap":
-                        offset = ev.offset if ev.offset is not None else offset
-                        self._mark(caller, pid, offset)
-                    elif ev.type == "exit":
-                        self.followed.pop((caller.sandbox_id, pid), None)
-                        yield ended(ev.exit_code, ev.timed_out)
-                        return
-                    elif ev.type == "detached":
-                        if ev.reason not in ("live-paused", "detached"):
-                            raise Unavailable(
-                                f"the sandbox stopped running ({ev.reason}): connect to it again"
-                            )
-                        again = True  # attach again where it stopped (the VM is woken)
+                    out, offset, how = self._step(caller, pid, offset, ev, pty)
+                    if out is not None:
+                        yield out
+                    if how != MORE:
                         break
-                    elif ev.type == "error":
-                        raise Unavailable(f"the process's output broke off: {ev.message or ev.code}")
-            if not again:
+            if how != AGAIN:
                 return
         raise Unavailable("the process's output keeps breaking off: connect to it again")
 

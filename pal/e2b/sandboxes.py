@@ -34,7 +34,8 @@ from pal.scheduler.schedule import Scheduling
 from pal.scheduler.states import AUTO_LIVE_MARKERS
 from pal.spec import MAX_LIFETIME_SECS, AgentSpec, EgressUpdate, LifetimeUpdate, PauseRequest
 from pal.store import VmRecord
-from pal.wire.models import ExecCall
+from pal.wire import verbs
+from pal.wire.models import WorkloadUserName
 
 from . import conventions as conv
 from . import ops
@@ -46,6 +47,7 @@ DEFAULT_ALIASES = {"base": "default", "code-interpreter-v1": "code-interpreter"}
 # What a template's sandboxes need beyond Pal's default size (a Jupyter kernel's memory).
 TEMPLATE_LIMITS: dict[str, dict[str, int]] = {"code-interpreter": {"memoryMib": 512}}
 MIB = 1 << 20
+MAX_IDLE_SECS = 7 * 24 * 3600  # AgentSpec.idle_timeout_secs's bound
 
 
 def _egress(network: ops.NetworkPolicy) -> object | None:
@@ -86,6 +88,7 @@ class PalSandboxes:
     egress: EgressAndSecrets
     guest: GuestCalls
     secret: bytes  # the access tokens' key (conventions.access_token)
+    idle_timeout_s: int = 0  # PAL_E2B_IDLE_TIMEOUT: Pal's idle suspend for E2B's sandboxes
     now: Callable[[], datetime] = lambda: datetime.now(UTC)
 
     # -- views ------------------------------------------------------------------------------
@@ -147,6 +150,7 @@ class PalSandboxes:
                     "lifetimeSecs": min(max(spec.timeout_s, 1), MAX_LIFETIME_SECS),
                     "onLifetimeEnd": "pause" if spec.auto_pause else "delete",
                     "egress": _egress(spec.network),
+                    "idleTimeoutSecs": min(self.idle_timeout_s, MAX_IDLE_SECS),
                 }
             )
         except ValueError as exc:
@@ -160,23 +164,13 @@ class PalSandboxes:
         return self.view(vm)
 
     async def _setup(self, tenant: str, vm_id: str) -> None:
-        """E2B's user and home (conventions.SETUP_SCRIPT), as root, before the sandbox is
-        handed out."""
-        call = ExecCall.model_validate(
-            {"vmId": vm_id, "command": "/bin/sh", "argv": ["-c", conv.SETUP_SCRIPT], "user": "root",
-             "timeoutSecs": 60}
-        )  # fmt: skip
-        errors: list[str] = []
-        code: int | None = None
-        async for ev in self.guest.exec_stream(tenant, call):
-            if ev.type == "stderr" and ev.data:
-                errors.append(ev.data)
-            elif ev.type == "exit":
-                code = ev.exit_code
-            elif ev.type == "error":
-                raise PalError(f"setting the sandbox up failed: {ev.message or ev.code or 'guest error'}")
-        if code != 0:
-            raise PalError(f"setting the sandbox up failed ({code}): {''.join(errors)[-300:]}")
+        """E2B's user and home (conventions.py) before the sandbox is handed out: one guest
+        request, no process (the harness renames uid 1000 and bind-mounts its home)."""
+        req = WorkloadUserName(vm_id=vm_id, name=conv.DEFAULT_USER, home=conv.HOMES[conv.DEFAULT_USER])
+        try:
+            await self.guest.call(tenant, verbs.RENAME_USER, req)
+        except PalError as exc:
+            raise PalError(f"setting the sandbox up failed: {exc.message}") from None
 
     async def get(self, tenant: str, sandbox_id: str) -> ops.Sandbox:
         return self.view(await self._own(tenant, sandbox_id))

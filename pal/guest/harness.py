@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from pal.guest import netsetup, portrelay, procrequests, system, volumes
+from pal.guest import netsetup, portrelay, procrequests, system, usernames, volumes
 from pal.guest import protocol as P
 from pal.guest.channel import Channel, Credits
 from pal.guest.children import DEFAULT_PATH, ChildTracker, resolve_executable
@@ -34,12 +34,14 @@ from pal.guest.probe import boot_id, guest_usage, probe, uptime
 from pal.guest.processes import Launch, ProcessTable
 from pal.guest.procrequests import ProcessRequests, launch_options
 from pal.guest.ticker import Ticker
+from pal.guest.watches import Watches
 from pal.guest.workspace import Workspace
 
 FILE_KINDS = frozenset({P.K_LS, P.K_READ, P.K_WRITE, P.K_RM})
+WATCH_KINDS = {P.K_WNEW: Watches.new, P.K_WREAD: Watches.read, P.K_WDEL: Watches.delete}
 PROCESS_KINDS = procrequests.KINDS
 CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRUN})
-TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART}
+TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART, P.K_URENAME, *WATCH_KINDS}
 
 
 class Harness:
@@ -93,6 +95,7 @@ class Harness:
             except KeyError:
                 self.uid, self.gid, self.home = 1000, 1000, f"/home/{workload_user}"
         self.workspace = Workspace(workspace, self.uid, self.gid)
+        self.watches = Watches()
         self.workspace_root = workspace
         self.heartbeat_interval = heartbeat_interval
         self.vm_id = ""
@@ -172,7 +175,7 @@ class Harness:
             if not token or msg.get("tok") != token:
                 self._reply(rid, P.K_ERR, code=P.ERR_AUTH, msg="invalid or stale token")
                 return
-            if kind in P.STREAM_KINDS:  # before any credit for it can arrive
+            if kind in P.STREAM_KINDS or _follows(kind, msg):  # before any credit can arrive
                 self.credits.open(rid, msg.get("window"))
             threading.Thread(target=self._handle, args=(rid, kind, msg), daemon=True).start()
         else:
@@ -183,6 +186,8 @@ class Harness:
         try:
             if kind == P.K_EXEC:
                 self.processes.exec(rid, self._launch(msg))
+            elif _follows(kind, msg):
+                self.processes.start_attached(rid, launch_options(msg, self._launch(msg)))
             elif kind == P.K_PSTART:
                 proc = self.processes.table.start(launch_options(msg, self._launch(msg)))
                 self._reply(rid, P.K_OK, result={"process": proc.info()})
@@ -199,6 +204,13 @@ class Harness:
                 self._reply(rid, P.K_OK, result=self.workspace.write(msg.get("path"), P.payload(msg)))
             elif kind == P.K_RM:
                 self._reply(rid, P.K_OK, result=self.workspace.remove(msg.get("path")))
+            elif kind in WATCH_KINDS:
+                self._reply(rid, P.K_OK, result=WATCH_KINDS[kind](self.watches, msg))
+            elif kind == P.K_URENAME:
+                if not self.system or self.uid is None or self.gid is None:
+                    raise ExecError(P.ERR_INVAL, "no workload user to rename here")
+                result = usernames.rename_workload_user(self.uid, self.gid, msg, self.workspace.root)
+                self._reply(rid, P.K_OK, result=result)
         except ExecError as exc:
             self._reply(rid, P.K_ERR, code=exc.code, msg=exc.msg)
         except OSError as exc:
@@ -420,6 +432,11 @@ class Harness:
             uid=None if as_root else self.uid,
             timeout=timeout,
         )
+
+
+def _follows(kind: Any, msg: P.Message) -> bool:
+    """A ``pstart`` that follows its process's output (a stream, as ``pattach``)."""
+    return kind == P.K_PSTART and msg.get("follow") is True
 
 
 def _set_subreaper() -> None:

@@ -79,6 +79,13 @@ class ProcessRequests:
         att = proc.attach(0)
         self._follow(rid, proc, att, kill_on_cancel=True, announce=True)
 
+    def start_attached(self, rid: int, launch: Launch) -> None:
+        """A process (``pstart``'s) followed from its first byte in the same request
+        (``follow``): ``started``, then an attach's replies; the process outlives the stream."""
+        proc = self.table.start(launch)
+        att = proc.attach(0)
+        self._follow(rid, proc, att, kill_on_cancel=False, announce=True)
+
     def attach(self, rid: int, msg: P.Message) -> None:
         proc = self.table.get(msg.get("pid"))
         att = proc.attach(msg.get("from", 0))

@@ -195,6 +195,12 @@ K_CDELETE = "cdelete"
 K_CINTERRUPT = "cinterrupt"
 K_CRUN = "crun"
 K_CEV = "cev"
+# The workload user under another name (usernames.py: E2B's conventions).
+K_URENAME = "urename"
+# Directory watches (watches.py).
+K_WNEW = "wnew"
+K_WREAD = "wread"
+K_WDEL = "wdel"
 # Guest -> host, inside an exec or pattach stream.
 K_STARTED = "started"
 K_GAP = "gap"

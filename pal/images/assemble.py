@@ -33,8 +33,10 @@ from pal.pids import pid_alive
 
 # Bump when the assembly recipe changes in a way the input hashes do not capture.
 # 3: /etc/resolv.conf names the egress gateway; 4: system files 0644 under umask 077;
-# 5: /.pal readable by the workload user (code contexts run its python)
-BUILDER_VERSION = 6  # 6: /.pal/modules (the NFS client, docs/volumes.md)
+# 5: /.pal readable by the workload user (code contexts run its python); 6: /.pal/modules
+# (the NFS client, docs/volumes.md); 7: /etc/profile without `id -u` for bash
+# (rootfs.cheap_login_profile)
+BUILDER_VERSION = 7
 CONFIG_FILE = "config.json"  # /.pal/config.json
 HOSTNAME = "pal"
 

@@ -42,6 +42,7 @@ from pal.wire.processes import (
     ProcessEvent,
     ProcessInfo,
     ProcessOutput,
+    StartedEvent,
     StdinWritten,
 )
 
@@ -72,21 +73,29 @@ class GuestProcesses:
             raise to_pal_error(exc.guest_code, exc.message, op) from None
 
     async def start(self, vm_id: str, req: ProcessStartRequest) -> ProcessInfo:
-        msg: p.Message = {
-            "k": p.K_PSTART,
-            "argv": [req.command, *req.argv],
-            "env": req.env,
-            "cwd": req.cwd,
-            "timeout": req.timeout_secs,
-            "user": req.user,
-            "stdin": req.stdin,
-            "pty": req.pty.model_dump() if req.pty is not None else None,
-            "tag": req.tag,
-            "keep_awake": req.keep_awake,
-            "journal_bytes": req.journal_bytes,
-        }
-        reply, _ = await self._call(vm_id, msg, op="exec")  # a missing executable is 400, as exec
+        reply, _ = await self._call(vm_id, _start_message(req), op="exec")  # a missing executable is 400
         return _checked(vm_id, "pstart", lambda: ProcessInfo.model_validate(gi.process_reply(reply)))
+
+    async def start_attached(self, vm_id: str, req: ProcessStartRequest) -> AsyncIterator[StartedEvent]:
+        """A process started and followed from its first byte in one guest request: its id
+        (``started``), then :meth:`attach`'s events; a stream closed early detaches it."""
+        lv = self.registry.running(vm_id)
+        msg = {**_start_message(req), "follow": True, "tok": lv.token}
+        async with lv.exec_in_flight(msg, abandon=p.K_DETACH) as replies:
+            stopped = self._stopped(lv)
+            try:
+                first = await replies.__anext__()
+            except StopAsyncIteration:
+                return
+            if first["k"] == p.K_ERR:
+                code, message = gi.error(first)
+                raise to_pal_error(code, message, "exec")  # a missing executable is 400
+            pid = first.get("pid")
+            if first["k"] != p.K_STARTED or not isinstance(pid, int) or isinstance(pid, bool) or pid < 1:
+                raise _bad_reply(vm_id, "pstart", gi.BadReply("no started reply first"))
+            yield StartedEvent(type="started", process_id=pid)
+            async for ev in _attach_events(lv, replies, 0, stopped):
+                yield StartedEvent.model_validate(ev.model_dump())
 
     async def list(self, vm_id: str) -> list[ProcessInfo]:
         reply, _ = await self._call(vm_id, {"k": p.K_PLIST})
@@ -130,20 +139,24 @@ class GuestProcesses:
         return ProcessDeleted(process_id=pid, deleted=True)
 
     # ------------------------------------------------------------------ output stream
+    def _stopped(self, lv: LiveVm) -> Callable[[], str | None]:
+        incarnation = lv.incarnation
+
+        def stopped() -> str | None:
+            # A snapshot pause may park the QEMU with its channel open (parked.py): the VM
+            # is no longer this node's live one (or it came back as another incarnation).
+            if self.registry.vms.get(lv.vm_id) is not lv or lv.incarnation != incarnation:
+                return "vm-stopped"
+            return "live-paused" if lv.live is not None else None
+
+        return stopped
+
     async def attach(self, vm_id: str, pid: int, start: int) -> AsyncIterator[ProcessEvent]:
         """The process's output from ``start`` on, as it comes (see the module's doc)."""
         lv = self.registry.running(vm_id)
         msg: p.Message = {"k": p.K_PATTACH, "tok": lv.token, "pid": pid, "from": start}
         async with lv.exec_in_flight(msg) as replies:
-            incarnation = lv.incarnation
-
-            def stopped() -> str | None:
-                # A snapshot pause may park the QEMU with its channel open (parked.py): the VM
-                # is no longer this node's live one (or it came back as another incarnation).
-                if self.registry.vms.get(vm_id) is not lv or lv.incarnation != incarnation:
-                    return "vm-stopped"
-                return "live-paused" if lv.live is not None else None
-
+            stopped = self._stopped(lv)
             async for ev in _attach_events(lv, replies, start, stopped):
                 yield ev
 
@@ -211,6 +224,22 @@ async def _attach_events(
             reason = gi.text(why, 32) if isinstance(why, str) and why else "detached"
             yield ProcessEvent(type="detached", reason=reason, offset=offset)
             return
+
+
+def _start_message(req: ProcessStartRequest) -> p.Message:
+    return {
+        "k": p.K_PSTART,
+        "argv": [req.command, *req.argv],
+        "env": req.env,
+        "cwd": req.cwd,
+        "timeout": req.timeout_secs,
+        "user": req.user,
+        "stdin": req.stdin,
+        "pty": req.pty.model_dump() if req.pty is not None else None,
+        "tag": req.tag,
+        "keep_awake": req.keep_awake,
+        "journal_bytes": req.journal_bytes,
+    }
 
 
 def _checked(vm_id: str, kind: str, parse: Any) -> Any:

@@ -334,6 +334,7 @@ class NodeRuntime:
         h.on(v.WRITE_FILE, lambda r: guest.write_file(r.vm_id, r.path, r.data))
         h.on(v.DELETE_FILE, lambda r: guest.delete_file(r.vm_id, r.path))
         h.on(v.START_PROCESS, lambda r: procs.start(r.vm_id, r))
+        h.on_stream(v.START_ATTACHED, lambda r: procs.start_attached(r.vm_id, r))
         h.on(v.LIST_PROCESSES, list_processes)
         h.on(v.GET_PROCESS, lambda r: procs.get(r.vm_id, r.pid))
         h.on(v.DELETE_PROCESS, lambda r: procs.delete(r.vm_id, r.pid))

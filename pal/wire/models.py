@@ -552,6 +552,56 @@ class FileContent(_Model):
     truncated: bool
 
 
+class WatchNew(_Model):
+    """A directory of the guest to watch with inotify (pal/guest/watches.py)."""
+
+    vm_id: SafeId
+    path: str = Field(pattern=r"^/", max_length=4096)
+    recursive: bool = False
+
+
+class WatchRef(_Model):
+    vm_id: SafeId
+    watch_id: SafeId  # w-<16 hex> (the guest's)
+
+
+class WatchRead(WatchRef):
+    wait_ms: int = Field(0, ge=0, le=10_000)  # a long poll: waits this long for an event
+
+
+class WatchMade(_Model):
+    watch_id: str = Field(max_length=32)
+
+
+class WatchEvent(_Model):
+    name: str = Field(max_length=4096)
+    op: Literal["create", "write", "remove", "rename", "chmod"]
+
+
+class WatchEvents(_Model):
+    events: list[WatchEvent] = Field(max_length=4096)
+    dropped: int = Field(ge=0)  # events lost to the watch's bound since the last read
+
+
+class WatchDeleted(_Model):
+    watch_id: str = Field(max_length=32)
+    deleted: bool
+
+
+class WorkloadUserName(_Model):
+    """The workload user under another name, its home a view of the workspace (E2B's `user`)."""
+
+    vm_id: SafeId
+    name: str = Field(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    home: str = Field(pattern=r"^(/[A-Za-z0-9._-]+)+$", max_length=200)
+
+
+class WorkloadUserNamed(_Model):
+    name: str = Field(max_length=32)
+    home: str = Field(max_length=200)
+    changed: bool  # false: it had that name and home already
+
+
 class VmSnapshots(_Model):
     agent_version_id: SafeId
     vm_id: SafeId

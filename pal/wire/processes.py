@@ -102,6 +102,21 @@ class ProcessEvent(StreamError):
     reason: str | None = None
 
 
+class StartedEvent(StreamError):
+    """One line of ``start_attached``: ``started`` first (``process_id``), then the lines of
+    :class:`ProcessEvent` (its fields, the same meanings) from the process's first byte."""
+
+    type: Literal["started", "output", "gap", "exit", "detached", "error"]
+    process_id: Pid | None = None
+    stream: Literal["stdout", "stderr"] | None = None
+    offset: int | None = None
+    data: str | None = None
+    lost: int | None = None
+    exit_code: int | None = None
+    timed_out: bool | None = None
+    reason: str | None = None
+
+
 class StdinWritten(_Model):
     written: int = Field(..., description="bytes the process took; fewer than sent: send the rest again")
     closed: bool = Field(..., description="its stdin is closed now")

@@ -421,6 +421,49 @@ DELETE_FILE = Call(
     m.FileDeleted,
     "Remove a file or symlink (404 FILE_NOT_FOUND, 400 for a directory). " + _guest("file"),
 )
+# Directory watches (pal/guest/watches.py): inotify in the guest, bounded, kept across a pause.
+CREATE_WATCH = Call(
+    "create_watch",
+    "POST",
+    "/vms/{vmId}/watches",
+    m.WatchNew,
+    m.WatchMade,
+    "Watch a directory of the guest (any path; ``recursive``: the directories under it too, "
+    "as they appear). 404 for a missing directory, 400 for a file, 429 past 16 watches. " + _guest("file"),
+    guest=GuestOp("wnew", "file"),
+)
+READ_WATCH = Call(
+    "read_watch",
+    "GET",
+    "/vms/{vmId}/watches/{watchId}",
+    m.WatchRead,
+    m.WatchEvents,
+    "Its events since the last read (waiting up to ``waitMs`` for one: a long poll), and how "
+    "many its bound dropped. 404 for no such watch. " + _guest("file"),
+    guest=GuestOp("wread", "file", counted=False),
+    long=lambda r: r.wait_ms > 0,
+    timeout_s=lambda r: r.wait_ms / 1000 + LONG_POLL_SLACK_S,
+)
+DELETE_WATCH = Call(
+    "delete_watch",
+    "DELETE",
+    "/vms/{vmId}/watches/{watchId}",
+    m.WatchRef,
+    m.WatchDeleted,
+    "Stop watching (404 for no such watch). " + _guest("file"),
+    guest=GuestOp("wdel", "file"),
+)
+RENAME_USER = Call(
+    "rename_user",
+    "PUT",
+    "/vms/{vmId}/user",
+    m.WorkloadUserName,
+    m.WorkloadUserNamed,
+    "The workload user (its uid) takes ``name`` in passwd, group and their shadows, with home "
+    "``home``, a bind mount of /workspace: E2B's `user` (pal/e2b/conventions.py), done by the "
+    "harness with no process. Idempotent. " + _guest("exec"),
+    guest=GuestOp("urename", "exec"),
+)
 
 # Processes (docs/processes.md; the node side: pal/manager/processes.py).
 START_PROCESS = Call(
@@ -431,6 +474,16 @@ START_PROCESS = Call(
     pr.ProcessInfo,
     "Start a process that outlives the request. Success: it runs (a missing executable is "
     "400, as for exec). " + _guest("exec"),
+)
+START_ATTACHED = Stream(
+    "start_attached",
+    "POST",
+    "/vms/{vmId}/processes/started",
+    pr.ProcessStart,
+    pr.StartedEvent,
+    "Start a process (as ``start_process``) and follow its output from its first byte in the "
+    "same guest request: ``started`` (its id), then ``attach_process``'s events. A stream that "
+    "ends early leaves the process running (as an attach). " + _guest("exec"),
 )
 LIST_PROCESSES = Call(
     "list_processes",

@@ -193,11 +193,14 @@ def render(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "What the E2B path adds: a command is `/bin/bash -l -c` (a login shell) where Pal's exec",
-        "runs its argv directly, and a command is two node calls (start, then follow its output);",
+        "What the E2B path adds: a command is `/bin/bash -l -c` (a login shell: bash's own start,",
+        "its profile forks nothing) where Pal's exec runs its argv directly; it is one node call",
+        "and one guest request (start_attached) as Pal's exec is; a download is gzip when the",
+        "client's Accept-Encoding takes it (envd negotiates the same way);",
         "a file of at most 1 MiB under `/home/user` (this row's) is one guest request as Pal's",
         "files API is, behind the SDK's multipart upload; a larger one, or one elsewhere, goes",
-        "through a process in the guest; a create also sets E2B's user up (one exec as root).",
+        "through a process in the guest; a create also sets E2B's user up (one guest request,",
+        "no process).",
         "",
     ]
     return "\n".join(lines)

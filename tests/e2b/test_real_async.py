@@ -36,7 +36,7 @@ async def test_async_sdk_on_a_real_sandbox(real_e2b: RealE2b) -> None:
 
             watch = await sbx.files.watch_dir("/tmp/aw", on_event)
             await sbx.files.write("/tmp/aw/f.txt", "1")
-            await asyncio.wait_for(arrived.wait(), 300)  # a hang guard: the stream lists every 0.5 s
+            await asyncio.wait_for(arrived.wait(), 300)  # a hang guard, not a speed bound
             await watch.stop()
             assert seen[0] == ("f.txt", FilesystemEventType.CREATE)
             listed = await (AsyncSandbox.list()).next_items()

@@ -169,17 +169,32 @@ def test_files(sbx: Sandbox) -> None:
 
 
 def test_watch(sbx: Sandbox) -> None:
+    """inotify in the guest (pal/guest/watches.py): each event as E2B's envd names it, a
+    rename's old name, a recursive watch following a directory made under it."""
     sbx.files.make_dir("/tmp/w")
     sbx.files.write("/tmp/w/old.txt", "1")
     handle = sbx.files.watch_dir("/tmp/w", include_entry=True)
+    deep = sbx.files.watch_dir("/tmp/w", recursive=True)
     sbx.files.write("/tmp/w/new.txt", "2")
     sbx.files.remove("/tmp/w/old.txt")
+    sbx.files.make_dir("/tmp/w/sub")
+    sbx.files.write("/tmp/w/sub/a.txt", "a")
+    sbx.files.rename("/tmp/w/sub/a.txt", "/tmp/w/sub/b.txt")
     events = handle.get_new_events()
     handle.stop()
-    assert sorted((e.name, e.type) for e in events) == [
-        ("new.txt", FilesystemEventType.CREATE),
-        ("old.txt", FilesystemEventType.REMOVE),
-    ]
+    C, W, REM, REN = (
+        FilesystemEventType.CREATE,
+        FilesystemEventType.WRITE,
+        FilesystemEventType.REMOVE,
+        FilesystemEventType.RENAME,
+    )
+    flat = {(e.name, e.type) for e in events}
+    assert flat == {("new.txt", C), ("new.txt", W), ("old.txt", REM), ("sub", C)}
+    made = next(e for e in events if e.name == "new.txt" and e.type == C)
+    assert made.entry is not None and made.entry.type == FileType.FILE
+    got = {(e.name, e.type) for e in deep.get_new_events()}
+    deep.stop()
+    assert {("sub", C), ("sub/a.txt", C), ("sub/a.txt", REN), ("sub/b.txt", C)} <= got, got
     with pytest.raises(NotFoundException):
         sbx.files.watch_dir("/tmp/missing")
 
@@ -244,6 +259,9 @@ def test_metrics(sbx: Sandbox) -> None:
 
 
 def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/tmp/pw")
+    watch = sbx.files.watch_dir("/tmp/pw")  # a polling watcher: it lives in the guest
+    sbx.files.write("/tmp/pw/before.txt", "b")
     counter = sbx.commands.run(
         "i=0; while [ $i -lt 100 ]; do echo line$i; i=$((i+1)); sleep 0.05; done", background=True
     )
@@ -272,6 +290,10 @@ def test_pause_connect_loses_no_output(sbx: Sandbox) -> None:
     lines = ("".join(before) + after.stdout).splitlines()
     assert lines == [f"line{i}" for i in range(100)]
     assert again.commands.run("echo back").stdout == "back\n"
+    again.files.write("/tmp/pw/after.txt", "a")
+    created = {e.name for e in watch.get_new_events() if e.type == FilesystemEventType.CREATE}
+    assert created == {"before.txt", "after.txt"}  # what it saw before the pause, and after
+    watch.stop()
 
 
 def test_fork(sandboxes: tuple[Sandbox, Sandbox]) -> None:

@@ -18,6 +18,7 @@ from pal_tools.bench.simnode import SIM_AGENT_VERSION, SimNode, SimNodeConfig, S
 # What a simulated node has no guest for: processes, code contexts, ports.
 UNSERVED = {
     "start_process",
+    "start_attached",
     "list_processes",
     "get_process",
     "delete_process",
@@ -28,6 +29,10 @@ UNSERVED = {
     "resize_process",
     "wait_process",
     "process_stats",
+    "rename_user",
+    "create_watch",
+    "read_watch",
+    "delete_watch",
     "run_code",
     "create_context",
     "list_contexts",
