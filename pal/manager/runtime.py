@@ -56,6 +56,7 @@ from pal.manager.stop import Stopper, VmFiles
 from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
+from pal.manager.volume_content import VolumeContent
 from pal.manager.volumes import VolumeFiles
 from pal.manager.waits import WaitWatcher
 from pal.snapshots.store import SnapshotStore
@@ -105,6 +106,7 @@ class NodeRuntime:
         )
         self.guest = GuestCalls(reg)
         self.volumes = VolumeFiles(settings.data_dir / "volumes")  # docs/volumes.md
+        self.volume_content = VolumeContent(self.volumes)  # a volume's files API
         self.processes = GuestProcesses(reg)
         self.code = GuestCode(reg)  # code contexts
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
@@ -258,6 +260,12 @@ class NodeRuntime:
         h.on(v.CREATE_VOLUME, self.volumes.create)
         h.on(v.RESIZE_VOLUME, self.volumes.resize)
         h.on(v.DELETE_VOLUME, self.volumes.delete)
+        h.on(v.VOLUME_LIST, self.volume_content.list_dir)
+        h.on(v.VOLUME_STAT, self.volume_content.stat)
+        h.on(v.VOLUME_READ, self.volume_content.read)
+        h.on(v.VOLUME_WRITE, self.volume_content.write)
+        h.on(v.VOLUME_MKDIR, self.volume_content.mkdir)
+        h.on(v.VOLUME_REMOVE, self.volume_content.remove)
 
     def _bind_snapshots(self, h: Handlers) -> None:
         snaps = self.snapshots
