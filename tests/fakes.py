@@ -838,6 +838,7 @@ class FakeManager(InProcessNode):
             v.VOLUME_WRITE,
             v.VOLUME_MKDIR,
             v.VOLUME_REMOVE,
+            v.VOLUME_SET_ATTRS,
         ):
             op = {"volume_list": "list_dir"}.get(verb.name, verb.name.removeprefix("volume_"))
             h.on(verb, self._volume_call(verb.name, lambda r, op=op: getattr(self.volume_content, op)(r)))

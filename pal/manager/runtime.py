@@ -266,6 +266,7 @@ class NodeRuntime:
         h.on(v.VOLUME_WRITE, self.volume_content.write)
         h.on(v.VOLUME_MKDIR, self.volume_content.mkdir)
         h.on(v.VOLUME_REMOVE, self.volume_content.remove)
+        h.on(v.VOLUME_SET_ATTRS, self.volume_content.set_attrs)
 
     def _bind_snapshots(self, h: Handlers) -> None:
         snaps = self.snapshots

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pal.errors import InsufficientStorage, InvalidRequest, NotFound, PalError, PathEscape, TooLarge
+from pal.errors import Conflict, InsufficientStorage, InvalidRequest, NotFound, PalError, PathEscape, TooLarge
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.volumes import VolumeFiles
 from pal.wire import volumes as w
@@ -318,16 +318,46 @@ class VolumeContent:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if r.parents and stat.S_ISDIR(st.st_mode):
                     return w.VolumeMade(path=norm, created=False)
-                raise InvalidRequest(f"it exists: {norm}") from None
+                raise Conflict(f"it exists: {norm}") from None
             except OSError as exc:
                 raise _os_error(exc, norm) from None
-            fd = os.open(name, _DIR, dir_fd=dfd)
+            try:
+                fd = os.open(name, _DIR, dir_fd=dfd)  # a guest may have swapped it already
+            except OSError as exc:
+                raise _os_error(exc, norm) from None
             try:
                 os.fchown(fd, self.uid, self.gid)
                 os.fchmod(fd, 0o755 if r.mode is None else r.mode)
             finally:
                 os.close(fd)
         return w.VolumeMade(path=norm, created=True)
+
+    async def set_attrs(self, r: w.VolumeAttrs) -> w.VolumeEntry:
+        return await asyncio.to_thread(self._set_attrs, r)
+
+    def _set_attrs(self, r: w.VolumeAttrs) -> w.VolumeEntry:
+        """chmod / chown of a file or directory (never a symlink, nor through one): the
+        inode an O_PATH descriptor holds, changed through that descriptor."""
+        parts = split(r.path, allow_root=False)
+        norm, name = "/".join(parts), parts[-1]
+        with self._root(r.volume_id) as root, self._dir(root, parts[:-1], norm) as dfd:
+            try:
+                pfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError as exc:
+                raise _os_error(exc, norm) from None
+            try:
+                if stat.S_ISLNK(os.fstat(pfd).st_mode):
+                    raise PathEscape(f"{norm} is a symlink: symlinks in a volume are not followed")
+                held = f"/proc/self/fd/{pfd}"
+                if r.mode is not None:
+                    os.chmod(held, r.mode)
+                if r.uid is not None or r.gid is not None:
+                    os.chown(held, -1 if r.uid is None else r.uid, -1 if r.gid is None else r.gid)
+                return _entry(dfd, name, norm)
+            except OSError as exc:
+                raise _os_error(exc, norm) from None
+            finally:
+                os.close(pfd)
 
     async def remove(self, r: w.VolumeRemove) -> w.VolumeRemoved:
         async with self._locks[r.volume_id]:

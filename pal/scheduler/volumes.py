@@ -61,6 +61,12 @@ class Volumes:
             raise NotFound(f"volume {ref[:80]!r} not found")
         return vol
 
+    def owner(self, volume_id: str) -> str | None:
+        """The tenant of the volume of id ``volume_id`` (None: no such volume); for a caller
+        that holds a credential of the volume itself (the E2B surface's volume token)."""
+        vol = rows.get(self.d.store, volume_id) if volume_id.startswith(VOLUME_ID_PREFIX) else None
+        return vol.tenant_id if vol is not None else None
+
     def _node(self, vol: VolumeRecord) -> NodeCalls:
         if self.d.nodes.state_of(vol.node_id) == nodes_mod.LOST:
             raise Unavailable(f"the node that holds volume {vol.name!r} ({vol.node_id}) is lost")

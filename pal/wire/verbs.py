@@ -430,6 +430,15 @@ VOLUME_REMOVE = Call(
     "Remove a file or symlink (the link, not its target); a directory only with "
     "``recursive`` (else 400), removed without following a symlink in it. " + _VOLUME_PATH,
 )
+VOLUME_SET_ATTRS = Call(
+    "volume_set_attrs",
+    "POST",
+    "/volumes/{volumeId}/files/attrs",
+    vol.VolumeAttrs,
+    vol.VolumeEntry,
+    "Change a file's or directory's ``mode``, ``uid``, ``gid`` (those given), through a "
+    "descriptor of it: never a symlink (400). Answers it as stat does. " + _VOLUME_PATH,
+)
 
 # ---------------------------------------------------------------------- in the guest
 EXEC = Stream(

@@ -76,6 +76,14 @@ class VolumeRemove(WireModel):
     recursive: bool = False  # a directory and everything in it
 
 
+class VolumeAttrs(WireModel):
+    volume_id: SafeId
+    path: str = _PATH
+    mode: int | None = Field(default=None, ge=0, le=0o777)  # the permission bits
+    uid: int | None = Field(default=None, ge=0, le=65534)
+    gid: int | None = Field(default=None, ge=0, le=65534)
+
+
 class VolumeEntry(WireModel):
     """One file of a volume as lstat sees it (a symlink is never followed)."""
 

@@ -41,6 +41,7 @@ UNSERVED = {
     "volume_write",
     "volume_mkdir",
     "volume_remove",
+    "volume_set_attrs",
 }
 
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pal.errors import InsufficientStorage, InvalidRequest, NotFound, PathEscape, TooLarge
+from pal.errors import Conflict, InsufficientStorage, InvalidRequest, NotFound, PathEscape, TooLarge
 from pal.manager.volume_content import VolumeContent
 from pal.manager.volumes import VolumeFiles
 from pal.wire.volumes import (
+    VolumeAttrs,
     VolumeCreate,
     VolumeList,
     VolumeMkdir,
@@ -78,7 +79,7 @@ async def test_write_read_list_stat_mkdir_remove(vc: VolumeContent) -> None:
 
     assert (await vc.mkdir(VolumeMkdir(volume_id=V, path="x/y", parents=True))).created is True
     assert (await vc.mkdir(VolumeMkdir(volume_id=V, path="x/y", parents=True))).created is False
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(Conflict):
         await vc.mkdir(VolumeMkdir(volume_id=V, path="x/y"))
     with pytest.raises(NotFound):
         await vc.mkdir(VolumeMkdir(volume_id=V, path="q/r"))
@@ -155,6 +156,23 @@ async def test_a_symlink_at_the_end_is_never_followed(vc: VolumeContent, outside
     await vc.remove(VolumeRemove(volume_id=V, path="d", recursive=True))
     assert sorted(p.name for p in outside.iterdir()) == ["secret"]
     assert not (data(vc) / "d").exists() and not (data(vc) / "s2").is_symlink()
+
+
+async def test_attrs_change_the_inode_never_a_symlinks_target(vc: VolumeContent, outside: Path) -> None:
+    (data(vc) / "f").write_text("x")
+    owner = 1234 if ROOT else os.geteuid()  # only root gives a file away
+    got = await vc.set_attrs(VolumeAttrs(volume_id=V, path="f", mode=0o600, uid=owner, gid=None))
+    assert (got.mode, got.uid) == (0o600, owner)
+    assert stat.S_IMODE((data(vc) / "f").stat().st_mode) == 0o600
+    os.symlink(outside / "secret", data(vc) / "s")
+    before = (outside / "secret").stat()
+    with pytest.raises(PathEscape):
+        await vc.set_attrs(VolumeAttrs(volume_id=V, path="s", mode=0o777, uid=0))
+    os.symlink(outside, data(vc) / "d")
+    with pytest.raises(PathEscape):
+        await vc.set_attrs(VolumeAttrs(volume_id=V, path="d/secret", mode=0o777))
+    after = (outside / "secret").stat()
+    assert (after.st_mode, after.st_uid) == (before.st_mode, before.st_uid)
 
 
 async def test_a_hard_link_is_replaced_never_written_through(vc: VolumeContent, outside: Path) -> None:
