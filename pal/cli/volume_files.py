@@ -60,8 +60,9 @@ def get(
         Path | None, typer.Argument(help="local file to write; stdout when omitted or -")
     ] = None,
 ) -> None:
-    """Show a volume and the VMs that mount it (mountedBy); with PATH, copy that file out of
-    it byte for byte instead (a file cut at 1 MiB exits with status 1)."""
+    """Show a volume and the VMs that mount it; with PATH, copy that file out instead.
+
+    A file is copied byte for byte; one cut at 1 MiB exits with status 1."""
     if path is None:
         print_json(call(lambda: client().volumes.get(volume)))
         return

@@ -158,22 +158,15 @@ async def _body(request: Request) -> bytes:
 _Path = Annotated[str, Query(min_length=1)]
 
 
-def content_routes(vols: E2bVolumes) -> APIRouter:
-    """``/volumecontent/{volumeID}/...``: a volume's files, by the volume's token."""
+def _content_path_routes(vols: E2bVolumes) -> APIRouter:
+    """``/volumecontent/{volumeID}/path``: stat, chmod/chown, remove, by the volume's token."""
     r = APIRouter(prefix="/volumecontent/{volume_id}")
     files = vols.volumes.files
-
-    async def stat(t: str, volume_id: str, path: str) -> dict[str, Any]:
-        return entry_json(await files(t, volume_id, verbs.VOLUME_STAT, path=path))
-
-    async def chown(t: str, volume_id: str, path: str, uid: int | None, gid: int | None) -> None:
-        if uid is not None or gid is not None:
-            await files(t, volume_id, verbs.VOLUME_SET_ATTRS, path=path, uid=uid, gid=gid)
 
     @r.get("/path")
     async def get_path(volume_id: str, path: _Path, request: Request) -> Response:
         t = vols.owner(request, volume_id)
-        return JSONResponse(await stat(t, volume_id, rel(path)))
+        return JSONResponse(entry_json(await files(t, volume_id, verbs.VOLUME_STAT, path=rel(path))))
 
     @r.patch("/path")
     async def patch_path(volume_id: str, path: _Path, body: Attrs, request: Request) -> Response:
@@ -188,6 +181,21 @@ def content_routes(vols: E2bVolumes) -> APIRouter:
         t = vols.owner(request, volume_id)
         await files(t, volume_id, verbs.VOLUME_REMOVE, path=rel(path), recursive=True)
         return Response(status_code=204)
+
+    return r
+
+
+def _content_file_routes(vols: E2bVolumes) -> APIRouter:
+    """``/volumecontent/{volumeID}/dir`` and ``/file``."""
+    r = APIRouter(prefix="/volumecontent/{volume_id}")
+    files = vols.volumes.files
+
+    async def stat(t: str, volume_id: str, path: str) -> dict[str, Any]:
+        return entry_json(await files(t, volume_id, verbs.VOLUME_STAT, path=path))
+
+    async def chown(t: str, volume_id: str, path: str, uid: int | None, gid: int | None) -> None:
+        if uid is not None or gid is not None:
+            await files(t, volume_id, verbs.VOLUME_SET_ATTRS, path=path, uid=uid, gid=gid)
 
     @r.get("/dir")
     async def list_dir(
@@ -246,4 +254,4 @@ def content_routes(vols: E2bVolumes) -> APIRouter:
 
 def routers(volumes: Volumes, secret: bytes) -> list[APIRouter]:
     vols = E2bVolumes(volumes, secret)
-    return [volume_routes(vols), content_routes(vols)]
+    return [volume_routes(vols), _content_path_routes(vols), _content_file_routes(vols)]
