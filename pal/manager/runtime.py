@@ -68,6 +68,7 @@ from pal.wire import processes as pr
 from pal.wire import verbs as v
 from pal.wire.handlers import Handlers
 from pal.wire.tunnel import Opened
+from pal.wire.volumes import VolumeDeleted, VolumeRef
 
 
 class NodeRuntime:
@@ -206,6 +207,11 @@ class NodeRuntime:
 
     # ------------------------------------------------------------------ what it serves
 
+    async def _delete_volume(self, r: VolumeRef) -> VolumeDeleted:
+        gone = await self.volumes.delete(r)
+        self.volume_content.forget(r.volume_id)  # its lock and measured usage
+        return gone
+
     def handlers(self) -> Handlers:
         """Every verb of the node RPC (pal/wire/verbs.py) bound to the operation that serves
         it here; a guest verb declared without a handler of its own is relayed to the guest
@@ -259,7 +265,7 @@ class NodeRuntime:
         h.on(v.EGRESS_EVENTS, lambda r: self.egress.events(r.after, r.epoch))
         h.on(v.CREATE_VOLUME, self.volumes.create)
         h.on(v.RESIZE_VOLUME, self.volumes.resize)
-        h.on(v.DELETE_VOLUME, self.volumes.delete)
+        h.on(v.DELETE_VOLUME, self._delete_volume)
         h.on(v.VOLUME_LIST, self.volume_content.list_dir)
         h.on(v.VOLUME_STAT, self.volume_content.stat)
         h.on(v.VOLUME_READ, self.volume_content.read)
