@@ -6,6 +6,7 @@ a folder, view and download it, remove it, delete the volume."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_the_volumes_page_in_a_browser(tmp_path: Path, browser: BrowserContext) 
         expect(entry).to_contain_text("17 B")  # the listing refreshed on filesChanged
         entry.locator("a.view").click()
         expect(page.locator("#file-text")).to_have_text("kept in a volume\n")
+        shots = Path(os.environ.get("PAL_DASHBOARD_SCREENSHOTS") or tmp_path / "shots")
+        shots.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shots / "dashboard-volume.png"), full_page=True)
         with page.expect_download() as got:
             entry.locator("a.download").click()
         assert Path(got.value.path()).read_text() == "kept in a volume\n"
