@@ -506,6 +506,7 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes, idle_
     from pal.e2b.binding import bind
     from pal.e2b.rest import RestConfig, create_rest_app
     from pal.e2b.sandboxes import PalSandboxes
+    from pal.e2b.volumes import routers as volume_routers
 
     s = scheduler
     sandboxes = PalSandboxes(
@@ -522,7 +523,8 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes, idle_
         idle_timeout_s=idle_timeout_s,
     )
     bound = bind(sandboxes, store, lambda key: key_check(store, key))
-    app.mount("/e2b", create_rest_app(bound.sandboxes, bound.keys.check, RestConfig(), bound.keys))
+    more = volume_routers(s.volumes, secret)  # /volumes and the volume content API
+    app.mount("/e2b", create_rest_app(bound.sandboxes, bound.keys.check, RestConfig(), bound.keys, more))
     app.state.e2b_agent = create_agent_app(bound.backend, AgentConfig())
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ from pal.errors import NotFound, PalError
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.manager.channel import HarnessChannel
 from pal.manager.vm import LiveVm
+from pal.manager.volume_content import VolumeContent
 from pal.manager.volumes import VolumeFiles
 from pal.scheduler.scheduler import Scheduler
 from pal.spec import ExecRequest
@@ -263,6 +265,7 @@ class FakeManager(InProcessNode):
         self.notice_epoch = "fake-notices-1"
         self._posted = asyncio.Event()
         self._volume_files: VolumeFiles | None = None
+        self._volume_content: VolumeContent | None = None
 
     @property
     def volume_files(self) -> VolumeFiles:
@@ -272,6 +275,15 @@ class FakeManager(InProcessNode):
             weakref.finalize(self, shutil.rmtree, root, True)
             self._volume_files = VolumeFiles(root / "volumes")
         return self._volume_files
+
+    @property
+    def volume_content(self) -> VolumeContent:
+        """The node's real files API of its volumes, as the workload user when root (the
+        node is), else as this process's own user."""
+        if self._volume_content is None:
+            ids = (1000, 1000) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+            self._volume_content = VolumeContent(self.volume_files, *ids)
+        return self._volume_content
 
     # -- scripting ------------------------------------------------------------------------
 
@@ -819,6 +831,17 @@ class FakeManager(InProcessNode):
         h.on(v.CREATE_VOLUME, self._volume_call("create_volume", lambda r: self.volume_files.create(r)))
         h.on(v.RESIZE_VOLUME, self._volume_call("resize_volume", lambda r: self.volume_files.resize(r)))
         h.on(v.DELETE_VOLUME, self._volume_call("delete_volume", lambda r: self.volume_files.delete(r)))
+        for verb in (
+            v.VOLUME_LIST,
+            v.VOLUME_STAT,
+            v.VOLUME_READ,
+            v.VOLUME_WRITE,
+            v.VOLUME_MKDIR,
+            v.VOLUME_REMOVE,
+            v.VOLUME_SET_ATTRS,
+        ):
+            op = {"volume_list": "list_dir"}.get(verb.name, verb.name.removeprefix("volume_"))
+            h.on(verb, self._volume_call(verb.name, lambda r, op=op: getattr(self.volume_content, op)(r)))
         h.on(v.SNAPSHOT_OWNERS, lambda _: self.snapshot_owners())
         h.on(v.LIST_SNAPSHOTS, snapshots)
         h.on(v.DELETE_VM_SNAPSHOTS, delete_vm_snapshots)

@@ -42,6 +42,7 @@ from .process_attach import attach_links, attach_router
 from .processes import processes_router
 from .prometheus import metrics_router
 from .routes import images_router, runtime_router
+from .volume_files import volume_files_router
 from .volumes import volumes_router
 
 log = logging.getLogger("pal.api")
@@ -96,6 +97,7 @@ def create_app(
     app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
     app.include_router(code_router)
     app.include_router(volumes_router)  # docs/volumes.md
+    app.include_router(volume_files_router)  # a volume's files, without a sandbox
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)

@@ -34,8 +34,10 @@ def env_lines(url: str, key: str, sandbox_port: int = ENVD_PORT) -> list[str]:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--url must be an http(s) URL of a Pal server, got {url!r}")
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    api = shlex.quote(f"{parts.scheme}://{parts.netloc}{parts.path}/e2b")
     lines = [
-        f"export E2B_API_URL={shlex.quote(f'{parts.scheme}://{parts.netloc}{parts.path}/e2b')}",
+        f"export E2B_API_URL={api}",
+        f"export E2B_VOLUME_API_URL={api}",  # the volume content API (Volume.read_file...)
         f"export E2B_SANDBOX_URL={shlex.quote(f'{parts.scheme}://{host}:{sandbox_port}')}",
         f"export E2B_API_KEY={shlex.quote(key)}",
     ]
@@ -109,7 +111,7 @@ def env(
         ),
     ] = False,
 ) -> None:
-    """Print the export lines for E2B's SDKs: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY.
+    """Print the export lines for E2B's SDKs: E2B_API_URL, E2B_VOLUME_API_URL, E2B_SANDBOX_URL, E2B_API_KEY.
 
     With a Pal key (PAL_API_KEY, pal_...) the server makes the tenant an E2B key (e2b_ and
     hex, as E2B's SDKs want; once per machine: ~/.config/pal/e2b-keys.json keeps it);

@@ -22,7 +22,7 @@ from .settings import say, server_settings
 from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 from .vm_processes import vm_app as _processes  # noqa: F401  (registers shell, ps, attach, kill)
-from .volumes import volumes_app
+from .volume_files import volumes_app  # the volumes' commands and their files'
 
 cli_help.install()
 app = typer.Typer(
@@ -47,6 +47,7 @@ app.add_typer(data_dir_app, name="data-dir")
 app.add_typer(vm_app, name="vm")
 app.add_typer(files_app, name="files")
 app.add_typer(volumes_app, name="volumes")
+app.add_typer(volumes_app, name="volume", hidden=True)  # `pal volume create|ls|rm|put|get` (issue 34)
 app.add_typer(node_app, name="node")
 app.add_typer(snapshots_app, name="snapshots")
 app.add_typer(e2b_app, name="e2b")

@@ -14,12 +14,17 @@ from .help import examples
 from .output import Table, call, parse_pairs, print_json, print_rows
 
 volumes_app = typer.Typer(
-    help="Volumes: storage that outlives a VM (create, ls, get, resize, rm).",
+    help="Volumes: storage that outlives a VM (create, ls, get, resize, rm; and their files: "
+    "put, get, cat, ls-files, stat, mkdir, rm-file).",
     no_args_is_help=True,
     epilog=examples(
         "pal volumes create cache --size-mib 4096 --meta team=ml",
         "pal volumes ls --table --meta team=ml",
         "pal volumes resize cache 8192",
+        "pal volumes put cache seed/data.json ./data.json",
+        "pal volumes ls-files cache seed --table",
+        "pal volumes get cache results/out.json ./out.json",
+        "pal volumes rm-file cache results --recursive",
         "pal volumes rm cache",
     ),
 )
@@ -55,12 +60,6 @@ def ls(table: Table = False, meta: Meta = None) -> None:
     """List your volumes, oldest first (--meta K=V keeps those tagged so; all must match)."""
     wanted = parse_pairs(meta, "--meta") if meta else None
     print_rows(call(lambda: client().volumes.list(wanted)), VOLUME_COLUMNS, table)
-
-
-@volumes_app.command("get")
-def get(volume: Volume) -> None:
-    """Show one volume, and the VMs that mount it (mountedBy)."""
-    print_json(call(lambda: client().volumes.get(volume)))
 
 
 @volumes_app.command("resize")

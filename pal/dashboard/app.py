@@ -11,7 +11,7 @@ from fastapi.staticfiles import StaticFiles
 from pal.config import Settings
 from pal.scheduler.scheduler import Scheduler
 
-from . import code_panel, routes, vm_routes
+from . import code_panel, routes, vm_routes, volume_routes
 from .context import Dashboard, Refused, SignInRequired, refused, sign_in_required
 
 STATIC = Path(__file__).parent / "static"
@@ -27,6 +27,7 @@ def install_dashboard(
     app.mount("/runtime/static", StaticFiles(directory=STATIC), name="dashboard-static")
     app.state.dashboard = dash = Dashboard(scheduler, store, settings, secret)
     app.include_router(routes.router)  # first: its fixed paths before /runtime/{vm_id}
+    app.include_router(volume_routes.router)  # /runtime/volumes..., before /runtime/{vm_id}
     app.include_router(vm_routes.router)
     app.include_router(code_panel.router)
     callers = getattr(app.state, "callers", None)

@@ -99,8 +99,13 @@ Tenant = Annotated[str, Depends(_tenant)]
 
 
 def create_rest_app(
-    sandboxes: ops.SandboxOps, check_key: ops.KeyCheck, config: RestConfig, keys: ops.KeyOps | None = None
+    sandboxes: ops.SandboxOps,
+    check_key: ops.KeyCheck,
+    config: RestConfig,
+    keys: ops.KeyOps | None = None,
+    more: list[APIRouter] | None = None,
 ) -> FastAPI:
+    """``more``: routers of the same surface built elsewhere (volumes.py's)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     app.state.check_key = check_key
     _answer_errors(app)
@@ -112,6 +117,8 @@ def create_rest_app(
     app.include_router(_template_routes(sandboxes))
     if keys is not None:
         app.include_router(_key_routes(keys))
+    for router in more or []:
+        app.include_router(router)
     return app
 
 

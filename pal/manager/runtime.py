@@ -56,6 +56,7 @@ from pal.manager.stop import Stopper, VmFiles
 from pal.manager.templates import TemplateCache, TemplateHost
 from pal.manager.vm import VmRegistry
 from pal.manager.vmnet import VmNetworking
+from pal.manager.volume_content import VolumeContent
 from pal.manager.volumes import VolumeFiles
 from pal.manager.waits import WaitWatcher
 from pal.snapshots.store import SnapshotStore
@@ -106,6 +107,7 @@ class NodeRuntime:
         )
         self.guest = GuestCalls(reg)
         self.volumes = VolumeFiles(settings.data_dir / "volumes")  # docs/volumes.md
+        self.volume_content = VolumeContent(self.volumes)  # a volume's files API
         self.processes = GuestProcesses(reg)
         self.code = GuestCode(reg)  # code contexts
         self.guest_ports = GuestPorts(reg, self.ports, self.net, board)
@@ -207,6 +209,13 @@ class NodeRuntime:
 
     # ------------------------------------------------------------------ what it serves
 
+    async def _delete_volume(self, r: VolumeRef) -> VolumeDeleted:
+        """A volume's export goes before its files (a forced delete: VMs still mount it)."""
+        await self.net.volumes.drop(r.volume_id)
+        gone = await self.volumes.delete(r)
+        self.volume_content.forget(r.volume_id)  # its lock and measured usage
+        return gone
+
     def handlers(self) -> Handlers:
         """Every verb of the node RPC (pal/wire/verbs.py) bound to the operation that serves
         it here; a guest verb declared without a handler of its own is relayed to the guest
@@ -260,12 +269,14 @@ class NodeRuntime:
         h.on(v.EGRESS_EVENTS, lambda r: self.egress.events(r.after, r.epoch))
         h.on(v.CREATE_VOLUME, self.volumes.create)
         h.on(v.RESIZE_VOLUME, self.volumes.resize)
-        h.on(v.DELETE_VOLUME, self.delete_volume)
-
-    async def delete_volume(self, r: VolumeRef) -> VolumeDeleted:
-        """A volume's export goes before its files (a forced delete: VMs still mount it)."""
-        await self.net.volumes.drop(r.volume_id)
-        return await self.volumes.delete(r)
+        h.on(v.DELETE_VOLUME, self._delete_volume)
+        h.on(v.VOLUME_LIST, self.volume_content.list_dir)
+        h.on(v.VOLUME_STAT, self.volume_content.stat)
+        h.on(v.VOLUME_READ, self.volume_content.read)
+        h.on(v.VOLUME_WRITE, self.volume_content.write)
+        h.on(v.VOLUME_MKDIR, self.volume_content.mkdir)
+        h.on(v.VOLUME_REMOVE, self.volume_content.remove)
+        h.on(v.VOLUME_SET_ATTRS, self.volume_content.set_attrs)
 
     def _bind_snapshots(self, h: Handlers) -> None:
         snaps = self.snapshots

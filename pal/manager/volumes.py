@@ -53,6 +53,13 @@ class VolumeFiles:
             return None
         return meta if isinstance(meta, dict) else None
 
+    def size_mib(self, volume_id: str) -> int:
+        """The volume's recorded size; 404 for a volume this node does not hold."""
+        meta = self._meta(volume_id)
+        if meta is None:
+            raise NotFound(f"volume {volume_id} not found on this node")
+        return int(meta["sizeMib"])
+
     def _write_meta(self, volume_id: str, meta: dict[str, Any]) -> None:
         d = self.path(volume_id)
         tmp = d / f".{META}.tmp"

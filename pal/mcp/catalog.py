@@ -11,7 +11,7 @@ import mcp_types as types
 from pal import sizes
 from pal.ids import ID_PATTERN
 
-from . import code_tool
+from . import code_tool, volume_tools
 from .shaping import DEFAULT_OUTPUT_BYTES, MAX_OUTPUT_BYTES
 
 DEFAULT_YIELD_MS = 10_000  # how long run_command waits before it hands back a running process
@@ -325,6 +325,6 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
 
 TOOLS: list[types.Tool] = [
     types.Tool(name=name, description=desc, input_schema=schema, annotations=notes)
-    for name, desc, schema, notes in _TOOLS
+    for name, desc, schema, notes in [*_TOOLS, *volume_tools.TOOLS]
 ]
 SCHEMAS: dict[str, dict[str, Any]] = {t.name: t.input_schema for t in TOOLS}

@@ -15,7 +15,7 @@ import mcp_types as types
 
 from pal.sdk import AsyncClient
 
-from . import code_tool
+from . import code_tool, volume_tools
 from .catalog import DEFAULT_READ_WAIT_MS, DEFAULT_YIELD_MS
 from .shaping import (
     DEFAULT_OUTPUT_BYTES,
@@ -241,3 +241,13 @@ HANDLERS: dict[str, Handler] = {
     "get_port_url": get_port_url,
     "run_code": run_code,
 }
+
+
+def _on_no_vm(fn: Callable[[AsyncClient, dict[str, Any]], Awaitable[types.CallToolResult]]) -> Handler:
+    async def call(c: AsyncClient, a: dict[str, Any]) -> Outcome:
+        return Outcome(await fn(c, a))
+
+    return call
+
+
+HANDLERS.update({name: _on_no_vm(fn) for name, fn in volume_tools.HANDLERS.items()})

@@ -16,6 +16,9 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from pal.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from pal.scheduler import nodes as nodes_mod
@@ -24,10 +27,12 @@ from pal.store import VolumeRecord, utcnow
 from pal.store import volumes as rows
 from pal.wire import verbs
 from pal.wire.handlers import NodeCalls
+from pal.wire.verbs import Call
 from pal.wire.volumes import VolumeCreate, VolumeRef, VolumeResize
 
 log = logging.getLogger(__name__)
 VOLUME_ID_PREFIX = "vol-"
+Ans = TypeVar("Ans", bound=BaseModel)
 
 
 def new_volume_id() -> str:
@@ -55,6 +60,12 @@ class Volumes:
         if vol is None:
             raise NotFound(f"volume {ref[:80]!r} not found")
         return vol
+
+    def owner(self, volume_id: str) -> str | None:
+        """The tenant of the volume of id ``volume_id`` (None: no such volume); for a caller
+        that holds a credential of the volume itself (the E2B surface's volume token)."""
+        vol = rows.get(self.d.store, volume_id) if volume_id.startswith(VOLUME_ID_PREFIX) else None
+        return vol.tenant_id if vol is not None else None
 
     def _node(self, vol: VolumeRecord) -> NodeCalls:
         if self.d.nodes.state_of(vol.node_id) == nodes_mod.LOST:
@@ -97,6 +108,16 @@ class Volumes:
                 rows.remove(self.d.store, vol.volume_id)
                 raise as_pal(exc) from exc
             return rows.set_state(self.d.store, vol.volume_id, "ready", expect="creating")
+
+    async def files(self, tenant_id: str, ref: str, verb: Call[Any, Ans], **fields: Any) -> Ans:
+        """A call of a volume's files API (``verbs.VOLUME_*``) on its node, the request made
+        of ``fields`` and the volume's id. Prerequisites: the tenant's volume (404), ready
+        (409)."""
+        vol = self.own(tenant_id, ref)
+        if vol.state != "ready":
+            raise Conflict(f"volume {vol.name!r} is {vol.state}")
+        req = verb.request.model_validate({**fields, "volume_id": vol.volume_id})
+        return await self._node(vol).call(verb, req)
 
     async def page(
         self, tenant_id: str, *, after: tuple[datetime, str] | None, limit: int, metadata: dict[str, str]

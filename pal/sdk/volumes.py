@@ -9,6 +9,22 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from . import _pages, _wire
+from .errors import NotFoundError
+from .models import FileBytes, FileText
+
+_RAW = {"Content-Type": "application/octet-stream"}
+
+
+def _list_q(path: str, depth: int | None) -> dict[str, Any]:
+    return {"path": path, **({"depth": depth} if depth is not None else {})}
+
+
+def _flag(name: str, on: bool) -> dict[str, Any]:
+    return {name: "true"} if on else {}
+
+
+def _bytes(content: str | bytes) -> bytes:
+    return content.encode("utf-8") if isinstance(content, str) else content
 
 
 def _create_body(name: str, size_mib: int | None, metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -60,6 +76,60 @@ class Volumes:
         body = {"sizeMib": size_mib}
         return dict(self._c.request("POST", f"/v1/volumes/{_wire.seg(volume)}/resize", json=body).json())
 
+    # -- its files, without a sandbox (the shapes of a VM's files API) ------------------
+
+    def list_files(self, volume: str, path: str = "", *, depth: int | None = None) -> dict[str, Any]:
+        """``{path, entries: [{name, type, size, path, mode, uid, gid, modifiedAt, target?}],
+        truncated}``: a directory of the volume, ``depth`` levels down (1 unless given)."""
+        return dict(
+            self._c.request(
+                "GET", f"/v1/volumes/{_wire.seg(volume)}/files", params=_list_q(path, depth)
+            ).json()
+        )
+
+    def stat(self, volume: str, path: str) -> dict[str, Any]:
+        """One entry (a symlink is not followed); NotFoundError (FILE_NOT_FOUND) for none."""
+        q = {"path": path}
+        return dict(self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/stat", params=q).json())
+
+    def exists(self, volume: str, path: str) -> bool:
+        try:
+            self.stat(volume, path)
+        except NotFoundError as exc:
+            if exc.code == "FILE_NOT_FOUND":
+                return False
+            raise
+        return True
+
+    def read_file(self, volume: str, path: str) -> FileText:
+        """The file as text (UTF-8); ``UnicodeDecodeError`` if it is not text."""
+        resp = self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/content", params={"path": path})
+        return _wire.file_text(resp, path)
+
+    def read_file_bytes(self, volume: str, path: str) -> FileBytes:
+        resp = self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/content", params={"path": path})
+        return _wire.file_bytes(resp)
+
+    def write_file(self, volume: str, path: str, content: str | bytes) -> dict[str, Any]:
+        """Create or replace a file (parents made), the workload user's. At most 1 MiB."""
+        resp = self._c.request(
+            "PUT", f"/v1/volumes/{_wire.seg(volume)}/files/content", params={"path": path},
+            content=_bytes(content), headers=_RAW,
+        )  # fmt: skip
+        return dict(resp.json())
+
+    def make_dir(self, volume: str, path: str, *, parents: bool = False) -> dict[str, Any]:
+        """``{path, created}``; ``parents``: mkdir -p."""
+        q = {"path": path, **_flag("parents", parents)}
+        return dict(self._c.request("POST", f"/v1/volumes/{_wire.seg(volume)}/files/dir", params=q).json())
+
+    def delete_file(self, volume: str, path: str, *, recursive: bool = False) -> dict[str, Any]:
+        """Remove a file or symlink; a directory with ``recursive``."""
+        q = {"path": path, **_flag("recursive", recursive)}
+        return dict(
+            self._c.request("DELETE", f"/v1/volumes/{_wire.seg(volume)}/files/content", params=q).json()
+        )
+
 
 class AsyncVolumes:
     def __init__(self, client: Any) -> None:  # an AsyncClient
@@ -96,3 +166,54 @@ class AsyncVolumes:
         return dict(
             (await self._c.request("POST", f"/v1/volumes/{_wire.seg(volume)}/resize", json=body)).json()
         )
+
+    # -- its files ----------------------------------------------------------------------
+
+    async def list_files(self, volume: str, path: str = "", *, depth: int | None = None) -> dict[str, Any]:
+        resp = await self._c.request(
+            "GET", f"/v1/volumes/{_wire.seg(volume)}/files", params=_list_q(path, depth)
+        )
+        return dict(resp.json())
+
+    async def stat(self, volume: str, path: str) -> dict[str, Any]:
+        q = {"path": path}
+        return dict(
+            (await self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/stat", params=q)).json()
+        )
+
+    async def exists(self, volume: str, path: str) -> bool:
+        try:
+            await self.stat(volume, path)
+        except NotFoundError as exc:
+            if exc.code == "FILE_NOT_FOUND":
+                return False
+            raise
+        return True
+
+    async def read_file(self, volume: str, path: str) -> FileText:
+        q = {"path": path}
+        resp = await self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/content", params=q)
+        return _wire.file_text(resp, path)
+
+    async def read_file_bytes(self, volume: str, path: str) -> FileBytes:
+        q = {"path": path}
+        resp = await self._c.request("GET", f"/v1/volumes/{_wire.seg(volume)}/files/content", params=q)
+        return _wire.file_bytes(resp)
+
+    async def write_file(self, volume: str, path: str, content: str | bytes) -> dict[str, Any]:
+        resp = await self._c.request(
+            "PUT", f"/v1/volumes/{_wire.seg(volume)}/files/content", params={"path": path},
+            content=_bytes(content), headers=_RAW,
+        )  # fmt: skip
+        return dict(resp.json())
+
+    async def make_dir(self, volume: str, path: str, *, parents: bool = False) -> dict[str, Any]:
+        q = {"path": path, **_flag("parents", parents)}
+        return dict(
+            (await self._c.request("POST", f"/v1/volumes/{_wire.seg(volume)}/files/dir", params=q)).json()
+        )
+
+    async def delete_file(self, volume: str, path: str, *, recursive: bool = False) -> dict[str, Any]:
+        q = {"path": path, **_flag("recursive", recursive)}
+        resp = await self._c.request("DELETE", f"/v1/volumes/{_wire.seg(volume)}/files/content", params=q)
+        return dict(resp.json())

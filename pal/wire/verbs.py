@@ -370,6 +370,76 @@ DELETE_VOLUME = Call(
     "there). Success: nothing of it is left on the node.",
 )
 
+_VOLUME_PATH = (
+    "``path`` is relative to the volume's root and walked without following a symlink "
+    "(400 PATH_ESCAPE for a symlink on the way, ``..`` or an absolute path; 404 "
+    "FILE_NOT_FOUND; 404 for a volume the node does not hold)."
+)
+VOLUME_LIST = Call(
+    "volume_list",
+    "GET",
+    "/volumes/{volumeId}/files",
+    vol.VolumeList,
+    vol.VolumeListing,
+    "A directory of a volume, ``depth`` levels down, breadth first, as lstat sees each entry "
+    "(at most 1000: ``truncated``). " + _VOLUME_PATH,
+)
+VOLUME_STAT = Call(
+    "volume_stat",
+    "GET",
+    "/volumes/{volumeId}/files/stat",
+    vol.VolumePath,
+    vol.VolumeEntry,
+    "What is at a path of a volume, not followed (a symlink is a symlink, with its target). " + _VOLUME_PATH,
+)
+VOLUME_READ = Call(
+    "volume_read",
+    "GET",
+    "/volumes/{volumeId}/files/content",
+    vol.VolumePath,
+    vol.VolumeContent,
+    "A regular file's bytes, cut at 1 MiB (``truncated``); a fifo, device or socket is never "
+    "opened (400). " + _VOLUME_PATH,
+)
+VOLUME_WRITE = Call(
+    "volume_write",
+    "PUT",
+    "/volumes/{volumeId}/files/content",
+    vol.VolumeWrite,
+    vol.VolumeWritten,
+    "Write a file (at most 1 MiB; 413), its missing parents made, all the workload user's. "
+    "Success: the new file renamed over what was there (never written through: a hard link "
+    "or symlink there is replaced), synced. Failure: nothing changes; 507 when the volume "
+    "would pass its sizeMib. " + _VOLUME_PATH,
+)
+VOLUME_MKDIR = Call(
+    "volume_mkdir",
+    "POST",
+    "/volumes/{volumeId}/files/dir",
+    vol.VolumeMkdir,
+    vol.VolumeMade,
+    "Make a directory (``parents``: its missing parents too, and no error if it is there; "
+    "else 400 when it exists). " + _VOLUME_PATH,
+)
+VOLUME_REMOVE = Call(
+    "volume_remove",
+    "DELETE",
+    "/volumes/{volumeId}/files/content",
+    vol.VolumeRemove,
+    vol.VolumeRemoved,
+    "Remove a file or symlink (the link, not its target); a directory only with "
+    "``recursive`` (else 400), removed without following a symlink in it. " + _VOLUME_PATH,
+)
+VOLUME_SET_ATTRS = Call(
+    "volume_set_attrs",
+    "POST",
+    "/volumes/{volumeId}/files/attrs",
+    vol.VolumeAttrs,
+    vol.VolumeEntry,
+    "Change a file's or directory's ``mode``, ``uid``, ``gid`` (those given), through a "
+    "descriptor of it: never a symlink (400). Answers it as stat does. " + _VOLUME_PATH,
+)
+
 # ---------------------------------------------------------------------- in the guest
 EXEC = Stream(
     "exec",

@@ -46,6 +46,7 @@ var contractScenarios = map[string]func(*testing.T, context.Context, *contract){
 	"metadata":          scenarioMetadata,   // contract_meta_test.go
 	"lifetime":          scenarioLifetime,   // contract_meta_test.go
 	"pagination":        scenarioPagination, // contract_meta_test.go
+	"volumes":           scenarioVolumes,    // contract_volumes_test.go
 }
 
 func TestContract(t *testing.T) {

@@ -64,6 +64,12 @@ var (
 	routeGetVolume    = route{"GET", "/v1/volumes/{volume}"}
 	routeDeleteVolume = route{"DELETE", "/v1/volumes/{volume}"}
 	routeResizeVolume = route{"POST", "/v1/volumes/{volume}/resize"}
+	routeVolumeFiles  = route{"GET", "/v1/volumes/{volume}/files"}
+	routeVolumeStat   = route{"GET", "/v1/volumes/{volume}/files/stat"}
+	routeVolumeRead   = route{"GET", "/v1/volumes/{volume}/files/content"}
+	routeVolumeWrite  = route{"PUT", "/v1/volumes/{volume}/files/content"}
+	routeVolumeMkdir  = route{"POST", "/v1/volumes/{volume}/files/dir"}
+	routeVolumeRemove = route{"DELETE", "/v1/volumes/{volume}/files/content"}
 )
 
 // expand fills the template's parameters in order, each escaped as one path segment. An

@@ -342,6 +342,30 @@ def pagination(st: State) -> None:
             assert rt.delete(vm)["state"] == "terminated"
 
 
+def volumes(st: State) -> None:
+    vols, name = st.client.volumes, "c-" + _unique()
+    v = vols.create(name, 8)
+    assert (v["state"], v["sizeMib"]) == ("ready", 8)
+    try:
+        wrote = vols.write_file(name, "dir/a.bin", b"\x00\xff\x01\x02")
+        assert wrote == {"path": "dir/a.bin", "bytesWritten": 4}
+        got = vols.read_file_bytes(name, "dir/a.bin")
+        assert got == b"\x00\xff\x01\x02" and not got.truncated
+        listed = vols.list_files(name, depth=2)["entries"]
+        assert [(e["path"], e["type"]) for e in listed] == [("dir", "dir"), ("dir/a.bin", "file")]
+        assert vols.stat(name, "dir/a.bin")["size"] == 4
+        assert vols.exists(name, "nope") is False
+        with pytest.raises(BadRequestError) as bad:
+            vols.read_file_bytes(name, "../escape")
+        expect_error(bad, 400, "PATH_ESCAPE")
+        assert vols.delete_file(name, "dir", recursive=True)["deleted"] is True
+    finally:
+        assert vols.delete(v["volumeId"])["state"] == "deleted"
+    with pytest.raises(NotFoundError) as gone:
+        vols.get(v["volumeId"])
+    expect_error(gone, 404, "NOT_FOUND")
+
+
 SCENARIOS: dict[str, Callable[[State], None]] = {
     "schedule": schedule,
     "exec-buffered": exec_buffered,
@@ -356,4 +380,5 @@ SCENARIOS: dict[str, Callable[[State], None]] = {
     "metadata": metadata,
     "lifetime": lifetime,
     "pagination": pagination,
+    "volumes": volumes,
 }

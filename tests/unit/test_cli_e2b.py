@@ -33,6 +33,7 @@ def test_env_prints_what_the_sdk_reads() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "export E2B_API_URL=http://10.0.0.5:8080/e2b",
+        "export E2B_VOLUME_API_URL=http://10.0.0.5:8080/e2b",
         "export E2B_SANDBOX_URL=http://10.0.0.5:49983",
         f"export E2B_API_KEY={key}",
     ]
@@ -46,6 +47,7 @@ def test_a_pal_key_turns_the_sdks_form_check_off() -> None:
     lines = env_lines("https://pal.example.com/", "pal_abc-_x", 9000)
     assert lines == [
         "export E2B_API_URL=https://pal.example.com/e2b",
+        "export E2B_VOLUME_API_URL=https://pal.example.com/e2b",
         "export E2B_SANDBOX_URL=https://pal.example.com:9000",
         "export E2B_API_KEY=pal_abc-_x",
         "export E2B_VALIDATE_API_KEY=false",

@@ -15,7 +15,8 @@ from pal.wire import verbs
 from pal.wire.models import Empty, RestoreFrom, SnapshotAt, SnapshotRequest, SpawnRequest, StopVm
 from pal_tools.bench.simnode import SIM_AGENT_VERSION, SimNode, SimNodeConfig, SimTimes
 
-# What a simulated node has no guest for: processes, code contexts, ports.
+# What a simulated node has no guest for: processes, code contexts, ports; and a volume's
+# files (it keeps its volumes in memory, without files: pal/manager/volume_content.py).
 UNSERVED = {
     "start_process",
     "start_attached",
@@ -39,6 +40,13 @@ UNSERVED = {
     "delete_context",
     "interrupt_context",
     "port",
+    "volume_list",
+    "volume_stat",
+    "volume_read",
+    "volume_write",
+    "volume_mkdir",
+    "volume_remove",
+    "volume_set_attrs",
 }
 
 

@@ -185,6 +185,27 @@ const scenarios = {
     }
   },
 
+  async volumes() {
+    const name = `c-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 8)}`;
+    const v = await client.volumes.create({ name, sizeMib: 8 });
+    assert.deepEqual([v.state, v.sizeMib], ["ready", 8]);
+    try {
+      const wrote = await client.volumes.writeFile(name, "dir/a.bin", new Uint8Array([0, 255, 1, 2]));
+      assert.deepEqual(wrote, { path: "dir/a.bin", bytesWritten: 4 });
+      const got = await client.volumes.readFileBytes(name, "dir/a.bin");
+      assert.deepEqual([[...got.content], got.truncated], [[0, 255, 1, 2], false]);
+      const listed = (await client.volumes.listFiles(name, "", { depth: 2 })).entries;
+      assert.deepEqual(listed.map((e) => [e.path, e.type]), [["dir", "dir"], ["dir/a.bin", "file"]]);
+      assert.equal((await client.volumes.stat(name, "dir/a.bin")).size, 4);
+      assert.equal(await client.volumes.exists(name, "nope"), false);
+      await expectError(client.volumes.readFileBytes(name, "../escape"), BadRequestError, 400, "PATH_ESCAPE");
+      assert.equal((await client.volumes.deleteFile(name, "dir", { recursive: true })).deleted, true);
+    } finally {
+      assert.equal((await client.volumes.delete(v.volumeId)).state, "deleted");
+    }
+    await expectError(client.volumes.get(v.volumeId), NotFoundError, 404, "NOT_FOUND");
+  },
+
   async pagination() {
     const page = unique();
     const p1 = (await rt.schedule({ metadata: { page } })).vmId;

@@ -61,4 +61,7 @@ export type {
   VmMetrics,
   Volume,
   VolumeCreate,
+  VolumeDir,
+  VolumeEntry,
+  VolumeFileList,
 } from "./types.js";

@@ -41,6 +41,12 @@ export type Image = Schemas["ImageOut"];
 export type Volume = Schemas["VolumeOut"];
 /** POST /v1/volumes: `{ name, sizeMib?, metadata? }`. */
 export type VolumeCreate = Schemas["VolumeCreate"];
+/** A directory of a volume: `{path, entries, truncated}`. */
+export type VolumeFileList = Schemas["VolumeFileListOut"];
+/** One file of a volume: `{name, type, size, path, mode, uid, gid, modifiedAt, target?}`. */
+export type VolumeEntry = Schemas["VolumeEntryOut"];
+/** A volume's `makeDir`: `{path, created}`. */
+export type VolumeDir = Schemas["VolumeDirOut"];
 /** PUT .../lifetime: `{ lifetimeSecs }` (from the schedule; 0: none) or `{ extendSecs }`, and `onLifetimeEnd`. */
 export type LifetimeUpdate = Schemas["LifetimeUpdate"];
 
