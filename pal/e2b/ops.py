@@ -40,6 +40,14 @@ class NetworkPolicy:
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """E2B's ``SandboxVolumeMount``: the tenant's volume ``name`` at ``path`` in the sandbox."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class CreateSandbox:
     """``POST /sandboxes``. ``timeout_s``: the sandbox's lifetime from now; at its end it
     is killed, or paused when ``auto_pause`` (``auto_resume``: a paused one wakes on the
@@ -54,6 +62,7 @@ class CreateSandbox:
     auto_pause_memory: bool = True
     auto_resume: bool = False
     network: NetworkPolicy = NetworkPolicy()
+    volume_mounts: tuple[VolumeMount, ...] = ()  # the tenant's volumes, by name
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class Sandbox:
     auto_pause: bool = False
     auto_resume: bool = False
     allow_internet: bool | None = None
+    volume_mounts: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)

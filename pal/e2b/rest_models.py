@@ -30,6 +30,11 @@ class AutoResume(_In):
     enabled: bool = False
 
 
+class VolumeMount(_In):
+    name: str = Field(min_length=1, max_length=80)
+    path: str = Field(min_length=1, max_length=256)
+
+
 class NewSandbox(_In):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: int = Field(15, ge=0, le=366 * 24 * 3600)
@@ -41,6 +46,7 @@ class NewSandbox(_In):
     network: NetworkConfig | None = None
     metadata: dict[str, str] = Field(default_factory=dict, max_length=100)
     env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars", max_length=1000)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, alias="volumeMounts", max_length=100)
 
     def spec(self) -> ops.CreateSandbox:
         net = self.network or NetworkConfig.model_validate({})
@@ -59,6 +65,7 @@ class NewSandbox(_In):
                 deny_out=tuple(net.deny_out),
                 allow_public_traffic=net.allow_public_traffic,
             ),
+            volume_mounts=tuple(ops.VolumeMount(m.name, m.path) for m in self.volume_mounts),
         )
 
 
@@ -140,7 +147,7 @@ def listed_sandbox(s: ops.Sandbox) -> dict[str, Any]:
         "metadata": dict(s.metadata),
         "state": s.state,
         "envdVersion": ENVD_VERSION,
-        "volumeMounts": [],
+        "volumeMounts": [{"name": m.name, "path": m.path} for m in s.volume_mounts],
     }
     if s.alias is not None:
         out["alias"] = s.alias

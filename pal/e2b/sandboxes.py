@@ -98,7 +98,8 @@ class PalSandboxes:
             return "paused"
         return "running"
 
-    def view(self, vm: VmRecord) -> ops.Sandbox:
+    def view(self, vm: VmRecord, mounts: list[tuple[str, str, bool]] | None = None) -> ops.Sandbox:
+        """E2B's view of ``vm``; ``mounts`` (Reads.mounts) for the views that show them."""
         limits = vm.limits or {}
         end = vm.lifetime_ends_at or (self.now() + timedelta(seconds=MAX_LIFETIME_SECS))
         template = vm.metadata.get(conv.TEMPLATE_KEY, vm.image)
@@ -116,6 +117,7 @@ class PalSandboxes:
             access_token=conv.access_token(self.secret, vm.vm_id) if conv.is_secure(vm.metadata) else None,
             auto_pause=vm.on_lifetime_end == "pause",
             allow_internet=vm.egress != "none",
+            volume_mounts=tuple(ops.VolumeMount(name, path) for name, path, _ in mounts or ()),
         )
 
     async def _own(self, tenant: str, sandbox_id: str) -> VmRecord:
@@ -151,11 +153,17 @@ class PalSandboxes:
                     "onLifetimeEnd": "pause" if spec.auto_pause else "delete",
                     "egress": _egress(spec.network),
                     "idleTimeoutSecs": min(self.idle_timeout_s, MAX_IDLE_SECS),
+                    "volumes": [{"name": m.name, "path": m.path} for m in spec.volume_mounts],
                 }
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc).splitlines()[0] if str(exc) else "invalid sandbox") from None
-        vm, _method = await self.scheduling.schedule(tenant, agent)
+        try:
+            vm, _method = await self.scheduling.schedule(tenant, agent)
+        except NotFound as exc:
+            if spec.volume_mounts and exc.message.startswith("volume "):
+                raise InvalidRequest(exc.message) from None  # E2B's answer for a missing volume
+            raise
         try:
             await self._setup(tenant, vm.vm_id)
         except BaseException:
@@ -173,7 +181,8 @@ class PalSandboxes:
             raise PalError(f"setting the sandbox up failed: {exc.message}") from None
 
     async def get(self, tenant: str, sandbox_id: str) -> ops.Sandbox:
-        return self.view(await self._own(tenant, sandbox_id))
+        vm = await self._own(tenant, sandbox_id)
+        return self.view(vm, (await self.reads.mounts([vm.vm_id])).get(vm.vm_id))
 
     async def list_sandboxes(self, tenant: str, query: ops.SandboxQuery) -> ops.Page[ops.Sandbox]:
         """Every listed VM of the tenant that matches, in E2B's order, a page after the
@@ -200,7 +209,8 @@ class PalSandboxes:
         chosen = rows[: query.limit]
         more = len(rows) > query.limit
         token = _token(chosen[-1].created_at, chosen[-1].vm_id) if more and chosen else None
-        return ops.Page([self.view(v) for v in chosen], token)
+        mounts = await self.reads.mounts([v.vm_id for v in chosen])
+        return ops.Page([self.view(v, mounts.get(v.vm_id)) for v in chosen], token)
 
     def _matches(self, vm: VmRecord, query: ops.SandboxQuery) -> bool:
         if vm.state in GONE:

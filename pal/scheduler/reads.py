@@ -22,6 +22,7 @@ from pal.scheduler.spawning import Spawner
 from pal.scheduler.states import VmState, has_live_qemu
 from pal.scheduler.views import NodeReport, OperatorStats, add_counters
 from pal.store import NodeRecord, VmRecord
+from pal.store import volumes as volume_rows
 from pal.store.paging import vm_page
 from pal.wire import verbs
 from pal.wire.models import Empty, ImageInfo, SnapshotInfo, VmMetrics, VmRef, VmSnapshots
@@ -51,6 +52,11 @@ class Reads:
         authenticates a call by the VM's id and a credential of the VM's own (the E2B agent
         listener's access tokens, pal/e2b/agent.py), then acts with the VM's tenant."""
         return self.d.store.get_vm(vm_id)
+
+    async def mounts(self, vm_ids: list[str]) -> dict[str, list[tuple[str, str, bool]]]:
+        """The volumes each of ``vm_ids`` mounts, in one store read: (volume name, path, read
+        only) in path order (docs/volumes.md); the caller has already read the VMs as its own."""
+        return volume_rows.named_mounts(self.d.store, vm_ids)
 
     async def list_vms(self, tenant_id: str) -> list[VmRecord]:
         """All the tenant's listed VMs (terminated ones leave the list an hour after they

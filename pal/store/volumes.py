@@ -238,3 +238,21 @@ def remove_mounts(store: Store, vm_id: str) -> None:
     """The VM is gone: it mounts nothing."""
     with store.write() as tx:
         tx._conn.execute(delete(volume_mounts).where(volume_mounts.c.vm_id == vm_id))
+
+
+def named_mounts(store: Store, vm_ids: list[str]) -> dict[str, list[tuple[str, str, bool]]]:
+    """The mounts of each of ``vm_ids`` in one read: (the volume's name, path, read only),
+    in path order; a VM that mounts nothing is not in the answer."""
+    out: dict[str, list[tuple[str, str, bool]]] = {}
+    if not vm_ids:
+        return out
+    with store._read() as conn:
+        q = (
+            select(volume_mounts.c.vm_id, volumes.c.name, volume_mounts.c.path, volume_mounts.c.read_only)
+            .join(volumes, volumes.c.volume_id == volume_mounts.c.volume_id)
+            .where(volume_mounts.c.vm_id.in_(vm_ids))
+            .order_by(volume_mounts.c.vm_id, volume_mounts.c.path)
+        )
+        for r in conn.execute(q):
+            out.setdefault(str(r[0]), []).append((str(r[1]), str(r[2]), bool(r[3])))
+    return out

@@ -98,7 +98,7 @@ def e2b_server() -> Iterator[E2bServer]:
 
 @pytest.fixture
 def e2b_env(e2b_server: E2bServer, monkeypatch: pytest.MonkeyPatch) -> E2bServer:
-    """The three variables `pal e2b env` prints, and nothing else of E2B's."""
+    """The variables `pal e2b env` prints, and nothing else of E2B's."""
     for name in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_VALIDATE_API_KEY", "E2B_ACCESS_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in e2b_server.env().items():
@@ -121,6 +121,7 @@ class RealE2b:
     def env(self, key: str | None = None) -> dict[str, str]:
         return {
             "E2B_API_URL": self.server.url + "/e2b",
+            "E2B_VOLUME_API_URL": self.server.url + "/e2b",
             "E2B_SANDBOX_URL": f"http://127.0.0.1:{self.server.e2b_port}",
             "E2B_API_KEY": key or self.key,
         }
@@ -140,7 +141,7 @@ def real_e2b(pal_server: PalServer, tenant_key: str) -> RealE2b:
 
 @contextlib.contextmanager
 def e2b_environ(real: RealE2b) -> Iterator[None]:
-    """The three variables `pal e2b env` prints, and nothing else of E2B's."""
+    """The variables `pal e2b env` prints, and nothing else of E2B's."""
     with pytest.MonkeyPatch.context() as mp:
         for name in ("E2B_DOMAIN", "E2B_DEBUG", "E2B_VALIDATE_API_KEY", "E2B_ACCESS_TOKEN"):
             mp.delenv(name, raising=False)
