@@ -10,6 +10,7 @@ import mcp_types as types
 
 from pal import sizes
 from pal.ids import ID_PATTERN
+from pal.volume_spec import MAX_VOLUME_MOUNTS
 
 from . import code_tool, volume_tools
 from .shaping import DEFAULT_OUTPUT_BYTES, MAX_OUTPUT_BYTES
@@ -49,13 +50,38 @@ _EGRESS = {
     ],
 }
 
+_VOLUME_MOUNTS = {
+    "type": "array",
+    "maxItems": MAX_VOLUME_MOUNTS,
+    "description": "your volumes to mount (docs/volumes.md), each at most once, at a path of its own",
+    "items": _obj(
+        {
+            "name": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 80,
+                "description": "the volume's name or id",
+            },
+            "path": {
+                "type": "string",
+                "minLength": 2,
+                "maxLength": 256,
+                "description": "where in the sandbox, an absolute path (e.g. /mnt/data; not /etc, /usr...)",
+            },
+            "readOnly": {"type": "boolean", "description": "mount it read-only (default false)"},
+        },
+        ["name", "path"],
+    ),
+}
+
 _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
     (
         "create_sandbox",
         "Create a sandbox: a Linux microVM (Debian, Python 3) with a /workspace directory, ready in a "
         "second or so. Returns its vmId, which every other tool takes. It keeps running (and counts "
         "against the quota) until delete_sandbox; with idleTimeoutSecs it suspends itself when idle "
-        "and wakes on the next call.",
+        "and wakes on the next call. With volumes, your volumes (create_volume) are mounted in it: "
+        "what it writes there outlives it, and the volume tools read it.",
         _obj(
             {
                 "image": {"type": "string", "description": 'guest image name (default "default")'},
@@ -90,6 +116,7 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
                     "additionalProperties": {"type": "string"},
                     "description": "labels to find it by later (string values)",
                 },
+                "volumes": _VOLUME_MOUNTS,
             },
             [],
         ),

@@ -48,7 +48,9 @@ def _summary(vm: dict[str, Any]) -> dict[str, Any]:
 
 
 async def create_sandbox(c: AsyncClient, a: dict[str, Any]) -> Outcome:
-    spec: dict[str, Any] = {k: a[k] for k in ("image", "egress", "idleTimeoutSecs", "metadata") if k in a}
+    spec: dict[str, Any] = {
+        k: a[k] for k in ("image", "egress", "idleTimeoutSecs", "metadata", "volumes") if k in a
+    }
     limits = {k: a[k] for k in ("memoryMib", "vcpus", "diskMib") if k in a}
     if limits:
         spec["limits"] = limits

@@ -1,8 +1,6 @@
 """The MCP tools of volumes (docs/volumes.md): list and create a tenant's volumes, list,
 read and write their files, without a sandbox. Mounting a volume into a sandbox is
-create_sandbox's once the AgentSpec has ``volumes`` (the mount phase of issue 34): until
-then an agent moves files between a volume and a sandbox with these tools and read_file /
-write_file. A volume call touches no VM, so it is audited on none."""
+create_sandbox's (its ``volumes``). A volume call touches no VM, so it is audited on none."""
 
 from __future__ import annotations
 
@@ -50,8 +48,8 @@ TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
     (
         "create_volume",
         "Create a volume: persistent storage, by name, that outlives any sandbox. Fill it and read "
-        "it with write_volume_file / read_volume_file. (Mounting a volume into a sandbox is not "
-        "available yet: copy files between the two with these tools and read_file / write_file.)",
+        "it with write_volume_file / read_volume_file, or mount it in a sandbox (create_sandbox's "
+        "volumes).",
         _obj(
             {
                 "name": {

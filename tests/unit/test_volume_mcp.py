@@ -14,6 +14,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from pal.api.auth import key_check
 from pal.mcp.http import install_mcp
+from pal.store import volumes as rows
 from tests.apienv import make_api, serve
 
 
@@ -65,3 +66,31 @@ async def test_volumes_as_tools(tmp_path: Path) -> None:
                 "write_volume_file", {"volume": "notes", "path": "x", "content": "x"}
             )
             assert theirs.is_error and "404" in theirs.content[0].text
+
+
+async def test_create_sandbox_mounts_the_tenants_volumes(tmp_path: Path) -> None:
+    env = make_api(tmp_path)
+    install_mcp(env.app, lambda key: key_check(env.sched.store, key))
+    mounts = [{"name": "work", "path": "/mnt/work", "readOnly": True}]
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            assert not (await c.call_tool("create_volume", {"name": "work"})).is_error
+            made = await c.call_tool("create_sandbox", {"volumes": mounts})
+            assert not made.is_error, made.content
+            vm = made.structured_content["vmId"]
+            vol = rows.by_name(env.sched.store, env.sched.store.tenant_by_name("acme").id, "work")  # type: ignore[union-attr]
+            assert vol is not None and rows.mounts_of(env.sched.store, vm)[0][:3] == (
+                vol.volume_id,
+                "/mnt/work",
+                True,
+            )
+            bad = await c.call_tool("create_sandbox", {"volumes": [{"name": "work", "path": "/etc"}]})
+            assert bad.is_error and "/etc" in bad.content[0].text
+            bad = await c.call_tool("create_sandbox", {"volumes": [{"name": "work"}]})
+            assert bad.is_error and "'path' is a required property" in bad.content[0].text
+        http, client = _connect(url, env.key_b)
+        async with http, client as other:
+            theirs = await other.call_tool("create_sandbox", {"volumes": mounts})
+            assert theirs.is_error and "404" in theirs.content[0].text
+            assert (await other.call_tool("list_sandboxes", {})).structured_content == {"sandboxes": []}
