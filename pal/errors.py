@@ -71,6 +71,13 @@ class NotFound(PalError):
     summary = "unknown VM (or another tenant's)"
 
 
+class VolumeNotFound(NotFound):
+    """A volume named in a request is not the tenant's (the same 404 as any unknown name;
+    the type lets a surface that answers it otherwise, E2B's 400, tell it apart)."""
+
+    summary = "unknown volume (or another tenant's)"
+
+
 class Conflict(PalError):
     """Wrong lifecycle state for the call (an illegal transition, exec on a paused VM...)."""
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from pal.errors import Conflict, InvalidRequest, NotFound, PalError
+from pal.errors import Conflict, InvalidRequest, NotFound, PalError, VolumeNotFound
 from pal.scheduler.delete import Deleting
 from pal.scheduler.egress_secrets import EgressAndSecrets
 from pal.scheduler.fork import Forking
@@ -160,10 +160,8 @@ class PalSandboxes:
             raise InvalidRequest(str(exc).splitlines()[0] if str(exc) else "invalid sandbox") from None
         try:
             vm, _method = await self.scheduling.schedule(tenant, agent)
-        except NotFound as exc:
-            if spec.volume_mounts and exc.message.startswith("volume "):
-                raise InvalidRequest(exc.message) from None  # E2B's answer for a missing volume
-            raise
+        except VolumeNotFound as exc:
+            raise InvalidRequest(exc.message) from None  # E2B's answer for a missing volume
         try:
             await self._setup(tenant, vm.vm_id)
         except BaseException:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from pal.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from pal.errors import Conflict, InvalidRequest, Unavailable, VolumeNotFound
 from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.deps import Deps, as_pal
 from pal.store import VolumeRecord, utcnow
@@ -58,7 +58,7 @@ class Volumes:
         if vol is None or vol.tenant_id != tenant_id:
             vol = rows.by_name(store, tenant_id, ref)
         if vol is None:
-            raise NotFound(f"volume {ref[:80]!r} not found")
+            raise VolumeNotFound(f"volume {ref[:80]!r} not found")
         return vol
 
     def owner(self, volume_id: str) -> str | None:
