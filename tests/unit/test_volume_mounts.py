@@ -192,3 +192,35 @@ def _write_mib(path: Path, mib: int) -> None:
             f.write(b"\0" * (1 << 20))
         f.flush()
         os.fsync(f.fileno())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or bool(missing_tools()), reason="needs root and nfs-ganesha")
+def test_a_local_process_binding_a_vms_address_reaches_nothing(tmp_path: Path) -> None:
+    """Any local user may bind 127.77.x.y (loopback needs no privilege); the exports take a
+    VM's address only from a port below 1024, which only the gateway (CAP_NET_BIND_SERVICE)
+    binds."""
+    from tests import nfs_probe
+
+    async def run() -> None:
+        server = VolumeServer(tmp_path / "run")
+        data = tmp_path / "vol" / "data"
+        data.mkdir(parents=True)
+        os.chown(data, 1000, 1000)
+        try:
+            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+            await asyncio.to_thread(check, ports)
+        finally:
+            await server.stop()
+
+    def check(ports: tuple[int, int]) -> None:
+        gw = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=True)
+        assert gw["mnt"] == 0 and gw["getattr"] == 0, gw  # the probe itself works
+        local = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=False)
+        # MOUNT answers it (ganesha checks the port for NFS calls only), but the handle it
+        # gets opens nothing: every NFS call from an unprivileged port is refused
+        assert local["getattr"] not in (0, None), local
+        # a handle learnt elsewhere (they are not secret) is no key either
+        forged = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=False, fh=gw["fh"])
+        assert forged["getattr"] not in (0, None), forged
+
+    asyncio.run(run())
