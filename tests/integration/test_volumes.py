@@ -68,6 +68,13 @@ def test_two_sandboxes_share_a_volume_across_pause_fork_and_delete(
         assert ok(api, a, f"stat -c %u {MNT}/a.txt").strip() == uid
         mounts = ok(api, a, "grep ' nfs ' /proc/mounts")
         assert MNT in mounts and "nosuid" in mounts and "nodev" in mounts, mounts
+        # 1 MiB transfers and a readahead of 16 MiB (the client's own default is 128 KiB)
+        assert "rsize=1048576" in mounts and "wsize=1048576" in mounts, mounts
+        bdi = (
+            f"import os; d = os.stat('{MNT}').st_dev; "
+            "print(open(f'/sys/class/bdi/{os.major(d)}:{os.minor(d)}/read_ahead_kb').read())"
+        )
+        assert ok(api, a, f'python3 -c "{bdi}"').strip() == "16384"
 
         # a snapshot pause keeps the mount; the resume sees what B wrote meanwhile
         r = api.post(f"/v1/runtime/vms/{a}/pause")
