@@ -338,9 +338,13 @@ class VmGateway:
             sock = await resvport.open_connection(
                 self.volume_source, "127.0.0.1", self.gw.volume_ports[port], CONNECT_TIMEOUT_S
             )
-            transport, _ = await asyncio.get_running_loop().create_connection(
-                lambda: UpstreamSide(conn), sock=sock
-            )
+            try:
+                transport, _ = await asyncio.get_running_loop().create_connection(
+                    lambda: UpstreamSide(conn), sock=sock
+                )
+            except BaseException:
+                sock.close()
+                raise
         except (OSError, TimeoutError) as exc:
             log.info("VM %s: the volume server is unreachable: %s", self.vm_id, exc)
             conn.reset()
