@@ -14,8 +14,11 @@ supervised process group, started at the first mount and restarted when it dies.
   id: the guest never learns a host path), ``All_Squash`` to the mounting image's workload
   uid, and a ``CLIENT`` block per VM source address (RO or RW as its spec says). An
   address not listed reaches nothing (ganesha checks every request against the export's
-  clients). A change rewrites the config and sends SIGHUP (measured: in force at once,
-  harmless to writes in flight).
+  clients) and takes it only from a source port below 1024 (``PrivilegedPort``): any
+  local process may bind 127.77.x.y, but only the gateway (which keeps CAP_NET_BIND_SERVICE)
+  binds such a port, so no local user speaks NFS as a VM (pal/network/resvport.py). A
+  change rewrites the config and sends SIGHUP (measured: in force at once, harmless to
+  writes in flight).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pal.network.resvport import unprivileged_low_ports
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ EXPORT_CONF = """EXPORT {{
 CLIENT_CONF = """    CLIENT {{
         Clients = {addrs};
         Access_Type = {access};
+        PrivilegedPort = true;
         Squash = All_Squash;
         Anonymous_Uid = {uid};
         Anonymous_Gid = {gid};
@@ -229,6 +235,14 @@ class VolumeServer:
 
             raise Unavailable(
                 f"this host cannot mount volumes: {', '.join(missing)} missing (scripts/install.sh)"
+            )
+        low = unprivileged_low_ports()
+        if low is not None:
+            from pal.errors import Unavailable
+
+            raise Unavailable(
+                f"this host cannot mount volumes: net.ipv4.ip_unprivileged_port_start is {low}: "
+                "below 1024, any local user could speak to the volume server as a sandbox"
             )
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)

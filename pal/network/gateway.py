@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pal.config import NetBudgets, env_log_level, parse_nameservers
-from pal.network import broker
+from pal.network import broker, resvport
 from pal.network.budgets import (
     Pool,
     node_descriptors,
@@ -387,12 +387,12 @@ def _raise_nofile() -> None:
 
 
 def drop_privileges(uid: int) -> None:
-    """For good: no groups, the gateway's uid and gid, no way back (no_new_privs)."""
+    """For good: no groups, the gateway's uid and gid, no way back (no_new_privs). It keeps
+    one capability, CAP_NET_BIND_SERVICE: its connections to the node's volume server come
+    from a port below 1024, which the server's exports require (resvport.py)."""
     if os.getuid() != 0:
         return
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
+    resvport.setuid_keeping_bind_service(uid)
     pr_set_no_new_privs = 38
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_no_new_privs, 1, 0, 0, 0)
 

@@ -23,7 +23,7 @@ import dns.rdatatype
 import dns.rrset
 
 from pal.guest.protocol import GATEWAY_IP
-from pal.network import broker, namecheck, sniff
+from pal.network import broker, namecheck, resvport, sniff
 from pal.network.broker import EGRESS_DENIED
 from pal.network.budgets import (
     FDS_PER_CONNECTION,
@@ -333,15 +333,18 @@ class VmGateway:
         assert self.volume_source is not None
         conn.name, conn.rule, conn.state = None, "volume", "connecting"
         try:
-            transport, _ = await asyncio.wait_for(
-                asyncio.get_running_loop().create_connection(
-                    lambda: UpstreamSide(conn),
-                    "127.0.0.1",
-                    self.gw.volume_ports[port],
-                    local_addr=(self.volume_source, 0),
-                ),
-                timeout=CONNECT_TIMEOUT_S,
+            # from a port below 1024: the exports take the VM's address from no other
+            # (any local process may bind 127.77.x.y, only the gateway such a port)
+            sock = await resvport.open_connection(
+                self.volume_source, "127.0.0.1", self.gw.volume_ports[port], CONNECT_TIMEOUT_S
             )
+            try:
+                transport, _ = await asyncio.get_running_loop().create_connection(
+                    lambda: UpstreamSide(conn), sock=sock
+                )
+            except BaseException:
+                sock.close()
+                raise
         except (OSError, TimeoutError) as exc:
             log.info("VM %s: the volume server is unreachable: %s", self.vm_id, exc)
             conn.reset()

@@ -96,6 +96,16 @@ def _volumes(data_dir: Path) -> Check:
             None,
             f"cannot be mounted: {', '.join(missing)} missing (apt-get install {' '.join(PACKAGES)})",
         )
+    from pal.network.resvport import unprivileged_low_ports
+
+    low = unprivileged_low_ports()
+    if low is not None:
+        return Check(
+            "volumes",
+            None,
+            f"cannot be mounted: net.ipv4.ip_unprivileged_port_start is {low} (below 1024: any local "
+            "user could speak to the volume server as a sandbox; set it back to 1024)",
+        )
     sizes = (
         "sizeMib enforced (XFS project quotas)"
         if volume_quota.supported(data_dir)

@@ -7,6 +7,7 @@ cannot mount it, and a guest cannot reach an export it does not mount."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import uuid
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import nfs_probe
 from tests.conftest import PalServer, scratch_run_dir, start_server, stop_server
 
 pytestmark = pytest.mark.vm
@@ -66,6 +68,13 @@ def test_two_sandboxes_share_a_volume_across_pause_fork_and_delete(
         assert ok(api, a, f"stat -c %u {MNT}/a.txt").strip() == uid
         mounts = ok(api, a, "grep ' nfs ' /proc/mounts")
         assert MNT in mounts and "nosuid" in mounts and "nodev" in mounts, mounts
+        # 1 MiB transfers and a readahead of 16 MiB (the client's own default is 128 KiB)
+        assert "rsize=1048576" in mounts and "wsize=1048576" in mounts, mounts
+        bdi = (
+            f"import os; d = os.stat('{MNT}').st_dev; "
+            "print(open(f'/sys/class/bdi/{os.major(d)}:{os.minor(d)}/read_ahead_kb').read())"
+        )
+        assert ok(api, a, f'python3 -c "{bdi}"').strip() == "16384"
 
         # a snapshot pause keeps the mount; the resume sees what B wrote meanwhile
         r = api.post(f"/v1/runtime/vms/{a}/pause")
@@ -120,7 +129,9 @@ def test_another_tenant_cannot_mount_or_reach_a_volume(pal_server: PalServer, ap
     mine, theirs = f"mine-{uuid.uuid4().hex[:8]}", f"theirs-{uuid.uuid4().hex[:8]}"
     other = pal_server.client(pal_server.tenant(f"vol-other-{uuid.uuid4().hex[:6]}", max_vms=2))
     vol = api.post("/v1/volumes", json={"name": mine}).json()
-    assert other.post("/v1/volumes", json={"name": theirs}).status_code == 200
+    r = other.post("/v1/volumes", json={"name": theirs})
+    assert r.status_code == 200, r.text
+    their_id = r.json()["volumeId"]
     vms: list[str] = []
     try:
         # 404 at schedule, by name and by id, exactly as for a missing one
@@ -140,12 +151,33 @@ def test_another_tenant_cannot_mount_or_reach_a_volume(pal_server: PalServer, ap
         )
         assert out["exitCode"] != 0, out
         assert "denied" in (out["stdout"] + out["stderr"]).lower(), out
+        # nor from the host: a local process that binds the VM's source address (no
+        # privilege needed) gets no NFS answer; only the gateway's reserved port does
+        source, ports = _served(pal_server.data_dir, their_id)
+        local = nfs_probe.run(source, ports, their_id, as_root=False)
+        assert local["getattr"] not in (0, None), local
+        gateway_like = nfs_probe.run(source, ports, their_id, as_root=True)
+        assert gateway_like["getattr"] == 0, gateway_like
+        forged = nfs_probe.run(source, ports, their_id, as_root=False, fh=gateway_like["fh"])
+        assert forged["getattr"] not in (0, None), forged
+        assert ok(other, vm, f"ls -a {MNT}")  # the guest's own mount goes on
     finally:
         for v in vms:
             other.delete(f"/v1/runtime/vms/{v}")
         other.delete(f"/v1/volumes/{theirs}", params={"force": "true"})
         api.delete(f"/v1/volumes/{mine}", params={"force": "true"})
         other.close()
+
+
+def _served(data_dir: Path, volume_id: str) -> tuple[str, tuple[int, int]]:
+    """The source address the node's volume server takes for ``volume_id`` and its ports
+    (nfs, mount), from the config the node wrote."""
+    conf = (data_dir / "run" / "volumes" / "ganesha.conf").read_text()
+    nfs = int(re.search(r"NFS_Port = (\d+);", conf)[1])  # type: ignore[index]
+    mnt = int(re.search(r"MNT_Port = (\d+);", conf)[1])  # type: ignore[index]
+    export = conf[conf.index(f"Tag = {volume_id};") :]
+    source = re.search(r"Clients = (127\.77\.\d+\.\d+)", export)[1]  # type: ignore[index]
+    return source, (nfs, mnt)
 
 
 # Appends 4 KiB records to the volume, each fsync'd before its number is recorded on the

@@ -21,8 +21,11 @@ from pal.guest import volumes as guest_volumes
 from pal.manager import volume_quota
 from pal.manager.volume_server import VolumeServer, missing_tools
 from pal.manager.volumes import VolumeFiles
+from pal.network.resvport import unprivileged_low_ports
 from pal.spec import AgentSpec
 from pal.wire.volumes import VolumeCreate, VolumeRef, VolumeResize
+
+SERVES = os.geteuid() == 0 and not missing_tools() and unprivileged_low_ports() is None
 
 
 def test_the_spec_takes_absolute_non_system_paths_once_each() -> None:
@@ -93,7 +96,7 @@ def test_exports_list_each_vm_by_source_with_its_access(tmp_path: Path) -> None:
     assert "Bind_addr = 127.0.0.1" in conf and "NFS_Port = 12049" in conf and "Squash = All_Squash" in a
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or bool(missing_tools()), reason="needs root and nfs-ganesha")
+@pytest.mark.skipif(not SERVES, reason="needs root, nfs-ganesha and privileged ports below 1024")
 def test_the_node_server_starts_serves_reloads_and_stops(tmp_path: Path) -> None:
     async def run() -> None:
         server = VolumeServer(tmp_path / "run")
@@ -192,3 +195,65 @@ def _write_mib(path: Path, mib: int) -> None:
             f.write(b"\0" * (1 << 20))
         f.flush()
         os.fsync(f.fileno())
+
+
+@pytest.mark.skipif(not SERVES, reason="needs root, nfs-ganesha and privileged ports below 1024")
+def test_a_local_process_binding_a_vms_address_reaches_nothing(tmp_path: Path) -> None:
+    """Any local user may bind 127.77.x.y (loopback needs no privilege); the exports take a
+    VM's address only from a port below 1024, which only the gateway (CAP_NET_BIND_SERVICE)
+    binds."""
+    from tests import nfs_probe
+
+    async def run() -> None:
+        server = VolumeServer(tmp_path / "run")
+        data = tmp_path / "vol" / "data"
+        data.mkdir(parents=True)
+        os.chown(data, 1000, 1000)
+        try:
+            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+            await asyncio.to_thread(check, ports)
+        finally:
+            await server.stop()
+
+    def check(ports: tuple[int, int]) -> None:
+        gw = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=True)
+        assert gw["mnt"] == 0 and gw["getattr"] == 0, gw  # the probe itself works
+        local = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=False)
+        # MOUNT answers it (ganesha checks the port for NFS calls only), but the handle it
+        # gets opens nothing: every NFS call from an unprivileged port is refused
+        assert local["getattr"] not in (0, None), local
+        # a handle learnt elsewhere (they are not secret) is no key either
+        forged = nfs_probe.run("127.77.0.9", ports, "vol-x", as_root=False, fh=gw["fh"])
+        assert forged["getattr"] not in (0, None), forged
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binding a port below 1024 needs root")
+def test_the_gateway_connects_from_the_vms_address_and_a_reserved_port() -> None:
+    from pal.network import resvport
+
+    async def run() -> None:
+        seen: list[tuple[str, int]] = []
+        all_seen = asyncio.Event()
+
+        async def accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            seen.append(w.get_extra_info("peername"))
+            if len(seen) == 3:
+                all_seen.set()
+            w.close()
+
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        socks = [await resvport.open_connection("127.77.0.3", "127.0.0.1", port, 5) for _ in range(3)]
+        ports = {s.getsockname()[1] for s in socks}
+        assert len(ports) == 3 and all(512 <= p < 1024 for p in ports)  # each its own port
+        assert all(s.getsockname()[0] == "127.77.0.3" for s in socks)
+        await all_seen.wait()
+        for s in socks:
+            s.close()
+        server.close()
+        await server.wait_closed()
+        assert {addr for addr, _ in seen} == {"127.77.0.3"}
+
+    asyncio.run(run())
