@@ -59,9 +59,10 @@ def test_sdk_types_come_from_the_live_servers_openapi(pal_server: PalServer, bui
 def test_node_test_runner_against_a_real_server(pal_server: PalServer, tenant_key: str, built: Path) -> None:
     del tenant_key, built  # the warm template exists; the SDK is compiled
     key = pal_server.tenant("e2e-typescript", max_vms=3)
+    other = pal_server.tenant("e2e-typescript-other", max_vms=1)  # volumes.test.mjs: another tenant's 404s
     out = _run(
         ["node", "--test", "--test-reporter=spec", "test/"],
-        env={"PAL_URL": pal_server.url, "PAL_API_KEY": key},
+        env={"PAL_URL": pal_server.url, "PAL_API_KEY": key, "PAL_OTHER_KEY": other},
     )
     print(out)
     got = runner_summary(out)
