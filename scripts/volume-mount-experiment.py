@@ -250,7 +250,9 @@ class Proxy:
     server in the host's. ``cut()`` drops every connection (what a netns torn down at a
     pause does to them)."""
 
-    def __init__(self, name: str, source: str = "127.0.0.1", ports: tuple[int, int] = (NFS_PORT, MNT_PORT)) -> None:
+    def __init__(
+        self, name: str, source: str = "127.0.0.1", ports: tuple[int, int] = (NFS_PORT, MNT_PORT)
+    ) -> None:
         self.name = name
         self.ports = ports  # the server's (nfs, mount) ports: which node's ganesha
         self.source = source  # the loopback address the server sees this VM as
@@ -868,7 +870,18 @@ def start_node_ganesha(name: str, nfs: int, mnt: int, export_id: int) -> subproc
     log = d / "ganesha.log"
     log.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        ["ganesha.nfsd", "-F", "-L", str(log), "-f", str(conf), "-p", str(d / "ganesha.pid"), "-N", "NIV_EVENT"]
+        [
+            "ganesha.nfsd",
+            "-F",
+            "-L",
+            str(log),
+            "-f",
+            str(conf),
+            "-p",
+            str(d / "ganesha.pid"),
+            "-N",
+            "NIV_EVENT",
+        ]
     )
     for _ in range(200):
         with socket.socket() as s:
@@ -915,8 +928,12 @@ async def move() -> None:
             say(f"{g.name}: mount through node A -> {st} {out[-200:]!r}")
             if st != 0:
                 raise SystemExit("mount failed")
-        await asyncio.to_thread(expect, a, "mkdir -p /mnt/d && echo on-a > /mnt/d/a.txt && cat /mnt/d/a.txt", "on-a")
-        await asyncio.to_thread(a.sh, "echo kept-open > /mnt/open.txt; exec 7</mnt/open.txt; exec 8>>/mnt/log.txt; echo line1 >&8")
+        await asyncio.to_thread(
+            expect, a, "mkdir -p /mnt/d && echo on-a > /mnt/d/a.txt && cat /mnt/d/a.txt", "on-a"
+        )
+        await asyncio.to_thread(
+            a.sh, "echo kept-open > /mnt/open.txt; exec 7</mnt/open.txt; exec 8>>/mnt/log.txt; echo line1 >&8"
+        )
         await asyncio.to_thread(a.sh, "cd /mnt/d")  # a cwd on the volume: its handle too
         snap = WORK / "snap-move"
         shutil.rmtree(snap, ignore_errors=True)
@@ -925,18 +942,28 @@ async def move() -> None:
         await proxies["volexp-a"].close()
         c = Guest("c", "volexp-c", vmlinux, initrd)
         guests.append(c)
-        say(f"a: restored on 'node B' (relay to B's ganesha) in {await asyncio.to_thread(c.restore, snap):.2f}s")
+        say(
+            f"a: restored on 'node B' (relay to B's ganesha) in {await asyncio.to_thread(c.restore, snap):.2f}s"
+        )
         st, out = await asyncio.to_thread(c.sh, "cat /mnt/d/a.txt", 180, True)
         say(f"a on B: cat /mnt/d/a.txt (a cached handle) -> {st} {out[-200:]!r}")
-        st2, out2 = await asyncio.to_thread(c.sh, "echo 3 > /proc/sys/vm/drop_caches; ls /mnt; cat /mnt/d/a.txt", 180, True)
+        st2, out2 = await asyncio.to_thread(
+            c.sh, "echo 3 > /proc/sys/vm/drop_caches; ls /mnt; cat /mnt/d/a.txt", 180, True
+        )
         say(f"a on B: after dropping caches -> {st2} {out2[-200:]!r}")
-        st3, out3 = await asyncio.to_thread(c.sh, "cat <&7; echo line2 >&8; cat /mnt/log.txt; ls .", 180, True)
+        st3, out3 = await asyncio.to_thread(
+            c.sh, "cat <&7; echo line2 >&8; cat /mnt/log.txt; ls .", 180, True
+        )
         say(f"a on B: open fds and cwd -> {st3} {out3[-200:]!r}")
-        st4, out4 = await asyncio.to_thread(c.sh, "echo written-on-b > /mnt/d/b.txt && sync && cat /mnt/d/b.txt", 180, True)
+        st4, out4 = await asyncio.to_thread(
+            c.sh, "echo written-on-b > /mnt/d/b.txt && sync && cat /mnt/d/b.txt", 180, True
+        )
         say(f"a on B: write -> {st4} {out4[-200:]!r}")
         st5, out5 = await asyncio.to_thread(b.sh, "cat /mnt/d/b.txt /mnt/log.txt", 180, True)
         say(f"b on A: reads it -> {st5} {out5[-200:]!r}")
-        await asyncio.to_thread(c.sh, "mv /mnt/d/a.txt /mnt/d/renamed.txt; rm /mnt/open.txt; echo x > /mnt/d/new.txt", 180, True)
+        await asyncio.to_thread(
+            c.sh, "mv /mnt/d/a.txt /mnt/d/renamed.txt; rm /mnt/open.txt; echo x > /mnt/d/new.txt", 180, True
+        )
         st7, out7 = await asyncio.to_thread(b.sh, "ls /mnt /mnt/d; cat /mnt/d/renamed.txt", 180, True)
         say(f"b on A: after a rename, a remove and a create on B -> {st7} {out7[-200:]!r}")
         ok = (
@@ -949,7 +976,12 @@ async def move() -> None:
         say(f"MOVE ({VERS}, Export_Id 7 -> {b_id}): {'PASSED' if ok else 'FAILED'}")
         if not ok:
             st6, out6 = await asyncio.to_thread(
-                c.sh, "umount -f -l /mnt; mount -t nfs -o " + mount_opts() + " 10.0.2.2:vol1 /mnt; cat /mnt/d/a.txt; cat <&7; ls .", 180, True
+                c.sh,
+                "umount -f -l /mnt; mount -t nfs -o "
+                + mount_opts()
+                + " 10.0.2.2:vol1 /mnt; cat /mnt/d/a.txt; cat <&7; ls .",
+                180,
+                True,
             )
             say(f"a on B: after a lazy umount and a fresh mount -> {st6} {out6[-300:]!r}")
     finally:

@@ -108,7 +108,7 @@ def test_the_node_server_starts_serves_reloads_and_stops(tmp_path: Path) -> None
             await server.stop()
 
     async def check(server: VolumeServer, data: Path) -> None:
-        nfs, mnt = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+        nfs, mnt = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False, 7)], 1000, 1000)
         for port in (nfs, mnt):
             with socket.create_connection(("127.0.0.1", port), timeout=5):
                 pass
@@ -210,7 +210,7 @@ def test_a_local_process_binding_a_vms_address_reaches_nothing(tmp_path: Path) -
         data.mkdir(parents=True)
         os.chown(data, 1000, 1000)
         try:
-            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False, 7)], 1000, 1000)
             await asyncio.to_thread(check, ports)
         finally:
             await server.stop()
