@@ -17,7 +17,11 @@ boot set in ``$DATA/images/.boot`` (any Pal data dir that built an image). Usage
 ``python3 scripts/volume-mount-experiment.py /var/lib/pal [MODE]``; MODE ``3`` (the
 default) or ``4.1``: the NFS version of the run above; ``acl``: the isolation checks
 instead (exports by tag, per-VM client addresses, read-only and squash enforced by the
-server, exports reloaded with SIGHUP). Each run writes ``$DATA/volexp/result-<MODE>.log``.
+server, exports reloaded with SIGHUP); ``move``: a resume on another node over a shared
+file system (two ganeshas exporting one directory under the same Export_Id, the guest
+snapshotted behind the first and restored behind the second; ``move-diff``: differing ids;
+``ATTR_CACHE=1`` keeps ganesha's default attribute cache). Each run writes
+``$DATA/volexp/result-<MODE>.log``.
 """
 
 from __future__ import annotations
