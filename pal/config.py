@@ -13,7 +13,6 @@ keyword construction (``Settings(data_dir=...)``, the tests) reads nothing but i
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pal.config_env import (
     read_exec_default_timeout,
     read_int,
     read_max_fork_count,
+    read_nameservers,
     read_ports_port,
     read_s3_sse,
     read_switch,
@@ -39,6 +39,7 @@ from pal.config_env import (
     setting,
 )
 from pal.config_env import parse_labels as parse_labels
+from pal.config_env import parse_nameservers as parse_nameservers
 from pal.config_env import (
     parse_pool as parse_pool,
 )
@@ -63,34 +64,6 @@ DEFAULT_DISK_IOPS = 4000
 EXEC_DEFAULT_TIMEOUT_S = 300.0
 S3_SSE_MODES = ("AES256", "aws:kms")
 _KEYS = "`$PAL_DATA_DIR/keys/"
-
-
-def parse_nameservers(raw: str | None) -> list[tuple[str, int]]:
-    """PAL_EGRESS_NAMESERVERS: ``ip``, ``ip:port``, ``[ipv6]:port``, comma-separated."""
-    out: list[tuple[str, int]] = []
-    for part in (p.strip() for p in (raw or "").split(",")):
-        if not part:
-            continue
-        host, port = part, 53
-        try:
-            if part.startswith("["):
-                host, _, rest = part[1:].partition("]")
-                port = int(rest[1:]) if rest.startswith(":") else 53
-            elif part.count(":") == 1:
-                host, _, num = part.partition(":")
-                port = int(num)
-            ipaddress.ip_address(host)
-        except ValueError as exc:
-            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r} is not ip[:port]") from exc
-        if not 1 <= port <= 65535:
-            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r}: port outside 1-65535")
-        out.append((host, port))
-    return out
-
-
-def read_nameservers(_name: str, raw: str) -> str:
-    parse_nameservers(raw)  # a malformed entry fails at start, naming it
-    return raw.strip()
 
 
 def read_at_least(low: int) -> Callable[[str, str], int]:
@@ -121,6 +94,13 @@ class Settings(BaseSettings):
     )
     snapshot_dir: Path | None = setting(
         None, "SNAPSHOT_DIR", "local snapshot tier", shown="`$PAL_DATA_DIR/snapshots`"
+    )
+    volumes_dir: Path | None = setting(
+        None,
+        "PAL_VOLUMES_DIR",
+        "a directory every node of a cluster mounts at this same path (NFS, CephFS, a cluster"
+        " file system): volumes live there and any node serves any (docs/volumes.md)",
+        shown="`$PAL_DATA_DIR/volumes`",
     )
     accel: str = setting(
         "auto", "PAL_ACCEL", "`auto` (probe KVM, fall back to TCG), `kvm` or `tcg` (`pal up --accel`)"
@@ -586,6 +566,16 @@ class Settings(BaseSettings):
     @property
     def snapshots_root(self) -> Path:
         return self.snapshot_dir or (self.data_dir / "snapshots")
+
+    @property
+    def volumes_root(self) -> Path:
+        """Where volumes live: PAL_VOLUMES_DIR (shared by the cluster's nodes), else the node's own."""
+        return self.volumes_dir or (self.data_dir / "volumes")
+
+    @property
+    def volumes_shared(self) -> bool:
+        """Volumes live on a file system every node reaches: no home node (docs/volumes.md)."""
+        return self.volumes_dir is not None
 
     @property
     def images_dir(self) -> Path:

@@ -5,6 +5,7 @@ README's Configuration table made from them (``python -m pal.config --markdown``
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import re
@@ -373,3 +374,31 @@ def main(settings_cls: type[BaseSettings], readme: Path) -> int:
     else:
         parser.print_help()
     return 0
+
+
+def parse_nameservers(raw: str | None) -> list[tuple[str, int]]:
+    """PAL_EGRESS_NAMESERVERS: ``ip``, ``ip:port``, ``[ipv6]:port``, comma-separated."""
+    out: list[tuple[str, int]] = []
+    for part in (p.strip() for p in (raw or "").split(",")):
+        if not part:
+            continue
+        host, port = part, 53
+        try:
+            if part.startswith("["):
+                host, _, rest = part[1:].partition("]")
+                port = int(rest[1:]) if rest.startswith(":") else 53
+            elif part.count(":") == 1:
+                host, _, num = part.partition(":")
+                port = int(num)
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r} is not ip[:port]") from exc
+        if not 1 <= port <= 65535:
+            raise ValueError(f"PAL_EGRESS_NAMESERVERS entry {part!r}: port outside 1-65535")
+        out.append((host, port))
+    return out
+
+
+def read_nameservers(_name: str, raw: str) -> str:
+    parse_nameservers(raw)  # a malformed entry fails at start, naming it
+    return raw.strip()

@@ -17,7 +17,11 @@ boot set in ``$DATA/images/.boot`` (any Pal data dir that built an image). Usage
 ``python3 scripts/volume-mount-experiment.py /var/lib/pal [MODE]``; MODE ``3`` (the
 default) or ``4.1``: the NFS version of the run above; ``acl``: the isolation checks
 instead (exports by tag, per-VM client addresses, read-only and squash enforced by the
-server, exports reloaded with SIGHUP). Each run writes ``$DATA/volexp/result-<MODE>.log``.
+server, exports reloaded with SIGHUP); ``move``: a resume on another node over a shared
+file system (two ganeshas exporting one directory under the same Export_Id, the guest
+snapshotted behind the first and restored behind the second; ``move-diff``: differing ids;
+``ATTR_CACHE=1`` keeps ganesha's default attribute cache). Each run writes
+``$DATA/volexp/result-<MODE>.log``.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ def build_boot() -> tuple[Path, Path]:
     spec.loader.exec_module(initramfs)
 
     initramfs.WANTED_MODULES = MODULES  # type: ignore[misc]
-    order = initramfs.module_load_order(moddir)
+    order = initramfs.module_load_order(moddir, MODULES)
     root = WORK / "initramfs"
     shutil.rmtree(root, ignore_errors=True)
     for d in ("bin", "dev", "proc", "sys", "lib/modules"):
@@ -250,15 +254,18 @@ class Proxy:
     server in the host's. ``cut()`` drops every connection (what a netns torn down at a
     pause does to them)."""
 
-    def __init__(self, name: str, source: str = "127.0.0.1") -> None:
+    def __init__(
+        self, name: str, source: str = "127.0.0.1", ports: tuple[int, int] = (NFS_PORT, MNT_PORT)
+    ) -> None:
         self.name = name
+        self.ports = ports  # the server's (nfs, mount) ports: which node's ganesha
         self.source = source  # the loopback address the server sees this VM as
         self.conns: list[asyncio.StreamWriter] = []
         self.servers: list[asyncio.AbstractServer] = []
         self.accepted = 0
 
     async def start(self) -> None:
-        for guest_port, host_port in ((GUEST_NFS, NFS_PORT), (GUEST_MNT, MNT_PORT)):
+        for guest_port, host_port in ((GUEST_NFS, self.ports[0]), (GUEST_MNT, self.ports[1])):
             sock = listen_in(self.name, guest_port)
             srv = await asyncio.start_server(lambda r, w, p=host_port: self._serve(r, w, p), sock=sock)
             self.servers.append(srv)
@@ -494,7 +501,7 @@ class Guest:
 
 # ---------------------------------------------------------------- the experiment
 def mount_opts() -> str:
-    if VERS == "3":
+    if VERS == "3" or VERS.startswith("move"):
         return (
             f"vers=3,proto=tcp,port={GUEST_NFS},mountport={GUEST_MNT},mountproto=tcp,nolock,"
             "hard,timeo=50,retrans=3"
@@ -830,5 +837,172 @@ async def acl() -> None:
         (WORK / "result-acl.log").write_text("\n".join(LOG) + "\n")
 
 
+MOVE_CONF = """NFS_CORE_PARAM {{
+    Protocols = 3;
+    NFS_Port = {nfs};
+    MNT_Port = {mnt};
+    Bind_addr = 127.0.0.1;
+    Enable_NLM = false;
+    Enable_RQUOTA = false;
+    Enable_UDP = false;
+}}
+NFSV4 {{ Graceless = true; }}
+NFS_KRB5 {{ Active_krb5 = false; }}
+EXPORT {{
+    Export_Id = {id};
+    Path = {path};
+    Pseudo = /vol1;
+    Tag = vol1;
+    Access_Type = RW;
+    Squash = No_Root_Squash;
+    Protocols = 3;{attr}
+    Transports = TCP;
+    SecType = sys;
+    FSAL {{ Name = VFS; }}
+}}
+"""
+
+
+def start_node_ganesha(name: str, nfs: int, mnt: int, export_id: int) -> subprocess.Popen[bytes]:
+    """A second node's ganesha as this machine can have one: its own ports, config, log and
+    pid file, exporting the same directory (the shared file system) under ``export_id``."""
+    d = WORK / name
+    d.mkdir(parents=True, exist_ok=True)
+    conf = d / "ganesha.conf"
+    attr = "" if os.environ.get("ATTR_CACHE") else "\n    Attr_Expiration_Time = 0;"
+    conf.write_text(MOVE_CONF.format(nfs=nfs, mnt=mnt, id=export_id, path=EXPORT, attr=attr))
+    log = d / "ganesha.log"
+    log.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [
+            "ganesha.nfsd",
+            "-F",
+            "-L",
+            str(log),
+            "-f",
+            str(conf),
+            "-p",
+            str(d / "ganesha.pid"),
+            "-N",
+            "NIV_EVENT",
+        ]
+    )
+    for _ in range(200):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", nfs)) == 0:
+                say(f"{name}: ganesha up on {nfs}/{mnt}, Export_Id {export_id} (pid {proc.pid})")
+                return proc
+        time.sleep(0.1)
+    raise RuntimeError(f"{name}: ganesha did not listen: {log.read_text() if log.exists() else ''}")
+
+
+async def move() -> None:
+    """A resume on another node against a shared file system: node A's and node B's ganesha
+    export the same directory; guest A mounts through A's, writes, keeps a file open, is
+    snapshotted and killed, and its snapshot is restored in a fresh namespace whose relay goes
+    to B's ganesha (what a resume on B is to the guest). Run with B's Export_Id the same as
+    A's (MODE ``move``) and different (``move-diff``): are the handles the same?"""
+    WORK.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(EXPORT, ignore_errors=True)
+    EXPORT.mkdir(parents=True)
+    vmlinux, initrd = build_boot()
+    rpcbind = start_rpcbind()
+    b_id = 7 if VERS == "move" else 8
+    servers = [
+        start_node_ganesha("node-a", 12049, 12048, 7),
+        start_node_ganesha("node-b", 13049, 13048, b_id),
+    ]
+    proxies = {
+        "volexp-a": Proxy("volexp-a", ports=(12049, 12048)),
+        "volexp-b": Proxy("volexp-b", ports=(12049, 12048)),
+        "volexp-c": Proxy("volexp-c", ports=(13049, 13048)),
+    }
+    guests: list[Guest] = []
+    ok = False
+    try:
+        for n, pr in proxies.items():
+            netns(n)
+            await pr.start()
+        a = Guest("a", "volexp-a", vmlinux, initrd)
+        b = Guest("b", "volexp-b", vmlinux, initrd)
+        guests += [a, b]
+        for g in (a, b):
+            say(f"{g.name}: booted in {await asyncio.to_thread(g.boot):.2f}s")
+            st, out = await asyncio.to_thread(g.sh, f"mount -t nfs -o {mount_opts()} 10.0.2.2:vol1 /mnt", 120)
+            say(f"{g.name}: mount through node A -> {st} {out[-200:]!r}")
+            if st != 0:
+                raise SystemExit("mount failed")
+        await asyncio.to_thread(
+            expect, a, "mkdir -p /mnt/d && echo on-a > /mnt/d/a.txt && cat /mnt/d/a.txt", "on-a"
+        )
+        await asyncio.to_thread(
+            a.sh, "echo kept-open > /mnt/open.txt; exec 7</mnt/open.txt; exec 8>>/mnt/log.txt; echo line1 >&8"
+        )
+        await asyncio.to_thread(a.sh, "cd /mnt/d")  # a cwd on the volume: its handle too
+        snap = WORK / "snap-move"
+        shutil.rmtree(snap, ignore_errors=True)
+        say(f"a: snapshot in {await asyncio.to_thread(a.snapshot, snap):.2f}s")
+        a.kill()
+        await proxies["volexp-a"].close()
+        c = Guest("c", "volexp-c", vmlinux, initrd)
+        guests.append(c)
+        say(
+            f"a: restored on 'node B' (relay to B's ganesha) in {await asyncio.to_thread(c.restore, snap):.2f}s"
+        )
+        st, out = await asyncio.to_thread(c.sh, "cat /mnt/d/a.txt", 180, True)
+        say(f"a on B: cat /mnt/d/a.txt (a cached handle) -> {st} {out[-200:]!r}")
+        st2, out2 = await asyncio.to_thread(
+            c.sh, "echo 3 > /proc/sys/vm/drop_caches; ls /mnt; cat /mnt/d/a.txt", 180, True
+        )
+        say(f"a on B: after dropping caches -> {st2} {out2[-200:]!r}")
+        st3, out3 = await asyncio.to_thread(
+            c.sh, "cat <&7; echo line2 >&8; cat /mnt/log.txt; ls .", 180, True
+        )
+        say(f"a on B: open fds and cwd -> {st3} {out3[-200:]!r}")
+        st4, out4 = await asyncio.to_thread(
+            c.sh, "echo written-on-b > /mnt/d/b.txt && sync && cat /mnt/d/b.txt", 180, True
+        )
+        say(f"a on B: write -> {st4} {out4[-200:]!r}")
+        st5, out5 = await asyncio.to_thread(b.sh, "cat /mnt/d/b.txt /mnt/log.txt", 180, True)
+        say(f"b on A: reads it -> {st5} {out5[-200:]!r}")
+        await asyncio.to_thread(
+            c.sh, "mv /mnt/d/a.txt /mnt/d/renamed.txt; rm /mnt/open.txt; echo x > /mnt/d/new.txt", 180, True
+        )
+        st7, out7 = await asyncio.to_thread(b.sh, "ls /mnt /mnt/d; cat /mnt/d/renamed.txt", 180, True)
+        say(f"b on A: after a rename, a remove and a create on B -> {st7} {out7[-200:]!r}")
+        ok = (
+            all(x == 0 for x in (st, st2, st3, st4, st5, st7))
+            and "written-on-b" in out5
+            and "line2" in out5
+            and "open.txt" not in out7
+            and "a.txt" not in out7
+        )
+        say(f"MOVE ({VERS}, Export_Id 7 -> {b_id}): {'PASSED' if ok else 'FAILED'}")
+        if not ok:
+            st6, out6 = await asyncio.to_thread(
+                c.sh,
+                "umount -f -l /mnt; mount -t nfs -o "
+                + mount_opts()
+                + " 10.0.2.2:vol1 /mnt; cat /mnt/d/a.txt; cat <&7; ls .",
+                180,
+                True,
+            )
+            say(f"a on B: after a lazy umount and a fresh mount -> {st6} {out6[-300:]!r}")
+    finally:
+        for g in guests:
+            g.kill()
+        for pr in proxies.values():
+            await pr.close()
+        for s in servers:
+            s.terminate()
+            s.wait()
+        if rpcbind is not None:
+            rpcbind.terminate()
+            rpcbind.wait()
+        for n in proxies:
+            run("ip", "netns", "del", n, check=False)
+        (WORK / f"result-{VERS}.log").write_text("\n".join(LOG) + "\n")
+
+
 if __name__ == "__main__":
-    asyncio.run(acl() if VERS == "acl" else main())
+    asyncio.run(acl() if VERS == "acl" else move() if VERS.startswith("move") else main())

@@ -106,7 +106,7 @@ class NodeRuntime:
             SnapshotDeps(reg, store, self.net, self.parking, self.live, self.stopper, accel.name)
         )
         self.guest = GuestCalls(reg)
-        self.volumes = VolumeFiles(settings.data_dir / "volumes")  # docs/volumes.md
+        self.volumes: VolumeFiles = self.net.volume_files  # docs/volumes.md
         self.volume_content = VolumeContent(self.volumes)  # a volume's files API
         self.processes = GuestProcesses(reg)
         self.code = GuestCode(reg)  # code contexts

@@ -28,6 +28,7 @@ from pal.config import Settings
 from pal.errors import NotFound, Unavailable
 from pal.images.paths import ImagePaths
 from pal.manager.volume_server import SOURCE_PREFIX, VolumeServer
+from pal.manager.volumes import VolumeFiles
 from pal.network import netns
 from pal.network.control import GatewayProcess
 from pal.secretbox import SecretBox
@@ -101,6 +102,7 @@ class VmNetworking:
         self._bytes: dict[str, tuple[int, int]] = {}
         self._box: SecretBox | None = None
         self.volumes = VolumeServer(settings.data_dir / "run")
+        self.volume_files = VolumeFiles(settings.volumes_root)  # PAL_VOLUMES_DIR or the data dir's
         self._sources: dict[str, str] = {}  # VM id -> its source address toward the volume server
         self.gateway = GatewayProcess(
             settings.data_dir,
@@ -262,18 +264,19 @@ class VmNetworking:
         cfg = image.config
         mounts = []
         for v in volumes:
-            data = self.settings.data_dir / "volumes" / v.volume_id / "data"
+            data = self.settings.volumes_root / v.volume_id / "data"
             try:
                 st = await asyncio.to_thread(data.stat)
             except FileNotFoundError:
                 raise NotFound(f"volume {v.volume_id} is not on this node") from None
             if (st.st_uid, st.st_gid) != (cfg.uid, cfg.gid):
                 await asyncio.to_thread(os.chown, data, cfg.uid, cfg.gid)
-            mounts.append((v.volume_id, data, v.read_only))
+            export_id = await self.volume_files.export_id(v.volume_id)  # every node's the same
+            mounts.append((v.volume_id, data, v.read_only, export_id))
         await self.attach_volumes(vm_id, mounts, cfg.uid, cfg.gid)
 
     async def attach_volumes(
-        self, vm_id: str, mounts: list[tuple[str, Path, bool]], uid: int, gid: int
+        self, vm_id: str, mounts: list[tuple[str, Path, bool, int]], uid: int, gid: int
     ) -> None:
         """Before the guest mounts: the server exports each volume to this VM (and no
         longer anything it does not mount), and the gateway knows where the server is."""

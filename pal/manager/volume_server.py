@@ -18,7 +18,12 @@ supervised process group, started at the first mount and restarted when it dies.
   local process may bind 127.77.x.y, but only the gateway (which keeps CAP_NET_BIND_SERVICE)
   binds such a port, so no local user speaks NFS as a VM (pal/network/resvport.py). A
   change rewrites the config and sends SIGHUP (measured: in force at once, harmless to
-  writes in flight).
+  writes in flight). Each export's ``Export_Id`` is the volume's own (volume_ids.py: it is
+  in every file handle, so the same on every node and across restarts), and its attributes
+  are never cached (``Attr_Expiration_Time = 0``): the volume's files change behind this
+  server's back, through another node's ganesha on a shared PAL_VOLUMES_DIR or through the
+  files API (measured: with ganesha's default 60 s, a file another server appended to was
+  read at its old size).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ EXPORT_CONF = """EXPORT {{
     Protocols = 3;
     Transports = TCP;
     SecType = sys;
+    Attr_Expiration_Time = 0;
     FSAL {{ Name = VFS; }}
 {clients}}}
 """
@@ -144,7 +150,6 @@ class VolumeServer:
         self.pid_path = self.dir / "ganesha.pid"
         self.exports: dict[str, _Export] = {}  # by volume id
         self.ports: tuple[int, int] | None = None  # (nfs, mount) while running
-        self._next_id = 1
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
@@ -154,19 +159,20 @@ class VolumeServer:
     # -- exports ---------------------------------------------------------------------------
 
     async def attach(
-        self, vm_id: str, source: str, mounts: list[tuple[str, Path, bool]], uid: int, gid: int
+        self, vm_id: str, source: str, mounts: list[tuple[str, Path, bool, int]], uid: int, gid: int
     ) -> tuple[int, int]:
-        """Export each (volume id, data dir, read only) to ``source`` for ``vm_id`` (and
-        drop the VM from any export it no longer mounts); the server's ports."""
+        """Export each (volume id, data dir, read only, Export_Id) to ``source`` for
+        ``vm_id`` (and drop the VM from any export it no longer mounts); the server's ports.
+        The Export_Id is the volume's own (volume_ids.py): ganesha puts it in every file
+        handle, so the same volume must have the same id on every node and after a restart."""
         async with self._lock:
-            wanted = {vid for vid, _, _ in mounts}
+            wanted = {m[0] for m in mounts}
             for vid, old in self.exports.items():
                 if vid not in wanted:
                     old.mounts.pop(vm_id, None)
-            for vid, path, ro in mounts:
+            for vid, path, ro, export_id in mounts:
                 if vid not in self.exports:
-                    self.exports[vid] = _Export(self._next_id, path)
-                    self._next_id += 1
+                    self.exports[vid] = _Export(export_id, path)
                 self.exports[vid].mounts[vm_id] = _Mount(source, ro, uid, gid)
             await self._apply()
             assert self.ports is not None

@@ -19,12 +19,13 @@ import asyncio
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 from pal.errors import Conflict, InvalidRequest, NotFound
 from pal.ids import validate_id
-from pal.manager import volume_quota
+from pal.manager import volume_ids, volume_quota
 from pal.wire.volumes import VolumeCreate, VolumeDeleted, VolumeInfo, VolumeRef, VolumeResize
 
 META = "volume.json"
@@ -62,7 +63,7 @@ class VolumeFiles:
 
     def _write_meta(self, volume_id: str, meta: dict[str, Any]) -> None:
         d = self.path(volume_id)
-        tmp = d / f".{META}.tmp"
+        tmp = d / f".{META}.{uuid.uuid4().hex}.tmp"  # unique: nodes sharing PAL_VOLUMES_DIR write at once
         with tmp.open("w") as f:
             json.dump(meta, f)
             f.flush()
@@ -85,12 +86,29 @@ class VolumeFiles:
         d.mkdir(mode=0o700, exist_ok=True)  # a create that died before its meta: reused
         (d / DATA).mkdir(mode=0o700, exist_ok=True)
         meta = {"volumeId": r.volume_id, "tenantId": r.tenant_id, "sizeMib": r.size_mib}
+        meta["exportId"] = volume_ids.claim(self.root, r.volume_id)  # the same on every node
         if volume_quota.supported(self.root):  # sizeMib held by an XFS project quota
             meta["project"] = volume_quota.next_project(self._projects())
             volume_quota.apply(d / DATA, meta["project"], r.size_mib)
         self._write_meta(r.volume_id, meta)
         _fsync_dir(self.root)
         return VolumeInfo(volume_id=r.volume_id, size_mib=r.size_mib)
+
+    async def export_id(self, volume_id: str) -> int:
+        """The volume's NFS Export_Id (volume_ids.py), claimed and recorded for a volume made
+        before ids were kept; 404 for a volume that is not here."""
+        async with self._lock:
+            return await asyncio.to_thread(self._export_id, volume_id)
+
+    def _export_id(self, volume_id: str) -> int:
+        meta = self._meta(volume_id)
+        if meta is None:
+            raise NotFound(f"volume {volume_id} is not on this node")
+        if isinstance(meta.get("exportId"), int):
+            return int(meta["exportId"])
+        n = volume_ids.claim(self.root, volume_id)
+        self._write_meta(volume_id, {**meta, "exportId": n})
+        return n
 
     async def resize(self, r: VolumeResize) -> VolumeInfo:
         async with self._lock:
@@ -117,7 +135,8 @@ class VolumeFiles:
         d = self.path(volume_id)
         gone = self.root / f"{DELETING}{volume_id}"
         existed = d.exists()
-        project = (self._meta(volume_id) or {}).get("project") if existed else None
+        meta = (self._meta(volume_id) or {}) if existed else {}
+        project, export_id = meta.get("project"), meta.get("exportId")
         if existed:
             os.replace(d, gone)  # replaces a leftover of an earlier delete that died
             _fsync_dir(self.root)
@@ -125,6 +144,8 @@ class VolumeFiles:
             shutil.rmtree(gone)
         if isinstance(project, int):
             volume_quota.release(self.root, project)
+        if isinstance(export_id, int):
+            volume_ids.release(self.root, volume_id, export_id)
         return VolumeDeleted(volume_id=volume_id, deleted=existed)
 
     def sweep(self) -> int:

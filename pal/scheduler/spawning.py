@@ -226,8 +226,11 @@ class Spawner:
         )
 
     def off_volume_nodes(self, vm: VmRecord) -> tuple[str, ...]:
-        """A VM that mounts volumes runs on their home node only (docs/volumes.md: a volume
-        on another node is not reachable yet): every other node, to exclude."""
+        """A VM that mounts volumes runs on their home node only, unless they live on
+        PAL_VOLUMES_DIR, which every node mounts (docs/volumes.md): every other node, to
+        exclude."""
+        if self.d.settings.volumes_shared:
+            return ()
         homes = {node for *_, node in volume_rows.mounts_of(self.d.store, vm.vm_id)}
         if not homes:
             return ()

@@ -4,7 +4,10 @@ transaction) and the volume's storage on the node that holds it (the node's volu
 pal/wire/verbs.py; pal/manager/volumes.py).
 
 A volume is made on one node: the embedded node of `pal up`, or in a cluster the first
-active node (its ``node_id`` is kept; every later call goes there). Its name is unique
+active node (its ``node_id`` is kept; every later call goes there). With PAL_VOLUMES_DIR
+(a directory every node mounts) a volume has no home: a call goes to its recorded node
+while that one serves, else to any active node, all of which see the same files. Its name
+is unique
 within its tenant; the API finds a volume by id or by name. Each operation on a volume
 holds its lock (``VmLocks.op_lock`` of the volume's id: the ids never meet VMs').
 """
@@ -67,7 +70,21 @@ class Volumes:
         vol = rows.get(self.d.store, volume_id) if volume_id.startswith(VOLUME_ID_PREFIX) else None
         return vol.tenant_id if vol is not None else None
 
+    def _serves(self, node_id: str) -> bool:
+        rec = next((r for r in self.d.nodes.nodes() if r.node_id == node_id), None)
+        return (
+            rec is not None
+            and rec.state == nodes_mod.ACTIVE
+            and rec.healthy
+            and not self.d.nodes.silent(node_id)
+        )
+
     def _node(self, vol: VolumeRecord) -> NodeCalls:
+        if self.d.settings.volumes_shared and vol.node_id is not None and not self._serves(vol.node_id):
+            for rec in self.d.nodes.nodes():  # a shared volumes dir: any node reaches it
+                if self._serves(rec.node_id):
+                    return self.d.nodes.client(rec.node_id)
+            raise Unavailable(f"no active node to reach volume {vol.name!r}")
         if self.d.nodes.state_of(vol.node_id) == nodes_mod.LOST:
             raise Unavailable(f"the node that holds volume {vol.name!r} ({vol.node_id}) is lost")
         return self.d.nodes.client(vol.node_id)

@@ -108,7 +108,7 @@ def test_the_node_server_starts_serves_reloads_and_stops(tmp_path: Path) -> None
             await server.stop()
 
     async def check(server: VolumeServer, data: Path) -> None:
-        nfs, mnt = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+        nfs, mnt = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False, 7)], 1000, 1000)
         for port in (nfs, mnt):
             with socket.create_connection(("127.0.0.1", port), timeout=5):
                 pass
@@ -210,7 +210,7 @@ def test_a_local_process_binding_a_vms_address_reaches_nothing(tmp_path: Path) -
         data.mkdir(parents=True)
         os.chown(data, 1000, 1000)
         try:
-            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False)], 1000, 1000)
+            ports = await server.attach("vm-1", "127.77.0.9", [("vol-x", data, False, 7)], 1000, 1000)
             await asyncio.to_thread(check, ports)
         finally:
             await server.stop()
@@ -257,3 +257,44 @@ def test_the_gateway_connects_from_the_vms_address_and_a_reserved_port() -> None
         assert {addr for addr, _ in seen} == {"127.77.0.3"}
 
     asyncio.run(run())
+
+
+def test_a_shared_volumes_dir_lifts_the_home_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without PAL_VOLUMES_DIR a VM that mounts a volume is placed on the volume's node only,
+    and the volume's calls go there (503 once it is lost); with it, anywhere, and a call
+    goes to another active node when the volume's own does not serve (docs/volumes.md)."""
+    from types import SimpleNamespace
+
+    from pal.config import Settings
+    from pal.errors import Unavailable
+    from pal.scheduler import nodes as nodes_mod
+    from pal.scheduler.spawning import Spawner
+    from pal.scheduler.volumes import Volumes
+    from pal.store import volumes as volume_rows
+
+    monkeypatch.setattr(volume_rows, "mounts_of", lambda _store, _vm: [("vol-a", "/mnt/a", False, "n1")])
+    recs = {
+        "n1": SimpleNamespace(node_id="n1", state=nodes_mod.LOST, healthy=False),
+        "n2": SimpleNamespace(node_id="n2", state=nodes_mod.ACTIVE, healthy=True),
+    }
+    nodes = SimpleNamespace(
+        nodes=lambda: list(recs.values()),
+        state_of=lambda n: recs[n].state,
+        silent=lambda _n: False,
+        client=lambda n: f"client of {n}",
+    )
+    vm = SimpleNamespace(vm_id="vm-1")
+    vol = SimpleNamespace(node_id="n1", name="work")
+    for shared in (False, True):
+        settings = Settings(data_dir=tmp_path, volumes_dir=tmp_path / "shared" if shared else None)
+        d = SimpleNamespace(settings=settings, store=None, nodes=nodes)
+        spawner = object.__new__(Spawner)
+        spawner.d = d  # type: ignore[assignment]
+        volumes = Volumes(d)  # type: ignore[arg-type]
+        if shared:
+            assert spawner.off_volume_nodes(vm) == ()  # type: ignore[arg-type]
+            assert volumes._node(vol) == "client of n2"  # type: ignore[arg-type,comparison-overlap]
+        else:
+            assert spawner.off_volume_nodes(vm) == ("n2",)  # type: ignore[arg-type]
+            with pytest.raises(Unavailable):
+                volumes._node(vol)  # type: ignore[arg-type]

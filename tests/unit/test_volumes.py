@@ -5,6 +5,7 @@ both databases."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -68,6 +69,7 @@ async def test_create_get_list_resize_delete(env: ApiEnv, client: httpx.AsyncCli
     # The node made its directory, with its size and owner recorded.
     files = env.manager.volume_files
     meta = json.loads((files.path(str(vol["volumeId"])) / "volume.json").read_text())
+    assert isinstance(meta.pop("exportId"), int)  # its NFS Export_Id (volume_ids.py)
     assert meta == {"volumeId": vol["volumeId"], "tenantId": _tenant(env), "sizeMib": 2048}
     assert files.data_dir(str(vol["volumeId"])).is_dir()
 
@@ -307,6 +309,37 @@ async def test_the_nodes_volume_files(tmp_path: Path) -> None:
     assert files.sweep() == 1 and files.ids() == ["vol-c"]
     with pytest.raises(InvalidRequest):
         files.path("../etc")
+
+
+async def test_a_volumes_export_id_is_its_own_on_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ganesha puts the Export_Id in every file handle: one volume, one id, whichever node of
+    a shared PAL_VOLUMES_DIR exports it, and for as long as it lives (volume_ids.py)."""
+    from pal.manager import volume_ids
+
+    monkeypatch.setattr(volume_ids, "_start", lambda _vid: 0)  # every volume wants the same slot
+    a, b = VolumeFiles(tmp_path / "shared"), VolumeFiles(tmp_path / "shared")  # two nodes
+    await a.create(VolumeCreate(volume_id="vol-a", tenant_id="t-1", size_mib=10))
+    await b.create(VolumeCreate(volume_id="vol-b", tenant_id="t-1", size_mib=10))
+    assert await a.export_id("vol-a") == await b.export_id("vol-a") == 1
+    assert await a.export_id("vol-b") == await b.export_id("vol-b") == 2
+    # A volume made before ids were kept gets one at its first export, the same from any
+    # node asking at once (the second finds the first's claim).
+    b.root.joinpath("vol-c").mkdir()
+    b.root.joinpath("vol-c", "volume.json").write_text(
+        '{"volumeId": "vol-c", "tenantId": "t-1", "sizeMib": 1}'
+    )
+    got = await asyncio.gather(a.export_id("vol-c"), b.export_id("vol-c"))
+    assert got == [3, 3]
+    # A delete frees its id; the others keep theirs (recorded, not searched for again).
+    await a.delete(VolumeRef(volume_id="vol-a"))
+    assert not (a.root / ".export-ids" / "1").exists()
+    assert await b.export_id("vol-b") == 2 and await b.export_id("vol-c") == 3
+    await b.create(VolumeCreate(volume_id="vol-d", tenant_id="t-1", size_mib=10))
+    assert await a.export_id("vol-d") == 1
+    with pytest.raises(NotFound):
+        await a.export_id("vol-a")
 
 
 # -- the SDK and the CLI, over loopback HTTP ----------------------------------------------------
