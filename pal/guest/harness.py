@@ -261,10 +261,11 @@ class Harness:
                         self.ca_env = env
                 except OSError as exc:
                     log(f"cannot install the brokered-secrets CA: {exc}")
+        mount_us: dict[str, int] = {}
         if self.system:
             # Before the answer: a command never sees a volume missing (docs/volumes.md).
             try:
-                volumes.ensure(volumes.parse(msg.get("mounts")))
+                mount_us = volumes.ensure(volumes.parse(msg.get("mounts")))
             except (OSError, subprocess.SubprocessError) as exc:
                 log(f"volume mount failed: {exc}")
                 self._reply(rid, P.K_ERR, code=P.ERR_IO, msg=f"volume mount failed: {exc}")
@@ -287,6 +288,7 @@ class Harness:
         # decode: from the read that brought this request to here (JSON decode, dispatch).
         decode = (t0 - self.channel.read_ns) // 1000 if self.channel.read_ns else None
         steps = {"decode": decode, "clock_rng": (t1 - t0) // 1000, "net_host_ca": (t2 - t1) // 1000}
+        steps |= mount_us  # inside net_host_ca: the volumes' part of it
         result = {"vm_id": self.vm_id, "incarnation": self.incarnation, "steps_us": steps}
         self._reply(rid, P.K_OK, result={**result, "wall_ns": time.time_ns()})
         self.send_heartbeat()

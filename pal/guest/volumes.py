@@ -13,9 +13,15 @@ Stdlib only, like the whole guest package.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import platform
 import subprocess
+import time
 from typing import Any
+
+from pal.guest import oslib
 
 MODULES_DIR = "/.pal/modules"
 BUSYBOX = "/.pal/bin/busybox"
@@ -26,6 +32,9 @@ NFS_OPTS = "vers=3,proto=tcp,port=2049,mountport=20048,mountproto=tcp,nolock,har
 MOUNT_TIMEOUT_S = 60.0
 READAHEAD_KIB = 16384  # 16 x rsize, about what NFS's readahead was before Linux 5.4
 MAX_MOUNTS = 16
+# finit_module(2) by number (no libc wrapper): one syscall per module instead of a busybox
+# insmod process each, which under TCG costs a fork and exec per module at the first mount.
+FINIT_MODULE = {"x86_64": 313, "aarch64": 273}.get(platform.machine())
 
 
 def _unescape(field: str) -> str:
@@ -65,16 +74,25 @@ def load_modules(modules_dir: str = MODULES_DIR) -> None:
     except OSError as exc:
         raise OSError(f"this image has no NFS client modules ({modules_dir}): rebuild it") from exc
     for name in names:
-        if os.path.isdir(f"/sys/module/{name}"):
-            continue
-        r = subprocess.run(
-            [BUSYBOX, "insmod", os.path.join(modules_dir, f"{name}.ko")],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        if r.returncode != 0 and not os.path.isdir(f"/sys/module/{name}"):
-            raise OSError(f"insmod {name}: {(r.stderr or r.stdout).strip()[:200]}")
+        if not os.path.isdir(f"/sys/module/{name}"):
+            _insmod(name, os.path.join(modules_dir, f"{name}.ko"))
+
+
+def _insmod(name: str, path: str) -> None:
+    if FINIT_MODULE is not None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if oslib.libc().syscall(FINIT_MODULE, fd, b"", 0) == 0:
+                return
+            err = ctypes.get_errno()
+        finally:
+            os.close(fd)
+        if err == errno.EEXIST or os.path.isdir(f"/sys/module/{name}"):
+            return  # loaded meanwhile (another mount, or built in)
+        raise OSError(err, f"insmod {name}: {os.strerror(err)}")
+    r = subprocess.run([BUSYBOX, "insmod", path], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 and not os.path.isdir(f"/sys/module/{name}"):
+        raise OSError(f"insmod {name}: {(r.stderr or r.stdout).strip()[:200]}")
 
 
 def parse(raw: Any) -> list[tuple[str, str, bool]]:
@@ -94,15 +112,18 @@ def parse(raw: Any) -> list[tuple[str, str, bool]]:
     return out
 
 
-def ensure(mounts: list[tuple[str, str, bool]]) -> None:
-    """Mount each volume at its path unless already there; OSError naming what failed."""
+def ensure(mounts: list[tuple[str, str, bool]]) -> dict[str, int]:
+    """Mount each volume at its path unless already there; OSError naming what failed.
+    Answers the microseconds its steps took (identify's ``steps_us``)."""
     if not mounts:
-        return
+        return {}
     have = mounted()
     todo = [(e, p, ro) for e, p, ro in mounts if have.get(p) != f"{SERVER}:{e}"]
     if not todo:
-        return
+        return {}
+    t0 = time.monotonic_ns()
     load_modules()
+    t1 = time.monotonic_ns()
     for export, path, ro in todo:
         os.makedirs(path, mode=0o755, exist_ok=True)
         opts = ",".join(["nosuid", "nodev", "ro" if ro else "rw", NFS_OPTS])
@@ -120,6 +141,7 @@ def ensure(mounts: list[tuple[str, str, bool]]) -> None:
         if r.returncode != 0:
             raise OSError(f"mounting volume {export} at {path}: {(r.stderr or r.stdout).strip()[:300]}")
         set_readahead(path)
+    return {"nfs_modules": (t1 - t0) // 1000, "mounts": (time.monotonic_ns() - t1) // 1000}
 
 
 def set_readahead(path: str, kib: int = READAHEAD_KIB) -> None:

@@ -49,18 +49,27 @@ def test_schedule_uses_the_template_and_each_vm_has_its_own_identity_and_disk(ap
             api.delete(f"/v1/runtime/vms/{vm}")
 
 
-def test_the_template_is_primed_with_a_first_exec_before_its_capture(pal_server: PalServer) -> None:
+def test_the_template_is_primed_with_a_first_exec_before_its_capture(
+    pal_server: PalServer, api: httpx.Client
+) -> None:
     """A template's guest ran the image's first commands once before it was captured
     (templates.PRIME_COMMANDS), so no VM restored from it pays for the first exec of its
-    harness and kernel again: its record names the commands that ran, exit code 0."""
-    from pal.manager.templates import COMPLETE, PRIME_COMMANDS
+    harness and kernel again: its record names the commands that ran, exit code 0; and it
+    loaded the NFS client (ROOT_PRIME_COMMANDS), which a VM started from it then has
+    before any volume is mounted."""
+    from pal.manager.templates import COMPLETE, PRIME_COMMANDS, ROOT_PRIME_COMMANDS
 
     metas = [json.loads(p.read_text()) for p in (pal_server.data_dir / "templates").glob(f"*/{COMPLETE}")]
     metas = [m for m in metas if m["image"] == "default"]  # user images may lack a shell
     assert metas, "no template of the default image"
     assert PRIME_COMMANDS
     for meta in metas:
-        assert meta["primedWith"] == [" ".join(argv) for argv in PRIME_COMMANDS], meta
+        assert meta["primedWith"] == [" ".join(argv) for argv in PRIME_COMMANDS + ROOT_PRIME_COMMANDS], meta
+    vm = api.post("/v1/runtime/schedule", json={}).json()["vmId"]
+    try:
+        assert sh(api, vm, "test -d /sys/module/nfsv3 && echo loaded") == "loaded\n"
+    finally:
+        api.delete(f"/v1/runtime/vms/{vm}")
 
 
 def root_fs_mib(api: httpx.Client, vm: str) -> int:
