@@ -899,7 +899,10 @@ class SchedEnv:
 
 
 def make_env(tmp_path: Path, *, max_vms: int = 10, **settings_kw: Any) -> SchedEnv:
-    """A real store (SQLite in tmp_path), a FakeManager and a Scheduler on a fake clock."""
+    """A real store (SQLite in tmp_path), a FakeManager and a Scheduler on a fake clock.
+    Nothing heartbeats for the FakeManager's node, so its silence is counted in hours, not
+    the default seconds: a slow test on a loaded machine must not see it go silent."""
+    settings_kw.setdefault("node_heartbeat_interval_s", 3600.0)
     settings = Settings(data_dir=tmp_path, **settings_kw)
     store = Store.open(settings)
     tenant, key = store.create_tenant("acme", max_vms)
