@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
@@ -61,6 +62,16 @@ def fail(message: str, code: str = "ERROR", status: int = 1) -> NoReturn:
     else:
         sys.stderr.write(f"pal: error: {message} ({code})\n")
     raise typer.Exit(status)
+
+
+def read_local(local: Path | None) -> bytes:
+    """A local file's bytes, or stdin's when ``local`` is None or ``-`` (what a put writes)."""
+    if local is None or str(local) == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return local.read_bytes()
+    except OSError as exc:
+        fail(f"cannot read {local}: {exc.strerror or exc}", "LOCAL_FILE")
 
 
 @contextmanager

@@ -15,7 +15,18 @@ from pal.sizes import DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_VCPUS
 
 from .exec_process import exec_process
 from .help import examples
-from .output import Table, api_errors, call, fail, note, parse_pairs, print_json, print_rows, print_table
+from .output import (
+    Table,
+    api_errors,
+    call,
+    fail,
+    note,
+    parse_pairs,
+    print_json,
+    print_rows,
+    print_table,
+    read_local,
+)
 from .stdin import pending_input
 
 FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
@@ -398,13 +409,7 @@ def files_put(
     local: Annotated[Path | None, typer.Argument(help="local file; stdin when omitted or -")] = None,
 ) -> None:
     """Write a file from a local file or stdin, byte for byte (at most 1 MiB)."""
-    if local is None or str(local) == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        try:
-            data = local.read_bytes()
-        except OSError as exc:
-            fail(f"cannot read {local}: {exc.strerror or exc}", "LOCAL_FILE")
+    data = read_local(local)
     print_json(call(lambda: client().runtime.write_file(vm_id, path, data)))
 
 

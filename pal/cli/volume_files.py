@@ -11,7 +11,7 @@ import typer
 
 from pal.guest.protocol import MAX_FILE_BYTES
 
-from .output import Table, call, fail, note, print_json, print_table
+from .output import Table, call, fail, note, print_json, print_table, read_local
 from .volumes import Volume, client, volumes_app
 
 FILE_LIMIT = f"{MAX_FILE_BYTES >> 20} MiB"  # the files API limit, in words
@@ -83,13 +83,7 @@ def put(
     local: Annotated[Path | None, typer.Argument(help="local file; stdin when omitted or -")] = None,
 ) -> None:
     """Write a file into a volume from a local file or stdin, byte for byte (at most 1 MiB)."""
-    if local is None or str(local) == "-":
-        data = sys.stdin.buffer.read()
-    else:
-        try:
-            data = local.read_bytes()
-        except OSError as exc:
-            fail(f"cannot read {local}: {exc.strerror or exc}", "LOCAL_FILE")
+    data = read_local(local)
     print_json(call(lambda: client().volumes.write_file(volume, path, data)))
 
 
