@@ -31,6 +31,8 @@ from .errors import json_error, message_of
 from .streams import Target, current_target
 
 CHUNK = 256 * 1024
+GZIP_SAMPLE = 16 * 1024  # the first bytes of a download that decide whether gzip pays
+GZIP_WORTH = 0.9  # gzip pays when the sample shrinks to this share of its size or less
 MAX_FILES_PER_UPLOAD = 1000
 METADATA_PREFIX = "x-metadata-"
 MAX_METADATA_KEY = 246  # the xattr name limit less `user.e2b.`
@@ -147,13 +149,53 @@ async def _upload_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Does the request's ``Accept-Encoding`` take gzip (by name or ``*``, not at q=0)?"""
+    for item in accept_encoding.lower().split(","):
+        name, _, params = item.partition(";")
+        if name.strip() in ("gzip", "x-gzip", "*"):
+            q = params.strip().removeprefix("q=")
+            try:
+                return not params.strip() or float(q) > 0
+            except ValueError:
+                return True
+    return False
+
+
+def _pays(sample: bytes) -> bool:
+    """Would gzip shrink data like ``sample``? Data that is already compressed or random
+    (an archive, an image, this row of the benchmark) costs ~100 ms of CPU per MiB to
+    gzip for nothing, on both ends: it is sent as it is, which every client takes."""
+    return len(zlib.compress(sample, 1)) <= GZIP_WORTH * len(sample)
+
+
+async def _gzipped(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     deflate = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    if out := deflate.compress(first):
+        yield out
     async for chunk in chunks:
-        out = deflate.compress(chunk)
-        if out:
+        if out := deflate.compress(chunk):
             yield out
     yield deflate.flush()
+
+
+async def _then(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+async def encoded(
+    chunks: AsyncIterator[bytes], accept_encoding: str
+) -> tuple[dict[str, str], AsyncIterator[bytes]]:
+    """A download's body and its ``Content-Encoding``: gzip when the client takes it and
+    the file's first bytes say it pays; else the bytes as they are."""
+    if not accepts_gzip(accept_encoding):
+        return {}, chunks
+    first = await anext(chunks, b"")
+    if first and _pays(first[:GZIP_SAMPLE]):
+        return {"Content-Encoding": "gzip"}, _gzipped(first, chunks)
+    return {}, _then(first, chunks)
 
 
 def _written(entry: ops.Entry) -> dict[str, Any]:
@@ -214,12 +256,10 @@ def _file_routes(files: ops.FilesystemOps, config: FilesConfig) -> list[Route]:
         if not path:
             raise InvalidRequest("path is required")
         who = _caller(request, current_target.get(), path, "read")
-        chunks = await files.read(who, path)
-        headers = {"Content-Type": "application/octet-stream"}
-        if "gzip" in request.headers.get("accept-encoding", "").lower():
-            headers["Content-Encoding"] = "gzip"
-            chunks = _gzipped(chunks)
-        return StreamingResponse(chunks, headers=headers)
+        encoding, chunks = await encoded(
+            await files.read(who, path), request.headers.get("accept-encoding", "")
+        )
+        return StreamingResponse(chunks, headers={"Content-Type": "application/octet-stream", **encoding})
 
     async def upload(request: Request) -> Response:
         query_path = request.query_params.get("path") or None

@@ -4,6 +4,7 @@ what it sends, what it gets, which exceptions it raises."""
 from __future__ import annotations
 
 import gzip
+import os
 import socket
 import threading
 
@@ -284,3 +285,35 @@ def test_an_inflating_gzip_upload_is_bounded(sbx: Sandbox, e2b_env: E2bServer) -
     )
     assert answer.status_code == 413
     assert not sbx.files.exists("/tmp/bomb")
+
+
+@pytest.mark.parametrize(
+    ("accept", "data", "gzipped"),
+    [
+        ("gzip", b"the same line again\n" * 4096, True),
+        ("gzip, deflate", b"the same line again\n" * 4096, True),
+        ("*", b"the same line again\n" * 4096, True),
+        ("gzip;q=0, identity", b"the same line again\n" * 4096, False),
+        ("identity", b"the same line again\n" * 4096, False),
+        # Random bytes do not shrink: gzip would cost both ends CPU for nothing.
+        ("gzip", os.urandom(1 << 20), False),
+    ],
+)
+def test_a_download_is_gzip_when_the_client_takes_it_and_it_pays(
+    sbx: Sandbox, e2b_env: E2bServer, accept: str, data: bytes, gzipped: bool
+) -> None:
+    sbx.files.write("/tmp/dl.bin", data)
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "X-Access-Token": sbx._envd_access_token or "",
+        "Accept-Encoding": accept,
+    }
+    with httpx.stream(
+        "GET", f"{e2b_env.sandbox_url}/files", params={"path": "/tmp/dl.bin"}, headers=headers
+    ) as r:
+        assert r.status_code == 200
+        raw = b"".join(r.iter_raw())
+    assert r.headers.get("content-encoding") == ("gzip" if gzipped else None)
+    assert (gzip.decompress(raw) if gzipped else raw) == data
+    assert len(raw) < len(data) // 10 if gzipped else len(raw) == len(data)
+    assert sbx.files.read("/tmp/dl.bin", format="bytes", gzip=True) == bytearray(data)
