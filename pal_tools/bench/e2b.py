@@ -85,6 +85,10 @@ def pal_rows(url: str, key: str, n: int, log: Callable[[str], None]) -> dict[str
         try:
             out["exec_warm"] = _samples(n, lambda: rt.exec(vm, "/bin/true"), warm=3)
             out["run_warm"] = out["exec_warm"]
+            # What E2B's commands.run runs, through Pal's own exec: the row's like for like.
+            out["exec_login_shell"] = _samples(
+                n, lambda: rt.exec(vm, "/bin/bash", ["-l", "-c", "true"]), warm=3
+            )
 
             def files() -> None:
                 rt.write_file(vm, "bench.bin", blob)
@@ -157,7 +161,9 @@ def run(url: str, key: str, sandbox_url: str, n: int, log: Callable[[str], None]
             "e2b_over_pal": round(e / p, 2) if p else None,
             "e2b_over_pal_warm_exec": round(e / warm, 2) if warm else None,
         }
+    login = pct(pal["exec_login_shell"], 0.5)
     return {"iterations": n, "pal_warm_exec_p50_ms": round(warm, 1), "rows": rows,
+            "pal_login_shell_exec_p50_ms": round(login, 1),
             "samples_ms": {"e2b": e2b, "pal": pal}}  # fmt: skip
 
 
@@ -191,6 +197,15 @@ def render(report: dict[str, Any]) -> str:
             f"| {label} | {r['e2b_p50_ms']} | {r['e2b_p90_ms']} | {r['pal_p50_ms']} | {r['e2b_over_pal']}x"
             f" | {r['e2b_over_pal_warm_exec']}x | {'met' if ok else 'missed'} |"
         )
+    login = report.get("pal_login_shell_exec_p50_ms")
+    if login:
+        e2b_run = report["rows"]["run_warm"]["e2b_p50_ms"]
+        lines += [
+            "",
+            'Like for like: Pal\'s own exec of what `commands.run("true")` runs, `/bin/bash -l -c true`,',
+            f"p50 {login} ms; E2B's warm `commands.run` is {round(e2b_run / login, 2)}x that. The rest of",
+            "the row's ratio is bash's own start in the guest against Pal's direct argv.",
+        ]
     lines += [
         "",
         "What the E2B path adds: a command is `/bin/bash -l -c` (a login shell: bash's own start,",
