@@ -31,6 +31,7 @@ from .health import HealthCheck, announce_ready, health_router
 from .host_report import HostChecks, host_router
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .json_response import JSONResponse
+from .kept_snapshots import kept_router
 from .middleware import BodyLimitMiddleware, IdPathMiddleware, RequestIdMiddleware
 from .nodes import nodes_router
 from .port_host import create_ports_app
@@ -97,6 +98,7 @@ def create_app(
     app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
     app.include_router(code_router)
     app.include_router(volumes_router)  # docs/volumes.md
+    app.include_router(kept_router)  # kept snapshots (docs/lifecycle.md)
     app.include_router(volume_files_router)  # a volume's files, without a sandbox
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
