@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from pal.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from pal.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from pal.scheduler.states import VmState
 from pal.spec import AgentSpec
 from pal.store import kept as kept_rows
 from tests.fakes import AGENT_VERSION, SchedEnv, make_env
+from tests.unit.test_scheduler_cluster import make_cluster
 
 S = VmState
 
@@ -174,3 +175,30 @@ async def test_removing_the_tenant_removes_its_kept_rows(env: SchedEnv) -> None:
     env.store.mark_tenant_deleting(env.tenant_id)
     assert env.store.delete_tenant(env.tenant_id)
     assert kept_rows.of_vms(env.store, [vm_id]) == []
+
+
+async def test_in_a_cluster_a_start_goes_elsewhere_only_through_s3(tmp_path: Path) -> None:
+    """The kept snapshot is on the node that took it: a start goes there while it has room;
+    with S3 another node restores it (the taking node uploads it first); without S3 no
+    other node can read it, so a full node is 503."""
+    for s3 in (True, False):
+        kw = {"s3_endpoint": "http://127.0.0.1:1", "s3_bucket": "b"} if s3 else {}
+        c = await make_cluster(tmp_path / str(s3), ("n1", "n2"), **kw)
+        c.nodes["n2"].memory_mib = 0
+        await c.beat("n2")
+        src, _ = await c.sched.scheduling.schedule(c.tenant_id, AgentSpec())
+        kept = await c.sched.kept.keep(c.tenant_id, src.vm_id, "k")
+        await c.sched.deleting.delete(c.tenant_id, src.vm_id)
+        here = (await c.sched.kept.start(c.tenant_id, "k")).forks[0]
+        assert c.store.get_vm(here.vm_id).node_id == "n1"  # type: ignore[union-attr]
+        c.nodes["n1"].memory_mib = 256  # full with that child
+        c.nodes["n2"].memory_mib = 1 << 20
+        await c.beat("n1")
+        await c.beat("n2")
+        if s3:
+            there = (await c.sched.kept.start(c.tenant_id, kept.snapshot_id)).forks[0]
+            assert there.state == S.RUNNING and c.store.get_vm(there.vm_id).node_id == "n2"  # type: ignore[union-attr]
+            assert ("ensure_uploaded", src.vm_id) in c.nodes["n1"].calls
+        else:
+            with pytest.raises(Unavailable):
+                await c.sched.kept.start(c.tenant_id, kept.snapshot_id)
