@@ -9,6 +9,8 @@ the reads), with the tenant the caller's key named; nothing here keeps state.
   paused when ``autoPause``.
 - A template is an image the tenant may use; ``base`` is Pal's ``default`` image, which a
   sandbox made here sets up with E2B's conventions (conventions.py).
+- A snapshot is one of Pal's kept snapshots (pal/scheduler/kept.py): a create whose
+  template is one of the tenant's (by id or name) starts a sandbox from it.
 """
 
 from __future__ import annotations
