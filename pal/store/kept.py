@@ -117,3 +117,10 @@ def remove(store: Store, tenant_id: str, snapshot_id: str) -> KeptSnapshot | Non
             return None
         conn.execute(delete(ks).where(ks.c.snapshot_id == snapshot_id))
         return _record(row)
+
+
+def remove_of_tenant(store: Store, tenant_id: str) -> int:
+    """Forget every kept snapshot of a tenant being removed (its VMs' releases then delete
+    the files); how many there were."""
+    with store.write() as tx:
+        return int(tx._conn.execute(delete(ks).where(ks.c.tenant_id == tenant_id)).rowcount or 0)

@@ -168,13 +168,15 @@ async def test_the_list_filters_by_vm_and_name_and_pages(env: SchedEnv) -> None:
     assert env.sched.kept.list(env.tenant_id, name="nope") == []
 
 
-async def test_removing_the_tenant_removes_its_kept_rows(env: SchedEnv) -> None:
-    vm_id = await _running(env)
-    await env.sched.kept.keep(env.tenant_id, vm_id, "k")
+async def test_removing_the_tenant_removes_its_kept_snapshots(env: SchedEnv) -> None:
+    vm_id, running = await _running(env), await _running(env)
+    kept = await env.sched.kept.keep(env.tenant_id, vm_id, "k")
+    await env.sched.kept.keep(env.tenant_id, running, "r")
     await env.sched.deleting.delete(env.tenant_id, vm_id)
     env.store.mark_tenant_deleting(env.tenant_id)
-    assert env.store.delete_tenant(env.tenant_id)
-    assert kept_rows.of_vms(env.store, [vm_id]) == []
+    assert await env.sched.deleting.purge_deleted_tenants() == [env.tenant_id]
+    assert kept_rows.of_vms(env.store, [vm_id, running]) == []
+    assert kept.snapshot_id not in _files(env) and _files(env) == set()
 
 
 async def test_in_a_cluster_a_start_goes_elsewhere_only_through_s3(tmp_path: Path) -> None:
