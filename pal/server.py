@@ -519,6 +519,7 @@ def install_e2b(app: Any, scheduler: Scheduler, store: Any, secret: bytes, idle_
         s.forking,
         s.egress_secrets,
         s.guest,
+        s.kept,
         secret,
         idle_timeout_s=idle_timeout_s,
     )

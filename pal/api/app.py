@@ -31,6 +31,7 @@ from .health import HealthCheck, announce_ready, health_router
 from .host_report import HostChecks, host_router
 from .hosts import AllowedHosts, HostCheckMiddleware
 from .json_response import JSONResponse
+from .kept_snapshots import kept_router
 from .middleware import BodyLimitMiddleware, IdPathMiddleware, RequestIdMiddleware
 from .nodes import nodes_router
 from .port_host import create_ports_app
@@ -92,12 +93,12 @@ def create_app(
     # Credentials a follower checks before it holds a large body (the dashboard adds its own).
     app.state.callers = Callers(store, settings)
     app.state.exec_budget = ExecBudget(settings.exec_buffer_mib * MIB)  # buffered exec output
-    app.include_router(runtime_router)  # its handlers find the above on app.state
-    app.include_router(processes_router)
-    app.include_router(audit_router)  # clients' audit events (the MCP server's tool calls)
-    app.include_router(code_router)
-    app.include_router(volumes_router)  # docs/volumes.md
-    app.include_router(volume_files_router)  # a volume's files, without a sandbox
+    # Their handlers find the above on app.state. audit: clients' audit events (the MCP
+    # server's tool calls); volumes: docs/volumes.md (and a volume's files, without a
+    # sandbox); kept: kept snapshots (docs/lifecycle.md).
+    routers = (runtime_router, processes_router, audit_router, code_router, volumes_router, kept_router)
+    for router in (*routers, volume_files_router):
+        app.include_router(router)
     # Port links are signed with the server's secret (pal.server passes the one dashboard
     # sessions use, which replicas share); without one they last as long as this process.
     shared = link_secret or secrets.token_bytes(32)

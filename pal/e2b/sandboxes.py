@@ -9,6 +9,8 @@ the reads), with the tenant the caller's key named; nothing here keeps state.
   paused when ``autoPause``.
 - A template is an image the tenant may use; ``base`` is Pal's ``default`` image, which a
   sandbox made here sets up with E2B's conventions (conventions.py).
+- A snapshot is one of Pal's kept snapshots (pal/scheduler/kept.py): a create whose
+  template is one of the tenant's (by id or name) starts a sandbox from it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pal.scheduler.delete import Deleting
 from pal.scheduler.egress_secrets import EgressAndSecrets
 from pal.scheduler.fork import Forking
 from pal.scheduler.guest import GuestCalls
+from pal.scheduler.kept import KeptSnapshots
 from pal.scheduler.lifetime import Lifetimes
 from pal.scheduler.listing import Listing
 from pal.scheduler.pause_resume import PauseResume
@@ -34,6 +37,7 @@ from pal.scheduler.schedule import Scheduling
 from pal.scheduler.states import AUTO_LIVE_MARKERS
 from pal.spec import MAX_LIFETIME_SECS, AgentSpec, EgressUpdate, LifetimeUpdate, PauseRequest
 from pal.store import VmRecord
+from pal.store.kept import KeptSnapshot
 from pal.wire import verbs
 from pal.wire.models import WorkloadUserName
 
@@ -87,6 +91,7 @@ class PalSandboxes:
     forking: Forking
     egress: EgressAndSecrets
     guest: GuestCalls
+    kept: KeptSnapshots
     secret: bytes  # the access tokens' key (conventions.access_token)
     idle_timeout_s: int = 0  # PAL_E2B_IDLE_TIMEOUT: Pal's idle suspend for E2B's sandboxes
     now: Callable[[], datetime] = lambda: datetime.now(UTC)
@@ -139,6 +144,8 @@ class PalSandboxes:
         )
 
     async def create(self, tenant: str, spec: ops.CreateSandbox) -> ops.Sandbox:
+        if (started := await self._from_snapshot(tenant, spec)) is not None:
+            return started
         image = await self._image(tenant, spec.template)
         reserved = {conv.TEMPLATE_KEY: spec.template} | ({} if spec.secure else {conv.OPEN_KEY: "true"})
         user_meta = {k: v for k, v in spec.metadata.items() if not k.startswith(conv.RESERVED_PREFIX)}
@@ -309,17 +316,50 @@ class PalSandboxes:
         policy = _egress(network) or "open"
         await self.egress.set_egress(tenant, sandbox_id, EgressUpdate.model_validate({"egress": policy}))
 
+    @staticmethod
+    def _snapshot(k: KeptSnapshot) -> ops.Snapshot:
+        return ops.Snapshot(k.snapshot_id, (k.name,) if k.name else ())
+
     async def create_snapshot(self, tenant: str, sandbox_id: str, name: str | None) -> ops.Snapshot:
+        """Pal's kept snapshot of the sandbox (pal/scheduler/kept.py); it runs on."""
         await self._own(tenant, sandbox_id)
-        raise PalError("named snapshots are not served yet: pause the sandbox or fork it", status=501)
+        return self._snapshot(await self.kept.keep(tenant, sandbox_id, name or None))
 
     async def list_snapshots(
         self, tenant: str, sandbox_id: str | None, name: str | None, limit: int, next_token: str | None
     ) -> ops.Page[ops.Snapshot]:
-        return ops.Page([])
+        after = None
+        if next_token:
+            at, snap_id = _untoken(next_token)
+            try:
+                after = (datetime.fromisoformat(at), snap_id)
+            except ValueError:
+                raise InvalidRequest("nextToken is not one this server gave") from None
+        rows = self.kept.list(tenant, vm_id=sandbox_id, name=name or None, after=after, limit=limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        token = _token(rows[-1].created_at, rows[-1].snapshot_id) if more and rows else None
+        return ops.Page([self._snapshot(k) for k in rows], token)
 
     async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
-        raise NotFound(f"snapshot {snapshot_id} not found")
+        await self.kept.delete(tenant, snapshot_id)
+
+    async def _from_snapshot(self, tenant: str, spec: ops.CreateSandbox) -> ops.Sandbox | None:
+        """A create whose template is one of the tenant's kept snapshots (by id or name):
+        a sandbox started from it (Pal's start from a snapshot: the captured memory, disk
+        and processes, the source's metadata, envs and security), with the create's
+        timeout. None: the template is no snapshot of the tenant's."""
+        try:
+            found = self.kept.get(tenant, spec.template)
+        except NotFound:
+            return None
+        result = await self.kept.start(tenant, found.snapshot_id)
+        child = result.forks[0]
+        if child.error:
+            raise PalError(f"starting from snapshot {found.snapshot_id} failed: {child.error}")
+        vm = await self.reads.get(tenant, child.vm_id)
+        vm = await self._end_in(tenant, vm, spec.timeout_s)
+        return self.view(vm)
 
     async def templates(self, tenant: str) -> list[ops.Template]:
         out = []

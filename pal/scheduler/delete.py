@@ -21,6 +21,7 @@ from pal.scheduler.states import Action, VmState
 from pal.scheduler.transition import Audit
 from pal.scheduler.volumes import Volumes
 from pal.store import VmRecord
+from pal.store import kept as kept_rows
 from pal.store import volumes as volume_rows
 from pal.wire import verbs
 from pal.wire.models import StopVm
@@ -78,11 +79,12 @@ class Deleting:
 
     async def purge_deleted_tenants(self) -> list[str]:
         """`pal tenants rm` marked a tenant (its keys refused since): delete its VMs and
-        their snapshots, its volumes, then the tenant and its rows. Leader only; resumed after a crash.
-        Returns the tenants removed."""
+        their snapshots (its kept ones too), its volumes, then the tenant and its rows.
+        Leader only; resumed after a crash. Returns the tenants removed."""
         store = self.d.store
         done = []
         for tenant in store.deleting_tenants():
+            kept_rows.remove_of_tenant(store, tenant.id)  # so the releases below delete them
             for vm in store.list_vms(tenant_id=tenant.id):
                 try:
                     if vm.state == S.TERMINATED:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pal import failpoints
-from pal.errors import Conflict, InvalidRequest, public_message
+from pal.errors import Conflict, InvalidRequest, NotFound, public_message
 from pal.scheduler import states
 from pal.scheduler.deps import Deps, as_pal, new_snapshot_id, new_token, new_vm_id
 from pal.scheduler.lifetime import inherited_end
@@ -26,6 +27,7 @@ from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
 from pal.store import VmRecord, utcnow
 from pal.store import volumes as volume_rows
+from pal.store.kept import KeptSnapshot
 from pal.wire import verbs
 from pal.wire.models import RestoreFrom, SnapshotRequest, SnapshotResult
 
@@ -90,12 +92,8 @@ class Forking:
         Success: each child running (or failed, with its error); the source unchanged.
         Failure of the fork snapshot: every child failed; the source failed only if its
         QEMU died."""
-        if isinstance(count, bool) or not isinstance(count, int):
-            raise InvalidRequest("count must be an integer")
+        self._check_count(count)
         d = self.d
-        limit = d.settings.max_fork_count
-        if count < 1 or count > limit:
-            raise InvalidRequest(f"count must be between 1 and {limit} (PAL_MAX_FORK_COUNT), got {count}")
         d.own(tenant_id, vm_id)
         t0 = time.perf_counter()
         async with d.locks.op_lock(vm_id):
@@ -131,7 +129,7 @@ class Forking:
             volume_rows.copy_mounts(d.store, vm_id, [c.vm_id for c in children])  # docs/volumes.md
             failpoints.hit("fork:reserved")
             if live_source:
-                taken = await self._snapshot(src, snap_id)
+                taken = await self.capture(src, snap_id)
                 if isinstance(taken, str):
                     error = taken
                     for c in children:
@@ -145,7 +143,53 @@ class Forking:
         d.telemetry.fork.observe(time.perf_counter() - t0)
         return ForkResult(source_vm_id=vm_id, snapshot_id=snap_id, forks=forks)
 
-    async def _snapshot(self, src: VmRecord, snap_id: str) -> SnapshotResult | str:
+    def _check_count(self, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidRequest("count must be an integer")
+        limit = self.d.settings.max_fork_count
+        if count < 1 or count > limit:
+            raise InvalidRequest(f"count must be between 1 and {limit} (PAL_MAX_FORK_COUNT), got {count}")
+
+    async def start_from(self, tenant_id: str, kept: KeptSnapshot, count: int = 1) -> ForkResult:
+        """``count`` new VMs from a kept snapshot (pal/scheduler/kept.py): fork children of
+        the VM it was taken of, which may be running, paused or gone (its row stays).
+
+        Prerequisites: the tenant's kept snapshot (the caller looked it up: 404 else);
+        1 <= count <= PAL_MAX_FORK_COUNT. Placed on the snapshot's node while it has room,
+        else (S3 configured) on another node, which restores it from S3; without S3 only its
+        node will do (503 NO_NODE). Success: each child running with the captured memory,
+        disk and processes, its own identity; nothing of the source changes (no lock of it
+        is taken: the snapshot's files never change). Failure: the child failed, its error
+        set (a snapshot deleted meanwhile, a node that cannot restore it)."""
+        self._check_count(count)
+        d = self.d
+        src = d.store.get_vm(kept.source_vm_id)
+        if src is None or src.tenant_id != tenant_id:
+            raise NotFound(f"snapshot {kept.snapshot_id} not found")
+        # Where the snapshot is, and of which build: the source may have moved since.
+        src = dataclasses.replace(src, node_id=kept.node_id, agent_version_id=kept.agent_version_id)
+        children = [child_row(src, kept.snapshot_id, d.now_ms()) for _ in range(count)]
+        only = None if d.settings.s3_enabled else kept.node_id
+        async with self.spawner.placing:
+            reasons = self.spawner.place_children(src, children, only=only)
+            for c in children:
+                d.live.hold(c, c.node_id or "")
+        try:
+            await d.transitions.create(
+                tenant_id,
+                children,
+                A.FORK,
+                reasons=[f"from snapshot {kept.snapshot_id}; {r}" for r in reasons],
+            )
+        except BaseException:
+            for c in children:
+                d.live.forget(c.vm_id)
+            raise
+        volume_rows.copy_mounts(d.store, src.vm_id, [c.vm_id for c in children])
+        forks = await self._spawn_children(src, children, kept.snapshot_id)
+        return ForkResult(source_vm_id=src.vm_id, snapshot_id=kept.snapshot_id, forks=forks)
+
+    async def capture(self, src: VmRecord, snap_id: str) -> SnapshotResult | str:
         """Snapshot a running source, keeping it running; the error text on failure."""
         try:
             return await self.d.node(src).call(

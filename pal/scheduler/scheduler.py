@@ -48,6 +48,7 @@ from pal.scheduler.egress_secrets import EgressAndSecrets
 from pal.scheduler.fork import Forking
 from pal.scheduler.guest import GuestCalls
 from pal.scheduler.idle import IdleSweeper
+from pal.scheduler.kept import KeptSnapshots
 from pal.scheduler.leader import Leadership, SingleProcessLeader
 from pal.scheduler.lifetime import Lifetimes
 from pal.scheduler.listing import Listing
@@ -112,6 +113,7 @@ class Scheduler:
         self.scheduling = Scheduling(d, spawner, self.brokering)
         self.pauses = PauseResume(d, spawner, books, self.live, self.chores.spawn)
         self.forking = Forking(d, spawner, books)
+        self.kept = KeptSnapshots(d, books, self.forking, spawner)
         self.volumes = Volumes(d)
         self.deleting = Deleting(d, books, self.volumes)
         streams = StreamBudget(settings.tenant_max_streams, settings.vm_max_streams)

@@ -16,6 +16,7 @@ from pal.scheduler import nodes as nodes_mod
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import FINAL, NEVER_STARTS, Action
 from pal.store import VmRecord
+from pal.store import kept as kept_rows
 from pal.store.due import mapped_by_children, paused_page, vms_by_ids
 from pal.wire import verbs
 from pal.wire.models import Empty, SnapshotAt, VmSnapshotsDelete
@@ -116,7 +117,12 @@ class SnapshotChecks:
         node_id = page[0][0]
         rows = vms_by_ids(self.d.store, {vm_id for _, _, vm_id in page})
         orphans = [(av, v) for _, av, v in page if v not in rows or rows[v].state in FINAL]
-        mapped = sorted(mapped_by_children(self.d.store, {v for _, v in orphans}, NEVER_STARTS))
+        owned = {v for _, v in orphans}
+        kept_rows_ = kept_rows.of_vms(self.d.store, owned)
+        kept = {k.source_vm_id for k in kept_rows_}
+        mapped = sorted(
+            mapped_by_children(self.d.store, owned, NEVER_STARTS) | {k.snapshot_id for k in kept_rows_}
+        )
         fixes = []
         for agent_version_id, vm_id in orphans:
             vm = rows.get(vm_id)
@@ -126,7 +132,7 @@ class SnapshotChecks:
             except Exception as exc:
                 log.warning("snapshot sweep: could not delete those of %s on %s: %s", vm_id, node_id, exc)
                 continue
-            if vm is not None and vm.snapshot_bytes:
+            if vm is not None and vm.snapshot_bytes and vm_id not in kept:  # a kept one stays counted
                 self.d.store.update_vm(vm_id, snapshot_bytes=0)
             if gone:
                 fixes.append(f"{vm_id}: {len(gone)} snapshot(s) of a {'terminated' if vm else 'removed'} VM")

@@ -17,6 +17,7 @@ from pal.scheduler import placement
 from pal.scheduler.deps import Deps
 from pal.scheduler.states import FINAL, NEVER_STARTS
 from pal.store import VmRecord
+from pal.store import kept as kept_rows
 from pal.wire import verbs
 from pal.wire.models import SnapshotAt, SnapshotResult, VmSnapshots, VmSnapshotsDelete
 
@@ -28,11 +29,15 @@ class SnapshotBooks:
         self.d = deps
 
     def protected(self, vm: VmRecord) -> list[str]:
-        """Snapshots of ``vm`` that live fork children still map (retention must keep them)."""
+        """Snapshots of ``vm`` that retention must keep: those live fork children still map,
+        and the tenant's kept snapshots of it (pal/scheduler/kept.py)."""
         children = self.d.store.list_vms(parent_vm_id=vm.vm_id)
-        return sorted(
-            {c.mem_snapshot_id for c in children if c.mem_snapshot_id and c.state not in NEVER_STARTS}
-        )
+        mapped = {c.mem_snapshot_id for c in children if c.mem_snapshot_id and c.state not in NEVER_STARTS}
+        return sorted(mapped | self.kept_of(vm.vm_id))
+
+    def kept_of(self, *vm_ids: str) -> set[str]:
+        """The kept snapshots of these VMs: never released with them, nor swept."""
+        return {k.snapshot_id for k in kept_rows.of_vms(self.d.store, vm_ids)}
 
     @staticmethod
     def estimate(vm: VmRecord) -> int:
@@ -104,11 +109,17 @@ class SnapshotBooks:
             return
         store = self.d.store
         live = [v for v in store.list_vms(parent_vm_id=vm.vm_id) if v.state not in NEVER_STARTS]
-        keep = sorted({c.mem_snapshot_id for c in live if c.mem_snapshot_id})
+        kept = self.kept_of(vm.vm_id)
+        keep = sorted({c.mem_snapshot_id for c in live if c.mem_snapshot_id} | kept)
         await self._delete_of(vm.agent_version_id, vm.vm_id, keep, self._holders(vm))
-        self._stamp_bytes(vm.vm_id, 0 if not keep else None)
-        if not (vm.parent_vm_id and vm.mem_snapshot_id):
-            return
+        if kept:
+            await self.refresh_bytes(vm.vm_id)  # what its kept snapshots take stays counted
+        else:
+            self._stamp_bytes(vm.vm_id, 0 if not keep else None)
+        if not (vm.parent_vm_id and vm.mem_snapshot_id) or self.kept_of(vm.parent_vm_id) & {
+            vm.mem_snapshot_id
+        }:
+            return  # no parent's snapshot to let go, or one the tenant keeps
         parent = store.get_vm(vm.parent_vm_id)
         if parent is not None and parent.state not in FINAL:
             return

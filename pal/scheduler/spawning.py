@@ -150,12 +150,17 @@ class Spawner:
             silent_after_s=self.silent_after_s,
         )
 
-    def place_children(self, src: VmRecord, children: list[VmRecord]) -> list[str]:
+    def place_children(
+        self, src: VmRecord, children: list[VmRecord], *, only: str | None = None
+    ) -> list[str]:
         """Fork children stay on the source's node while it has room (they share the
         snapshot's pages there); the rest spill to other nodes, which restore the snapshot
-        from S3. Sets each child's node; returns each one's reason."""
+        from S3 (``only``: that node or none, where no other node can read the snapshot).
+        Sets each child's node; returns each one's reason."""
         loads = self.d.live.loads()
         nodes = self.placeable_nodes()
+        if only is not None:
+            nodes = [n for n in nodes if n.node_id == only]
         reasons = []
         for child in children:
             choice = placement.choose(

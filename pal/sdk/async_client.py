@@ -215,6 +215,34 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
 
         return _pages.aiterate(fetch, "snapshots", _pages.params(page_size))
 
+    async def keep_snapshot(self, vm_id: str, name: str | None = None) -> dict[str, Any]:
+        body = {} if name is None else {"name": name}
+        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/snapshots", json=body))
+
+    async def kept_snapshots(
+        self, *, vm_id: str | None = None, name: str | None = None, page_size: int | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        return [x async for x in self.iter_kept_snapshots(vm_id=vm_id, name=name, page_size=page_size)]
+
+    def iter_kept_snapshots(
+        self, *, vm_id: str | None = None, name: str | None = None, page_size: int | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        async def fetch(q: dict[str, Any]) -> Any:
+            return await self._json("GET", "/snapshots", params=q)
+
+        query = _pages.params(page_size) | _wire.given(vmId=vm_id, name=name)
+        return _pages.aiterate(fetch, "snapshots", query)
+
+    async def kept_snapshot(self, snapshot: str) -> dict[str, Any]:
+        return dict(await self._json("GET", f"/snapshots/{_wire.seg(snapshot)}"))
+
+    async def delete_kept_snapshot(self, snapshot: str) -> dict[str, Any]:
+        return dict(await self._json("DELETE", f"/snapshots/{_wire.seg(snapshot)}"))
+
+    async def start_from_snapshot(self, snapshot: str, count: int = 1) -> dict[str, Any]:
+        body = {"count": count}
+        return dict(await self._json("POST", f"/snapshots/{_wire.seg(snapshot)}/start", json=body))
+
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.port_url`."""
         body = {"expiresInSecs": expires_in_secs}

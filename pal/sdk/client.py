@@ -209,6 +209,40 @@ class Runtime(_wire.RuntimeCalls):
         fetch = lambda q: self._json("GET", f"/vms/{_wire.seg(vm_id)}/snapshots", params=q)  # noqa: E731
         return _pages.iterate(fetch, "snapshots", _pages.params(page_size))
 
+    def keep_snapshot(self, vm_id: str, name: str | None = None) -> dict[str, Any]:
+        """Keep a snapshot of the VM, by ``name`` if given (docs/lifecycle.md, "Kept
+        snapshots"): out of its retention, past its delete; ``{snapshotId, name, sourceVmId,
+        createdAt}``. The VM runs on (or stays paused)."""
+        body = {} if name is None else {"name": name}
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/snapshots", json=body))
+
+    def kept_snapshots(
+        self, *, vm_id: str | None = None, name: str | None = None, page_size: int | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        """The tenant's kept snapshots, oldest first (of one VM, of one name or id)."""
+        return list(self.iter_kept_snapshots(vm_id=vm_id, name=name, page_size=page_size))
+
+    def iter_kept_snapshots(
+        self, *, vm_id: str | None = None, name: str | None = None, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        query = _pages.params(page_size) | _wire.given(vmId=vm_id, name=name)
+        fetch = lambda q: self._json("GET", "/snapshots", params=q)  # noqa: E731
+        return _pages.iterate(fetch, "snapshots", query)
+
+    def kept_snapshot(self, snapshot: str) -> dict[str, Any]:
+        """A kept snapshot, by id or name."""
+        return dict(self._json("GET", f"/snapshots/{_wire.seg(snapshot)}"))
+
+    def delete_kept_snapshot(self, snapshot: str) -> dict[str, Any]:
+        """Let a kept snapshot go (by id or name); the VMs started from it run on."""
+        return dict(self._json("DELETE", f"/snapshots/{_wire.seg(snapshot)}"))
+
+    def start_from_snapshot(self, snapshot: str, count: int = 1) -> dict[str, Any]:
+        """``count`` new VMs from a kept snapshot (its memory, disk and processes), as a
+        fork answers: ``{sourceVmId, snapshotId, forks: [{vmId, state, error?}]}``."""
+        body = {"count": count}
+        return dict(self._json("POST", f"/snapshots/{_wire.seg(snapshot)}/start", json=body))
+
     def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:
         """A signed link that opens the server on ``port`` in the VM on the port's own origin
         (``{url, expiresAt, linkId}``), without the API key, until it expires or is revoked;

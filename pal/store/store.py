@@ -51,6 +51,7 @@ from pal.store import counting, migrate
 from pal.store.records import EventRecord, LeaseInfo, NodeRecord, PortLinkCheck, Tenant, VmRecord
 from pal.store.tables import (
     events,
+    kept_snapshots,
     leader_lease,
     nodes,
     port_link_revocations,
@@ -398,6 +399,7 @@ class Store:
             tx._conn.execute(vms.delete().where(vms.c.tenant_id == tenant_id))
             tx._conn.execute(tenant_cas.delete().where(tenant_cas.c.tenant_id == tenant_id))
             tx._conn.execute(tenant_e2b_keys.delete().where(tenant_e2b_keys.c.tenant_id == tenant_id))
+            tx._conn.execute(kept_snapshots.delete().where(kept_snapshots.c.tenant_id == tenant_id))
             tx._conn.execute(
                 port_link_revocations.delete().where(port_link_revocations.c.tenant_id == tenant_id)
             )

@@ -305,3 +305,22 @@ tenant_e2b_keys = Table(
     Column("last_used_at", UtcDateTime),
     Index("ix_tenant_e2b_keys_tenant", "tenant_id"),
 )
+
+# A tenant's kept snapshots (pal/store/kept.py, docs/lifecycle.md "Kept snapshots"): a
+# snapshot of a VM that the tenant keeps, optionally by a name (unique among the tenant's),
+# out of the VM's retention and past its delete, that new VMs start from. The snapshot's
+# files stay where the VM's snapshots are (its node, and S3 where S3 is configured).
+kept_snapshots = Table(
+    "kept_snapshots",
+    metadata,
+    Column("snapshot_id", String(64), primary_key=True),
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    Column("name", String(200)),
+    Column("source_vm_id", String(64), nullable=False),
+    Column("agent_version_id", String(128), nullable=False),
+    Column("node_id", String(64)),
+    Column("created_at", UtcDateTime, nullable=False),
+    Index("ix_kept_snapshots_tenant", "tenant_id", "created_at", "snapshot_id"),
+    Index("ix_kept_snapshots_source", "source_vm_id"),
+    UniqueConstraint("tenant_id", "name", name="uq_kept_snapshots_name"),
+)

@@ -35,8 +35,14 @@ var (
 	routeEvents       = route{"GET", "/v1/runtime/vms/{vm_id}/events"}
 	routeMetrics      = route{"GET", "/v1/runtime/vms/{vm_id}/metrics"}
 	routeSnapshots    = route{"GET", "/v1/runtime/vms/{vm_id}/snapshots"}
-	routePortURL      = route{"POST", "/v1/runtime/vms/{vm_id}/ports/{port}/url"}
-	routeRevokeLink   = route{"DELETE", "/v1/runtime/vms/{vm_id}/port-links/{link_id}"}
+	// kept_snapshots.go
+	routeKeepSnapshot  = route{"POST", "/v1/runtime/vms/{vm_id}/snapshots"}
+	routeKeptSnapshots = route{"GET", "/v1/runtime/snapshots"}
+	routeKeptSnapshot  = route{"GET", "/v1/runtime/snapshots/{snapshot}"}
+	routeDeleteKept    = route{"DELETE", "/v1/runtime/snapshots/{snapshot}"}
+	routeStartFromKept = route{"POST", "/v1/runtime/snapshots/{snapshot}/start"}
+	routePortURL       = route{"POST", "/v1/runtime/vms/{vm_id}/ports/{port}/url"}
+	routeRevokeLink    = route{"DELETE", "/v1/runtime/vms/{vm_id}/port-links/{link_id}"}
 	// processes.go, process_stream.go
 	routeStartProcess  = route{"POST", "/v1/runtime/vms/{vm_id}/processes"}
 	routeListProcesses = route{"GET", "/v1/runtime/vms/{vm_id}/processes"}

@@ -1,5 +1,6 @@
 """The unmodified E2B JavaScript SDK (tests/e2b/js, from its lock file) under `node --test`
-against a real `pal up` and one real VM (js/real.test.mjs)."""
+against a real `pal up` and real VMs, one at a time (js/real.test.mjs: a sandbox, then one
+from its named snapshot)."""
 
 from __future__ import annotations
 

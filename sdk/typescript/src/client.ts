@@ -24,6 +24,7 @@ import type {
   ForkResult,
   Image,
   JsonOf,
+  KeptSnapshot,
   LifetimeUpdate,
   Method,
   PathWith,
@@ -429,6 +430,43 @@ export class Runtime {
       const page = await this.client.json("get", "/v1/runtime/vms/{vm_id}/snapshots", { params: { vm_id: vmId }, query });
       return { items: page.snapshots, nextCursor: page.nextCursor };
     }, pageQuery(options));
+  }
+
+  /** Keep a snapshot of the VM (by `name`): out of its retention, past its delete; VMs start from it. */
+  keepSnapshot(vmId: string, name?: string): Promise<KeptSnapshot> {
+    const json = name === undefined ? {} : { name };
+    return this.client.json("post", "/v1/runtime/vms/{vm_id}/snapshots", { params: { vm_id: vmId }, json });
+  }
+
+  /** The tenant's kept snapshots, oldest first (of one VM, of one name or id), all pages. */
+  keptSnapshots(options: PageOptions & { vmId?: string; name?: string } = {}): Promise<KeptSnapshot[]> {
+    return collect(this.iterKeptSnapshots(options));
+  }
+
+  /** The kept snapshots a page at a time. */
+  iterKeptSnapshots(options: PageOptions & { vmId?: string; name?: string } = {}): AsyncGenerator<KeptSnapshot> {
+    const first = pageQuery(options);
+    if (options.vmId !== undefined) first.vmId = options.vmId;
+    if (options.name !== undefined) first.name = options.name;
+    return paginate(async (query) => {
+      const page = await this.client.json("get", "/v1/runtime/snapshots", { query });
+      return { items: page.snapshots, nextCursor: page.nextCursor };
+    }, first);
+  }
+
+  /** A kept snapshot, by id or name. */
+  keptSnapshot(snapshot: string): Promise<KeptSnapshot> {
+    return this.client.json("get", "/v1/runtime/snapshots/{snapshot}", { params: { snapshot } });
+  }
+
+  /** Let a kept snapshot go (by id or name); the VMs started from it run on. */
+  deleteKeptSnapshot(snapshot: string): Promise<KeptSnapshot> {
+    return this.client.json("delete", "/v1/runtime/snapshots/{snapshot}", { params: { snapshot } });
+  }
+
+  /** `count` new VMs from a kept snapshot (its memory, disk and processes), as a fork answers. */
+  startFromSnapshot(snapshot: string, count = 1): Promise<ForkResult> {
+    return this.client.json("post", "/v1/runtime/snapshots/{snapshot}/start", { params: { snapshot }, json: { count } });
   }
 }
 

@@ -47,6 +47,7 @@ export type {
   ForkOptions,
   ForkResult,
   Image,
+  KeptSnapshot,
   LifetimeUpdate,
   Limits,
   LimitsApplied,

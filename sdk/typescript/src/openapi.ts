@@ -255,7 +255,8 @@ export interface paths {
         /** The VM's snapshots, with sizes */
         get: operations["snapshots_v1_runtime_vms__vm_id__snapshots_get"];
         put?: never;
-        post?: never;
+        /** Keep a snapshot of the VM (by a name): out of its retention, past its delete; VMs start from it */
+        post: operations["keep_snapshot_v1_runtime_vms__vm_id__snapshots_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -550,6 +551,58 @@ export interface paths {
         put?: never;
         /** Grow a volume (a smaller size is a 400) */
         post: operations["resize_volume_v1_volumes__volume__resize_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/snapshots": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The tenant's kept snapshots, oldest first, a page at a time */
+        get: operations["list_kept_snapshots_v1_runtime_snapshots_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/snapshots/{snapshot}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** A kept snapshot, by id or name */
+        get: operations["get_kept_snapshot_v1_runtime_snapshots__snapshot__get"];
+        put?: never;
+        post?: never;
+        /** Let a kept snapshot go (its files too, once its VM no longer needs them) */
+        delete: operations["delete_kept_snapshot_v1_runtime_snapshots__snapshot__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runtime/snapshots/{snapshot}/start": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** New VMs from a kept snapshot: its memory, disk and processes, each its own identity */
+        post: operations["start_from_snapshot_v1_runtime_snapshots__snapshot__start_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1548,6 +1601,41 @@ export interface components {
             /** Capacity */
             capacity: number;
         };
+        /** KeepSnapshot */
+        KeepSnapshot: {
+            /**
+             * Name
+             * @description unique among the tenant's kept snapshots (taken again: it moves to the new one); 1-100 of A-Z a-z 0-9 . _ -, not an image's name nor `snap-...`
+             */
+            name?: string | null;
+        };
+        /** KeptSnapshotListOut */
+        KeptSnapshotListOut: {
+            /**
+             * Nextcursor
+             * @description the next page's `cursor`; absent on the last page
+             */
+            nextCursor?: string | null;
+            /** Snapshots */
+            snapshots: components["schemas"]["KeptSnapshotOut"][];
+        };
+        /** KeptSnapshotOut */
+        KeptSnapshotOut: {
+            /** Snapshotid */
+            snapshotId: string;
+            /** Name */
+            name?: string | null;
+            /**
+             * Sourcevmid
+             * @description the VM it was taken of (it may be gone)
+             */
+            sourceVmId: string;
+            /**
+             * Createdat
+             * Format: date-time
+             */
+            createdAt: string;
+        };
         /**
          * LifetimeUpdate
          * @description PUT .../lifetime: ``lifetimeSecs`` (from the schedule; 0 = none) or ``extendSecs``.
@@ -2230,6 +2318,15 @@ export interface components {
             state: string;
             /** @description paused: the kind of pause; absent otherwise */
             pause?: components["schemas"]["PauseOut"] | null;
+        };
+        /** StartFromSnapshot */
+        StartFromSnapshot: {
+            /**
+             * Count
+             * @description number of VMs, 1..PAL_MAX_FORK_COUNT
+             * @default 1
+             */
+            count?: number;
         };
         /** StdinWritten */
         StdinWritten: {
@@ -4321,6 +4418,95 @@ export interface operations {
             };
         };
     };
+    keep_snapshot_v1_runtime_vms__vm_id__snapshots_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                vm_id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["KeepSnapshot"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["KeptSnapshotOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
     list_processes_v1_runtime_vms__vm_id__processes_get: {
         parameters: {
             query?: never;
@@ -6037,6 +6223,330 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["VolumeOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description body not sent as `Content-Type: application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    list_kept_snapshots_v1_runtime_snapshots_get: {
+        parameters: {
+            query?: {
+                /** @description of this VM */
+                vmId?: string | null;
+                /** @description of this name or id */
+                name?: string | null;
+                /** @description items per page (default and most: 1000) */
+                limit?: number | null;
+                /** @description `nextCursor` of the previous page; absent: the first page */
+                cursor?: string | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["KeptSnapshotListOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    get_kept_snapshot_v1_runtime_snapshots__snapshot__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                snapshot: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["KeptSnapshotOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    delete_kept_snapshot_v1_runtime_snapshots__snapshot__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                snapshot: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["KeptSnapshotOut"];
+                };
+            };
+            /** @description invalid request */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description missing or invalid API key */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description tenant quota exhausted */
+            402: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description unknown VM (or another tenant's) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description wrong lifecycle state */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+            /** @description backend cannot do it */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorOut"];
+                };
+            };
+        };
+    };
+    start_from_snapshot_v1_runtime_snapshots__snapshot__start_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                snapshot: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["StartFromSnapshot"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ForkOut"];
                 };
             };
             /** @description invalid request */

@@ -36,6 +36,8 @@ export type VmEvent = Schemas["EventOut"];
 export type VmMetrics = Schemas["VmMetricsOut"];
 export type MetricSample = Schemas["MetricSampleOut"];
 export type Snapshot = Schemas["SnapshotOut"];
+/** A kept snapshot: `{snapshotId, name?, sourceVmId, createdAt}` (docs/lifecycle.md, "Kept snapshots"). */
+export type KeptSnapshot = Schemas["KeptSnapshotOut"];
 export type Image = Schemas["ImageOut"];
 /** A volume: `{volumeId, name, sizeMib, state, metadata, createdAt, updatedAt, mountedBy?}`. */
 export type Volume = Schemas["VolumeOut"];

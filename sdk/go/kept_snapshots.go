@@ -1,0 +1,70 @@
+package pal
+
+import (
+	"context"
+	"net/url"
+)
+
+// KeptSnapshot is a snapshot of a VM the tenant keeps (docs/lifecycle.md, "Kept
+// snapshots"): out of the VM's retention, past its delete; new VMs start from it.
+type KeptSnapshot struct {
+	SnapshotID string `json:"snapshotId"`
+	Name       string `json:"name,omitempty"`
+	SourceVMID string `json:"sourceVmId"`
+	CreatedAt  string `json:"createdAt"`
+}
+
+// KeepSnapshot keeps a snapshot of the VM, by name unless name is "" (a name taken by
+// another kept snapshot moves to this one). The VM runs on, or stays paused.
+func (r *RuntimeService) KeepSnapshot(ctx context.Context, vmID, name string) (*KeptSnapshot, error) {
+	body := map[string]string{}
+	if name != "" {
+		body["name"] = name
+	}
+	var out KeptSnapshot
+	return &out, r.c.doJSON(ctx, call{route: routeKeepSnapshot, params: []string{vmID}, json: body}, &out)
+}
+
+// KeptSnapshots returns the tenant's kept snapshots, oldest first, of vmID (all of them
+// when it is ""), every page.
+func (r *RuntimeService) KeptSnapshots(ctx context.Context, vmID string, opts ...ListOption) ([]KeptSnapshot, error) {
+	return r.IterKeptSnapshots(vmID, opts...).All(ctx)
+}
+
+// IterKeptSnapshots walks the tenant's kept snapshots a page at a time.
+func (r *RuntimeService) IterKeptSnapshots(vmID string, opts ...ListOption) *Pager[KeptSnapshot] {
+	first := listQuery(opts)
+	if vmID != "" {
+		first.Set("vmId", vmID)
+	}
+	return newPager(first, func(ctx context.Context, q url.Values) ([]KeptSnapshot, string, error) {
+		var out struct {
+			Snapshots  []KeptSnapshot `json:"snapshots"`
+			NextCursor *string        `json:"nextCursor"`
+		}
+		err := r.c.doJSON(ctx, call{route: routeKeptSnapshots, query: q}, &out)
+		return out.Snapshots, deref(out.NextCursor), err
+	})
+}
+
+// KeptSnapshot returns a kept snapshot by id or name (ErrNotFound for another tenant's).
+func (r *RuntimeService) KeptSnapshot(ctx context.Context, snapshot string) (*KeptSnapshot, error) {
+	var out KeptSnapshot
+	return &out, r.c.doJSON(ctx, call{route: routeKeptSnapshot, params: []string{snapshot}}, &out)
+}
+
+// DeleteKeptSnapshot lets a kept snapshot go (by id or name); the VMs started from it run on.
+func (r *RuntimeService) DeleteKeptSnapshot(ctx context.Context, snapshot string) (*KeptSnapshot, error) {
+	var out KeptSnapshot
+	return &out, r.c.doJSON(ctx, call{route: routeDeleteKept, params: []string{snapshot}}, &out)
+}
+
+// StartFromSnapshot makes count new VMs from a kept snapshot (its memory, disk and
+// processes, each VM its own identity), answered as a fork is.
+func (r *RuntimeService) StartFromSnapshot(ctx context.Context, snapshot string, count int) (*ForkResult, error) {
+	body := struct {
+		Count int `json:"count"`
+	}{count}
+	var out ForkResult
+	return &out, r.c.doJSON(ctx, call{route: routeStartFromKept, params: []string{snapshot}, json: body}, &out)
+}
