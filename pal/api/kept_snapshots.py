@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pal.errors import InvalidRequest
 from pal.scheduler.kept import NAME, KeptSnapshots
+from pal.spec import Metadata
 from pal.store.kept import KeptSnapshot
 
 from . import pagination as pages
@@ -36,6 +37,11 @@ class KeepSnapshot(_In):
 
 class StartFromSnapshot(_In):
     count: int = Field(1, description="number of VMs, 1..PAL_MAX_FORK_COUNT")
+    metadata: Metadata | None = Field(
+        None,
+        description="each new VM's tags, as a schedule's (the same rules), instead of the source's;"
+        " absent: the source's tags",
+    )
 
 
 class KeptSnapshotOut(_Out):
@@ -139,4 +145,4 @@ async def delete_kept_snapshot(tenant: Tenant, kept: KeptOf, snapshot: str) -> K
     **_JSON,
 )
 async def start_from_snapshot(tenant: Tenant, kept: KeptOf, snapshot: str, req: StartFromSnapshot) -> ForkOut:
-    return ForkOut.model_validate(await kept.start(tenant, snapshot, req.count))
+    return ForkOut.model_validate(await kept.start(tenant, snapshot, req.count, req.metadata))

@@ -77,6 +77,14 @@ def _untoken(token: str) -> tuple[str, str]:
         raise InvalidRequest("nextToken is not one this server gave") from None
 
 
+def _tags(spec: ops.CreateSandbox, template: str) -> dict[str, str]:
+    """A created sandbox's metadata: the create's own (E2B's reserved keys dropped from it)
+    and the surface's reserved keys (conventions.py): its template, whether it is open."""
+    reserved = {conv.TEMPLATE_KEY: template} | ({} if spec.secure else {conv.OPEN_KEY: "true"})
+    user_meta = {k: v for k, v in spec.metadata.items() if not k.startswith(conv.RESERVED_PREFIX)}
+    return {**user_meta, **reserved}
+
+
 @dataclass(frozen=True)
 class PalSandboxes:
     """The operations the REST API calls, bound to the scheduler's (built once, in
@@ -147,14 +155,12 @@ class PalSandboxes:
         if (started := await self._from_snapshot(tenant, spec)) is not None:
             return started
         image = await self._image(tenant, spec.template)
-        reserved = {conv.TEMPLATE_KEY: spec.template} | ({} if spec.secure else {conv.OPEN_KEY: "true"})
-        user_meta = {k: v for k, v in spec.metadata.items() if not k.startswith(conv.RESERVED_PREFIX)}
         try:
             agent = AgentSpec.model_validate(
                 {
                     "image": image,
                     "limits": TEMPLATE_LIMITS.get(image, {}),
-                    "metadata": {**user_meta, **reserved},
+                    "metadata": _tags(spec, spec.template),
                     "secrets": dict(spec.env_vars),
                     "lifetimeSecs": min(max(spec.timeout_s, 1), MAX_LIFETIME_SECS),
                     "onLifetimeEnd": "pause" if spec.auto_pause else "delete",
@@ -231,12 +237,13 @@ class PalSandboxes:
         await self._own(tenant, sandbox_id)
         await self.deleting.delete(tenant, sandbox_id)
 
-    async def _end_in(self, tenant: str, vm: VmRecord, timeout_s: int) -> VmRecord:
+    async def _end_in(self, tenant: str, vm: VmRecord, timeout_s: int, on_end: str | None = None) -> VmRecord:
+        """The sandbox's lifetime ends ``timeout_s`` from now (and then ``on_end``: pause or
+        delete; None: as it was)."""
         since = (self.now() - vm.created_at).total_seconds()
         secs = min(math.ceil(since) + max(timeout_s, 1), MAX_LIFETIME_SECS)
-        return await self.lifetimes.set_lifetime(
-            tenant, vm.vm_id, LifetimeUpdate.model_validate({"lifetimeSecs": secs})
-        )
+        update = {"lifetimeSecs": secs} | ({} if on_end is None else {"onLifetimeEnd": on_end})
+        return await self.lifetimes.set_lifetime(tenant, vm.vm_id, LifetimeUpdate.model_validate(update))
 
     async def set_timeout(self, tenant: str, sandbox_id: str, timeout_s: int) -> None:
         await self._end_in(tenant, await self._own(tenant, sandbox_id), timeout_s)
@@ -347,18 +354,22 @@ class PalSandboxes:
     async def _from_snapshot(self, tenant: str, spec: ops.CreateSandbox) -> ops.Sandbox | None:
         """A create whose template is one of the tenant's kept snapshots (by id or name):
         a sandbox started from it (Pal's start from a snapshot: the captured memory, disk
-        and processes, the source's metadata, envs and security), with the create's
-        timeout. None: the template is no snapshot of the tenant's."""
+        and processes, the source's envs, network and template), with the create's
+        metadata (E2B's reserved keys: the source's template, the create's ``secure``),
+        ``timeout`` and ``autoPause``. None: the template is no snapshot of the tenant's."""
         try:
             found = self.kept.get(tenant, spec.template)
         except NotFound:
             return None
-        result = await self.kept.start(tenant, found.snapshot_id)
+        source = await self.reads.get(tenant, found.source_vm_id)
+        template = source.metadata.get(conv.TEMPLATE_KEY, source.image)
+        tags = _tags(spec, template)
+        result = await self.kept.start(tenant, found.snapshot_id, metadata=tags)
         child = result.forks[0]
         if child.error:
             raise PalError(f"starting from snapshot {found.snapshot_id} failed: {child.error}")
         vm = await self.reads.get(tenant, child.vm_id)
-        vm = await self._end_in(tenant, vm, spec.timeout_s)
+        vm = await self._end_in(tenant, vm, spec.timeout_s, "pause" if spec.auto_pause else "delete")
         return self.view(vm)
 
     async def templates(self, tenant: str) -> list[ops.Template]:

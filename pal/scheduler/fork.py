@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
+from pal.spec import check_metadata
 from pal.store import VmRecord, utcnow
 from pal.store import volumes as volume_rows
 from pal.store.kept import KeptSnapshot
@@ -47,8 +49,11 @@ def fork_mem_mode(vm: VmRecord, copies: int) -> Literal["private", "shared"]:
     return "private"
 
 
-def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
-    """A fork child's row: the source's settings, its own identity."""
+def child_row(
+    src: VmRecord, snap_id: str, now_ms: int, metadata: Mapping[str, str] | None = None
+) -> VmRecord:
+    """A fork child's row: the source's settings, its own identity; ``metadata`` (checked
+    by the caller: pal/spec.py ``check_metadata``) instead of the source's tags when given."""
     now = utcnow()
     return VmRecord(
         vm_id=new_vm_id(),
@@ -70,10 +75,19 @@ def child_row(src: VmRecord, snap_id: str, now_ms: int) -> VmRecord:
         placement=src.placement,
         wait_pause=src.wait_pause,
         idle_live_pause_secs=src.idle_live_pause_secs,
-        metadata=dict(src.metadata),  # the source's tags (its id: parent_vm_id, shown as forkedFrom)
+        # the source's tags unless others are given (its id: parent_vm_id, shown as forkedFrom)
+        metadata=dict(src.metadata if metadata is None else metadata),
         lifetime_ends_at=inherited_end(src, now),
         on_lifetime_end=src.on_lifetime_end,
     )
+
+
+def _checked_tags(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The schedule's rule for tags (pal/spec.py ``check_metadata``), as a 400."""
+    try:
+        return check_metadata(dict(metadata))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -150,9 +164,17 @@ class Forking:
         if count < 1 or count > limit:
             raise InvalidRequest(f"count must be between 1 and {limit} (PAL_MAX_FORK_COUNT), got {count}")
 
-    async def start_from(self, tenant_id: str, kept: KeptSnapshot, count: int = 1) -> ForkResult:
+    async def start_from(
+        self,
+        tenant_id: str,
+        kept: KeptSnapshot,
+        count: int = 1,
+        metadata: Mapping[str, str] | None = None,
+    ) -> ForkResult:
         """``count`` new VMs from a kept snapshot (pal/scheduler/kept.py): fork children of
-        the VM it was taken of, which may be running, paused or gone (its row stays).
+        the VM it was taken of, which may be running, paused or gone (its row stays); each
+        tagged ``metadata`` when given (it replaces the source's tags; 400 when it breaks
+        the tags' rule), else with the source's tags.
 
         Prerequisites: the tenant's kept snapshot (the caller looked it up: 404 else);
         1 <= count <= PAL_MAX_FORK_COUNT. Placed on the snapshot's node while it has room,
@@ -162,13 +184,14 @@ class Forking:
         is taken: the snapshot's files never change). Failure: the child failed, its error
         set (a snapshot deleted meanwhile, a node that cannot restore it)."""
         self._check_count(count)
+        tags = None if metadata is None else _checked_tags(metadata)
         d = self.d
         src = d.store.get_vm(kept.source_vm_id)
         if src is None or src.tenant_id != tenant_id:
             raise NotFound(f"snapshot {kept.snapshot_id} not found")
         # Where the snapshot is, and of which build: the source may have moved since.
         src = dataclasses.replace(src, node_id=kept.node_id, agent_version_id=kept.agent_version_id)
-        children = [child_row(src, kept.snapshot_id, d.now_ms()) for _ in range(count)]
+        children = [child_row(src, kept.snapshot_id, d.now_ms(), tags) for _ in range(count)]
         only = None if d.settings.s3_enabled else kept.node_id
         async with self.spawner.placing:
             reasons = self.spawner.place_children(src, children, only=only)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -141,9 +142,13 @@ class KeptSnapshots:
             ]
         return kept_rows.page(self.d.store, tenant_id, source_vm_id=vm_id, after=after, limit=limit)
 
-    async def start(self, tenant_id: str, id_or_name: str, count: int = 1) -> ForkResult:
-        """``count`` new VMs from the tenant's kept snapshot (fork.py ``start_from``)."""
-        return await self.forking.start_from(tenant_id, self.get(tenant_id, id_or_name), count)
+    async def start(
+        self, tenant_id: str, id_or_name: str, count: int = 1, metadata: Mapping[str, str] | None = None
+    ) -> ForkResult:
+        """``count`` new VMs from the tenant's kept snapshot (fork.py ``start_from``), tagged
+        ``metadata`` instead of the source's tags when given."""
+        found = self.get(tenant_id, id_or_name)
+        return await self.forking.start_from(tenant_id, found, count, metadata)
 
     async def delete(self, tenant_id: str, id_or_name: str) -> KeptSnapshot:
         """Let the tenant's kept snapshot go (404: none of that id or name). Its files go

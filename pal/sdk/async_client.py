@@ -239,8 +239,11 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
     async def delete_kept_snapshot(self, snapshot: str) -> dict[str, Any]:
         return dict(await self._json("DELETE", f"/snapshots/{_wire.seg(snapshot)}"))
 
-    async def start_from_snapshot(self, snapshot: str, count: int = 1) -> dict[str, Any]:
-        body = {"count": count}
+    async def start_from_snapshot(
+        self, snapshot: str, count: int = 1, *, metadata: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """See :meth:`pal.sdk.client.Runtime.start_from_snapshot`."""
+        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata)
         return dict(await self._json("POST", f"/snapshots/{_wire.seg(snapshot)}/start", json=body))
 
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:

@@ -299,3 +299,31 @@ func TestPortLinksAreSignedAndRevoked(t *testing.T) {
 		t.Fatalf("%q", calls)
 	}
 }
+
+func TestStartFromSnapshotSendsTagsOnlyWhenGiven(t *testing.T) {
+	var bodies []string
+	c := fakeServer(t, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		bodies = append(bodies, r.Method+" "+r.URL.EscapedPath()+" "+string(b))
+		fmt.Fprint(w, `{"sourceVmId":"vm-s","snapshotId":"snap-1","forks":[{"vmId":"vm-c","state":"running"}]}`)
+	})
+	ctx := context.Background()
+	res, err := c.Runtime.StartFromSnapshot(ctx, "golden", 1)
+	if err != nil || len(res.Forks) != 1 || res.Forks[0].VMID != "vm-c" {
+		t.Fatalf("%v %+v", err, res)
+	}
+	if _, err := c.Runtime.StartFromSnapshotTagged(ctx, "golden", 2, map[string]string{"run": "7"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Runtime.StartFromSnapshotTagged(ctx, "golden", 1, nil); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		`POST /v1/runtime/snapshots/golden/start {"count":1}`,
+		`POST /v1/runtime/snapshots/golden/start {"count":2,"metadata":{"run":"7"}}`,
+		`POST /v1/runtime/snapshots/golden/start {"count":1,"metadata":{}}`,
+	}
+	if fmt.Sprint(bodies) != fmt.Sprint(want) {
+		t.Fatalf("%q", bodies)
+	}
+}

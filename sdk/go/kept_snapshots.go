@@ -60,11 +60,26 @@ func (r *RuntimeService) DeleteKeptSnapshot(ctx context.Context, snapshot string
 }
 
 // StartFromSnapshot makes count new VMs from a kept snapshot (its memory, disk and
-// processes, each VM its own identity), answered as a fork is.
+// processes, each VM its own identity), answered as a fork is. Each has the source's
+// tags; StartFromSnapshotTagged gives them others.
 func (r *RuntimeService) StartFromSnapshot(ctx context.Context, snapshot string, count int) (*ForkResult, error) {
+	return r.startFromSnapshot(ctx, snapshot, count, nil)
+}
+
+// StartFromSnapshotTagged is StartFromSnapshot with each new VM tagged metadata (a
+// schedule's tags, the same rules; an empty map: none) instead of the source's tags.
+func (r *RuntimeService) StartFromSnapshotTagged(ctx context.Context, snapshot string, count int, metadata map[string]string) (*ForkResult, error) {
+	if metadata == nil {
+		metadata = map[string]string{}
+	}
+	return r.startFromSnapshot(ctx, snapshot, count, &metadata)
+}
+
+func (r *RuntimeService) startFromSnapshot(ctx context.Context, snapshot string, count int, metadata *map[string]string) (*ForkResult, error) {
 	body := struct {
-		Count int `json:"count"`
-	}{count}
+		Count    int                `json:"count"`
+		Metadata *map[string]string `json:"metadata,omitempty"`
+	}{count, metadata}
 	var out ForkResult
 	return &out, r.c.doJSON(ctx, call{route: routeStartFromKept, params: []string{snapshot}, json: body}, &out)
 }

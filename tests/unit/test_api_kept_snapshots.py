@@ -69,3 +69,20 @@ async def test_keep_list_start_and_delete(env: ApiEnv, client: httpx.AsyncClient
     assert (await client.get("/v1/runtime/snapshots/golden")).status_code == 404
     gone = await client.post(f"/v1/runtime/snapshots/{kept['snapshotId']}/start", json={"count": 1})
     assert gone.status_code == 404
+
+
+async def test_a_start_tags_its_vms_as_a_schedule_would(client: httpx.AsyncClient) -> None:
+    vm = (await client.post("/v1/runtime/schedule", json={"metadata": {"team": "a"}})).json()["vmId"]
+    await client.post(f"/v1/runtime/vms/{vm}/snapshots", json={"name": "tagged"})
+    assert (await client.delete(f"/v1/runtime/vms/{vm}")).status_code == 200  # two VMs at most
+    started = await client.post("/v1/runtime/snapshots/tagged/start", json={"metadata": {"run": "9"}})
+    assert started.status_code == 200, started.text
+    [child] = started.json()["forks"]
+    assert (await client.get(f"/v1/runtime/vms/{child['vmId']}")).json()["metadata"] == {"run": "9"}
+    plain = (await client.post("/v1/runtime/snapshots/tagged/start", json={})).json()["forks"][0]["vmId"]
+    assert (await client.get(f"/v1/runtime/vms/{plain}")).json()["metadata"] == {"team": "a"}
+    listed = (await client.get("/v1/runtime/vms", params={"metadata.run": "9"})).json()["vms"]
+    assert [v["vmId"] for v in listed] == [child["vmId"]]
+    for bad in ({"a b": "1"}, {"k": 1}, ["k"]):
+        res = await client.post("/v1/runtime/snapshots/tagged/start", json={"metadata": bad})
+        assert res.status_code == 400 and res.json()["error"]["code"] == "INVALID_ARGUMENT", res.text

@@ -2327,6 +2327,13 @@ export interface components {
              * @default 1
              */
             count?: number;
+            /**
+             * Metadata
+             * @description each new VM's tags, as a schedule's (the same rules), instead of the source's; absent: the source's tags
+             */
+            metadata?: {
+                [key: string]: string;
+            } | null;
         };
         /** StdinWritten */
         StdinWritten: {
