@@ -22,6 +22,7 @@ from .settings import say, server_settings
 from .snapshots import snapshots_app
 from .vm import files_app, vm_app
 from .vm_processes import vm_app as _processes  # noqa: F401  (registers shell, ps, attach, kill)
+from .vm_snapshots import vm_app as _kept  # noqa: F401  (registers snapshot, snapshots, snapshot-rm, start-snapshot)
 from .volume_files import volumes_app  # the volumes' commands and their files'
 
 cli_help.install()

@@ -40,6 +40,7 @@ vm_app = typer.Typer(
         "pal vm exec $VM --stream -- python3 train.py",
         "pal vm pause $VM; pal vm resume $VM",
         "pal vm fork $VM -n 3",
+        "pal vm snapshot $VM --name golden; pal vm start-snapshot golden -n 2",
         "pal vm ls --table --meta run=42",
         "pal vm extend $VM 3600",
         "pal vm rm $VM",

@@ -12,7 +12,7 @@ from pal import sizes
 from pal.ids import ID_PATTERN
 from pal.volume_spec import MAX_VOLUME_MOUNTS
 
-from . import code_tool, volume_tools
+from . import code_tool, snapshot_tools, volume_tools
 from .shaping import DEFAULT_OUTPUT_BYTES, MAX_OUTPUT_BYTES
 
 DEFAULT_YIELD_MS = 10_000  # how long run_command waits before it hands back a running process
@@ -352,6 +352,6 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
 
 TOOLS: list[types.Tool] = [
     types.Tool(name=name, description=desc, input_schema=schema, annotations=notes)
-    for name, desc, schema, notes in [*_TOOLS, *volume_tools.TOOLS]
+    for name, desc, schema, notes in [*_TOOLS, *snapshot_tools.TOOLS, *volume_tools.TOOLS]
 ]
 SCHEMAS: dict[str, dict[str, Any]] = {t.name: t.input_schema for t in TOOLS}

@@ -26,7 +26,9 @@ INSTRUCTIONS = (
     "Pal sandboxes are Linux microVMs for running code. Create one with create_sandbox, run "
     "commands with run_command (long ones keep running: follow them with read_process_output), "
     "move files with read_file/write_file, and delete_sandbox when done. pause_sandbox and "
-    "resume_sandbox keep memory and processes; fork_sandbox copies a sandbox's whole state."
+    "resume_sandbox keep memory and processes; fork_sandbox copies a sandbox's whole state; "
+    "snapshot_sandbox keeps that state by a name, and start_from_snapshot starts new sandboxes "
+    "from it later."
 )
 
 

@@ -15,7 +15,7 @@ import mcp_types as types
 
 from pal.sdk import AsyncClient
 
-from . import code_tool, volume_tools
+from . import code_tool, snapshot_tools, volume_tools
 from .catalog import DEFAULT_READ_WAIT_MS, DEFAULT_YIELD_MS
 from .shaping import (
     DEFAULT_OUTPUT_BYTES,
@@ -253,3 +253,14 @@ def _on_no_vm(fn: Callable[[AsyncClient, dict[str, Any]], Awaitable[types.CallTo
 
 
 HANDLERS.update({name: _on_no_vm(fn) for name, fn in volume_tools.HANDLERS.items()})
+
+
+def _audited(fn: Callable[[AsyncClient, dict[str, Any]], Awaitable[snapshot_tools.Result]]) -> Handler:
+    async def call(c: AsyncClient, a: dict[str, Any]) -> Outcome:
+        result, vms = await fn(c, a)
+        return Outcome(result, vms)
+
+    return call
+
+
+HANDLERS.update({name: _audited(fn) for name, fn in snapshot_tools.HANDLERS.items()})

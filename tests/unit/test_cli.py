@@ -385,3 +385,37 @@ def test_every_command_has_help() -> None:
         for param in cmd.params:  # type: ignore[attr-defined]
             if param.name != "help" and hasattr(param, "help"):
                 assert (param.help or "").strip(), f"`pal {name}`: {param.name} has no help"
+
+
+def test_kept_snapshot_commands(live: tuple[ApiEnv, dict[str, str]]) -> None:
+    _, envs = live
+    vm_id = runner.invoke(app, ["vm", "schedule", "--meta", "team=a", "-q"], env=envs).stdout.strip()
+    kept = _ok(["vm", "snapshot", vm_id, "--name", "golden"], envs)
+    assert isinstance(kept, dict) and kept["name"] == "golden" and kept["sourceVmId"] == vm_id
+    plain = runner.invoke(app, ["vm", "snapshot", vm_id, "-q"], env=envs).stdout.strip()
+    assert plain.startswith("snap-") and plain != kept["snapshotId"]
+    listed = _ok(["vm", "snapshots", "--vm", vm_id], envs)
+    assert [k["snapshotId"] for k in listed] == [kept["snapshotId"], plain]  # type: ignore[union-attr]
+    assert runner.invoke(app, ["vm", "snapshots", "--name", "golden", "-q"], env=envs).stdout.split() == [
+        kept["snapshotId"]
+    ]
+    table = runner.invoke(app, ["vm", "snapshots", "--table"], env=envs, terminal_width=40).stdout
+    assert table.splitlines()[0].split() == ["snapshotId", "name", "sourceVmId", "createdAt"]
+    _ok(["vm", "rm", vm_id], envs)
+
+    started = _ok(["vm", "start-snapshot", "golden", "--meta", "run=1"], envs)
+    [child] = started["forks"]  # type: ignore[index]
+    assert child["state"] == "running" and started["snapshotId"] == kept["snapshotId"]  # type: ignore[index]
+    assert _ok(["vm", "get", child["vmId"]], envs)["metadata"] == {"run": "1"}  # type: ignore[index]
+    quiet = runner.invoke(app, ["vm", "start-snapshot", plain, "-n", "2", "-q"], env=envs)
+    ids = quiet.stdout.split()
+    assert quiet.exit_code == 0 and len(ids) == 2 and all(i.startswith("vm-") for i in ids)
+    assert _ok(["vm", "get", ids[0]], envs)["metadata"] == {"team": "a"}  # type: ignore[index]
+    res = runner.invoke(app, ["vm", "start-snapshot", "golden", "--meta", "nope"], env=envs)
+    assert res.exit_code != 0 and "--meta" in res.output
+
+    assert _ok(["vm", "snapshot-rm", "golden"], envs) == kept
+    res = runner.invoke(app, ["vm", "start-snapshot", "golden"], env=envs)
+    assert res.exit_code == 1 and res.stderr == "pal: error: snapshot golden not found (NOT_FOUND)\n"
+    res = runner.invoke(app, ["vm", "snapshot", "vm-nope"], env=envs)
+    assert res.exit_code == 1 and "NOT_FOUND" in res.stderr

@@ -325,3 +325,43 @@ async def test_the_audit_log_is_a_ring_per_vm_and_its_route_is_rate_limited(env:
     assert len(audit) == 10, "the ring keeps the newest 10"
     assert [e for e in events if e["kind"] != "mcp_tool"], "status events are not the ring's"
     assert audit == sorted(audit, key=lambda e: e["at"])
+
+
+async def test_kept_snapshots_as_tools(env: ApiEnv) -> None:
+    with serve(env.app) as url:
+        http, client = _connect(url, env.key_a)
+        async with http, client as c:
+            made = await c.call_tool("create_sandbox", {"metadata": {"team": "a"}})
+            vm = made.structured_content["vmId"]
+            took = await c.call_tool("snapshot_sandbox", {"vmId": vm, "name": "prepared"})
+            assert not took.is_error, took.content
+            snap = took.structured_content
+            assert (
+                snap["name"] == "prepared"
+                and snap["sourceVmId"] == vm
+                and snap["snapshotId"] in took.content[0].text
+            )
+            bad = await c.call_tool("snapshot_sandbox", {"vmId": vm, "name": "no spaces"})
+            assert bad.is_error and "name" in bad.content[0].text
+            listed = await c.call_tool("list_snapshots", {"vmId": vm})
+            assert listed.structured_content == {"snapshots": [snap]}
+            assert (await c.call_tool("delete_sandbox", {"vmId": vm})).is_error is False
+
+            started = await c.call_tool(
+                "start_from_snapshot", {"snapshot": "prepared", "metadata": {"run": "2"}}
+            )
+            assert not started.is_error, started.content
+            [kid] = [f["vmId"] for f in started.structured_content["forks"]]
+            assert kid in started.content[0].text
+            got = await c.call_tool("get_sandbox", {"vmId": kid})
+            assert got.structured_content["metadata"] == {"run": "2"}
+            assert (await c.call_tool("delete_snapshot", {"snapshot": "prepared"})).structured_content == snap
+            gone = await c.call_tool("start_from_snapshot", {"snapshot": "prepared"})
+            assert gone.is_error and "not found" in gone.content[0].text
+            assert (await c.call_tool("list_snapshots", {})).structured_content == {"snapshots": []}
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=60
+        ) as api:
+            for one, tool in ((vm, "snapshot_sandbox"), (kid, "start_from_snapshot")):
+                events = (await api.get(f"/v1/runtime/vms/{one}/events")).json()["events"]
+                assert tool in [e["details"]["tool"] for e in events if e["kind"] == "mcp_tool"]
