@@ -6,7 +6,7 @@ most two at once."""
 from __future__ import annotations
 
 import pytest
-from e2b import Sandbox, SandboxException
+from e2b import Sandbox, SandboxException, SandboxQuery
 
 from tests.e2b.conftest import RealE2b, e2b_environ
 
@@ -59,11 +59,18 @@ def test_a_named_snapshot_outlives_its_sandbox_and_starts_sandboxes(real_e2b: Re
         with pytest.raises(SandboxException, match="404"):
             Sandbox.create(named.snapshot_id, api_key=real_e2b.other_key)
 
-        first = Sandbox.create(named.snapshot_id, timeout=600)
+        first = Sandbox.create(named.snapshot_id, timeout=600, metadata={"run": "first"})
         try:
             second = Sandbox.create("real-snapshots-1", timeout=600)
             try:
                 assert len({first.sandbox_id, second.sandbox_id, src.sandbox_id}) == 3
+                # The create's metadata, not the source's (E2B's sandboxes of a template).
+                assert first.get_info().metadata == {"run": "first"}
+                assert second.get_info().metadata == {}
+                found = Sandbox.list(query=SandboxQuery(metadata={"run": "first"})).next_items()
+                assert [s.sandbox_id for s in found] == [first.sandbox_id]
+                sources = SandboxQuery(metadata={"suite": "real-snapshots"})
+                assert Sandbox.list(query=sources).next_items() == [], "no source tags rode along"
                 for sbx in (first, second):
                     _sees_the_capture(sbx, drawn, writer.pid)
                 first.files.write("kept.txt", "changed in the first")
