@@ -361,7 +361,10 @@ class PalSandboxes:
             found = self.kept.get(tenant, spec.template)
         except NotFound:
             return None
-        source = await self.reads.get(tenant, found.source_vm_id)
+        try:
+            source = await self.reads.get(tenant, found.source_vm_id)
+        except NotFound:
+            raise NotFound(f"snapshot {spec.template} not found") from None  # as start_from says
         template = source.metadata.get(conv.TEMPLATE_KEY, source.image)
         tags = _tags(spec, template)
         result = await self.kept.start(tenant, found.snapshot_id, metadata=tags)
