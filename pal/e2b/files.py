@@ -166,9 +166,9 @@ class PalFiles:
         return found[0]
 
     async def _with_metadata(self, caller: ops.Caller, entries: list[ops.Entry]) -> list[ops.Entry]:
-        """The entries with their files' metadata (regular files only: E2B's is set by an
-        upload), a guest request a thousand."""
-        files = [e for e in entries if e.type == ops.FileType.FILE]
+        """The entries with their metadata (any ``user.e2b.*`` xattr, an upload's or set
+        otherwise; a symlink has none), a guest request a thousand."""
+        files = [e for e in entries if e.type != ops.FileType.SYMLINK]
         root = conv.pal_user(caller.user) == conv.ROOT
         found: dict[str, dict[str, str]] = {}
         for at in range(0, len(files), METADATA_BATCH):
