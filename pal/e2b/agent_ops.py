@@ -2,9 +2,10 @@
 (:class:`ops.InterpreterOps`) over the scheduler's reads and Pal's code contexts (one
 Jupyter kernel a context, docs/agents.md), each a guest verb through :class:`GuestCalls`.
 
-What differs from E2B's interpreter: languages are Python and bash (Pal's kernels); a
-cell's ``envs`` are not applied (Pal sets a context's environment when it is made);
-restarting a context is not served (remove it and make another).
+A cell's ``envs`` are set in its kernel for that cell only and put back after it, as
+E2B's interpreter does (pal/guest/kerneldriver.py); a restart starts a fresh kernel under
+the context's id. What differs from E2B's interpreter: languages are Python and bash (Pal's
+kernels).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from pal.errors import InvalidRequest, PalError
+from pydantic import ValidationError
+
+from pal.errors import InvalidRequest
 from pal.scheduler.guest import GuestCalls
 from pal.scheduler.reads import Reads
 from pal.wire import verbs
@@ -76,12 +79,18 @@ class PalInterpreter:
         context_id: str | None,
         envs: Mapping[str, str],
     ) -> AsyncIterator[ops.CellEvent]:
-        body: dict[str, object] = {"vmId": caller.sandbox_id, "code": code}
+        body: dict[str, object] = {"vmId": caller.sandbox_id, "code": code, "env": dict(envs)}
         if context_id is not None:
             body["contextId"] = context_id
         else:
             body["language"] = _language(language)
-        req = CodeRun.model_validate(body)
+        try:
+            req = CodeRun.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidRequest(
+                f"{'.'.join(str(p) for p in first.get('loc', ()))}: {first.get('msg')}"
+            ) from None
 
         async def events() -> AsyncIterator[ops.CellEvent]:
             async for ev in self.guest.stream(caller.tenant, verbs.RUN_CODE, req):
@@ -119,4 +128,5 @@ class PalInterpreter:
         await self.guest.call(caller.tenant, verbs.DELETE_CONTEXT, ref)
 
     async def restart_context(self, caller: ops.Caller, context_id: str) -> None:
-        raise PalError("restarting a context is not served by Pal: remove it and create another", status=501)
+        ref = ContextRef(vm_id=caller.sandbox_id, context_id=context_id)
+        await self.guest.call(caller.tenant, verbs.RESTART_CONTEXT, ref)

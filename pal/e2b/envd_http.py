@@ -9,7 +9,6 @@ inflating body is refused with 413 without being buffered.
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive
 
 from pal.errors import InvalidRequest, PalError, TooLarge, Unauthorized
+from pal.guest.xattrs import check_metadata
 
 from . import ops
 from .access import check_signature, check_user
@@ -35,10 +35,6 @@ GZIP_SAMPLE = 16 * 1024  # the first bytes of a download that decide whether gzi
 GZIP_WORTH = 0.9  # gzip pays when the sample shrinks to this share of its size or less
 MAX_FILES_PER_UPLOAD = 1000
 METADATA_PREFIX = "x-metadata-"
-MAX_METADATA_KEY = 246  # the xattr name limit less `user.e2b.`
-MAX_METADATA_TOTAL = 4096  # keys, values and the prefix of each, per file
-_XATTR_PREFIX = "user.e2b."
-_PRINTABLE = re.compile(r"\A[\x20-\x7e]*\Z")
 
 
 @dataclass(frozen=True)
@@ -59,19 +55,16 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
 
 def metadata_from_headers(headers: Any) -> dict[str, str]:
     """``X-Metadata-<key>: <value>`` request headers as the files' metadata (the key
-    lowercased, the first of repeated headers); 400 beyond envd's bounds."""
+    lowercased, the first of repeated headers); 400 beyond envd's bounds (xattrs.py's
+    check, the guest's own), before the body is read."""
     out: dict[str, str] = {}
     for raw_key, raw_value in headers.raw:
         name = raw_key.decode("latin-1").lower()
-        if not name.startswith(METADATA_PREFIX):
-            continue
-        key, value = name[len(METADATA_PREFIX) :], raw_value.decode("latin-1")
-        if not key or len(key.encode()) > MAX_METADATA_KEY or not _PRINTABLE.match(value):
-            raise InvalidRequest(f"metadata {key!r}: keys of 1..{MAX_METADATA_KEY} bytes, printable values")
-        out.setdefault(key, value)
-    total = sum(len(_XATTR_PREFIX) + len(k) + len(v) for k, v in out.items())
-    if total > MAX_METADATA_TOTAL:
-        raise InvalidRequest(f"metadata of {total} bytes: at most {MAX_METADATA_TOTAL} per file")
+        if name.startswith(METADATA_PREFIX):
+            out.setdefault(name[len(METADATA_PREFIX) :], raw_value.decode("latin-1"))
+    why = check_metadata(out)
+    if why is not None:
+        raise InvalidRequest(why)
     return out
 
 

@@ -15,13 +15,19 @@ the guest's coreutils, run as that user through the scheduler's :class:`GuestCal
   dropped end a ``WatchDir`` stream (after the events it had) and fail that poll, with
   how many: never a silent gap.
 
-What differs from envd: file metadata (``X-Metadata-*``) is not kept.
+- file metadata (``X-Metadata-*``): ``user.e2b.*`` xattrs in the guest (pal/guest/xattrs.py),
+  replaced with each upload (in the same guest request as the file for the one-request
+  path; one more after a ``cat``), read for Stat, ListDir and Move's entries in one guest
+  request a thousand entries. A file system without user xattrs (the guest's ``/tmp``, a
+  tmpfs of its 6.1 kernel) refuses metadata with 400; an upload without any there works.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
+import json
 import posixpath
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ from pal.errors import Conflict, Forbidden, InvalidRequest, NotFound, PalError, 
 from pal.guest.protocol import MAX_FILE_BYTES
 from pal.scheduler.guest import GuestCalls
 from pal.wire import verbs
+from pal.wire.file_metadata import FileMetadataOf, FileMetadataSet
 from pal.wire.models import ExecCall, FileRef, FileWrite, WatchEvents, WatchNew, WatchRead, WatchRef
 from pal.wire.processes import MAX_STDIN_BYTES, AttachFrom, ProcessEvent, ProcessStart, StdinWrite
 
@@ -44,6 +51,7 @@ WATCH_WAIT_MS = 5000  # a WatchDir stream's long poll of its guest watch
 MAX_WATCHERS_PER_SANDBOX = 16  # the guest's bound (pal/guest/watches.py)
 MAX_WATCH_EVENTS = 4096  # held by a guest watch between two reads
 MAX_WATCHERS = 4096  # polling watchers whose entries this server remembers
+METADATA_BATCH = 1000  # entries whose metadata one guest request reads (xattrs.MAX_PATHS)
 EVENT_TYPES = {
     "create": ops.FsEventType.CREATE,
     "write": ops.FsEventType.WRITE,
@@ -157,19 +165,35 @@ class PalFiles:
             raise NotFound(f"path '{path}' does not exist")
         return found[0]
 
+    async def _with_metadata(self, caller: ops.Caller, entries: list[ops.Entry]) -> list[ops.Entry]:
+        """The entries with their metadata (any ``user.e2b.*`` xattr, an upload's or set
+        otherwise; a symlink has none), a guest request a thousand."""
+        files = [e for e in entries if e.type != ops.FileType.SYMLINK]
+        root = conv.pal_user(caller.user) == conv.ROOT
+        found: dict[str, dict[str, str]] = {}
+        for at in range(0, len(files), METADATA_BATCH):
+            paths = [e.path for e in files[at : at + METADATA_BATCH]]
+            req = FileMetadataOf(vm_id=caller.sandbox_id, paths=paths, root=root)
+            got = await self.guest.call(caller.tenant, verbs.FILE_METADATA, req)
+            found.update((p, m) for p, m in zip(paths, got.metadata, strict=False) if m)
+        return [dataclasses.replace(e, metadata=found[e.path]) if e.path in found else e for e in entries]
+
+    async def _one_with_metadata(self, caller: ops.Caller, op: str, path: str, *args: str) -> ops.Entry:
+        return (await self._with_metadata(caller, [await self._one(caller, op, path, *args)]))[0]
+
     async def stat(self, caller: ops.Caller, path: str) -> ops.Entry:
-        return await self._one(caller, "stat", conv.absolute(caller.user, path))
+        return await self._one_with_metadata(caller, "stat", conv.absolute(caller.user, path))
 
     async def list_dir(self, caller: ops.Caller, path: str, depth: int) -> list[ops.Entry]:
         out = await self._run(caller, "list", conv.absolute(caller.user, path), str(max(depth, 1)))
-        return sorted(parse_entries(out), key=lambda e: e.path)
+        return await self._with_metadata(caller, sorted(parse_entries(out), key=lambda e: e.path))
 
     async def make_dir(self, caller: ops.Caller, path: str) -> ops.Entry:
         return await self._one(caller, "mkdir", conv.absolute(caller.user, path))
 
     async def move(self, caller: ops.Caller, source: str, destination: str) -> ops.Entry:
         src, dst = conv.absolute(caller.user, source), conv.absolute(caller.user, destination)
-        return await self._one(caller, "move", src, dst)
+        return await self._one_with_metadata(caller, "move", src, dst)
 
     async def remove(self, caller: ops.Caller, path: str) -> None:
         await self._run(caller, "remove", conv.absolute(caller.user, path))
@@ -329,9 +353,10 @@ class PalFiles:
                     break
             else:
                 with contextlib.suppress(PalError):
-                    req = FileWrite(vm_id=caller.sandbox_id, path=rel, data=bytes(head))
+                    meta = json.dumps(dict(metadata))  # replaces the file's: "{}" clears it
+                    req = FileWrite(vm_id=caller.sandbox_id, path=rel, data=bytes(head), metadata=meta)
                     await self.guest.call(caller.tenant, verbs.WRITE_FILE, req)
-                    return _written(full, len(head))
+                    return _written(full, len(head), metadata)
         pid = await self._start(caller, "write", full, stdin=True)
         pending = head
         async for chunk in chunks:
@@ -359,7 +384,17 @@ class PalFiles:
         found = parse_entries(out.decode(errors="replace"))
         if not found:
             raise PalError(f"'{full}' was written but cannot be read back", status=500)
-        return found[0]
+        root = conv.pal_user(caller.user) == conv.ROOT
+        keep = FileMetadataSet(vm_id=caller.sandbox_id, path=full, metadata=dict(metadata), root=root)
+        try:
+            done = await self.guest.call(caller.tenant, verbs.SET_FILE_METADATA, keep)
+        except InvalidRequest as exc:
+            if not metadata:  # nothing to keep, none to clear (no xattrs there)
+                return found[0]
+            raise InvalidRequest(
+                f"'{full}' was written, but its metadata was not kept: {exc.message}"
+            ) from None
+        return dataclasses.replace(found[0], metadata=done.metadata)
 
     async def _feed(self, caller: ops.Caller, pid: int, data: bytes) -> None:
         rest = data
@@ -377,11 +412,11 @@ def _once(data: bytes) -> AsyncIterator[bytes]:
     return one()
 
 
-def _written(path: str, size: int) -> ops.Entry:
+def _written(path: str, size: int, metadata: Mapping[str, str]) -> ops.Entry:
     """A file Pal's files verb just wrote (as the default user, mode 0644)."""
     return ops.Entry(
         posixpath.basename(path), path, ops.FileType.FILE, size, 0o644, "-rw-r--r--",
-        conv.DEFAULT_USER, conv.DEFAULT_USER, datetime.now(UTC),
+        conv.DEFAULT_USER, conv.DEFAULT_USER, datetime.now(UTC), metadata=dict(metadata),
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""The host's code-context requests (protocol.py: cnew, clist, cdelete, cinterrupt, crun).
+"""The host's code-context requests (protocol.py: cnew, clist, cdelete, cinterrupt,
+crestart, crun).
 
 Each runs on its own request thread (the harness starts it); ``crun`` holds its thread
 while the cell runs and sends the cell's events as ``cev`` messages.
@@ -11,7 +12,7 @@ from typing import Any
 
 from pal.guest import protocol as P
 from pal.guest.errors import ExecError
-from pal.guest.kernels import ContextSpec, Kernels, language_of
+from pal.guest.kernels import ContextSpec, Emit, Kernels, language_of
 
 MAX_TIMEOUT_S = 24 * 3600.0
 DEFAULT_TIMEOUT_S = 300.0  # a cell without a timeout (the host always sends one)
@@ -42,6 +43,8 @@ class CodeRequests:
         elif kind == P.K_CDELETE:
             self.kernels.delete(msg.get("ctx"))
             result = {"ctx": msg.get("ctx"), "deleted": True}
+        elif kind == P.K_CRESTART:
+            result = {"context": self.kernels.restart(msg.get("ctx")).info()}
         elif kind == P.K_CINTERRUPT:
             result = {"ctx": msg.get("ctx"), "interrupted": self.kernels.interrupt(msg.get("ctx"))}
         else:
@@ -70,5 +73,11 @@ class CodeRequests:
             asked = msg.get("language")
             if asked is not None and asked != ctx.language:
                 raise ExecError(P.ERR_INVAL, f"context {ctx.id} runs {ctx.language}, not {asked!r}")
-        end = self.kernels.run(rid, ctx, code, float(timeout), lambda ev: self.reply(rid, P.K_CEV, **ev))
+        env = msg.get("env")
+        if env is not None and not (
+            isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+        ):
+            raise ExecError(P.ERR_INVAL, "env must be an object of strings")
+        emit: Emit = lambda ev: self.reply(rid, P.K_CEV, **ev)  # noqa: E731
+        end = self.kernels.run(rid, ctx, code, float(timeout), emit, env)
         self.reply(rid, P.K_OK, result=end)

@@ -36,12 +36,16 @@ from pal.guest.procrequests import ProcessRequests, launch_options
 from pal.guest.ticker import Ticker
 from pal.guest.watches import Watches
 from pal.guest.workspace import Workspace
+from pal.guest.xattrs import FileMetadata
 
 FILE_KINDS = frozenset({P.K_LS, P.K_READ, P.K_WRITE, P.K_RM})
 WATCH_KINDS = {P.K_WNEW: Watches.new, P.K_WREAD: Watches.read, P.K_WDEL: Watches.delete}
+XATTR_KINDS = {P.K_XGET: FileMetadata.get, P.K_XSET: FileMetadata.set}
 PROCESS_KINDS = procrequests.KINDS
-CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRUN})
-TOKEN_KINDS = FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART, P.K_URENAME, *WATCH_KINDS}
+CODE_KINDS = frozenset({P.K_CNEW, P.K_CLIST, P.K_CDELETE, P.K_CINTERRUPT, P.K_CRESTART, P.K_CRUN})
+TOKEN_KINDS = (
+    FILE_KINDS | PROCESS_KINDS | CODE_KINDS | {P.K_EXEC, P.K_PSTART, P.K_URENAME, *WATCH_KINDS, *XATTR_KINDS}
+)
 
 
 class Harness:
@@ -96,6 +100,7 @@ class Harness:
                 self.uid, self.gid, self.home = 1000, 1000, f"/home/{workload_user}"
         self.workspace = Workspace(workspace, self.uid, self.gid)
         self.watches = Watches()
+        self.file_metadata = FileMetadata(self.workspace.as_user)
         self.workspace_root = workspace
         self.heartbeat_interval = heartbeat_interval
         self.vm_id = ""
@@ -201,11 +206,14 @@ class Harness:
                 result, data = self.workspace.read(msg.get("path"), msg.get("limit"))
                 self._reply(rid, P.K_OK, data, result=result)
             elif kind == P.K_WRITE:
-                self._reply(rid, P.K_OK, result=self.workspace.write(msg.get("path"), P.payload(msg)))
+                written = self.workspace.write(msg.get("path"), P.payload(msg), msg.get("meta"))
+                self._reply(rid, P.K_OK, result=written)
             elif kind == P.K_RM:
                 self._reply(rid, P.K_OK, result=self.workspace.remove(msg.get("path")))
             elif kind in WATCH_KINDS:
                 self._reply(rid, P.K_OK, result=WATCH_KINDS[kind](self.watches, msg))
+            elif kind in XATTR_KINDS:
+                self._reply(rid, P.K_OK, result=XATTR_KINDS[kind](self.file_metadata, msg))
             elif kind == P.K_URENAME:
                 if not self.system or self.uid is None or self.gid is None:
                     raise ExecError(P.ERR_INVAL, "no workload user to rename here")

@@ -12,10 +12,11 @@ site-packages; ``bash`` runs under Pal's interpreter and needs only ``bash``.
 - bash: one persistent ``bash`` per context; a cell is ``source``d from a file, so its
   variables, functions and cwd persist; SIGINT is trapped to ``return`` from the cell.
 
-Requests on stdin: ``{"op": "run", "code"}``, ``{"op": "interrupt"}`` and ``{"op":
-"rekey", "set", "unset", "hostname", "reseed"}`` (the VM took a new identity: a restore, a
-fork, a claim from the warm pool; the kernel's environment follows it and, when it is
-another VM's, Python's ``random`` is reseeded, as after an ``os.fork``; it answers nothing).
+Requests on stdin: ``{"op": "run", "code", "env"?}`` (``env``: set for that cell only),
+``{"op": "interrupt"}`` and ``{"op": "rekey", "set", "unset", "hostname", "reseed"}`` (the
+VM took a new identity: a restore, a fork, a claim from the warm pool; the kernel's
+environment follows it and, when it is another VM's, Python's ``random`` is reseeded, as
+after an ``os.fork``; it answers nothing).
 Runs and rekeys are done in order, one at a time, on a worker thread: an interrupt is read
 while a cell runs. Events on the protocol fd: ``ready {kernel_pid}`` | ``fail {msg}`` once,
 then per cell ``stream {name, text}``, ``result {data, main}``, ``error {name, value,
@@ -52,6 +53,13 @@ def rekey_env(req: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     unsets = raw_unset if isinstance(raw_unset, list) else []
     ok = {k: v for k, v in sets.items() if isinstance(k, str) and ENV_NAME.match(k) and isinstance(v, str)}
     return ok, [k for k in unsets if isinstance(k, str) and ENV_NAME.match(k) and k not in ok]
+
+
+def cell_env(req: dict[str, Any]) -> dict[str, str]:
+    """A run's own variables (set for that cell only), only well-formed ones."""
+    raw = req.get("env")
+    env = raw if isinstance(raw, dict) else {}
+    return {k: v for k, v in env.items() if isinstance(k, str) and ENV_NAME.match(k) and isinstance(v, str)}
 
 
 class Out:
@@ -173,7 +181,32 @@ class PythonKernel:
         )
         self.wire.wait_idle(self.execute(code, silent=True))
 
-    def run(self, code: str) -> None:
+    def run(self, code: str, env: dict[str, str]) -> None:
+        """A cell; with ``env``, those variables set in ``os.environ`` before it and put
+        back as they were after it (E2B's interpreter does the same), silently."""
+        if env:
+            keys = list(env)
+            self.wire.wait_idle(
+                self.execute(
+                    f"(lambda os: (setattr(os, '_pal_cell_env', {{k: os.environ.get(k) for k in {keys!r}}}),"
+                    f" os.environ.update({env!r})))(__import__('os'))",
+                    silent=True,
+                )
+            )
+        try:
+            count = self._cell(code)
+        finally:
+            if env:
+                self.wire.wait_idle(
+                    self.execute(
+                        "(lambda os: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)"
+                        " for k, v in os.__dict__.pop('_pal_cell_env', {}).items()])(__import__('os'))",
+                        silent=True,
+                    )
+                )
+        self.out.emit("done", count=count)
+
+    def _cell(self, code: str) -> Any:
         msg_id = self.execute(code, silent=False)
         count = None
         while True:
@@ -195,7 +228,7 @@ class PythonKernel:
                 count = content.get("execution_count")
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
-        self.out.emit("done", count=count)
+        return count
 
     def interrupt(self) -> None:
         if self.pid:
@@ -241,8 +274,19 @@ class BashKernel:
             if line:
                 self.out.emit("stream", name=name, text=line.decode("utf-8", "replace"))
 
-    def run(self, code: str) -> None:
+    def run(self, code: str, env: dict[str, str]) -> None:
+        """A cell, ``source``d; with ``env``, those variables exported for it and put back
+        as they were (or unset) after it."""
         self.count += 1
+        pre = "".join(
+            f"__pal_had_{k}=${{{k}+1}}; __pal_old_{k}=${{{k}-}}; export {k}={shlex.quote(v)}; "
+            for k, v in env.items()
+        )
+        post = "".join(
+            f'if [ -n "$__pal_had_{k}" ]; then export {k}="$__pal_old_{k}"; else unset {k}; fi; '
+            f"unset __pal_had_{k} __pal_old_{k}; "
+            for k in env
+        )
         path = os.path.join(self.dir, "cell.sh")
         with open(path, "w", encoding="utf-8") as f:
             f.write(code + "\n")
@@ -254,7 +298,7 @@ class BashKernel:
         for t in pumps:
             t.start()
         self._send(
-            f"source {path} </dev/null; __pal_rc=$?; printf '%s%d\\n' {self.marker} $__pal_rc; "
+            f"{pre}source {path} </dev/null; __pal_rc=$?; {post}printf '%s%d\\n' {self.marker} $__pal_rc; "
             f"printf '%s\\n' {self.marker} >&2\n"
         )
         for t in pumps:
@@ -311,10 +355,14 @@ def main() -> int:
             except OSError:
                 pass
         elif req.get("op") == "run" and isinstance(req.get("code"), str):
-            jobs.put((kernel.run, req["code"]))  # the harness sends one cell at a time
+            jobs.put((_runner(kernel), req))  # the harness sends one cell at a time
         elif req.get("op") == "rekey":
             jobs.put((kernel.rekey, req))
     return 0
+
+
+def _runner(kernel: PythonKernel | BashKernel) -> Any:
+    return lambda req: kernel.run(req["code"], cell_env(req))
 
 
 def _work(jobs: queue.Queue[tuple[Any, Any]]) -> None:

@@ -16,6 +16,7 @@ is killed and its context removed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -54,6 +55,7 @@ class Context:
     created_ms: int = field(default_factory=now_ms)
     executions: int = 0
     running: bool = False
+    spec: ContextSpec | None = None  # what it was started from (a restart starts it again)
     events: queue.Queue[P.Message | None] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -168,7 +170,13 @@ class Kernels:
             self.children.register(popen.pid)
         own = {k: v for k, v in spec.env.items() if spec.vm_env.get(k) != v}
         ctx = Context(
-            id=ctx_id, language=spec.language, cwd=spec.cwd, popen=popen, env=spec.vm_env, own_env=own
+            id=ctx_id,
+            language=spec.language,
+            cwd=spec.cwd,
+            popen=popen,
+            env=spec.vm_env,
+            own_env=own,
+            spec=spec,
         )
         threading.Thread(target=_read_events, args=(ctx,), name=f"ctx-{ctx_id}", daemon=True).start()
         try:
@@ -195,6 +203,23 @@ class Kernels:
                 ctx.popen.stdin.close()
         self.children.wait(ctx.popen.pid, 5.0)
         self.children.release(ctx.popen.pid)
+
+    def restart(self, ctx_id: Any) -> Context:
+        """A fresh kernel under the context's id, from the spec it was started with (the
+        VM's environment as it is now, its own variables): its state is gone. A cell
+        running in the old one ends as lost. A kernel that fails to start leaves no context."""
+        old = self.get(ctx_id)
+        assert old.spec is not None
+        spec = dataclasses.replace(old.spec, env={**old.env, **old.own_env}, vm_env=dict(old.env))
+        with self._start_lock:
+            self._kill(old)
+            with self._lock:
+                if self._contexts.get(old.id) is old:
+                    del self._contexts[old.id]
+            ctx = self._spawn(spec, old.id)
+            with self._lock:
+                self._contexts[ctx.id] = ctx
+        return ctx
 
     def delete(self, ctx_id: Any) -> None:
         ctx = self.get(ctx_id)
@@ -239,8 +264,11 @@ class Kernels:
 
     # -- cells
 
-    def run(self, rid: int, ctx: Context, code: str, timeout: float, emit: Emit) -> P.Message:
-        """Run one cell, each event through ``emit``; the end's result."""
+    def run(
+        self, rid: int, ctx: Context, code: str, timeout: float, emit: Emit, env: dict[str, str] | None = None
+    ) -> P.Message:
+        """Run one cell, each event through ``emit``; the end's result. ``env``: set in
+        the kernel for this cell only (kerneldriver.py restores what was there after it)."""
         if not ctx.lock.acquire(blocking=False):
             raise ExecError(P.ERR_STATE, f"a cell is running in context {ctx.id} already")
         try:
@@ -248,7 +276,7 @@ class Kernels:
             with self._lock:
                 self._runs[rid] = ctx
             try:
-                ctx.send({"op": "run", "code": code})
+                ctx.send({"op": "run", "code": code, **({"env": env} if env else {})})
             except OSError:
                 self._forget(ctx)
                 raise ExecError(P.ERR_STATE, f"the kernel of context {ctx.id} has exited") from None

@@ -76,12 +76,14 @@ Host -> guest kinds (``k``):
   clist     {tok}                  -> ok {contexts:[context...]}
   cdelete   {tok, ctx}             -> ok {ctx, deleted:true}
   cinterrupt {tok, ctx}            -> ok {ctx, interrupted:bool}
-  crun      {tok, ctx|null, language, code, timeout} -> ``cev`` events, then ``ok``
+  crestart  {tok, ctx}             -> ok {context}: a fresh kernel under the same id, spec
+  crun      {tok, ctx|null, language, code, timeout, env?} -> ``cev`` events, then ``ok``
             {context_id, execution_count, timed_out, lost?}. ``cancel`` interrupts it.
   context   {id, language, cwd, created_ms, executions, running}
   ls        {tok, path}            -> ok {path, entries:[{name,type,size}], truncated}
   read      {tok, path, limit:int} -> ok {path, size, truncated} + data
-  write     {tok, path} + data     -> ok {path, bytesWritten}
+  write     {tok, path, meta?} + data  -> ok {path, bytesWritten}   (meta: xattrs.py's map,
+                                    replacing the file's user.e2b.* xattrs)
   rm        {tok, path}            -> ok {path, deleted: true}  (a file or symlink, never a dir)
   ping      {}                     -> ok {}
   clock     {now_ns:int} | {adjust_ns:int} -> ok {wall_ns}  sets the wall clock to the
@@ -193,6 +195,7 @@ K_CNEW = "cnew"
 K_CLIST = "clist"
 K_CDELETE = "cdelete"
 K_CINTERRUPT = "cinterrupt"
+K_CRESTART = "crestart"
 K_CRUN = "crun"
 K_CEV = "cev"
 # The workload user under another name (usernames.py: E2B's conventions).
@@ -201,6 +204,9 @@ K_URENAME = "urename"
 K_WNEW = "wnew"
 K_WREAD = "wread"
 K_WDEL = "wdel"
+# Files' user metadata as xattrs (xattrs.py: E2B's X-Metadata-*).
+K_XGET = "xget"
+K_XSET = "xset"
 # Guest -> host, inside an exec or pattach stream.
 K_STARTED = "started"
 K_GAP = "gap"

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pal.guest import protocol as P
+from pal.guest import xattrs
 from pal.guest.errors import ExecError
 from pal.guest.oslib import libc
 
@@ -106,9 +107,13 @@ class Workspace:
         truncated = len(data) > limit
         return {"path": norm, "size": max(st.st_size, len(data)), "truncated": truncated}, data[:limit]
 
-    def write(self, rel: Any, data: bytes) -> dict[str, Any]:
+    def write(self, rel: Any, data: bytes, metadata: Any = None) -> dict[str, Any]:
+        """Write a file; with ``metadata`` (a map), its ``user.e2b.*`` xattrs replaced by it
+        (xattrs.py: E2B's file metadata), else left as they were."""
         if len(data) > P.MAX_FILE_BYTES:
             raise ExecError(P.ERR_TOOBIG, f"file larger than {P.MAX_FILE_BYTES} bytes")
+        if metadata is not None and (why := xattrs.check_metadata(metadata)) is not None:
+            raise ExecError(P.ERR_INVAL, why)
         norm, real = self.resolve(rel, allow_root=False)
         with self.as_user():
             parent = os.path.dirname(real)
@@ -129,6 +134,8 @@ class Workspace:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
+                if metadata is not None:
+                    xattrs.replace(fd, metadata, norm)
             finally:
                 os.close(fd)
         return {"path": norm, "bytesWritten": len(data)}

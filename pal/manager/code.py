@@ -29,6 +29,7 @@ from pal.wire.code import (
     CodeError,
     CodeEvent,
     CodeRequest,
+    CodeRun,
     ContextCreate,
 )
 from pal.wire.guest_errors import to_pal_error
@@ -174,6 +175,8 @@ class GuestCode:
             "code": req.code,
             "timeout": req.timeout_secs or DEFAULT_TIMEOUT_SECS,
         }
+        if isinstance(req, CodeRun) and req.env:
+            msg["env"] = req.env
         bound = CellBound()
         # A reader that stops taking the cell's events interrupts it (channel.py).
         async with lv.exec_in_flight(msg, on_slow=p.K_CANCEL) as replies:
@@ -229,6 +232,9 @@ class GuestCode:
 
     async def delete_context(self, vm_id: str, ctx: str) -> None:
         await self._call(vm_id, {"k": p.K_CDELETE, "ctx": ctx})
+
+    async def restart_context(self, vm_id: str, ctx: str) -> None:
+        await self._call(vm_id, {"k": p.K_CRESTART, "ctx": ctx})
 
     async def interrupt_context(self, vm_id: str, ctx: str) -> bool:
         res = await self._call(vm_id, {"k": p.K_CINTERRUPT, "ctx": ctx})

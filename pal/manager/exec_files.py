@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 from pal.errors import PalError, Unavailable
 from pal.guest import protocol as p
+from pal.guest.xattrs import parse_metadata
 from pal.manager import guest_input as gi
 from pal.manager.channel import GuestError
 from pal.manager.vm import LiveVm, VmRegistry
@@ -83,8 +84,13 @@ class GuestCalls:
         except gi.BadReply as exc:
             raise _bad_reply(vm_id, "read", exc) from None
 
-    async def write_file(self, vm_id: str, path: str, data: bytes) -> FileWritten:
-        reply, _ = await self._file_request(vm_id, {"k": p.K_WRITE, "path": path}, data)
+    async def write_file(
+        self, vm_id: str, path: str, data: bytes, metadata: str | None = None
+    ) -> FileWritten:
+        msg: p.Message = {"k": p.K_WRITE, "path": path}
+        if metadata is not None:  # checked by the request's model
+            msg["meta"] = parse_metadata(metadata)
+        reply, _ = await self._file_request(vm_id, msg, data)
         try:
             return FileWritten.model_validate(gi.file_written(reply, len(data)))
         except gi.BadReply as exc:

@@ -334,6 +334,10 @@ class NodeRuntime:
             await code.delete_context(r.vm_id, r.context_id)
             return c.ContextDeleted(context_id=r.context_id)
 
+        async def restart_context(r: c.ContextRef) -> c.ContextRestarted:
+            await code.restart_context(r.vm_id, r.context_id)
+            return c.ContextRestarted(context_id=r.context_id)
+
         async def interrupt_context(r: c.ContextRef) -> c.ContextInterrupted:
             interrupted = await code.interrupt_context(r.vm_id, r.context_id)
             return c.ContextInterrupted(context_id=r.context_id, interrupted=interrupted)
@@ -342,7 +346,7 @@ class NodeRuntime:
         h.on_tunnel(v.PORT, port)
         h.on(v.LIST_FILES, lambda r: guest.list_files(r.vm_id, r.path))
         h.on(v.READ_FILE, read_file)
-        h.on(v.WRITE_FILE, lambda r: guest.write_file(r.vm_id, r.path, r.data))
+        h.on(v.WRITE_FILE, lambda r: guest.write_file(r.vm_id, r.path, r.data, r.metadata))
         h.on(v.DELETE_FILE, lambda r: guest.delete_file(r.vm_id, r.path))
         h.on(v.START_PROCESS, lambda r: procs.start(r.vm_id, r))
         h.on_stream(v.START_ATTACHED, lambda r: procs.start_attached(r.vm_id, r))
@@ -360,3 +364,4 @@ class NodeRuntime:
         h.on(v.LIST_CONTEXTS, list_contexts)
         h.on(v.DELETE_CONTEXT, delete_context)
         h.on(v.INTERRUPT_CONTEXT, interrupt_context)
+        h.on(v.RESTART_CONTEXT, restart_context)

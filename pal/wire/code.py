@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from pal.cells import CodeRequest, ContextCreate, Language
+from pal.cells import MAX_CODE_ENV_VARS, CodeRequest, ContextCreate, Language
 from pal.ids import CONTEXT_ID_PATTERN as CONTEXT_ID_PATTERN
 from pal.ids import SafeId
+from pal.spec import ENV_NAME
 from pal.wire.models import WireModel as _Model
 
 DEFAULT_TIMEOUT_SECS = 300.0  # a cell without timeoutSecs
+MAX_CELL_ENV_BYTES = 64 * 1024  # a cell's own variables, names and values
 
 
 class CodeContext(_Model):
@@ -64,6 +66,23 @@ class CodeEvent(_Model):
 
 class CodeRun(CodeRequest):
     vm_id: SafeId
+    # Set for this cell only, restored after it (E2B's ``env_vars``): in the kernel's
+    # process environment (Python's and its subprocesses', bash's exported variables).
+    env: dict[str, str] = Field(default_factory=dict, max_length=MAX_CODE_ENV_VARS)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        total = 0
+        for k, val in v.items():
+            if not ENV_NAME.match(k):
+                raise ValueError(f"env name {k[:64]!r} is not a valid environment variable name")
+            if "\0" in val:
+                raise ValueError(f"env {k!r}: no NUL byte")
+            total += len(k) + len(val.encode())
+        if total > MAX_CELL_ENV_BYTES:
+            raise ValueError(f"a cell's env of {total} bytes: at most {MAX_CELL_ENV_BYTES}")
+        return v
 
 
 class ContextNew(ContextCreate):
@@ -73,3 +92,8 @@ class ContextNew(ContextCreate):
 class ContextRef(_Model):
     vm_id: SafeId
     context_id: str = Field(pattern=CONTEXT_ID_PATTERN)
+
+
+class ContextRestarted(_Model):
+    context_id: str
+    restarted: bool = True

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
+from pal.guest.xattrs import MAX_TOTAL_BYTES, parse_metadata
 from pal.ids import SafeId, TenantId
 from pal.spec import Egress, ExecRequest, WaitPause
 
@@ -23,6 +24,7 @@ class WireModel(BaseModel):
 
 _Model = WireModel  # what the models below derive from
 M = TypeVar("M", bound=BaseModel)
+MAX_METADATA_JSON = 4 * MAX_TOTAL_BYTES  # E2B's metadata of a file as JSON (escapes included)
 
 
 def on_vm(model: type[M], vm_id: str, req: BaseModel) -> M:
@@ -545,6 +547,17 @@ class FileWrite(_Model):
     vm_id: SafeId
     path: str
     data: bytes  # the body (pal/wire/http.py: a bytes field travels raw)
+    # E2B's file metadata (pal/guest/xattrs.py): a JSON object that replaces the file's
+    # ``user.e2b.*`` xattrs ("{}" clears them); absent: they are left as they were. JSON in
+    # one field because the body is the file and the rest travels in the query.
+    metadata: str | None = Field(default=None, max_length=MAX_METADATA_JSON)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, raw: str | None) -> str | None:
+        if raw is not None:
+            parse_metadata(raw)
+        return raw
 
 
 class FileContent(_Model):

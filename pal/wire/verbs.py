@@ -24,98 +24,20 @@ Failures are :class:`pal.errors.PalError` subclasses carrying the status the API
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
-
-from pydantic import BaseModel
-
 from pal.wire import code as c
+from pal.wire import file_metadata as fm
 from pal.wire import models as m
 from pal.wire import processes as pr
 from pal.wire import volumes as vol
-from pal.wire.guest_errors import Op
-
-Req = TypeVar("Req", bound=BaseModel)
-Ans = TypeVar("Ans", bound=BaseModel)
-Ev = TypeVar("Ev", bound=BaseModel)
-
-Method = Literal["GET", "POST", "PUT", "DELETE"]
-# A call's read timeout, seconds (None: none; the node's own deadlines end it).
-DEFAULT_TIMEOUT_S = 300.0
-GUEST_REQUEST_TIMEOUT_S = 30.0  # a guest that answers a request later has lost it
-LONG_POLL_SLACK_S = 35.0  # beyond a long poll's own wait: the guest request's bound
-
-
-@dataclass(frozen=True)
-class GuestOp:
-    """How a guest verb reaches the guest's harness (pal/guest/protocol.py)."""
-
-    kind: str  # the harness's request kind
-    errors: Op  # the column of guest_errors.py's table its error codes map through
-    # A request in flight, which an operator's live pause waits for (a long poll is not).
-    counted: bool = True
-
-
-@dataclass(frozen=True)
-class Call(Generic[Req, Ans]):
-    """A request answered once."""
-
-    name: str
-    method: Method
-    path: str  # its fields in braces, by their wire names: "/vms/{vmId}/processes/{pid}"
-    request: type[Req]
-    answer: type[Ans]
-    doc: str
-    # long-lived (a stream slot while it lasts) rather than a control call
-    long: bool | Callable[[Req], bool] = False
-    timeout_s: float | Callable[[Req], float | None] | None = DEFAULT_TIMEOUT_S
-    guest: GuestOp | None = None
-
-    def is_long(self, req: Req) -> bool:
-        return self.long(req) if callable(self.long) else self.long
-
-    def timeout(self, req: Req) -> float | None:
-        return self.timeout_s(req) if callable(self.timeout_s) else self.timeout_s
-
-
-@dataclass(frozen=True)
-class Stream(Generic[Req, Ev]):
-    """A request answered by events as they come (NDJSON), always long-lived. An error of
-    the node after the stream started is an ``error`` event with its ``status``, raised
-    again by the caller as that error; an ``error`` event without one is the guest's."""
-
-    name: str
-    method: Method
-    path: str
-    request: type[Req]
-    event: type[Ev]
-    doc: str
-
-    def is_long(self, req: Req) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class Tunnel(Generic[Req]):
-    """A byte stream both ways (a WebSocket, pal/wire/tunnel.py), long-lived."""
-
-    name: str
-    path: str
-    request: type[Req]
-    doc: str
-
-
-Verb = Call[Any, Any] | Stream[Any, Any] | Tunnel[Any]
-
-
-def _guest(op: Op) -> str:
-    return (
-        "Prerequisites: the VM runs here (409, or 409 LIVE_PAUSED while a live pause stopped its "
-        f"vCPUs, which the scheduler turns into a wake). Failure: the guest's error, mapped as "
-        f"{op} requests' (guest_errors.py)."
-    )
-
+from pal.wire.verb_kinds import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from pal.wire.verb_kinds import GUEST_REQUEST_TIMEOUT_S as GUEST_REQUEST_TIMEOUT_S
+from pal.wire.verb_kinds import LONG_POLL_SLACK_S as LONG_POLL_SLACK_S
+from pal.wire.verb_kinds import Call as Call
+from pal.wire.verb_kinds import GuestOp as GuestOp
+from pal.wire.verb_kinds import Stream as Stream
+from pal.wire.verb_kinds import Tunnel as Tunnel
+from pal.wire.verb_kinds import Verb as Verb
+from pal.wire.verb_kinds import guest_doc as _guest
 
 # ---------------------------------------------------------------------- a VM's life
 SPAWN = Call(
@@ -481,7 +403,8 @@ WRITE_FILE = Call(
     "/vms/{vmId}/files/content",
     m.FileWrite,
     m.FileWritten,
-    "Write a file (at most 1 MiB). " + _guest("file"),
+    "Write a file (at most 1 MiB); with ``metadata``, its E2B metadata replaced too (400 as "
+    "SET_FILE_METADATA's). " + _guest("file"),
 )
 DELETE_FILE = Call(
     "delete_file",
@@ -490,6 +413,28 @@ DELETE_FILE = Call(
     m.FileRef,
     m.FileDeleted,
     "Remove a file or symlink (404 FILE_NOT_FOUND, 400 for a directory). " + _guest("file"),
+)
+# E2B's file metadata (pal/guest/xattrs.py): ``user.e2b.*`` xattrs of any path of the guest.
+FILE_METADATA = Call(
+    "file_metadata",
+    "POST",
+    "/vms/{vmId}/files/metadata/read",
+    fm.FileMetadataOf,
+    fm.FileMetadataList,
+    "The metadata of up to 1000 absolute paths, one map each in order ({} for a missing file, "
+    "a link, or a file system without user xattrs). " + _guest("file"),
+    guest=GuestOp("xget", "file"),
+)
+SET_FILE_METADATA = Call(
+    "set_file_metadata",
+    "PUT",
+    "/vms/{vmId}/files/metadata",
+    fm.FileMetadataSet,
+    fm.FileMetadataDone,
+    "Replace a file's metadata with ``metadata`` ({}: clear it); on a failure it has none. "
+    "400 for a file system without user xattrs (tmpfs here) or metadata beyond its xattr space. "
+    + _guest("file"),
+    guest=GuestOp("xset", "file"),
 )
 # Directory watches (pal/guest/watches.py): inotify in the guest, bounded, kept across a pause.
 CREATE_WATCH = Call(
@@ -680,6 +625,16 @@ DELETE_CONTEXT = Call(
     c.ContextRef,
     c.ContextDeleted,
     "Kill its kernel and forget it. " + _guest("code"),
+)
+RESTART_CONTEXT = Call(
+    "restart_context",
+    "POST",
+    "/vms/{vmId}/code/contexts/{contextId}/restart",
+    c.ContextRef,
+    c.ContextRestarted,
+    "Kill its kernel and start a fresh one under the same id, language, cwd and environment "
+    "(its variables are gone; a running cell ends as lost). Long-lived: a kernel's start. " + _guest("code"),
+    long=True,
 )
 INTERRUPT_CONTEXT = Call(
     "interrupt_context",

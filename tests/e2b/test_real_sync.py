@@ -237,6 +237,45 @@ def test_another_tenants_sandbox_is_not_found(sbx: Sandbox, real_e2b: RealE2b) -
     assert sbx.is_running()
 
 
+def test_file_metadata(sbx: Sandbox) -> None:
+    """E2B's file metadata: real ``user.e2b.*`` xattrs on the guest's file, shown by
+    get_info and list; each upload replaces it (none sent: cleared); a file over 1 MiB (the
+    ``cat`` path) and root's keep it too; bad metadata is E2B's 400 before the file is
+    written; the guest's /tmp (a tmpfs of its 6.1 kernel: no user xattrs) says so."""
+    meta = {"Owner": "ann", "stage": "draft v2"}
+    want = {"owner": "ann", "stage": "draft v2"}  # keys lowercased, as envd does
+    assert sbx.files.write("meta/a.txt", "alpha", metadata=meta).metadata == want
+    assert sbx.files.get_info("meta/a.txt").metadata == want
+    sbx.files.write("meta/plain.txt", "no metadata")
+    listed = {e.name: e.metadata for e in sbx.files.list("meta")}
+    assert listed == {"a.txt": want, "plain.txt": None}
+    # Real xattrs of the guest's file system, read by the guest's own python3.
+    show = (
+        "import os; f = 'meta/a.txt'; print(sorted((n, os.getxattr(f, n).decode()) for n in os.listxattr(f)))"
+    )
+    out = sbx.commands.run(f'python3 -c "{show}"').stdout
+    assert out == "[('user.e2b.owner', 'ann'), ('user.e2b.stage', 'draft v2')]\n"
+    assert sbx.files.write("meta/a.txt", "beta", metadata={"stage": "final"}).metadata == {"stage": "final"}
+    assert sbx.files.get_info("meta/a.txt").metadata == {"stage": "final"}
+    sbx.files.write("meta/a.txt", "gamma")  # no metadata: none left
+    assert sbx.files.get_info("meta/a.txt").metadata is None
+    big = b"m" * (1024 * 1024 + 1)  # past Pal's files verb: a ``cat`` process, then the xattrs
+    assert sbx.files.write("meta/big.bin", big, metadata={"k": "v"}).metadata == {"k": "v"}
+    assert sbx.files.get_info("meta/big.bin").metadata == {"k": "v"}
+    sbx.files.write("/root/m.txt", "root's", user="root", metadata={"who": "root"})
+    assert sbx.files.get_info("/root/m.txt", user="root").metadata == {"who": "root"}
+    assert sbx.files.rename("meta/big.bin", "meta/moved.bin").metadata == {"k": "v"}
+    with pytest.raises(InvalidArgumentException, match="4096"):
+        sbx.files.write("meta/huge-meta.txt", "x", metadata={"k": "v" * 5000})
+    with pytest.raises(InvalidArgumentException, match="246"):
+        sbx.files.write("meta/long-key.txt", "x", metadata={"k" * 247: "v"})
+    assert not sbx.files.exists("meta/huge-meta.txt") and not sbx.files.exists("meta/long-key.txt")
+    with pytest.raises(InvalidArgumentException, match="xattrs"):
+        sbx.files.write("/tmp/m.txt", "x", metadata={"k": "v"})
+    sbx.files.write("/tmp/m.txt", "y")  # without metadata: fine there
+    assert sbx.files.get_info("/tmp/m.txt").metadata is None
+
+
 def test_a_huge_upload_is_refused_before_it_is_read(sbx: Sandbox, real_e2b: RealE2b) -> None:
     bound = FilesConfig().max_upload_bytes
     with socket.create_connection(("127.0.0.1", real_e2b.server.e2b_port), timeout=120) as conn:
