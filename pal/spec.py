@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -315,6 +317,56 @@ class BrokeredSecret(_Model):
         return _secret_value("value", v)
 
 
+def _secret_objects(v: object) -> object:
+    """One clear message per bad secret (pydantic's own for a union lists both shapes)."""
+    if not isinstance(v, dict):
+        return v
+    out: dict[object, object] = {}
+    for k, val in v.items():
+        if isinstance(val, dict):
+            try:
+                val = BrokeredSecret.model_validate(val)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(x) for x in first.get("loc", ()))
+                msg = str(first["msg"]).removeprefix("Value error, ")
+                raise ValueError(f"secret {k!r}: {where + ': ' if where else ''}{msg}") from None
+        elif not isinstance(val, str | BrokeredSecret):
+            raise ValueError(f"secret {k!r} must be a string or {{value, brokered}}")
+        out[k] = val
+    return out
+
+
+def _secret_rules(v: dict[str, str | BrokeredSecret]) -> dict[str, str | BrokeredSecret]:
+    if len(v) > MAX_SECRETS:
+        raise ValueError(f"at most {MAX_SECRETS} secrets")
+    for k, val in v.items():
+        if not ENV_NAME.match(k):
+            raise ValueError(f"secret name {k[:64]!r} is not a valid environment variable name")
+        if isinstance(val, str):
+            _secret_value(k, val)
+    total = len(json.dumps({k: val if isinstance(val, str) else val.value for k, val in v.items()}))
+    if total > MAX_SECRETS_JSON_BYTES:
+        raise ValueError(f"secrets take {total} bytes as JSON; at most {MAX_SECRETS_JSON_BYTES // 1024} KiB")
+    return v
+
+
+# The one rule for a VM's secrets: a schedule's, a fork's, a start's from a kept snapshot.
+Secrets = Annotated[
+    dict[str, str | BrokeredSecret], BeforeValidator(_secret_objects), AfterValidator(_secret_rules)
+]
+_SECRETS: TypeAdapter[dict[str, str | BrokeredSecret]] = TypeAdapter(Secrets)
+
+
+def check_secrets(v: object) -> dict[str, str | BrokeredSecret]:
+    """``v`` by the rule of ``Secrets``; ValueError with the first problem."""
+    try:
+        return _SECRETS.validate_python(v, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ValueError(str(first["msg"]).removeprefix("Value error, ")) from None
+
+
 class SecretUpdate(_Model):
     """Body of PUT /v1/runtime/vms/{id}/secrets/{name}: a brokered secret's new value."""
 
@@ -399,7 +451,7 @@ class AgentSpec(_Model):
         description='`"none"`, `"open"`, `{"allow": [...]}` or `{"deny": [...]}` (entries: domains, '
         "`*.domain`, host:port, IPs, CIDRs); default PAL_EGRESS_DEFAULT (open)",
     )
-    secrets: dict[str, str | BrokeredSecret] = Field(
+    secrets: Secrets = Field(
         default_factory=dict,
         description="env vars for every exec; an object `{value, brokered: {hosts, header, format}}` "
         "is brokered: the guest sees a placeholder, the egress gateway inserts the value",
@@ -465,27 +517,6 @@ class AgentSpec(_Model):
             raise ValueError("boot must be 'auto' or 'cold'")
         return v
 
-    @field_validator("secrets", mode="before")
-    @classmethod
-    def _secret_objects(cls, v: object) -> object:
-        """One clear message per bad secret (pydantic's own for a union lists both shapes)."""
-        if not isinstance(v, dict):
-            return v
-        out: dict[object, object] = {}
-        for k, val in v.items():
-            if isinstance(val, dict):
-                try:
-                    val = BrokeredSecret.model_validate(val)
-                except ValidationError as exc:
-                    first = exc.errors()[0]
-                    where = ".".join(str(x) for x in first.get("loc", ()))
-                    msg = str(first["msg"]).removeprefix("Value error, ")
-                    raise ValueError(f"secret {k!r}: {where + ': ' if where else ''}{msg}") from None
-            elif not isinstance(val, str | BrokeredSecret):
-                raise ValueError(f"secret {k!r} must be a string or {{value, brokered}}")
-            out[k] = val
-        return out
-
     @model_validator(mode="after")
     def _tiers(self) -> AgentSpec:
         if (
@@ -497,23 +528,6 @@ class AgentSpec(_Model):
                 "idleLivePauseSecs must be shorter than idleTimeoutSecs (the live tier comes first)"
             )
         return self
-
-    @field_validator("secrets")
-    @classmethod
-    def _secrets(cls, v: dict[str, str | BrokeredSecret]) -> dict[str, str | BrokeredSecret]:
-        if len(v) > MAX_SECRETS:
-            raise ValueError(f"at most {MAX_SECRETS} secrets")
-        for k, val in v.items():
-            if not ENV_NAME.match(k):
-                raise ValueError(f"secret name {k[:64]!r} is not a valid environment variable name")
-            if isinstance(val, str):
-                _secret_value(k, val)
-        total = len(json.dumps({k: val if isinstance(val, str) else val.value for k, val in v.items()}))
-        if total > MAX_SECRETS_JSON_BYTES:
-            raise ValueError(
-                f"secrets take {total} bytes as JSON; at most {MAX_SECRETS_JSON_BYTES // 1024} KiB in all"
-            )
-        return v
 
 
 MAX_EXEC_TIMEOUT_S = 24 * 3600  # the ceiling of an exec's timeoutSecs (and of the default)
@@ -632,6 +646,8 @@ class LifetimeUpdate(_Model):
 
 class ForkRequest(_Model):
     count: int = Field(..., description="number of children, 1..PAL_MAX_FORK_COUNT")
+    metadata: Metadata | None = Field(None, description="each child's tags instead of the source's")
+    secrets: Secrets | None = Field(None, description="env vars set over the source's in each child")
 
 
 class Terminal(_Model):

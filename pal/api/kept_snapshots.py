@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pal.errors import InvalidRequest
 from pal.scheduler.kept import NAME, KeptSnapshots
-from pal.spec import Metadata
+from pal.spec import Metadata, Secrets
 from pal.store.kept import KeptSnapshot
 
 from . import pagination as pages
@@ -41,6 +41,11 @@ class StartFromSnapshot(_In):
         None,
         description="each new VM's tags, as a schedule's (the same rules), instead of the source's;"
         " absent: the source's tags",
+    )
+    secrets: Secrets | None = Field(
+        None,
+        description="env vars for every exec (a schedule's `secrets`, the same rules), set over the"
+        " source's in each new VM; absent: the source's",
     )
 
 
@@ -145,4 +150,4 @@ async def delete_kept_snapshot(tenant: Tenant, kept: KeptOf, snapshot: str) -> K
     **_JSON,
 )
 async def start_from_snapshot(tenant: Tenant, kept: KeptOf, snapshot: str, req: StartFromSnapshot) -> ForkOut:
-    return ForkOut.model_validate(await kept.start(tenant, snapshot, req.count, req.metadata))
+    return ForkOut.model_validate(await kept.start(tenant, snapshot, req.count, req.metadata, req.secrets))

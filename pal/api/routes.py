@@ -196,7 +196,7 @@ async def resume(tenant: Tenant, pauses: Pauses, vm_id: str) -> SnapshotStateOut
     responses=json_errors,
 )
 async def fork(tenant: Tenant, forking: Forks, vm_id: str, req: ForkRequest) -> ForkOut:
-    return ForkOut.model_validate(await forking.fork(tenant, vm_id, req.count))
+    return ForkOut.model_validate(await forking.fork(tenant, vm_id, req.count, req.metadata, req.secrets))
 
 
 @runtime_router.post(

@@ -354,9 +354,10 @@ class PalSandboxes:
     async def _from_snapshot(self, tenant: str, spec: ops.CreateSandbox) -> ops.Sandbox | None:
         """A create whose template is one of the tenant's kept snapshots (by id or name):
         a sandbox started from it (Pal's start from a snapshot: the captured memory, disk
-        and processes, the source's envs, network and template), with the create's
-        metadata (E2B's reserved keys: the source's template, the create's ``secure``),
-        ``timeout`` and ``autoPause``. None: the template is no snapshot of the tenant's."""
+        and processes, the source's network and template), with the create's metadata
+        (E2B's reserved keys: the source's template, the create's ``secure``), ``timeout``,
+        ``autoPause`` and ``envVars`` (over the source's, as E2B applies them). None: the
+        template is no snapshot of the tenant's."""
         try:
             found = self.kept.get(tenant, spec.template)
         except NotFound:
@@ -367,7 +368,7 @@ class PalSandboxes:
             raise NotFound(f"snapshot {spec.template} not found") from None  # as start_from says
         template = source.metadata.get(conv.TEMPLATE_KEY, source.image)
         tags = _tags(spec, template)
-        result = await self.kept.start(tenant, found.snapshot_id, metadata=tags)
+        result = await self.kept.start(tenant, found.snapshot_id, metadata=tags, secrets=spec.env_vars)
         child = result.forks[0]
         if child.error:
             raise PalError(f"starting from snapshot {found.snapshot_id} failed: {child.error}")

@@ -26,7 +26,7 @@ from pal.scheduler.snapshot_books import SnapshotBooks
 from pal.scheduler.spawning import Spawner, came_up
 from pal.scheduler.states import Action, VmState, has_live_qemu
 from pal.scheduler.views import ForkChild, ForkResult
-from pal.spec import check_metadata
+from pal.spec import check_metadata, check_secrets
 from pal.store import VmRecord, utcnow
 from pal.store import volumes as volume_rows
 from pal.store.kept import KeptSnapshot
@@ -49,11 +49,22 @@ def fork_mem_mode(vm: VmRecord, copies: int) -> Literal["private", "shared"]:
     return "private"
 
 
-def child_row(
-    src: VmRecord, snap_id: str, now_ms: int, metadata: Mapping[str, str] | None = None
-) -> VmRecord:
-    """A fork child's row: the source's settings, its own identity; ``metadata`` (checked
-    by the caller: pal/spec.py ``check_metadata``) instead of the source's tags when given."""
+@dataclass(frozen=True)
+class ChildSettings:
+    """What a fork or a start from a kept snapshot gives each child besides the source's
+    settings: tags instead of the source's (None: the source's), secrets (their stored
+    form, pal/scheduler/brokering.py) set over the source's."""
+
+    metadata: dict[str, str] | None = None
+    secrets: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def child_row(src: VmRecord, snap_id: str, now_ms: int, given: ChildSettings | None = None) -> VmRecord:
+    """A fork child's row: the source's settings, its own identity; ``given``'s tags
+    instead of the source's, and its secrets over the source's (checked and sealed by the
+    caller: ``Forking.settings``)."""
+    metadata = given.metadata if given is not None else None
+    secrets = {**src.secrets, **(given.secrets if given is not None else {})}
     now = utcnow()
     return VmRecord(
         vm_id=new_vm_id(),
@@ -64,7 +75,7 @@ def child_row(
         updated_at=now,
         agent_version_id=src.agent_version_id,
         idle_timeout_secs=src.idle_timeout_secs,
-        secrets=dict(src.secrets),
+        secrets=secrets,
         boot=src.boot,
         parent_vm_id=src.vm_id,
         mem_snapshot_id=snap_id,
@@ -82,22 +93,36 @@ def child_row(
     )
 
 
-def _checked_tags(metadata: Mapping[str, str]) -> dict[str, str]:
-    """The schedule's rule for tags (pal/spec.py ``check_metadata``), as a 400."""
-    try:
-        return check_metadata(dict(metadata))
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
-
-
 @dataclass(frozen=True)
 class Forking:
     d: Deps
     spawner: Spawner
     books: SnapshotBooks
 
-    async def fork(self, tenant_id: str, vm_id: str, count: int) -> ForkResult:
-        """``count`` children of ``vm_id``.
+    def settings(
+        self, tenant_id: str, metadata: Mapping[str, str] | None, secrets: Mapping[str, Any] | None
+    ) -> ChildSettings:
+        """The children's own tags and secrets, by the schedule's rules (pal/spec.py
+        ``check_metadata``, ``check_secrets``: 400 else, before anything starts); the
+        secrets sealed as a schedule stores them."""
+        try:
+            tags = None if metadata is None else check_metadata(dict(metadata))
+            given = check_secrets(dict(secrets)) if secrets else {}
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(str(exc)) from None
+        sealed = self.spawner.brokering.store_form(tenant_id, given) if given else {}
+        return ChildSettings(tags, sealed)
+
+    async def fork(
+        self,
+        tenant_id: str,
+        vm_id: str,
+        count: int,
+        metadata: Mapping[str, str] | None = None,
+        secrets: Mapping[str, Any] | None = None,
+    ) -> ForkResult:
+        """``count`` children of ``vm_id``, tagged ``metadata`` instead of the source's tags
+        when given, with ``secrets`` (a schedule's) set over the source's.
 
         Prerequisites: 1 <= count <= PAL_MAX_FORK_COUNT (400); FORK_FROM allowed (running,
         or paused: a live-paused source is captured and stays paused, a snapshot-paused one
@@ -107,6 +132,7 @@ class Forking:
         Failure of the fork snapshot: every child failed; the source failed only if its
         QEMU died."""
         self._check_count(count)
+        given = self.settings(tenant_id, metadata, secrets)
         d = self.d
         d.own(tenant_id, vm_id)
         t0 = time.perf_counter()
@@ -119,7 +145,7 @@ class Forking:
             if not live_source and not src.snapshot_id:
                 raise Conflict(f"paused VM {vm_id} has no snapshot to fork from")
             snap_id = new_snapshot_id() if live_source else src.snapshot_id or ""
-            children = [child_row(src, snap_id, d.now_ms()) for _ in range(count)]
+            children = [child_row(src, snap_id, d.now_ms(), given) for _ in range(count)]
             async with self.spawner.placing:
                 # Placed before any row exists (503 NO_NODE leaves nothing; the next
                 # placement counts them already), then all N rows and slots in one
@@ -170,11 +196,13 @@ class Forking:
         kept: KeptSnapshot,
         count: int = 1,
         metadata: Mapping[str, str] | None = None,
+        secrets: Mapping[str, Any] | None = None,
     ) -> ForkResult:
         """``count`` new VMs from a kept snapshot (pal/scheduler/kept.py): fork children of
         the VM it was taken of, which may be running, paused or gone (its row stays); each
         tagged ``metadata`` when given (it replaces the source's tags; 400 when it breaks
-        the tags' rule), else with the source's tags.
+        the tags' rule), else with the source's tags; ``secrets`` (a schedule's, its rule)
+        set over the source's (its guest's environment from then on: every exec sees them).
 
         Prerequisites: the tenant's kept snapshot (the caller looked it up: 404 else);
         1 <= count <= PAL_MAX_FORK_COUNT. Placed on the snapshot's node while it has room,
@@ -184,14 +212,14 @@ class Forking:
         is taken: the snapshot's files never change). Failure: the child failed, its error
         set (a snapshot deleted meanwhile, a node that cannot restore it)."""
         self._check_count(count)
-        tags = None if metadata is None else _checked_tags(metadata)
+        given = self.settings(tenant_id, metadata, secrets)
         d = self.d
         src = d.store.get_vm(kept.source_vm_id)
         if src is None or src.tenant_id != tenant_id:
             raise NotFound(f"snapshot {kept.snapshot_id} not found")
         # Where the snapshot is, and of which build: the source may have moved since.
         src = dataclasses.replace(src, node_id=kept.node_id, agent_version_id=kept.agent_version_id)
-        children = [child_row(src, kept.snapshot_id, d.now_ms(), tags) for _ in range(count)]
+        children = [child_row(src, kept.snapshot_id, d.now_ms(), given) for _ in range(count)]
         only = None if d.settings.s3_enabled else kept.node_id
         async with self.spawner.placing:
             reasons = self.spawner.place_children(src, children, only=only)

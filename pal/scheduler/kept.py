@@ -27,6 +27,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from pal.errors import Conflict, InvalidRequest, NotFound, PalError
 from pal.scheduler import quotas, states
@@ -143,12 +144,17 @@ class KeptSnapshots:
         return kept_rows.page(self.d.store, tenant_id, source_vm_id=vm_id, after=after, limit=limit)
 
     async def start(
-        self, tenant_id: str, id_or_name: str, count: int = 1, metadata: Mapping[str, str] | None = None
+        self,
+        tenant_id: str,
+        id_or_name: str,
+        count: int = 1,
+        metadata: Mapping[str, str] | None = None,
+        secrets: Mapping[str, Any] | None = None,
     ) -> ForkResult:
         """``count`` new VMs from the tenant's kept snapshot (fork.py ``start_from``), tagged
-        ``metadata`` instead of the source's tags when given."""
+        ``metadata`` instead of the source's tags when given, ``secrets`` over the source's."""
         found = self.get(tenant_id, id_or_name)
-        return await self.forking.start_from(tenant_id, found, count, metadata)
+        return await self.forking.start_from(tenant_id, found, count, metadata, secrets)
 
     async def delete(self, tenant_id: str, id_or_name: str) -> KeptSnapshot:
         """Let the tenant's kept snapshot go (404: none of that id or name). Its files go

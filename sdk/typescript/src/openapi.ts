@@ -1435,6 +1435,20 @@ export interface components {
              * @description number of children, 1..PAL_MAX_FORK_COUNT
              */
             count: number;
+            /**
+             * Metadata
+             * @description each child's tags instead of the source's
+             */
+            metadata?: {
+                [key: string]: string;
+            } | null;
+            /**
+             * Secrets
+             * @description env vars set over the source's in each child
+             */
+            secrets?: {
+                [key: string]: string | components["schemas"]["BrokeredSecret"];
+            } | null;
         };
         /**
          * HealthOut
@@ -2333,6 +2347,13 @@ export interface components {
              */
             metadata?: {
                 [key: string]: string;
+            } | null;
+            /**
+             * Secrets
+             * @description env vars for every exec (a schedule's `secrets`, the same rules), set over the source's in each new VM; absent: the source's
+             */
+            secrets?: {
+                [key: string]: string | components["schemas"]["BrokeredSecret"];
             } | null;
         };
         /** StdinWritten */
