@@ -1,6 +1,7 @@
 """E2B's named snapshots through the unmodified Python SDK against a real `pal up` and real
 VMs (Pal's kept snapshots, pal/scheduler/kept.py): a snapshot outlives its sandbox, and the
-sandboxes created from it have its files and its running processes. Three VMs in all, at
+sandboxes created from it have its files, its running processes and its envs under the
+create's own. Three VMs in all, at
 most two at once."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _sees_the_capture(sbx: Sandbox, drawn: str, writer_pid: int) -> None:
 
 def test_a_named_snapshot_outlives_its_sandbox_and_starts_sandboxes(real_e2b: RealE2b) -> None:
     with e2b_environ(real_e2b):
-        src = Sandbox.create(metadata={"suite": "real-snapshots"}, timeout=900)
+        src = Sandbox.create(metadata={"suite": "real-snapshots"}, envs={"A": "src", "SRC": "s"}, timeout=900)
         try:
             src.files.write("kept.txt", "captured before the snapshot")
             writer = src.commands.run(WRITER, background=True)
@@ -59,7 +60,7 @@ def test_a_named_snapshot_outlives_its_sandbox_and_starts_sandboxes(real_e2b: Re
         with pytest.raises(SandboxException, match="404"):
             Sandbox.create(named.snapshot_id, api_key=real_e2b.other_key)
 
-        first = Sandbox.create(named.snapshot_id, timeout=600, metadata={"run": "first"})
+        first = Sandbox.create(named.snapshot_id, timeout=600, metadata={"run": "first"}, envs={"A": "1"})
         try:
             second = Sandbox.create("real-snapshots-1", timeout=600)
             try:
@@ -71,6 +72,9 @@ def test_a_named_snapshot_outlives_its_sandbox_and_starts_sandboxes(real_e2b: Re
                 assert [s.sandbox_id for s in found] == [first.sandbox_id]
                 sources = SandboxQuery(metadata={"suite": "real-snapshots"})
                 assert Sandbox.list(query=sources).next_items() == [], "no source tags rode along"
+                # The create's envs over the source's (E2B's semantics for a snapshot).
+                assert first.commands.run("echo $A $SRC").stdout == "1 s\n"
+                assert second.commands.run("echo $A $SRC").stdout == "src s\n", "the source's envs"
                 for sbx in (first, second):
                     _sees_the_capture(sbx, drawn, writer.pid)
                 first.files.write("kept.txt", "changed in the first")
