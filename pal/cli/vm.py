@@ -64,6 +64,7 @@ Allow = Annotated[list[str] | None, typer.Option(help="only this destination (re
 Deny = Annotated[list[str] | None, typer.Option(help="everything but this destination (repeatable)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="print only the VM id")]
 Meta = Annotated[list[str] | None, typer.Option("--meta", help="K=V metadata tag (repeatable)")]
+Secret = Annotated[list[str] | None, typer.Option("--secret", help="K=V env var for every exec (repeatable)")]
 Volumes = Annotated[
     list[str] | None, typer.Option("--volume", help="NAME:/path[:ro]: mount the volume there (repeatable)")
 ]
@@ -103,7 +104,7 @@ def schedule(
         bool | None,
         typer.Option(help="pause while the guest idles waiting on the network (default: the server's)"),
     ] = None,
-    secret: Annotated[list[str] | None, typer.Option(help="K=V env var for every exec (repeatable)")] = None,
+    secret: Secret = None,
     cold: Annotated[bool, typer.Option("--cold", help="cold boot instead of a warm template")] = False,
     egress: Annotated[str | None, typer.Option(help="none | open (default: the server's)")] = None,
     allow: Allow = None,
@@ -265,10 +266,20 @@ def resume(vm_id: VmId) -> None:
     print_json(call(lambda: client().runtime.resume(vm_id)))
 
 
-@vm_app.command("fork")
-def fork(vm_id: VmId, n: Annotated[int, typer.Option("-n", "--count", help="number of forks")] = 1) -> None:
-    """N copy-on-write copies of a running or paused VM."""
-    print_json(call(lambda: client().runtime.fork(vm_id, count=n)))
+@vm_app.command("fork", epilog=examples("pal vm fork $VM -n 3 --meta run=42 --secret SEED=7"))
+def fork(
+    vm_id: VmId,
+    n: Annotated[int, typer.Option("-n", "--count", help="number of forks")] = 1,
+    meta: Meta = None,
+    secret: Secret = None,
+) -> None:
+    """N copy-on-write copies of a running or paused VM.
+
+    --meta K=V tags them instead of the source's tags (repeat it; without it: the
+    source's); --secret K=V sets an env var over the source's in each."""
+    tags = parse_pairs(meta, "--meta") if meta else None
+    secrets = parse_pairs(secret, "--secret") if secret else None
+    print_json(call(lambda: client().runtime.fork(vm_id, count=n, metadata=tags, secrets=secrets)))
 
 
 @vm_app.command("events")

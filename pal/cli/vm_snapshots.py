@@ -10,7 +10,7 @@ import typer
 
 from .help import examples
 from .output import Table, call, parse_pairs, print_json, print_rows
-from .vm import Meta, Quiet, VmId, client, vm_app
+from .vm import Meta, Quiet, Secret, VmId, client, vm_app
 
 KEPT_COLUMNS = ["snapshotId", "name", "sourceVmId", "createdAt"]
 Snapshot = Annotated[str, typer.Argument(metavar="SNAPSHOT", help="a kept snapshot's id (snap-...) or name")]
@@ -70,21 +70,26 @@ def snapshot_rm(snapshot: Snapshot) -> None:
     "start-snapshot",
     epilog=examples(
         "pal vm start-snapshot golden -n 3",
-        "pal vm start-snapshot golden --meta run=42 -q",
+        "pal vm start-snapshot golden --meta run=42 --secret SEED=7 -q",
     ),
 )
 def start_snapshot(
     snapshot: Snapshot,
     n: Annotated[int, typer.Option("-n", "--count", help="number of VMs")] = 1,
     meta: Meta = None,
+    secret: Secret = None,
     quiet: Quiet = False,
 ) -> None:
     """N new VMs from a kept snapshot: its memory, disk and running processes.
 
     Each has its own id and identity and the source's settings. --meta K=V tags them
-    instead of the source's tags (repeat it; without it: the source's)."""
+    instead of the source's tags (repeat it; without it: the source's); --secret K=V sets
+    an env var over the source's in each."""
     tags = parse_pairs(meta, "--meta") if meta else None
-    res: dict[str, Any] = call(lambda: client().runtime.start_from_snapshot(snapshot, n, metadata=tags))
+    secrets = parse_pairs(secret, "--secret") if secret else None
+    res: dict[str, Any] = call(
+        lambda: client().runtime.start_from_snapshot(snapshot, n, metadata=tags, secrets=secrets)
+    )
     if not quiet:
         print_json(res)
         return

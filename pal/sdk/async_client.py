@@ -133,8 +133,17 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
         id, default the language's default context). Variables persist between cells."""
         return await self.code.run(vm_id, code, **opts)
 
-    async def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
-        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json={"count": count}))
+    async def fork(
+        self,
+        vm_id: str,
+        count: int = 1,
+        *,
+        metadata: dict[str, str] | None = None,
+        secrets: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """See :meth:`pal.sdk.client.Runtime.fork`."""
+        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata, secrets=secrets)
+        return dict(await self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json=body))
 
     async def exec(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
@@ -240,10 +249,15 @@ class AsyncRuntime(_wire.AsyncRuntimeCalls):
         return dict(await self._json("DELETE", f"/snapshots/{_wire.seg(snapshot)}"))
 
     async def start_from_snapshot(
-        self, snapshot: str, count: int = 1, *, metadata: dict[str, str] | None = None
+        self,
+        snapshot: str,
+        count: int = 1,
+        *,
+        metadata: dict[str, str] | None = None,
+        secrets: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """See :meth:`pal.sdk.client.Runtime.start_from_snapshot`."""
-        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata)
+        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata, secrets=secrets)
         return dict(await self._json("POST", f"/snapshots/{_wire.seg(snapshot)}/start", json=body))
 
     async def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:

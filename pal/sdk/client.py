@@ -129,8 +129,20 @@ class Runtime(_wire.RuntimeCalls):
         id, default the language's default context). Variables persist between cells."""
         return self.code.run(vm_id, code, **opts)
 
-    def fork(self, vm_id: str, count: int = 1) -> dict[str, Any]:
-        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json={"count": count}))
+    def fork(
+        self,
+        vm_id: str,
+        count: int = 1,
+        *,
+        metadata: dict[str, str] | None = None,
+        secrets: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """``count`` copy-on-write copies of a VM, as ``{sourceVmId, snapshotId, forks:
+        [{vmId, state, error?}]}``. Each child is tagged ``metadata`` (a schedule's tags;
+        ``{}``: none) instead of the source's, and has ``secrets`` (a schedule's) set over
+        the source's."""
+        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata, secrets=secrets)
+        return dict(self._json("POST", f"/vms/{_wire.seg(vm_id)}/fork", json=body))
 
     def exec(
         self, vm_id: str, command: str, argv: builtins.list[str] | None = None, **opts: Unpack[ExecOptions]
@@ -238,12 +250,18 @@ class Runtime(_wire.RuntimeCalls):
         return dict(self._json("DELETE", f"/snapshots/{_wire.seg(snapshot)}"))
 
     def start_from_snapshot(
-        self, snapshot: str, count: int = 1, *, metadata: dict[str, str] | None = None
+        self,
+        snapshot: str,
+        count: int = 1,
+        *,
+        metadata: dict[str, str] | None = None,
+        secrets: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """``count`` new VMs from a kept snapshot (its memory, disk and processes), as a
         fork answers: ``{sourceVmId, snapshotId, forks: [{vmId, state, error?}]}``. Each is
-        tagged ``metadata`` (a schedule's tags; ``{}``: none) instead of the source's tags."""
-        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata)
+        tagged ``metadata`` (a schedule's tags; ``{}``: none) instead of the source's tags,
+        with ``secrets`` (a schedule's) set over the source's."""
+        body: dict[str, Any] = {"count": count} | _wire.given(metadata=metadata, secrets=secrets)
         return dict(self._json("POST", f"/snapshots/{_wire.seg(snapshot)}/start", json=body))
 
     def port_url(self, vm_id: str, port: int, expires_in_secs: int = 3600) -> dict[str, Any]:

@@ -300,7 +300,7 @@ func TestPortLinksAreSignedAndRevoked(t *testing.T) {
 	}
 }
 
-func TestStartFromSnapshotSendsTagsOnlyWhenGiven(t *testing.T) {
+func TestStartFromSnapshotAndForkSendTagsAndSecretsOnlyWhenGiven(t *testing.T) {
 	var bodies []string
 	c := fakeServer(t, func(w http.ResponseWriter, r *http.Request) {
 		b, _ := io.ReadAll(r.Body)
@@ -318,10 +318,23 @@ func TestStartFromSnapshotSendsTagsOnlyWhenGiven(t *testing.T) {
 	if _, err := c.Runtime.StartFromSnapshotTagged(ctx, "golden", 1, nil); err != nil {
 		t.Fatal(err)
 	}
+	secret := map[string]Secret{"A": {Value: "1"}}
+	if _, err := c.Runtime.StartFromSnapshotWith(ctx, "golden", 1, ChildOptions{Secrets: secret}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Runtime.ForkVMWith(ctx, "vm-s", 1, ChildOptions{Metadata: map[string]string{"k": "v"}, Secrets: secret}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Runtime.ForkVM(ctx, "vm-s", 2); err != nil {
+		t.Fatal(err)
+	}
 	want := []string{
 		`POST /v1/runtime/snapshots/golden/start {"count":1}`,
 		`POST /v1/runtime/snapshots/golden/start {"count":2,"metadata":{"run":"7"}}`,
 		`POST /v1/runtime/snapshots/golden/start {"count":1,"metadata":{}}`,
+		`POST /v1/runtime/snapshots/golden/start {"count":1,"secrets":{"A":"1"}}`,
+		`POST /v1/runtime/vms/vm-s/fork {"count":1,"metadata":{"k":"v"},"secrets":{"A":"1"}}`,
+		`POST /v1/runtime/vms/vm-s/fork {"count":2}`,
 	}
 	if fmt.Sprint(bodies) != fmt.Sprint(want) {
 		t.Fatalf("%q", bodies)

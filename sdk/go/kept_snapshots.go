@@ -61,9 +61,9 @@ func (r *RuntimeService) DeleteKeptSnapshot(ctx context.Context, snapshot string
 
 // StartFromSnapshot makes count new VMs from a kept snapshot (its memory, disk and
 // processes, each VM its own identity), answered as a fork is. Each has the source's
-// tags; StartFromSnapshotTagged gives them others.
+// tags and secrets; StartFromSnapshotWith gives them others.
 func (r *RuntimeService) StartFromSnapshot(ctx context.Context, snapshot string, count int) (*ForkResult, error) {
-	return r.startFromSnapshot(ctx, snapshot, count, nil)
+	return r.StartFromSnapshotWith(ctx, snapshot, count, ChildOptions{})
 }
 
 // StartFromSnapshotTagged is StartFromSnapshot with each new VM tagged metadata (a
@@ -72,14 +72,37 @@ func (r *RuntimeService) StartFromSnapshotTagged(ctx context.Context, snapshot s
 	if metadata == nil {
 		metadata = map[string]string{}
 	}
-	return r.startFromSnapshot(ctx, snapshot, count, &metadata)
+	return r.StartFromSnapshotWith(ctx, snapshot, count, ChildOptions{Metadata: metadata})
 }
 
-func (r *RuntimeService) startFromSnapshot(ctx context.Context, snapshot string, count int, metadata *map[string]string) (*ForkResult, error) {
-	body := struct {
-		Count    int                `json:"count"`
-		Metadata *map[string]string `json:"metadata,omitempty"`
-	}{count, metadata}
+// StartFromSnapshotWith is StartFromSnapshot with each new VM given opts: its own tags,
+// secrets over the source's.
+func (r *RuntimeService) StartFromSnapshotWith(ctx context.Context, snapshot string, count int, opts ChildOptions) (*ForkResult, error) {
 	var out ForkResult
-	return &out, r.c.doJSON(ctx, call{route: routeStartFromKept, params: []string{snapshot}, json: body}, &out)
+	return &out, r.c.doJSON(ctx, call{route: routeStartFromKept, params: []string{snapshot}, json: opts.body(count)}, &out)
+}
+
+// ChildOptions is what ForkVMWith and StartFromSnapshotWith give each new VM besides its
+// source's settings.
+type ChildOptions struct {
+	// Metadata tags each new VM instead of the source's tags (a schedule's tags, the same
+	// rules); nil: the source's tags, an empty map: none.
+	Metadata map[string]string
+	// Secrets are set over the source's (a schedule's secrets, the same rules): every exec
+	// of the new VM sees them, and the source's it does not override.
+	Secrets map[string]Secret
+}
+
+type childBody struct {
+	Count    int                `json:"count"`
+	Metadata *map[string]string `json:"metadata,omitempty"`
+	Secrets  map[string]Secret  `json:"secrets,omitempty"`
+}
+
+func (o ChildOptions) body(count int) childBody {
+	b := childBody{Count: count, Secrets: o.Secrets}
+	if o.Metadata != nil {
+		b.Metadata = &o.Metadata
+	}
+	return b
 }

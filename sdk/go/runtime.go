@@ -80,11 +80,14 @@ func (r *RuntimeService) ResumeVM(ctx context.Context, vmID string) (*SnapshotSt
 // ForkVM makes count copy-on-write copies of a VM, all or nothing on quota (ErrQuota).
 // Each child is running or carries an Error.
 func (r *RuntimeService) ForkVM(ctx context.Context, vmID string, count int) (*ForkResult, error) {
-	body := struct {
-		Count int `json:"count"`
-	}{count}
+	return r.ForkVMWith(ctx, vmID, count, ChildOptions{})
+}
+
+// ForkVMWith is ForkVM with each child given opts: its own tags (instead of the source's),
+// secrets over the source's.
+func (r *RuntimeService) ForkVMWith(ctx context.Context, vmID string, count int, opts ChildOptions) (*ForkResult, error) {
 	var out ForkResult
-	return &out, r.c.doJSON(ctx, call{route: routeFork, params: []string{vmID}, json: body}, &out)
+	return &out, r.c.doJSON(ctx, call{route: routeFork, params: []string{vmID}, json: opts.body(count)}, &out)
 }
 
 // Exec runs a command and waits for it to end. A command that exits non-zero is not an

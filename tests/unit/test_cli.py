@@ -35,7 +35,7 @@ def _ok(args: list[str], envs: dict[str, str], stdin: str | None = None) -> obje
 
 
 def test_vm_lifecycle_commands(live: tuple[ApiEnv, dict[str, str]]) -> None:
-    _, envs = live
+    env, envs = live
     vm = _ok(["vm", "schedule", "--memory-mib", "512", "--idle-timeout", "60", "--secret", "A=1"], envs)
     assert isinstance(vm, dict) and vm["limits"]["memoryMib"] == 512 and vm["idleTimeoutSecs"] == 60
     vm_id = vm["vmId"]
@@ -52,6 +52,11 @@ def test_vm_lifecycle_commands(live: tuple[ApiEnv, dict[str, str]]) -> None:
     assert res.stderr.endswith("}\n")
     assert _ok(["vm", "resume", vm_id], envs)["state"] == "running"  # type: ignore[index]
     assert len(_ok(["vm", "fork", vm_id, "-n", "3"], envs)["forks"]) == 3  # type: ignore[index]
+    tagged = _ok(["vm", "fork", vm_id, "--meta", "run=9", "--secret", "B=2"], envs)["forks"]  # type: ignore[index]
+    assert _ok(["vm", "get", tagged[0]["vmId"]], envs)["metadata"] == {"run": "9"}  # type: ignore[index]
+    assert dict(env.manager.spawn_requests[-1].env) == {"A": "1", "B": "2"}, "over the source's"
+    res = runner.invoke(app, ["vm", "fork", vm_id, "--secret", "nope"], env=envs)
+    assert res.exit_code != 0 and "--secret" in res.output
     assert "paused" in [e["toState"] for e in _ok(["vm", "events", vm_id], envs)]  # type: ignore[union-attr]
     assert _ok(["vm", "rm", vm_id], envs)["state"] == "terminated"  # type: ignore[index]
 
@@ -388,7 +393,7 @@ def test_every_command_has_help() -> None:
 
 
 def test_kept_snapshot_commands(live: tuple[ApiEnv, dict[str, str]]) -> None:
-    _, envs = live
+    env, envs = live
     vm_id = runner.invoke(app, ["vm", "schedule", "--meta", "team=a", "-q"], env=envs).stdout.strip()
     kept = _ok(["vm", "snapshot", vm_id, "--name", "golden"], envs)
     assert isinstance(kept, dict) and kept["name"] == "golden" and kept["sourceVmId"] == vm_id
@@ -403,8 +408,9 @@ def test_kept_snapshot_commands(live: tuple[ApiEnv, dict[str, str]]) -> None:
     assert table.splitlines()[0].split() == ["snapshotId", "name", "sourceVmId", "createdAt"]
     _ok(["vm", "rm", vm_id], envs)
 
-    started = _ok(["vm", "start-snapshot", "golden", "--meta", "run=1"], envs)
+    started = _ok(["vm", "start-snapshot", "golden", "--meta", "run=1", "--secret", "S=2"], envs)
     [child] = started["forks"]  # type: ignore[index]
+    assert dict(env.manager.spawn_requests[-1].env)["S"] == "2"
     assert child["state"] == "running" and started["snapshotId"] == kept["snapshotId"]  # type: ignore[index]
     assert _ok(["vm", "get", child["vmId"]], envs)["metadata"] == {"run": "1"}  # type: ignore[index]
     quiet = runner.invoke(app, ["vm", "start-snapshot", plain, "-n", "2", "-q"], env=envs)

@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 
 from pal.sdk import AsyncClient, BadRequestError, Client, NotFoundError
-from tests.apienv import make_api, serve
+from tests.apienv import ApiEnv, make_api, serve
 
 TS = Path(__file__).resolve().parents[2] / "sdk" / "typescript"
+
+
+def _guest_env(env: ApiEnv, vm_id: str) -> dict[str, str]:
+    """The environment the VM's guest was given at its spawn (the fake node's request)."""
+    [*_, req] = [r for r in env.manager.spawn_requests if r.vm_id == vm_id]
+    return dict(req.env)
 
 
 def test_the_python_sdk(tmp_path: Path) -> None:
@@ -26,8 +32,15 @@ def test_the_python_sdk(tmp_path: Path) -> None:
         kept = c.runtime.keep_snapshot(vm, "py-golden")
         [plain] = c.runtime.start_from_snapshot("py-golden")["forks"]
         assert c.runtime.get(plain["vmId"])["metadata"] == {"team": "py"}
-        [tagged] = c.runtime.start_from_snapshot(kept["snapshotId"], metadata={"run": "1"})["forks"]
+        [tagged] = c.runtime.start_from_snapshot(
+            kept["snapshotId"], metadata={"run": "1"}, secrets={"A": "1"}
+        )["forks"]
         assert c.runtime.get(tagged["vmId"])["metadata"] == {"run": "1"}
+        assert _guest_env(env, tagged["vmId"]) == {"A": "1"}
+        [forked] = c.runtime.fork(vm, metadata={"f": "1"}, secrets={"B": "2"})["forks"]
+        assert c.runtime.get(forked["vmId"])["metadata"] == {"f": "1"}
+        assert _guest_env(env, forked["vmId"]) == {"B": "2"}
+        c.runtime.delete(forked["vmId"])
         assert [v["vmId"] for v in c.runtime.list({"run": "1"})] == [tagged["vmId"]]
         with pytest.raises(BadRequestError):
             c.runtime.start_from_snapshot("py-golden", metadata={"a b": "1"})
@@ -36,8 +49,16 @@ def test_the_python_sdk(tmp_path: Path) -> None:
 
         async def async_calls() -> None:
             async with AsyncClient(url, env.key_a, timeout=10) as ac:
-                [child] = (await ac.runtime.start_from_snapshot("py-golden", metadata={}))["forks"]
+                [child] = (
+                    await ac.runtime.start_from_snapshot("py-golden", metadata={}, secrets={"C": "3"})
+                )["forks"]
                 assert (await ac.runtime.get(child["vmId"]))["metadata"] == {}
+                assert _guest_env(env, child["vmId"]) == {"C": "3"}
+                [forked] = (await ac.runtime.fork(child["vmId"], metadata={"g": "1"}, secrets={"D": "4"}))[
+                    "forks"
+                ]
+                assert (await ac.runtime.get(forked["vmId"]))["metadata"] == {"g": "1"}
+                assert _guest_env(env, forked["vmId"]) == {"C": "3", "D": "4"}
                 assert (await ac.runtime.delete_kept_snapshot("py-golden"))["snapshotId"] == kept[
                     "snapshotId"
                 ]

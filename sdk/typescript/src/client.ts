@@ -255,7 +255,10 @@ export class Runtime {
     return this.client.json("put", "/v1/runtime/vms/{vm_id}/egress", { params: { vm_id: vmId }, json: { egress } });
   }
 
-  /** N copy-on-write copies; each child is running or carries an `error`. */
+  /**
+   * N copy-on-write copies; each child is running or carries an `error`. `metadata`: each
+   * child's tags instead of the source's; `secrets`: set over the source's.
+   */
   fork(vmId: string, options: ForkOptions = { count: 1 }): Promise<ForkResult> {
     return this.client.json("post", "/v1/runtime/vms/{vm_id}/fork", { params: { vm_id: vmId }, json: options });
   }
@@ -466,10 +469,17 @@ export class Runtime {
 
   /**
    * `count` new VMs from a kept snapshot (its memory, disk and processes), as a fork answers.
-   * `metadata`: each new VM's tags (a schedule's; `{}`: none) instead of the source's.
+   * `metadata`: each new VM's tags (a schedule's; `{}`: none) instead of the source's;
+   * `secrets`: a schedule's, set over the source's in each new VM.
    */
-  startFromSnapshot(snapshot: string, count = 1, options: { metadata?: Record<string, string> } = {}): Promise<ForkResult> {
-    const json = options.metadata === undefined ? { count } : { count, metadata: options.metadata };
+  startFromSnapshot(
+    snapshot: string,
+    count = 1,
+    options: Pick<ForkOptions, "metadata" | "secrets"> = {},
+  ): Promise<ForkResult> {
+    const json: ForkOptions = { count };
+    if (options.metadata !== undefined) json.metadata = options.metadata;
+    if (options.secrets !== undefined) json.secrets = options.secrets;
     return this.client.json("post", "/v1/runtime/snapshots/{snapshot}/start", { params: { snapshot }, json });
   }
 }
