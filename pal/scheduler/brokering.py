@@ -10,7 +10,8 @@ stored by a Pal from before they were sealed: read as is, and sealed by ``reseal
 server takes the lead.
 The guest's environment holds the placeholder; the spawn request carries the opened value
 to the node, whose egress gateway alone ever puts it on the wire. Forks copy the row's
-secrets (same placeholders, same tenant): their gateways broker the same values.
+secrets (same placeholders, same tenant): their gateways broker the same values; the secrets
+a fork or a start from a kept snapshot gives are stored as a schedule's and set over them.
 
 Each tenant's CA is made on first use and kept in the store (``tenant_cas``), its key sealed
 by the same box (the context names it a CA key of that tenant), so every control-plane
