@@ -308,7 +308,8 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
         "fork_sandbox",
         "Fork a sandbox into count copies (new vmIds), each starting from the parent's current "
         "memory, processes and files, then diverging. Use it to try several approaches from one "
-        "prepared state. Each child is a sandbox of its own: delete them when done.",
+        "prepared state. Each child is a sandbox of its own: delete them when done. They carry "
+        "the parent's metadata unless you give metadata.",
         _obj(
             {
                 "vmId": _VM,
@@ -317,6 +318,11 @@ _TOOLS: list[tuple[str, str, dict[str, Any], types.ToolAnnotations]] = [
                     "minimum": 1,
                     "maximum": MAX_FORK_COUNT,
                     "description": "how many children (default 1)",
+                },
+                "metadata": {
+                    "type": "object",
+                    "additionalProperties": {"type": "string"},
+                    "description": "labels for the children instead of the parent's (string values)",
                 },
             },
             ["vmId"],

@@ -211,7 +211,7 @@ async def resume_sandbox(c: AsyncClient, a: dict[str, Any]) -> Outcome:
 
 
 async def fork_sandbox(c: AsyncClient, a: dict[str, Any]) -> Outcome:
-    res = await c.runtime.fork(a["vmId"], a.get("count", 1))
+    res = await c.runtime.fork(a["vmId"], a.get("count", 1), metadata=a.get("metadata"))
     kids = [f["vmId"] for f in res["forks"]]
     return Outcome(json_result(f"Forked {a['vmId']} into {', '.join(kids)}.", res), (a["vmId"], *kids))
 

@@ -113,6 +113,22 @@ class Forking:
         sealed = self.spawner.brokering.store_form(tenant_id, given) if given else {}
         return ChildSettings(tags, sealed)
 
+    def _check_merged(self, src: VmRecord, given: ChildSettings) -> None:
+        """The source's secrets with the given ones set over them are still within a
+        schedule's bounds (count, total size: a child may boot from its config drive),
+        checked on their values (a brokered one's real value, as a schedule counts it)."""
+        if not given.secrets:
+            return
+        merged = {**src.secrets, **given.secrets}
+        broker = self.spawner.brokering
+        values = broker.env(src.tenant_id, merged) | {
+            r.name: r.value for r in broker.rules(src.tenant_id, merged)
+        }
+        try:
+            check_secrets(values)
+        except ValueError as exc:
+            raise InvalidRequest(f"the source's secrets with the given ones: {exc}") from None
+
     async def fork(
         self,
         tenant_id: str,
@@ -139,6 +155,7 @@ class Forking:
         async with d.locks.op_lock(vm_id):
             src = d.reload(vm_id)
             states.check(vm_id, src.state, A.FORK_FROM, src.marker)
+            self._check_merged(src, given)
             # A live source (running, or live-paused: it stays paused) is captured now; a
             # snapshot-paused one forks from its pause snapshot.
             live_source = has_live_qemu(src.state, src.marker)
@@ -217,6 +234,7 @@ class Forking:
         src = d.store.get_vm(kept.source_vm_id)
         if src is None or src.tenant_id != tenant_id:
             raise NotFound(f"snapshot {kept.snapshot_id} not found")
+        self._check_merged(src, given)
         # Where the snapshot is, and of which build: the source may have moved since.
         src = dataclasses.replace(src, node_id=kept.node_id, agent_version_id=kept.agent_version_id)
         children = [child_row(src, kept.snapshot_id, d.now_ms(), given) for _ in range(count)]

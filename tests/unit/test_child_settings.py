@@ -107,6 +107,26 @@ async def test_bad_secrets_are_refused_before_anything_starts(
     assert len(env.store.list_vms()) == before
 
 
+async def test_the_merged_secrets_keep_a_schedules_bounds(env: SchedEnv) -> None:
+    src = await _source(env)  # 2 secrets
+    await env.sched.kept.keep(env.tenant_id, src, "g")
+    more = {f"K{i}": "v" for i in range(63)}  # 63 alone pass; with the source's 2: 65 > 64
+    before = len(env.store.list_vms())
+    with pytest.raises(InvalidRequest, match="the source's secrets with the given ones: at most 64"):
+        await env.sched.kept.start(env.tenant_id, "g", 1, secrets=more)
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        await env.sched.forking.fork(env.tenant_id, src, 1, secrets=more)
+    big = {f"K{i}": "v" * 9000 for i in range(3)}  # 27 KB alone; with a brokered 8 KB: > 32 KiB
+    brokered = {"value": "b" * 8000, "brokered": {"hosts": ["api.example.com"]}}
+    spec = AgentSpec.model_validate({"secrets": {"TOKEN": brokered}})
+    view, _ = await env.sched.scheduling.schedule(env.tenant_id, spec)
+    with pytest.raises(InvalidRequest, match="KiB"):
+        await env.sched.forking.fork(env.tenant_id, view.vm_id, 1, secrets=big)
+    assert len(env.store.list_vms()) == before + 1
+    ok = await env.sched.forking.fork(env.tenant_id, src, 1, secrets=dict(list(more.items())[:62]))
+    assert ok.forks[0].state == S.RUNNING, "64 in all is a schedule's bound, not past it"
+
+
 async def test_an_e2b_create_from_a_snapshot_applies_its_envs(env: SchedEnv) -> None:
     src = await _source(env)
     await env.sched.kept.keep(env.tenant_id, src, "golden")

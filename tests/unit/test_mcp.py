@@ -166,10 +166,12 @@ async def test_a_fork_is_audited_on_the_parent_and_each_child(env: ApiEnv) -> No
         http, client = _connect(url, env.key_a)
         async with http, client as c:
             vm = (await c.call_tool("create_sandbox", {})).structured_content["vmId"]
-            forked = await c.call_tool("fork_sandbox", {"vmId": vm, "count": 1})
+            forked = await c.call_tool("fork_sandbox", {"vmId": vm, "count": 1, "metadata": {"try": "a"}})
             assert not forked.is_error, forked.content
             kids = [f["vmId"] for f in forked.structured_content["forks"]]
             assert len(kids) == 1 and kids[0] in forked.content[0].text
+            got = env.sched.store.get_vm(kids[0])
+            assert got is not None and dict(got.metadata) == {"try": "a"}
         async with httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {env.key_a}"}, timeout=60
         ) as api:
