@@ -362,7 +362,7 @@ class Spawner:
         await s.channel.connect()
         cold = s.src.method == "cold"
         timeout = COLD_BOOT_TIMEOUT_S if cold else settings.harness_ready_timeout_ms / 1000
-        await self.d.net.mount_volumes(s.req, s.src.image)
+        s.timings.update(await self.d.net.mount_volumes(s.req, s.src.image))
         who = identity_of(s.req, self.d.net.new_mac())
         s.mac = who.mac
         load = self.d.gate.sampler
