@@ -4,9 +4,10 @@
 
 The NFS client's modules are not in the initramfs (every cold boot would decompress them):
 the image carries them at ``/.pal/modules`` (with ``order``), loaded here at the first
-mount. The mount is busybox's (it speaks MOUNT itself: no rpcbind, no mount.nfs in the
-image). A mount already there (a resume, a fork child: the kernel's mount came with the
-memory) is kept: its client reconnects to the server at its next request.
+mount. The mount is one mount(2) call with the NFS client's text options (the kernel
+speaks MOUNT itself: no rpcbind, no mount.nfs, no mount process). A mount already there
+(a resume, a fork child: the kernel's mount came with the memory) is kept: its client
+reconnects to the server at its next request.
 
 Stdlib only, like the whole guest package.
 """
