@@ -294,6 +294,12 @@ class VmNetworking:
             self.gateway.volume_ports = ports
             await self.gateway.call({"op": "volumeServer", "ports": ports})
 
+    async def unexport(self, vm_id: str) -> None:
+        """A VM that never reached the gateway (its spawn failed): off every export, its
+        source address free again."""
+        await self.volumes.detach(vm_id)
+        self._sources.pop(vm_id, None)
+
     async def release(self, vm_id: str, slot: str) -> dict[str, Any] | None:
         """Unregister from the gateway and remove the namespace; the final counters."""
         await self.volumes.detach(vm_id)
