@@ -194,3 +194,29 @@ def test_a_schedule_of_a_pooled_image_claims_a_vm_whose_warm_kernel_is_fresh_and
     finally:
         stop_server(server)
     assert qemu_pids_under(run_dir / "vms") == [], "a stopped server leaves no pooled QEMU"
+
+
+def test_a_claim_with_a_volume_mounts_it_and_leaves_nothing_exported(run_dir: Path) -> None:
+    """The claim exports the volume while the gateway takes the VM (pool.py), before the
+    guest mounts it at identify; the VM's delete takes it off the export again."""
+    server = start_server(run_dir, {"PAL_POOL": f"{CODE_SIZE}:1"})
+    try:
+        key = server.tenant("pool-volume", max_vms=2)
+        wait_pool_ready(server, 1)
+        with server.client(key) as c:
+            assert c.post("/v1/volumes", json={"name": "pooled", "sizeMib": 64}).status_code == 200
+            r = c.post("/v1/runtime/schedule", json={"volumes": [{"name": "pooled", "path": "/mnt/vol"}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["bootMethod"] == "pool", r.json()
+            vm = r.json()["vmId"]
+            assert " /mnt/vol nfs " in sh(c, vm, "cat /proc/mounts")
+            sh(c, vm, "echo claimed > /mnt/vol/f && sync")
+            conf = run_dir / "run" / "volumes" / "ganesha.conf"
+            assert conf.exists() and "CLIENT" in conf.read_text()
+            assert c.delete(f"/v1/runtime/vms/{vm}").status_code == 200
+            got = c.get("/v1/volumes/pooled/files/content", params={"path": "f"})
+            assert got.status_code == 200 and got.content == b"claimed\n", got.text
+            assert "CLIENT" not in conf.read_text()  # no VM mounts it any more
+            assert problems(run_dir) == []
+    finally:
+        stop_server(server)

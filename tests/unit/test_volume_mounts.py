@@ -5,11 +5,13 @@ export config, the guest's parse of identify's ``mounts``, and the node's ganesh
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import os
 import shutil
 import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,53 @@ def test_the_guest_takes_only_well_formed_mounts() -> None:
     ]
     assert guest_volumes.parse(raw) == [("vol-abc", "/mnt/a", True)]
     assert guest_volumes.parse("nope") == []
+
+
+class _FakeLibc:
+    """mount(2) as the guest's harness calls it: records the call, answers ``errno_``
+    (0: success), or waits for ``release`` first (a server that never answers)."""
+
+    def __init__(self, errno_: int = 0, release: threading.Event | None = None) -> None:
+        self.calls: list[tuple[bytes, bytes, bytes, int, bytes]] = []
+        self.errno_, self.release = errno_, release
+
+    def mount(self, source: bytes, target: bytes, fstype: bytes, flags: int, data: bytes) -> int:
+        self.calls.append((source, target, fstype, flags, data))
+        if self.release is not None:
+            self.release.wait()
+        ctypes.set_errno(self.errno_)
+        return -1 if self.errno_ else 0
+
+
+def test_the_guest_mounts_by_one_syscall_with_the_nfs_text_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeLibc()
+    monkeypatch.setattr(guest_volumes.oslib, "libc", lambda: fake)
+    guest_volumes.mount_nfs("vol-abc", "/mnt/a", ro=True)
+    guest_volumes.mount_nfs("vol-abc", "/mnt/b", ro=False)
+    (src, target, fstype, flags, data), rw = fake.calls[0], fake.calls[1]
+    assert (src, target, fstype) == (b"10.0.2.2:vol-abc", b"/mnt/a", b"nfs")
+    nosuid_nodev = guest_volumes.MS_NOSUID | guest_volumes.MS_NODEV
+    assert flags == nosuid_nodev | guest_volumes.MS_RDONLY and rw[3] == nosuid_nodev
+    opts = data.decode().split(",")
+    # the kernel asks MOUNT itself: the server's address for both, fixed ports, no locks
+    for want in ("addr=10.0.2.2", "mountaddr=10.0.2.2", "port=2049", "mountport=20048", "nolock", "hard"):
+        assert want in opts, opts
+
+
+def test_a_refused_or_unanswered_mount_is_an_error_naming_the_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guest_volumes.oslib, "libc", lambda: _FakeLibc(errno.EACCES))
+    with pytest.raises(OSError, match="vol-abc at /mnt/a") as refused:
+        guest_volumes.mount_nfs("vol-abc", "/mnt/a", ro=False)
+    assert refused.value.errno == errno.EACCES
+    release = threading.Event()
+    monkeypatch.setattr(guest_volumes.oslib, "libc", lambda: _FakeLibc(release=release))
+    try:
+        # the harness answers (an error) while the kernel's call still waits for the server
+        with pytest.raises(OSError, match="no answer") as hung:
+            guest_volumes.mount_nfs("vol-abc", "/mnt/a", ro=False, timeout=0.05)
+        assert hung.value.errno == errno.ETIMEDOUT
+    finally:
+        release.set()
 
 
 def test_exports_list_each_vm_by_source_with_its_access(tmp_path: Path) -> None:
