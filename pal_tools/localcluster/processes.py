@@ -231,14 +231,16 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
-        # Nodes leave their VMs (and egress gateways) running on SIGTERM, for a restarted
-        # node to adopt: here nothing restarts, so every QEMU, gateway and VM network
-        # namespace of these nodes goes.
+        # Nodes leave their VMs (and egress gateways, and volume servers) running on
+        # SIGTERM, for a restarted node to adopt: here nothing restarts, so every QEMU,
+        # gateway, volume server and VM network namespace of these nodes goes.
         self.leftovers = kill_qemus_under(self.base) + kill_qemus_under(self.base, b"pal.network.gateway")
+        from pal.manager.volume_server import VolumeServer
         from pal.network import netns
 
         for p in self.nodes.values():
             if p.data_dir is not None:
+                VolumeServer(p.data_dir / "run").sweep()
                 for name in netns.list_names(netns.node_tag(p.data_dir)):
                     with contextlib.suppress(Exception):
                         netns.delete(name)
