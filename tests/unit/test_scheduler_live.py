@@ -192,7 +192,8 @@ async def test_wait_pause_and_wake_follow_the_nodes_notices(env: SchedEnv) -> No
         env.manager.offload(vm_id, freed_mib=200)  # offloadAfterMs later, on the node
         await _until(lambda: "wait_offload" in _kinds(env, vm_id))
         env.manager.post(vm_id, "wake", reason="data (first-byte)")
-        await _until(lambda: _row(env, vm_id).state == S.RUNNING)
+        # The row's state, then its event (two writes): a loaded machine may read between.
+        await _until(lambda: _row(env, vm_id).state == S.RUNNING and "wait_resume" in _kinds(env, vm_id))
     finally:
         await env.sched.live.close()
     kinds = _kinds(env, vm_id)
