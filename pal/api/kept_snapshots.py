@@ -10,7 +10,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from pal.errors import InvalidRequest
 from pal.scheduler.kept import NAME, KeptSnapshots
 from pal.spec import Metadata, Secrets
 from pal.store.kept import KeptSnapshot
@@ -78,17 +77,6 @@ kept_router = APIRouter(
 _JSON: dict[str, Any] = {"dependencies": [Depends(require_json)], "responses": error_responses(415)}
 
 
-def _after(cursor: str | None) -> tuple[datetime, str] | None:
-    key = pages.decode("kept-snapshots", cursor)
-    if key is None:
-        return None
-    try:
-        at, snapshot_id = key
-        return datetime.fromisoformat(at), str(snapshot_id)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"cursor {cursor!r} is not a cursor of this snapshots list") from exc
-
-
 @kept_router.post(
     "/vms/{vm_id}/snapshots",
     response_model=KeptSnapshotOut,
@@ -114,8 +102,8 @@ async def list_kept_snapshots(
     limit: pages.Limit = None,
     cursor: pages.Cursor = None,
 ) -> KeptSnapshotListOut:
-    size = pages.page_size(limit)
-    found = kept.list(tenant, vm_id=vm_id, name=name, after=_after(cursor), limit=size + 1)
+    size, after = pages.page_size(limit), pages.dated_after("kept-snapshots", cursor)
+    found = kept.list(tenant, vm_id=vm_id, name=name, after=after, limit=size + 1)
     page, nxt = pages.next_cursor(
         "kept-snapshots", found, size, lambda k: (k.created_at.isoformat(), k.snapshot_id)
     )

@@ -65,15 +65,21 @@ def page_size(limit: int | None) -> int:
     return limit or MAX_PAGE_LIMIT
 
 
-def vm_after(cursor: str | None) -> tuple[datetime, str] | None:
-    key = decode("vms", cursor)
+def dated_after(kind: str, cursor: str | None) -> tuple[datetime, str] | None:
+    """The ``(created_at, id)`` a cursor of a list ordered by creation carries (VMs, volumes,
+    kept snapshots)."""
+    key = decode(kind, cursor)
     if key is None:
         return None
     try:
-        at, vm_id = key
-        return datetime.fromisoformat(at), str(vm_id)
+        at, item_id = key
+        return datetime.fromisoformat(at), str(item_id)
     except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"cursor {cursor!r} is not a cursor of this vms list") from exc
+        raise InvalidRequest(f"cursor {cursor!r} is not a cursor of this {kind} list") from exc
+
+
+def vm_after(cursor: str | None) -> tuple[datetime, str] | None:
+    return dated_after("vms", cursor)
 
 
 def event_after(cursor: str | None) -> int | None:

@@ -11,7 +11,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
-from pal.errors import InvalidRequest
 from pal.scheduler.volumes import Volumes
 from pal.sizes import DEFAULT_VOLUME_MIB, VOLUME_MIB_RANGE
 from pal.spec import check_metadata
@@ -86,17 +85,6 @@ volumes_router = APIRouter(
 _JSON: dict[str, Any] = {"dependencies": [Depends(require_json)], "responses": error_responses(415)}
 
 
-def volume_after(cursor: str | None) -> tuple[datetime, str] | None:
-    key = pages.decode("volumes", cursor)
-    if key is None:
-        return None
-    try:
-        at, volume_id = key
-        return datetime.fromisoformat(at), str(volume_id)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"cursor {cursor!r} is not a cursor of this volumes list") from exc
-
-
 @volumes_router.post("", response_model=VolumeOut, summary="Create a volume", **_JSON)
 async def create_volume(tenant: Tenant, volumes: VolumesOf, req: VolumeCreate) -> VolumeOut:
     return VolumeOut.of(await volumes.create(tenant, req.name, req.size_mib, req.metadata))
@@ -114,7 +102,8 @@ async def list_volumes(
     limit: pages.Limit = None,
     cursor: pages.Cursor = None,
 ) -> VolumeListOut:
-    size, after, wanted = pages.page_size(limit), volume_after(cursor), pages.metadata_filter(request)
+    size, wanted = pages.page_size(limit), pages.metadata_filter(request)
+    after = pages.dated_after("volumes", cursor)
     found = await volumes.page(tenant, after=after, limit=size + 1, metadata=wanted)
     page, nxt = pages.next_cursor("volumes", found, size, lambda v: (v.created_at.isoformat(), v.volume_id))
     return VolumeListOut(volumes=[VolumeOut.of(v) for v in page], next_cursor=nxt)
