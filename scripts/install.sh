@@ -34,7 +34,9 @@ fi
 # skopeo + umoci import container images (OCI / Docker archives, registries); buildah
 # builds Dockerfiles (`pal image build -f`). runsc (gVisor): the peer `pal bench peer` measures.
 # golang-go: builds and tests the Go SDK (sdk/go; standard library only, nothing downloaded).
-# protobuf-compiler: protoc, which regenerates pal/e2b/gen (the test that it is current).
+# protobuf-compiler: protoc, which regenerates pal/e2b/gen (the test that it is current);
+# libprotobuf-dev: the well-known types it imports (google/protobuf/timestamp.proto), which
+# protoc alone does not bring on a fresh machine.
 PACKAGES=(
   qemu-system-x86 qemu-utils mmdebstrap busybox-static xfsprogs lz4 e2fsprogs cpio kmod
   zstd xz-utils ca-certificates python3 python3-venv python3-dev gcc
@@ -44,7 +46,7 @@ PACKAGES=(
   runsc
   postgresql
   golang-go
-  protobuf-compiler
+  protobuf-compiler libprotobuf-dev
   nfs-ganesha nfs-ganesha-vfs rpcbind
 )
 missing=()

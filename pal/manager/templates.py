@@ -45,8 +45,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPLETE = "template.json"
-# What a first exec runs (pal bench: /bin/true; agents: a shell), run once before capture.
-PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (("/bin/true",), ("/bin/sh", "-c", "true"))
+# What a first exec runs (pal bench: /bin/true; agents: a shell; E2B's commands.run: a
+# login bash, its profile and libraries), run once before capture.
+PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (
+    ("/bin/true",),
+    ("/bin/sh", "-c", "true"),
+    ("/bin/bash", "-l", "-c", "true"),
+)
 # As root, in the template only: the NFS client's modules (pal/guest/volumes.py) loaded before
 # the capture, so a VM started from the template mounts its volumes without loading them
 # (measured under TCG: ~0.5 s of a schedule with a volume; the modules' ~3 MiB are the

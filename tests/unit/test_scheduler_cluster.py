@@ -45,6 +45,10 @@ class Cluster:
 
 
 async def make_cluster(tmp_path: Path, names: tuple[str, ...] = ("n1", "n2", "n3"), **kw: Any) -> Cluster:
+    # A long heartbeat period: placement reads a node's silence on the wall clock, and a
+    # loaded CI machine took 16 s over six schedules (3 periods of 5 s: the nodes were
+    # "silent"). Tests that silence a node say how long, in periods where it matters.
+    kw.setdefault("node_heartbeat_interval_s", 30.0)
     settings = Settings(data_dir=tmp_path, **kw)
     store = Store.open(settings)
     tenant, _ = store.create_tenant("acme", 20)
@@ -279,7 +283,7 @@ async def test_a_new_leader_asks_a_node_silent_during_the_failover(
     nowhere, so its last one is old, yet it answers: the interrupted fork is settled."""
     c = await make_cluster(tmp_path, ("n1",))
     src = await _crashed_fork(c, monkeypatch)
-    c.silence("n1", 20)
+    c.silence("n1", 3 * c.settings.node_heartbeat_interval_s + 5)
     fresh = Scheduler(c.settings, c.store, clock=c.clock)
     fresh.nodes.use_client("n1", c.nodes["n1"])
     await fresh.reconciler.reconcile_all()
