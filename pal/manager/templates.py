@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -67,6 +68,18 @@ ROOT_PRIME_COMMANDS: tuple[tuple[str, ...], ...] = (
     ),
 )
 PRIME_TIMEOUT_S = 60.0  # a hang guard: an image whose shell never returns still gets its template
+# What a build of this code runs before its capture. A template is a cache kept across
+# upgrades (its key is the image's digest): one built by a Pal that primed otherwise is
+# rebuilt, not restored, so an upgrade's priming reaches every VM.
+RECIPE = hashlib.sha256(repr((PRIME_COMMANDS, ROOT_PRIME_COMMANDS)).encode()).hexdigest()[:16]
+
+
+def current(template: Path) -> bool:
+    """Whether ``template`` is complete and was built by this recipe."""
+    try:
+        return bool(json.loads((template / COMPLETE).read_text()).get("recipe") == RECIPE)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ class TemplateCache:
 
     def lookup(self, image: ImagePaths, size: str) -> Path | None:
         path = self.root / self.key(image, size)
-        return path if (path / COMPLETE).exists() else None
+        return path if current(path) else None
 
     def ensure_in_background(
         self, runtime: TemplateHost, image: ImagePaths, size: str
@@ -156,7 +169,7 @@ class TemplateCache:
         key = self.key(image, size)
         final = self.root / key
         async with self._build_slots:
-            if (final / COMPLETE).exists():
+            if current(final):
                 return final
             built = await self._build(runtime, image, key, size)
         if built is not None:
@@ -201,6 +214,7 @@ class TemplateCache:
                 "diskMib": disk_mib,
                 "memoryKind": art.memory_kind,
                 "primedWith": primed,
+                "recipe": RECIPE,
                 "createdAt": time.time(),
                 "buildMs": (time.perf_counter() - t0) * 1000,
             }
@@ -248,9 +262,7 @@ class TemplateCache:
         if not self.root.is_dir():
             return []
         return sorted(
-            d.name[len(prefix) :]
-            for d in self.root.iterdir()
-            if d.name.startswith(prefix) and (d / COMPLETE).exists()
+            d.name[len(prefix) :] for d in self.root.iterdir() if d.name.startswith(prefix) and current(d)
         )
 
     def drop(self, agent_version_id: str) -> None:
@@ -269,7 +281,9 @@ class TemplateCache:
             return out
         for d in sorted(self.root.iterdir()):
             with contextlib.suppress(OSError, ValueError):
-                out.append(json.loads((d / COMPLETE).read_text()))
+                meta = json.loads((d / COMPLETE).read_text())
+                if meta.get("recipe") == RECIPE:  # another recipe's is rebuilt before any use
+                    out.append(meta)
         return out
 
     def prune_least_recently_used(self) -> list[str]:

@@ -19,7 +19,7 @@ from pal.cli.main import app
 from pal.config import Settings
 from pal.errors import Unavailable
 from pal.images import assemble, builder, bundle, initramfs
-from pal.manager.templates import COMPLETE
+from pal.manager.templates import COMPLETE, RECIPE
 from pal.scheduler.node_client import HttpNode
 from pal.store import Store, VmRecord
 from pal.wire import verbs
@@ -222,7 +222,7 @@ def test_ls_shows_each_column(data: Path, monkeypatch: pytest.MonkeyPatch) -> No
         d = data / "templates" / f"{digest}-{size}"
         d.mkdir(parents=True)
         if complete:  # a template still being built is not listed
-            (d / COMPLETE).write_text("{}")
+            (d / COMPLETE).write_text(json.dumps({"recipe": RECIPE}))
     _vm(data, "vm-run", "mini", "running")
     _vm(data, "vm-paused", "mini", "paused")  # its snapshot needs the image
     _vm(data, "vm-gone", "mini", "terminated")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from pal.config import parse_template_sizes
 from pal.errors import PalError
 from pal.images.paths import ImagePaths
-from pal.manager.templates import COMPLETE, TemplateCache, TemplateHost
+from pal.manager.templates import COMPLETE, RECIPE, TemplateCache, TemplateHost
 from pal.sizes import DEFAULT_TEMPLATE_SIZES
 from pal.wire.models import SpawnRequest
 
@@ -22,13 +23,16 @@ def image(tmp: Path, content_hash: str) -> ImagePaths:
     return ImagePaths.at("default", tmp / "img", {"contentHash": content_hash})
 
 
+DONE = json.dumps({"recipe": RECIPE})  # a complete template of this code's recipe
+
+
 def test_lookup_needs_a_complete_template_of_the_same_build_and_size(tmp_path: Path) -> None:
     cache = TemplateCache(tmp_path / "templates")
     v1, v2 = image(tmp_path, "a" * 64), image(tmp_path, "b" * 64)
     d = cache.root / cache.key(v1, "256m-1c-2048d")
     d.mkdir(parents=True)
     assert cache.lookup(v1, "256m-1c-2048d") is None, "a template still being written is not used"
-    (d / COMPLETE).write_text("{}")
+    (d / COMPLETE).write_text(DONE)
     assert cache.lookup(v1, "256m-1c-2048d") == d
     assert cache.lookup(v1, "512m-1c-2048d") is None
     assert cache.lookup(v1, "256m-2c-2048d") is None
@@ -41,7 +45,7 @@ def test_prune_keeps_only_current_builds(tmp_path: Path) -> None:
     for v in (v1, v2):
         d = cache.root / cache.key(v, "256m-1c-2048d")
         d.mkdir(parents=True)
-        (d / COMPLETE).write_text("{}")
+        (d / COMPLETE).write_text(DONE)
     (cache.root / ".staging-tmpl-x").mkdir()
     cache.prune({v2.agent_version_id})
     assert cache.lookup(v1, "256m-1c-2048d") is None
@@ -52,7 +56,7 @@ def test_prune_keeps_only_current_builds(tmp_path: Path) -> None:
 def _complete(cache: TemplateCache, v: ImagePaths, mem: int, mtime: float) -> Path:
     d = cache.root / cache.key(v, f"{mem}m-1c-2048d")
     d.mkdir(parents=True)
-    (d / COMPLETE).write_text("{}")
+    (d / COMPLETE).write_text(DONE)
     os.utime(d / COMPLETE, (mtime, mtime))
     return d
 
@@ -154,6 +158,25 @@ async def test_template_builds_are_capped_and_the_cache_stays_within_its_limit(t
     assert all(b is not None for b in built)
     assert runtime.most_at_once == 1 and runtime.spawned == 3
     assert len(cache.warm()) == 2, "the least recently used beyond PAL_TEMPLATES_KEEP went"
+
+
+async def test_a_template_an_older_pal_primed_otherwise_is_rebuilt_not_restored(tmp_path: Path) -> None:
+    """Templates outlive an upgrade (their key is the image's digest): one whose build ran
+    other priming commands is neither used nor advertised, and the next build replaces it."""
+    cache = TemplateCache(tmp_path / "templates", sizes=None)
+    v = image(tmp_path, "a" * 64)
+    size = "256m-1c-2048d"
+    old = cache.root / cache.key(v, size)
+    old.mkdir(parents=True)
+    (old / COMPLETE).write_text(json.dumps({"recipe": "an-older-one", "primedWith": ["/bin/true"]}))
+    (old / "mem").write_bytes(b"old")
+    assert cache.lookup(v, size) is None and cache.sizes(v.agent_version_id) == [] and cache.warm() == []
+    runtime = _FakeRuntime()
+    runtime.release.set()
+    task = cache.ensure_in_background(runtime.host(), v, size)
+    assert task is not None and await task == old and runtime.spawned == 1
+    assert cache.lookup(v, size) == old and (old / "mem").read_bytes() == b"m"
+    assert [m["recipe"] for m in cache.warm()] == [RECIPE]
 
 
 def test_template_sizes_setting() -> None:
