@@ -4,11 +4,15 @@ files, or as one octet-stream body, gzip allowed), ``/health``, ``/envs``, ``/me
 
 Uploads are bounded before they are read (``Content-Length``) and while they are read
 (a chunked or gzip body counted as it comes, decompressed bytes included), so a huge or
-inflating body is refused with 413 without being buffered.
+inflating body is refused with 413 without being buffered. An upload refused on its
+headers (metadata, media type, path, signature) has its body read and dropped when it is
+small (``DISCARD_BYTES``): a server that answers and closes with bytes unread resets the
+connection, and the client then sees a transport error instead of the answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ GZIP_SAMPLE = 16 * 1024  # the first bytes of a download that decide whether gzi
 GZIP_WORTH = 0.9  # gzip pays when the sample shrinks to this share of its size or less
 MAX_FILES_PER_UPLOAD = 1000
 METADATA_PREFIX = "x-metadata-"
+DISCARD_BYTES = 4 * 1024 * 1024  # of a body refused on its headers, read and dropped
 
 
 @dataclass(frozen=True)
@@ -258,26 +263,34 @@ def _file_routes(files: ops.FilesystemOps, config: FilesConfig) -> list[Route]:
         query_path = request.query_params.get("path") or None
         media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         target = current_target.get()
-        metadata = metadata_from_headers(request.headers)
         _check_length(request, config.max_upload_bytes)
         budget = _Budget(config.max_upload_bytes)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        try:  # what the headers alone refuse, before any of the body is read
+            metadata = metadata_from_headers(request.headers)
+            if media not in ("multipart/form-data", "application/octet-stream", ""):
+                raise InvalidRequest(
+                    f"upload as multipart/form-data or application/octet-stream, not {media!r}"
+                )
+            if media != "multipart/form-data":
+                if query_path is None:
+                    raise InvalidRequest("an application/octet-stream upload needs path=")
+                if encoding not in ("identity", "", "gzip"):
+                    raise InvalidRequest(f"Content-Encoding {encoding!r}: identity or gzip")
+                who = _caller(request, target, query_path, "write")
+        except PalError:
+            await _discard(request)
+            raise
         if media == "multipart/form-data":
             counted = Request(request.scope, _bounded_receive(request.receive, budget))
             written = await _multipart(files, counted, target, query_path, metadata)
-        elif media in ("application/octet-stream", ""):
-            if query_path is None:
-                raise InvalidRequest("an application/octet-stream upload needs path=")
-            who = _caller(request, target, query_path, "write")
+        else:
+            assert query_path is not None
             body: AsyncIterator[bytes] = _counted_stream(request, budget)
-            encoding = request.headers.get("content-encoding", "identity").lower()
             if encoding == "gzip":
                 # Both the sent and the inflated bytes are bounded (a small body can inflate).
                 body = _gunzipped(body, _Budget(config.max_upload_bytes))
-            elif encoding not in ("identity", ""):
-                raise InvalidRequest(f"Content-Encoding {encoding!r}: identity or gzip")
             written = [await files.write(who, query_path, body, metadata)]
-        else:
-            raise InvalidRequest(f"upload as multipart/form-data or application/octet-stream, not {media!r}")
         return JSONResponse([_written(e) for e in written])
 
     return [Route("/files", download, methods=["GET"]), Route("/files", upload, methods=["POST"])]
@@ -305,6 +318,20 @@ async def _multipart(
         return written
     finally:
         await form.close()
+
+
+async def _discard(request: Request) -> None:
+    """Read and drop the unread body of a request refused on its headers, when it is at
+    most ``DISCARD_BYTES`` (a larger one is cut: its client may see the reset)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > DISCARD_BYTES:
+        return
+    seen = 0
+    with contextlib.suppress(Exception):  # a client gone meanwhile: nothing to answer
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > DISCARD_BYTES:
+                return
 
 
 async def _counted_stream(request: Request, budget: _Budget) -> AsyncIterator[bytes]:

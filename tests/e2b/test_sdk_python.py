@@ -271,6 +271,16 @@ def test_a_huge_upload_is_refused_before_it_is_read(sbx: Sandbox, e2b_env: E2bSe
     assert not sbx.files.exists("/tmp/big")
 
 
+def test_a_refused_small_upload_is_answered_not_reset(sbx: Sandbox) -> None:
+    """An upload refused on its headers (metadata past envd's bounds) gets its 400 every
+    time: a server that answers and closes with the body unread resets the connection,
+    and the client, still sending or reading, sees a transport error instead."""
+    for i in range(30):
+        with pytest.raises(InvalidArgumentException, match="4096"):
+            sbx.files.write(f"/tmp/refused-{i}", os.urandom(512 * 1024), metadata={"k": "v" * 5000})
+    assert not sbx.files.exists("/tmp/refused-0")
+
+
 def test_an_inflating_gzip_upload_is_bounded(sbx: Sandbox, e2b_env: E2bServer) -> None:
     bomb = gzip.compress(b"\0" * (MAX_UPLOAD + 1))
     assert len(bomb) < MAX_UPLOAD // 100
