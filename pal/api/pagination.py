@@ -78,10 +78,6 @@ def dated_after(kind: str, cursor: str | None) -> tuple[datetime, str] | None:
         raise InvalidRequest(f"cursor {cursor!r} is not a cursor of this {kind} list") from exc
 
 
-def vm_after(cursor: str | None) -> tuple[datetime, str] | None:
-    return dated_after("vms", cursor)
-
-
 def event_after(cursor: str | None) -> int | None:
     key = decode("events", cursor)
     if key is not None and (isinstance(key, bool) or not isinstance(key, int)):

@@ -98,7 +98,11 @@ async def list_vms(
     limit: pages.Limit = None,
     cursor: pages.Cursor = None,
 ) -> VmListOut:
-    size, after, wanted = pages.page_size(limit), pages.vm_after(cursor), pages.metadata_filter(request)
+    size, after, wanted = (
+        pages.page_size(limit),
+        pages.dated_after("vms", cursor),
+        pages.metadata_filter(request),
+    )
     rows = await listing.vms(tenant, after=after, limit=size + 1, metadata=wanted)
     page, nxt = pages.next_cursor("vms", rows, size, lambda v: (v.created_at.isoformat(), v.vm_id))
     return VmListOut(vms=[VmOut.of(v) for v in page], next_cursor=nxt)

@@ -74,12 +74,13 @@ PRIME_TIMEOUT_S = 60.0  # a hang guard: an image whose shell never returns still
 RECIPE = hashlib.sha256(repr((PRIME_COMMANDS, ROOT_PRIME_COMMANDS)).encode()).hexdigest()[:16]
 
 
-def current(template: Path) -> bool:
-    """Whether ``template`` is complete and was built by this recipe."""
+def current_meta(template: Path) -> dict[str, Any] | None:
+    """``template``'s record if it is complete and was built by this recipe, else None."""
     try:
-        return bool(json.loads((template / COMPLETE).read_text()).get("recipe") == RECIPE)
-    except (OSError, ValueError, AttributeError):
-        return False
+        meta = json.loads((template / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("recipe") == RECIPE else None
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class TemplateCache:
         self._building: dict[str, asyncio.Task[Path | None]] = {}
         self._build_slots = asyncio.Semaphore(max_builds)
         self._in_use: dict[str, int] = {}
+        self._current: set[str] = set()  # templates whose record was read: of this recipe
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TemplateCache:
@@ -145,9 +147,20 @@ class TemplateCache:
     def key(image: ImagePaths, size: str) -> str:
         return f"{image.agent_version_id}-{size}"
 
+    def current(self, template: Path) -> bool:
+        """Complete and of this recipe. A schedule's hot path: a stat once a template's
+        record was read (a template dir is only ever replaced by a build of this code)."""
+        if not (template / COMPLETE).exists():
+            return False
+        if template.name not in self._current:
+            if current_meta(template) is None:
+                return False
+            self._current.add(template.name)
+        return True
+
     def lookup(self, image: ImagePaths, size: str) -> Path | None:
         path = self.root / self.key(image, size)
-        return path if current(path) else None
+        return path if self.current(path) else None
 
     def ensure_in_background(
         self, runtime: TemplateHost, image: ImagePaths, size: str
@@ -169,7 +182,7 @@ class TemplateCache:
         key = self.key(image, size)
         final = self.root / key
         async with self._build_slots:
-            if current(final):
+            if self.current(final):
                 return final
             built = await self._build(runtime, image, key, size)
         if built is not None:
@@ -262,7 +275,9 @@ class TemplateCache:
         if not self.root.is_dir():
             return []
         return sorted(
-            d.name[len(prefix) :] for d in self.root.iterdir() if d.name.startswith(prefix) and current(d)
+            d.name[len(prefix) :]
+            for d in self.root.iterdir()
+            if d.name.startswith(prefix) and self.current(d)
         )
 
     def drop(self, agent_version_id: str) -> None:
@@ -280,10 +295,9 @@ class TemplateCache:
         if not self.root.is_dir():
             return out
         for d in sorted(self.root.iterdir()):
-            with contextlib.suppress(OSError, ValueError):
-                meta = json.loads((d / COMPLETE).read_text())
-                if meta.get("recipe") == RECIPE:  # another recipe's is rebuilt before any use
-                    out.append(meta)
+            meta = current_meta(d)  # another recipe's is rebuilt before any use
+            if meta is not None:
+                out.append(meta)
         return out
 
     def prune_least_recently_used(self) -> list[str]:

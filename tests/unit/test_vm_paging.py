@@ -45,7 +45,7 @@ def _walk(store: Store, tenant: str, size: int, metadata: dict[str, str] | None 
         seen += [v.vm_id for v in page]
         if cursor is None:
             return seen
-        after = pages.vm_after(cursor)
+        after = pages.dated_after("vms", cursor)
 
 
 def test_vm_pages_cover_the_list_once_in_order_with_metadata_filters(store: Store) -> None:
@@ -90,7 +90,7 @@ def test_cursors_are_opaque_and_refused_when_foreign_or_broken() -> None:
         with pytest.raises(InvalidRequest):
             pages.event_after(bad)
     with pytest.raises(InvalidRequest):
-        pages.vm_after(pages.encode("vms", ["not a time", "vm-1"]))
+        pages.dated_after("vms", pages.encode("vms", ["not a time", "vm-1"]))
     items = [{"n": n} for n in "dbeca"]
     page, cursor = pages.in_memory("images", items, lambda i: i["n"], 2, None)
     assert [i["n"] for i in page] == ["a", "b"]
